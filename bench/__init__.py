@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m bench.throughput`` for offline throughput against transformers."""

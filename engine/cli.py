@@ -1,0 +1,40 @@
+"""The ``splitserve`` command. Each subcommand lives with the part it runs and is
+imported only when invoked, so ``splitserve generate`` never loads grpc and the
+gateway's subcommands never load torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module defining ``add_arguments(parser)`` and ``run(args)``, help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("engine.cli_generate", "generate text offline with the engine"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    argv = sys.argv[1:] if argv is None else argv
+    # Import only the module of the subcommand being run; list the rest by help text.
+    chosen = next((arg for arg in argv if arg in SUBCOMMANDS), None)
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text)
+        if name == chosen:
+            modules[name] = importlib.import_module(module_name)
+            modules[name].add_arguments(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except ValueError as error:
+        parser.exit(2, f"splitserve {args.command}: error: {error}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Engine configuration: what to load, how much KV cache to keep, how to batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+EngineRole = Literal["colocated", "prefill", "decode"]
+DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes; enough for ~36k tokens of SmolLM2-135M in bf16
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every knob of one engine instance.
+
+    ``kv_cache_memory`` (bytes) sizes the KV cache on CPU; on GPU the size comes
+    from ``gpu_memory_utilization`` after a profiling forward pass, unless
+    ``kv_cache_memory`` is given explicitly. ``num_gpu_blocks_override`` pins the
+    block count outright (tests use it to force preemption).
+    """
+
+    model: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
+    dtype: DTypeName = "auto"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    role: EngineRole = "colocated"
+    block_size: int = 16
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    gpu_memory_utilization: float = 0.9
+    num_blocks_override: int | None = None
+    max_model_len: int | None = None  # None: from the model config
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.role not in ("colocated", "prefill", "decode"):
+            raise ValueError(f"role must be one of colocated, prefill, decode; got {self.role!r}")

@@ -1,0 +1,201 @@
+"""The engine's step loop, tokens in and tokens out: schedule, execute, update.
+
+No tokenizer lives here (prefill and decode services speak token ids); the
+offline :class:`engine.llm.LLM` and the gateway add text on top.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.default_model import default_model_path
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineCoreOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import KVLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hit_rate: float
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model must be a local Hugging Face folder with config.json; {path} has none")
+    return path
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.runner = ModelRunner(config, self.model_path)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.shape.vocab_size
+        self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.model_path)
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            role=config.role,
+        )
+        # Decode role: KV pulls requested by the last steps, for the service to perform.
+        self.pending_kv_loads: list[KVLoad] = []
+        self._aborted_outputs: list[EngineCoreOutput] = []
+
+    # ----------------------------------------------------------------- intake
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        first_token_id: int | None = None,
+    ) -> str:
+        """Queue a request. ``first_token_id`` (decode role) says the prompt was prefilled
+        elsewhere: its KV will be pulled, and decoding continues after that token.
+        Raises ValueError for input the engine cannot serve."""
+        request_id = request_id or uuid.uuid4().hex
+        max_tokens = self._validate(prompt_token_ids, params, first_token_id)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            cache_salt=cache_salt.encode() if cache_salt else b"",
+        )
+        if first_token_id is not None:
+            request.append_token(first_token_id)
+            request.num_external_tokens = len(prompt_token_ids)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int | None) -> int:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty; send at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad or (first_token_id is not None and not 0 <= first_token_id < self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {(bad or [first_token_id])[:5]}")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but this model's context is {self.max_model_len} tokens, "
+                "which must also leave room for at least one output token; shorten the prompt"
+            )
+        room = self.max_model_len - num_prompt
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt + params.max_tokens} "
+                f"were requested ({num_prompt} in the prompt, {params.max_tokens} for the completion); "
+                "lower max_tokens or shorten the prompt"
+            )
+        return params.max_tokens
+
+    # ------------------------------------------------------------------- step
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, and report every request that advanced or ended."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        scheduler_output = self.scheduler.schedule()
+        self.pending_kv_loads.extend(scheduler_output.kv_loads)
+        if scheduler_output.is_empty:
+            return outputs
+        model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
+        for request in self.scheduler.update(scheduler_output, model_output):
+            outputs.append(self._output(request, new_token_ids=request.all_token_ids[-1:]))
+        return outputs
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+        handoff = None
+        if request.status is RequestStatus.FINISHED_PREFILLED:
+            handoff = self.scheduler.kv_handoff(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=request.logprobs[-len(new_token_ids) :] if request.logprobs and new_token_ids else [],
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_handoff=handoff,
+        )
+
+    # -------------------------------------------------------- ending requests
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests now and free their blocks (pinned prefill KV included).
+        The next :meth:`step` reports them finished with reason ``abort``."""
+        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._aborted_outputs.append(self._output(request, new_token_ids=[]))
+
+    def finish_with_stop_string(self, request_id: str, stop_string: str) -> None:
+        """A stop string matched in the detokenized text (seen only above this layer)."""
+        for request in self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED):
+            request.stop_reason = stop_string
+
+    def release_kv(self, request_id: str) -> bool:
+        """Prefill role: the decode side has the KV (or gave up on it); unpin the blocks.
+        Returns False when nothing was pinned under that id (already released, or expired)."""
+        if request_id not in self.scheduler.pinned:
+            return False
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_PREFILLED)
+        return True
+
+    def finish_kv_load(self, request_id: str, success: bool) -> None:
+        """Decode role: the pull for ``request_id`` completed (or failed: recompute locally)."""
+        self.scheduler.finish_kv_load(request_id, success)
+
+    # ------------------------------------------------------------ observation
+
+    def load_report(self) -> LoadReport:
+        return LoadReport(
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_total_blocks=self.kv_cache_manager.num_total_blocks,
+            prefix_cache_hit_rate=self.kv_cache_manager.block_pool.prefix_cache_hit_rate,
+        )
+
+
+def _eos_token_ids(hf_config: object, model_path: Path) -> frozenset[int]:
+    """EOS ids from generation_config.json when present (it may list several), else config.json."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(str(model_path)).eos_token_id
+    except OSError:
+        eos = None
+    for value in (eos, getattr(hf_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
+    return frozenset(ids)

@@ -1,0 +1,120 @@
+"""Which blocks each request holds: prefix-cache lookup, slot allocation and freeing."""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+class KVCacheManager:
+    """Maps requests to their KV blocks on top of a :class:`BlockPool`.
+
+    Ownership: a request holds one reference on each block in ``req_to_blocks``
+    from allocation until :meth:`free`, which every finish, abort and preemption
+    path calls exactly once.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same blocks as plain ids, kept in step so the model runner reads them for free.
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of the request's leading full blocks already in the prefix cache.
+
+        Called once when a waiting request is first considered. Returns the hit
+        blocks (not yet referenced: pass them to :meth:`allocate_slots`) and the
+        number of tokens they cover. At least one token is always left to compute,
+        because the last position's logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        request.update_block_hashes(self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for index, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            start = index * self.block_size
+            block = self.block_pool.get_cached_block(block_hash, request.all_token_ids[start : start + self.block_size])
+            if block is None:
+                break
+            hits.append(block)
+        self.block_pool.num_queried_tokens += request.num_tokens
+        self.block_pool.num_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVCacheBlock] | None = None,
+        cache_new_blocks: bool = True,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of KV after the computed ones.
+
+        Called by the scheduler for every request it schedules. ``computed_blocks``
+        are prefix-cache hits from :meth:`get_computed_blocks` (first admission
+        only). Returns the newly allocated blocks, or None — changing nothing —
+        when the pool cannot supply them. With ``cache_new_blocks`` the blocks
+        that become full are registered in the prefix cache; the decode role
+        passes False while their KV is still in flight from the prefill side.
+        """
+        computed_blocks = computed_blocks or []
+        held = self.req_to_blocks.get(request.request_id, [])
+        num_total_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_blocks_needed = -(-num_total_tokens // self.block_size) - len(held) - len(computed_blocks)
+        # Hits sitting in the free queue stop being allocatable once touched.
+        num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if num_blocks_needed > self.block_pool.num_free_blocks - num_evictable_hits:
+            return None
+        self.block_pool.touch(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_blocks_needed, 0))
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
+        block_ids.extend(block.block_id for block in computed_blocks)
+        block_ids.extend(block.block_id for block in new_blocks)
+        if computed_blocks:
+            self._num_cached_blocks[request.request_id] = len(computed_blocks)
+        if cache_new_blocks:
+            self.cache_blocks(request, num_total_tokens)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that ``num_tokens`` tokens fill completely."""
+        if not self.enable_prefix_caching:
+            return
+        request.update_block_hashes(self.block_size)
+        blocks = self.req_to_blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        for index in range(start, num_full):
+            first = index * self.block_size
+            self.block_pool.cache_block(
+                blocks[index], request.block_hashes[index], request.all_token_ids[first : first + self.block_size]
+            )
+        self._num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds, tail first (see the pool's eviction order)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids in order (a live list: copy it to keep it past the next step)."""
+        return self.req_to_block_ids.get(request_id, [])

@@ -1,0 +1,87 @@
+"""Load a Hugging Face folder (config.json + safetensors) into one of our model classes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.attention.backend import AttentionBackend
+from engine.models.llama import LlamaFamilyForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaFamilyForCausalLM
+    config: PretrainedConfig
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolve_dtype(name: str, config: PretrainedConfig) -> torch.dtype:
+    if name == "auto":
+        configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(configured, str):
+            configured = _DTYPES.get(configured)
+        return configured if configured in _DTYPES.values() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def model_max_len(config: PretrainedConfig) -> int:
+    """Longest context the checkpoint supports; a sliding window caps it, since a
+    window is not implemented and tokens past it would be attended wrongly."""
+    max_len = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    return min(max_len, window) if window else max_len
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}; convert the checkpoint to safetensors first")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_model(
+    path: Path,
+    dtype_name: str,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_model_len: int | None,
+) -> LoadedModel:
+    config = AutoConfig.from_pretrained(str(path))
+    architectures = getattr(config, "architectures", None) or []
+    architecture = next((arch for arch in architectures if arch in SUPPORTED_ARCHITECTURES), None)
+    if architecture is None:
+        raise ValueError(
+            f"model at {path} has architectures {architectures}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    dtype = resolve_dtype(dtype_name, config)
+    supported_len = model_max_len(config)
+    if max_model_len is None:
+        max_model_len = supported_len
+    elif max_model_len > supported_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({supported_len})")
+    with torch.device(device):
+        model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend).to(dtype)
+    model.load_weights(iter_safetensors(path))
+    model.eval()
+    logger.info("loaded %s (%s) from %s in %s on %s", architecture, config.model_type, path, dtype, device)
+    return LoadedModel(model, config, architecture, dtype, max_model_len)

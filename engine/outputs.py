@@ -1,0 +1,59 @@
+"""What the engine hands back: the shape users know from vLLM's ``RequestOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class KVHandoff:
+    """Prefill role: where the prompt's KV sits, pinned, for a decode instance to pull."""
+
+    block_ids: list[int]
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    kv_handoff: KVHandoff | None = None  # set once, on the prefill role's final output
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added since the previous output
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """Tokens-in, tokens-out: what one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finish_reason: str | None  # "stop", "length", "abort"; None while running or when handed off
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    kv_handoff: KVHandoff | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.kv_handoff is not None

@@ -1,0 +1,254 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+One step has one token budget (``max_num_batched_tokens``) and a cap on
+sequences (``max_num_seqs``). Running requests go first — a decode costs one
+token, an unfinished prefill continues with as large a chunk as the budget
+allows — then waiting requests are admitted in priority order (FCFS when no
+priorities are given), with their prompts chunked to fit. When blocks run
+out, the lowest-priority, latest-arrived running request is preempted: its
+blocks are freed and it later recomputes prompt plus output, losing nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable
+
+from engine.config import EngineRole
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import KVHandoff
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import KVLoad, ModelOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _admission_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        role: EngineRole = "colocated",
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.role = role
+        self.requests: dict[str, Request] = {}  # every request that holds or awaits resources
+        self.waiting: list[Request] = []  # sorted by (priority, arrival time)
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}  # decode role: prompt KV in flight
+        self.pinned: dict[str, Request] = {}  # prefill role: KV kept for the decode side
+        self.num_preemptions = 0  # since start, for metrics and tests
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=_admission_key)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string, KV release). Frees their blocks
+        at once. Unknown or already finished ids are ignored. Returns the requests ended."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self.waiting.remove(request)
+            elif request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.waiting_for_kv[request_id]
+            elif request.status is RequestStatus.FINISHED_PREFILLED:
+                del self.pinned[request_id]
+            self.kv_cache_manager.free(request)
+            request.status = status
+            ended.append(request)
+        return ended
+
+    def finish_kv_load(self, request_id: str, success: bool) -> None:
+        """Decode role: the prompt KV of a request has arrived (or failed to).
+
+        On success the request joins the decode loop; on failure it recomputes
+        the part of its prompt that the local prefix cache did not hold.
+        """
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return  # aborted while the pull was in flight
+        if success:
+            request.num_computed_tokens = request.num_external_tokens
+            self.kv_cache_manager.cache_blocks(request, request.num_external_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.waiting_for_kv)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.waiting_for_kv)
+
+    # --------------------------------------------------------------- the step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+        kv = self.kv_cache_manager
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while kv.allocate_slots(request, num_new_tokens) is None:
+                victim = max(self.running, key=_admission_key)
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._scheduled(request, num_new_tokens)
+                budget -= num_new_tokens
+
+        kv_loads: list[KVLoad] = []
+        # Admitting more work in a step that had to preempt would only thrash.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.num_external_tokens:
+                if kv.allocate_slots(
+                    request, request.num_external_tokens - num_hit_tokens, computed_blocks, cache_new_blocks=False
+                ) is None:
+                    break
+                self.waiting.pop(0)
+                request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.waiting_for_kv[request.request_id] = request
+                kv_loads.append(KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), num_hit_tokens))
+                continue
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_hit_tokens
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = self._scheduled(request, num_new_tokens)
+            budget -= num_new_tokens
+
+        # Decodes first: backends batch all single-token queries in one call.
+        decodes = [s for s in scheduled.values() if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled.values() if s.num_new_tokens != 1]
+        return SchedulerOutput(
+            scheduled=decodes + prefills,
+            num_decodes=len(decodes),
+            num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted,
+            kv_loads=kv_loads,
+        )
+
+    def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
+        """Advance every scheduled request by what the step computed and sampled.
+
+        Returns the requests that got a new token this step (finished or not),
+        in schedule order. Finished requests have released their blocks, except
+        the prefill role's, whose blocks stay pinned until :meth:`finish_requests`.
+        """
+        updated: list[Request] = []
+        finished: list[Request] = []
+        sample_index = 0
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.samples:
+                continue
+            token_id = model_output.sampled_token_ids[sample_index]
+            logprobs = model_output.logprobs[sample_index]
+            sample_index += 1
+            request.append_token(token_id)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            self._check_stop(request, token_id)
+            if not request.status.is_finished and self.role == "prefill":
+                request.status = RequestStatus.FINISHED_PREFILLED
+            updated.append(request)
+            if request.status.is_finished:
+                finished.append(request)
+        if finished:
+            finished_ids = {request.request_id for request in finished}
+            self.running = [request for request in self.running if request.request_id not in finished_ids]
+            for request in finished:
+                if request.status is RequestStatus.FINISHED_PREFILLED:
+                    self.pinned[request.request_id] = request
+                else:
+                    del self.requests[request.request_id]
+                    self.kv_cache_manager.free(request)
+        return updated
+
+    def kv_handoff(self, request: Request) -> KVHandoff:
+        """Prefill role: the pinned blocks holding a finished-prefill request's prompt KV."""
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        num_blocks = -(-request.num_prompt_tokens // self.kv_cache_manager.block_size)
+        return KVHandoff(
+            block_ids=list(block_ids[:num_blocks]),
+            num_tokens=request.num_prompt_tokens,
+            block_hashes=list(request.block_hashes[: request.num_prompt_tokens // self.kv_cache_manager.block_size]),
+        )
+
+    # ---------------------------------------------------------------- helpers
+
+    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=request,
+            num_new_tokens=num_new_tokens,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            samples=request.num_computed_tokens + num_new_tokens == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Free a running request's blocks and send it back to wait; returns budget it gave back."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=_admission_key)
+        logger.debug("preempted %s (preemption #%d)", request.request_id, request.num_preemptions)
+        taken_back = scheduled.pop(request.request_id, None)
+        return taken_back.num_new_tokens if taken_back else 0
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token_id in params.stop_token_ids:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+                return
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH

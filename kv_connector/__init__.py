@@ -1,0 +1,1 @@
+"""Moving KV blocks between engines: UCX and LMCache backends (issue #3)."""

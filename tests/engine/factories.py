@@ -1,0 +1,62 @@
+"""Small factories for engine unit tests: requests and schedulers without a model."""
+
+from __future__ import annotations
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelOutput, SchedulerOutput
+
+EOS = 2
+_clock = iter(range(1_000_000))
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int] | int,
+    max_tokens: int = 4,
+    priority: int = 0,
+    first_token_id: int | None = None,
+    **params: object,
+) -> Request:
+    """``prompt`` is the token ids, or a length (tokens 10, 11, ... then)."""
+    token_ids = list(range(10, 10 + prompt)) if isinstance(prompt, int) else list(prompt)
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=token_ids,
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset({EOS}),
+        priority=priority,
+        arrival_time=float(next(_clock)),  # strictly increasing: arrival order is creation order
+    )
+    if first_token_id is not None:
+        request.append_token(first_token_id)
+        request.num_external_tokens = len(token_ids)
+    return request
+
+
+def make_scheduler(
+    num_blocks: int = 16,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 64,
+    role: str = "colocated",
+    enable_prefix_caching: bool = True,
+) -> Scheduler:
+    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    return Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len, role)  # type: ignore[arg-type]
+
+
+def sample(output: SchedulerOutput, token_id: int = 7) -> ModelOutput:
+    """A model output that samples ``token_id`` for every request that samples this step."""
+    num_sampling = sum(1 for item in output.scheduled if item.samples)
+    return ModelOutput(sampled_token_ids=[token_id] * num_sampling, logprobs=[None] * num_sampling)
+
+
+def run_step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
+    output = scheduler.schedule()
+    scheduler.update(output, sample(output, token_id))
+    return output

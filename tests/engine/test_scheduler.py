@@ -1,0 +1,233 @@
+from __future__ import annotations
+
+from engine.request import RequestStatus
+from tests.engine.factories import EOS, make_request, make_scheduler, run_step, sample
+
+
+def block_ids(scheduler, request_id: str) -> list[int]:
+    return list(scheduler.kv_cache_manager.get_block_ids(request_id))
+
+
+def assert_all_free(scheduler) -> None:
+    manager = scheduler.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_total_blocks
+    assert all(block.ref_cnt == 0 for block in manager.block_pool.blocks)
+    assert not manager.req_to_blocks and not scheduler.requests
+
+
+def test_prefill_then_decode_allocates_exact_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    scheduler.add_request(make_request("a", 6, max_tokens=3))
+    output = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in output.scheduled] == [("a", 6, True)]
+    assert output.num_decodes == 0 and output.num_scheduled_tokens == 6
+    assert block_ids(scheduler, "a") == [0, 1]
+    scheduler.update(output, sample(output))
+    output = run_step(scheduler)  # decode at position 6: still in block 1
+    assert output.num_decodes == 1 and block_ids(scheduler, "a") == [0, 1]
+    run_step(scheduler)  # third token -> max_tokens reached: finished and freed
+    assert scheduler.requests == {}
+    assert_all_free(scheduler)
+    # Freed tail first: block 1 is evicted before block 0, after the never-used blocks.
+    assert scheduler.kv_cache_manager.block_pool.free_queue.block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+
+
+def test_decode_crossing_a_block_boundary_gets_a_new_block() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    scheduler.add_request(make_request("a", 4, max_tokens=3))
+    run_step(scheduler)
+    assert block_ids(scheduler, "a") == [0]
+    run_step(scheduler)  # token at position 4 needs block 1
+    assert block_ids(scheduler, "a") == [0, 1]
+
+
+def test_chunked_prefill_respects_the_token_budget_and_decodes_go_first() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=5)
+    scheduler.add_request(make_request("short", 2, max_tokens=5))
+    scheduler.add_request(make_request("long", 9, max_tokens=2))
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("short", 2), ("long", 3)]
+    output = run_step(scheduler)
+    # The decode is placed first, the prefill continues with what the budget leaves.
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in output.scheduled] == [
+        ("short", 1, True),
+        ("long", 4, False),
+    ]
+    assert output.num_decodes == 1
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in output.scheduled] == [
+        ("short", 1, True),
+        ("long", 2, True),
+    ]
+
+
+def test_max_num_seqs_caps_running_requests() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add_request(make_request(name, 3))
+    output = scheduler.schedule()
+    assert [s.request.request_id for s in output.scheduled] == ["a", "b"]
+    assert scheduler.num_waiting == 1
+
+
+def test_prefix_cache_hit_shares_blocks_and_counts_refs() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    shared = list(range(100, 108))  # two full blocks
+    scheduler.add_request(make_request("a", shared + [1, 3], max_tokens=5))
+    run_step(scheduler)
+    scheduler.add_request(make_request("b", shared + [4], max_tokens=5))
+    output = run_step(scheduler)
+    item_b = next(s for s in output.scheduled if s.request.request_id == "b")
+    assert item_b.request.num_cached_tokens == 8
+    assert item_b.num_new_tokens == 1
+    assert block_ids(scheduler, "b")[:2] == block_ids(scheduler, "a")[:2] == [0, 1]
+    pool = scheduler.kv_cache_manager.block_pool
+    assert [pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [2, 2, 1]
+    scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert_all_free(scheduler)
+    assert pool.get_cached_block(scheduler_block_hash(shared), shared[4:8]) is pool.blocks[1]
+
+
+def scheduler_block_hash(tokens: list[int]):
+    from engine.kv_cache_utils import hash_block_tokens
+
+    return hash_block_tokens(hash_block_tokens(None, tokens[:4]), tokens[4:8])
+
+
+def test_fully_cached_prompt_still_computes_its_last_token() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    prompt = list(range(100, 108))
+    scheduler.add_request(make_request("a", prompt, max_tokens=1))
+    run_step(scheduler)
+    scheduler.add_request(make_request("b", prompt, max_tokens=1))
+    output = scheduler.schedule()
+    assert output.scheduled[0].request.num_cached_tokens == 4
+    assert output.scheduled[0].num_new_tokens == 4
+
+
+def test_cache_salt_separates_prefixes() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    prompt = list(range(100, 109))
+    first = make_request("a", prompt, max_tokens=1)
+    run_after = make_request("b", prompt, max_tokens=1)
+    run_after.cache_salt = b"tenant-2"
+    scheduler.add_request(first)
+    run_step(scheduler)
+    scheduler.add_request(run_after)
+    output = scheduler.schedule()
+    assert output.scheduled[0].request.num_cached_tokens == 0
+
+
+def test_preemption_picks_the_latest_arrival_and_loses_no_output() -> None:
+    # 4 blocks of 4 tokens; two requests of 7 prompt tokens each need 2 blocks, then a third on decode.
+    scheduler = make_scheduler(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    scheduler.add_request(make_request("old", 7, max_tokens=4))
+    scheduler.add_request(make_request("new", 7, max_tokens=4))
+    run_step(scheduler)
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    new = scheduler.requests["new"]
+    run_step(scheduler, token_id=8)  # decodes at position 7 still fit in each request's block 1
+    output = run_step(scheduler, token_id=9)  # "old" needs a block for position 8 -> "new" preempted
+    assert output.preempted_request_ids == ["new"]
+    assert [s.request.request_id for s in output.scheduled] == ["old"]
+    assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert new.output_token_ids == [7, 8]  # its sampled tokens survive
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert new.output_token_ids[:2] == [7, 8] and new.num_output_tokens == 4
+    assert scheduler.num_preemptions == 1
+    assert_all_free(scheduler)
+
+
+def test_preemption_respects_priority() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    scheduler.add_request(make_request("low", 7, max_tokens=4, priority=5))
+    scheduler.add_request(make_request("high", 7, max_tokens=4, priority=0))
+    output = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["high", "low"]
+    run_step(scheduler)
+    output = run_step(scheduler)
+    assert output.preempted_request_ids == ["low"]
+
+
+def test_stop_conditions() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("eos", 3, max_tokens=5))
+    scheduler.add_request(make_request("stop_id", 3, max_tokens=5, stop_token_ids=[9]))
+    scheduler.add_request(make_request("ignore", 3, max_tokens=2, ignore_eos=True))
+    scheduler.add_request(make_request("min", 3, max_tokens=5, min_tokens=2))
+    output = scheduler.schedule()
+    statuses = {}
+    tokens = {"eos": EOS, "stop_id": 9, "ignore": EOS, "min": EOS}
+    from engine.scheduler_output import ModelOutput
+
+    model_output = ModelOutput([tokens[s.request.request_id] for s in output.scheduled], [None] * 4)
+    for request in scheduler.update(output, model_output):
+        statuses[request.request_id] = (request.status, request.stop_reason)
+    assert statuses == {
+        "eos": (RequestStatus.FINISHED_STOPPED, None),
+        "stop_id": (RequestStatus.FINISHED_STOPPED, 9),
+        "ignore": (RequestStatus.RUNNING, None),
+        "min": (RequestStatus.RUNNING, None),
+    }
+    run_step(scheduler)  # "ignore" hits max_tokens=2; "min" gets its second token
+    assert scheduler.requests.keys() == {"min"}
+
+
+def test_abort_frees_blocks_in_every_state() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=1)
+    scheduler.add_request(make_request("running", 5, max_tokens=10))
+    scheduler.add_request(make_request("waiting", 5, max_tokens=10))
+    run_step(scheduler)
+    assert scheduler.requests["waiting"].status is RequestStatus.WAITING
+    ended = scheduler.finish_requests(["running", "waiting", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in ended] == ["running", "waiting"]
+    assert all(r.status is RequestStatus.FINISHED_ABORTED for r in ended)
+    assert_all_free(scheduler)
+
+
+def test_prefill_role_pins_blocks_until_released() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4, role="prefill")
+    scheduler.add_request(make_request("a", 6, max_tokens=10))
+    output = run_step(scheduler)
+    request = output.scheduled[0].request
+    assert request.status is RequestStatus.FINISHED_PREFILLED
+    assert request.output_token_ids == [7]
+    assert not scheduler.has_unfinished_requests()
+    handoff = scheduler.kv_handoff(request)
+    assert handoff.block_ids == [0, 1] and handoff.num_tokens == 6 and len(handoff.block_hashes) == 1
+    assert scheduler.kv_cache_manager.num_free_blocks == 6
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_PREFILLED)
+    assert_all_free(scheduler)
+
+
+def test_decode_role_pulls_only_missing_blocks_then_decodes() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4, role="decode")
+    shared = list(range(100, 108))
+    # A first request fully computed locally fills the prefix cache (recompute after a failed pull).
+    scheduler.add_request(make_request("a", shared + [1], first_token_id=50, max_tokens=3))
+    scheduler.schedule()
+    scheduler.finish_kv_load("a", success=False)
+    run_step(scheduler)
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    # The second shares two full blocks: only the third block's tokens are pulled.
+    scheduler.add_request(make_request("b", shared + [2, 3, 4, 5, 6], first_token_id=51, max_tokens=3))
+    output = scheduler.schedule()
+    assert output.is_empty
+    (load,) = output.kv_loads
+    assert load.num_local_hit_tokens == 8 and len(load.block_ids) == 4
+    request = scheduler.requests["b"]
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    scheduler.finish_kv_load("b", success=True)
+    output = run_step(scheduler)
+    assert [(s.num_new_tokens, s.samples) for s in output.scheduled] == [(1, True)]
+    assert request.num_computed_tokens == 14 and request.output_token_ids == [51, 7]
+
+
+def test_decode_role_abort_while_pulling_frees_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4, role="decode")
+    scheduler.add_request(make_request("a", 9, first_token_id=50))
+    scheduler.schedule()
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_kv_load("a", success=True)  # the pull finishing late changes nothing
+    assert_all_free(scheduler)
