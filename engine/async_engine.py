@@ -1,0 +1,214 @@
+"""The engine behind an asyncio API: services add requests, stream their outputs, abort them.
+
+The step loop runs on a dedicated thread (torch releases the GIL in its kernels,
+so the event loop stays responsive). Every change to engine state — adding,
+aborting, releasing KV, finishing a KV pull — travels to that thread as a
+command and runs between steps, so the engine itself needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, LoadReport
+from engine.outputs import EngineCoreOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import KVLoad
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_Command = Callable[[], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed; every in-flight request gets this."""
+
+
+class AsyncEngine:
+    """Owns an :class:`EngineCore` and its thread. Use as ``async with AsyncEngine(config) as engine``.
+
+    ``on_kv_loads`` (decode role) is called on the engine thread with the KV pulls
+    each step asks for; whoever performs them reports back through :meth:`finish_kv_load`.
+    """
+
+    def __init__(self, config: EngineConfig, on_kv_loads: Callable[[list[KVLoad]], None] | None = None) -> None:
+        self.core = EngineCore(config)
+        self._on_kv_loads = on_kv_loads
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False  # the step loop has exited: commands would never run
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the step loop; requests still in flight end with :class:`EngineDeadError`."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        first_token_id: int | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """Stream a request's outputs as the engine produces them, until it finishes.
+
+        Raises ValueError (before anything streams) for input the engine refuses.
+        If the consumer stops iterating early — a client disconnected — the request
+        is aborted and its blocks freed."""
+        request_id = request_id or uuid.uuid4().hex
+        stream: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await self._call(
+                lambda: self.core.add_request(
+                    prompt_token_ids,
+                    params,
+                    request_id=request_id,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    first_token_id=first_token_id,
+                )
+            )
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.core.abort([request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        """End a request now; its blocks (pinned prefill KV too) are free when this returns."""
+        await self._call(lambda: self.core.abort([request_id]))
+
+    async def release_kv(self, request_id: str) -> bool:
+        """Prefill role: unpin a handed-off request's blocks. False if nothing was pinned."""
+        return await self._call(lambda: self.core.release_kv(request_id))
+
+    def finish_kv_load(self, request_id: str, success: bool) -> None:
+        """Decode role: report a KV pull's outcome; callable from any thread."""
+        self._submit(lambda: self.core.finish_kv_load(request_id, success))
+
+    async def load_report(self) -> LoadReport:
+        return await self._call(self.core.load_report)
+
+    # ------------------------------------------------------------ internals
+
+    def _submit(self, command: _Command) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between steps and return its result here."""
+        if self._closed or self._thread is None:
+            raise EngineDeadError("the engine step loop is not running") from self._error
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = fn()
+            except BaseException as error:  # handed to the caller, never swallowed
+                loop.call_soon_threadsafe(_settle, future, None, error)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._submit(command)
+        return await future
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.core.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                outputs = self.core.step()
+                if self.core.pending_kv_loads:
+                    loads, self.core.pending_kv_loads = self.core.pending_kv_loads, []
+                    if self._on_kv_loads is not None:
+                        self._on_kv_loads(loads)
+                if outputs:
+                    assert self._loop is not None
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as error:
+            logger.exception("engine step loop crashed")
+            self._error = error
+        finally:
+            self._closed = True
+            self._fail_all(EngineDeadError("the engine step loop has stopped"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+
+        def fail() -> None:
+            for stream in self._streams.values():
+                stream.put_nowait(error)
+
+        self._loop.call_soon_threadsafe(fail)
+        # Commands queued after the loop ended would wait forever: run them now.
+        self._drain_commands()
+
+
+def _settle(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

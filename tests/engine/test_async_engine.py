@@ -1,0 +1,119 @@
+"""The asyncio engine: streaming, concurrent requests, abort on early exit, bad input, roles."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.checkpoints import make_checkpoint
+from tests.engine.test_parity import random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+def config(model_path: Path, **overrides: object) -> EngineConfig:
+    return EngineConfig(model=str(model_path), kv_cache_memory=1 << 22, **overrides)  # type: ignore[arg-type]
+
+
+async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    tokens: list[int] = []
+    async for output in engine.generate(prompt, params):
+        tokens.extend(output.new_token_ids)
+    return tokens
+
+
+def assert_all_free(engine: AsyncEngine) -> None:
+    report = engine.core.load_report()
+    assert report.num_free_blocks == report.num_total_blocks
+
+
+def test_concurrent_streams_match_the_offline_engine(model_path: Path) -> None:
+    prompts = random_prompts([3, 17, 30, 50], seed=7)
+    expected = [o.outputs[0].token_ids for o in LLM(model=str(model_path)).generate(prompts, GREEDY)]
+
+    async def main() -> list[list[int]]:
+        async with AsyncEngine(config(model_path)) as engine:
+            results = await asyncio.gather(*(collect(engine, p) for p in prompts))
+            assert_all_free(engine)
+            return results
+
+    assert asyncio.run(main()) == expected
+
+
+def test_consumer_leaving_early_aborts_and_frees(model_path: Path) -> None:
+    async def main() -> None:
+        async with AsyncEngine(config(model_path)) as engine:
+            params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+            stream = engine.generate(random_prompts([40], seed=8)[0], params)
+            async for _ in stream:
+                break
+            await stream.aclose()  # what a disconnecting client's handler does
+            report = await engine.load_report()  # runs after the abort command on the engine thread
+            assert report.num_free_blocks == report.num_total_blocks
+            assert report.num_running == report.num_waiting == 0
+
+    asyncio.run(main())
+
+
+def test_bad_request_fails_alone(model_path: Path) -> None:
+    async def main() -> None:
+        async with AsyncEngine(config(model_path)) as engine:
+            good = asyncio.create_task(collect(engine, [5, 6, 7]))
+            with pytest.raises(ValueError, match="prompt is empty"):
+                await collect(engine, [])
+            with pytest.raises(ValueError, match="maximum context length"):
+                await collect(engine, [5] * 10, SamplingParams(max_tokens=100_000))
+            assert len(await good) == GREEDY.max_tokens
+            assert_all_free(engine)
+
+    asyncio.run(main())
+
+
+def test_abort_by_id(model_path: Path) -> None:
+    async def main() -> None:
+        async with AsyncEngine(config(model_path)) as engine:
+            params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+            outputs = []
+
+            async def consume() -> None:
+                async for output in engine.generate([5, 6, 7], params, request_id="r1"):
+                    outputs.append(output)
+
+            task = asyncio.create_task(consume())
+            while not outputs:
+                await asyncio.sleep(0.01)
+            await engine.abort("r1")
+            await task
+            assert outputs[-1].finish_reason == "abort"
+            assert_all_free(engine)
+
+    asyncio.run(main())
+
+
+def test_prefill_role_hands_off_and_releases(model_path: Path) -> None:
+    async def main() -> None:
+        async with AsyncEngine(config(model_path, role="prefill")) as engine:
+            prompt = random_prompts([40], seed=9)[0]
+            outputs = [o async for o in engine.generate(prompt, GREEDY)]
+            (output,) = outputs
+            assert output.kv_handoff is not None and output.finish_reason is None
+            assert len(output.new_token_ids) == 1
+            assert output.kv_handoff.num_tokens == 40 and len(output.kv_handoff.block_ids) == 3
+            report = await engine.load_report()
+            assert report.num_total_blocks - report.num_free_blocks == 3
+            assert await engine.release_kv(output.request_id)
+            assert not await engine.release_kv(output.request_id)  # exactly once
+            assert_all_free(engine)
+
+    asyncio.run(main())
