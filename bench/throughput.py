@@ -35,9 +35,6 @@ logger = logging.getLogger(__name__)
 _TOKEN_ID_MARGIN = 100
 _WARMUP_NUM_PROMPTS = 4
 _WARMUP_OUTPUT_LEN = 4
-_HF_DTYPES: dict[str, torch.dtype | str] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto",
-}
 
 
 @dataclass(slots=True)
@@ -48,21 +45,12 @@ class RunResult:
     num_input_tokens: int
     num_output_tokens: int
 
-    @property
-    def requests_per_s(self) -> float:
-        return self.num_requests / self.elapsed_s
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.num_output_tokens / self.elapsed_s
-
-    @property
-    def total_tokens_per_s(self) -> float:
-        return (self.num_input_tokens + self.num_output_tokens) / self.elapsed_s
-
-    def to_dict(self) -> dict[str, float | int | str]:
-        rates = {k: getattr(self, k) for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
-        return {**asdict(self), **rates}
+    def rates(self) -> dict[str, float]:
+        return {
+            "requests_per_s": self.num_requests / self.elapsed_s,
+            "output_tokens_per_s": self.num_output_tokens / self.elapsed_s,
+            "total_tokens_per_s": (self.num_input_tokens + self.num_output_tokens) / self.elapsed_s,
+        }
 
 
 def random_prompts(rng: random.Random, num_prompts: int, input_len: int, vocab_size: int) -> list[list[int]]:
@@ -72,17 +60,23 @@ def random_prompts(rng: random.Random, num_prompts: int, input_len: int, vocab_s
     return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def check_output_count(result: RunResult, expected: int) -> None:
-    if result.num_output_tokens != expected:
+def make_result(
+    engine: str, elapsed_s: float, prompts: list[list[int]], num_output_tokens: int, output_len: int
+) -> RunResult:
+    """Check that every request produced exactly ``output_len`` tokens, then package the figures."""
+    expected = len(prompts) * output_len
+    if num_output_tokens != expected:
         raise RuntimeError(
-            f"{result.engine} produced {result.num_output_tokens} output tokens, expected {expected}; "
+            f"{engine} produced {num_output_tokens} output tokens, expected {expected}; "
             "with ignore_eos and a fixed length this is a bug"
         )
+    return RunResult(engine, elapsed_s, len(prompts), sum(len(p) for p in prompts), num_output_tokens)
 
 
 def run_splitserve(
     args: argparse.Namespace, prompts: list[list[int]], warmup_prompts: list[list[int]]
-) -> RunResult:
+) -> tuple[float, int]:
+    """Returns (elapsed seconds, output tokens) of the timed run."""
     overrides = {
         k: v for k in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
         if (v := getattr(args, k)) is not None
@@ -94,13 +88,7 @@ def run_splitserve(
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    return RunResult(
-        engine="splitserve",
-        elapsed_s=elapsed,
-        num_requests=len(outputs),
-        num_input_tokens=sum(len(p) for p in prompts),
-        num_output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-    )
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
 def left_pad(batch: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,9 +112,10 @@ def count_generated(new_tokens: torch.Tensor, eos_token_ids: list[int]) -> int:
 
 def run_transformers(
     args: argparse.Namespace, model_path: Path, prompts: list[list[int]], warmup_prompts: list[list[int]]
-) -> RunResult:
+) -> tuple[float, int]:
+    """Returns (elapsed seconds, output tokens) of the timed run."""
     device = resolve_device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_HF_DTYPES[args.dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype).to(device).eval()
     eos = model.generation_config.eos_token_id
     eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad_token_id = model.generation_config.pad_token_id
@@ -155,22 +144,18 @@ def run_transformers(
     start = time.perf_counter()
     num_output_tokens = generate_all(prompts, args.output_len)  # .cpu() above syncs a CUDA device
     elapsed = time.perf_counter() - start
-    return RunResult(
-        engine="transformers",
-        elapsed_s=elapsed,
-        num_requests=len(prompts),
-        num_input_tokens=sum(len(p) for p in prompts),
-        num_output_tokens=num_output_tokens,
-    )
+    return elapsed, num_output_tokens
 
 
 def format_table(results: list[RunResult]) -> str:
     header = f"{'engine':<14}{'elapsed s':>11}{'req/s':>10}{'output tok/s':>14}{'total tok/s':>13}"
-    rows = [
-        f"{r.engine:<14}{r.elapsed_s:>11.2f}{r.requests_per_s:>10.2f}"
-        f"{r.output_tokens_per_s:>14.1f}{r.total_tokens_per_s:>13.1f}"
-        for r in results
-    ]
+    rows = []
+    for r in results:
+        rates = r.rates()
+        rows.append(
+            f"{r.engine:<14}{r.elapsed_s:>11.2f}{rates['requests_per_s']:>10.2f}"
+            f"{rates['output_tokens_per_s']:>14.1f}{rates['total_tokens_per_s']:>13.1f}"
+        )
     return "\n".join([header, *rows])
 
 
@@ -208,22 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     # Drawn after the timed prompts (which stay the same with or without warm-up) and
     # distinct from them, so the warm-up seeds no prefix-cache hits.
     warmup_prompts = random_prompts(rng, _WARMUP_NUM_PROMPTS, args.input_len, vocab_size) if args.warmup else []
-    expected = args.num_prompts * args.output_len
 
     logger.info("splitserve: %d prompts x %d in / %d out, %s", args.num_prompts, args.input_len, args.output_len, args.dtype)
-    results = [run_splitserve(args, prompts, warmup_prompts)]
-    check_output_count(results[0], expected)
+    elapsed, num_output_tokens = run_splitserve(args, prompts, warmup_prompts)
+    results = [make_result("splitserve", elapsed, prompts, num_output_tokens, args.output_len)]
     gc.collect()  # free the engine's weights and KV cache before loading the baseline
     if not args.skip_baseline:
         logger.info("transformers: batch size %d", args.baseline_batch_size or args.num_prompts)
-        results.append(run_transformers(args, model_path, prompts, warmup_prompts))
-        check_output_count(results[1], expected)
+        elapsed, num_output_tokens = run_transformers(args, model_path, prompts, warmup_prompts)
+        results.append(make_result("transformers", elapsed, prompts, num_output_tokens, args.output_len))
 
     report: dict[str, object] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    report.update({r.engine: r.to_dict() for r in results})
+    report.update({r.engine: {**asdict(r), **r.rates()} for r in results})
     table = format_table(results)
     if len(results) == 2:
-        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        ratio = results[0].rates()["output_tokens_per_s"] / results[1].rates()["output_tokens_per_s"]
         report["output_tokens_per_s_ratio"] = ratio
         table += f"\nsplitserve / transformers output tok/s: {ratio:.2f}x"
     sys.stdout.write(table + "\n")

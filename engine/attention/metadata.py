@@ -29,6 +29,8 @@ class AttentionMetadata:
     # Host copies for backends that loop over sequences in Python.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Torch backend: the decode mask, built by the first layer and reused by the rest.
+    decode_bias: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

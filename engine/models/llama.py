@@ -130,9 +130,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape, self.rotary, backend) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = (
-            None if shape.tie_word_embeddings else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        )
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(
@@ -149,9 +149,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         for layer_index, layer in enumerate(self.layers):
             hidden = layer(positions, hidden, kv_cache[layer_index], metadata)
-        hidden = self.norm(hidden[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(self.norm(hidden[logits_indices])).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face checkpoint tensors into the fused parameters."""
@@ -170,7 +168,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         rows_loaded: Counter[str] = Counter()
         for name, tensor in weights:
-            if name.startswith("lm_head.") and self.lm_head is None:
+            if name.startswith("lm_head.") and self.shape.tie_word_embeddings:
                 continue  # tied: some checkpoints still store the copy
             target, offset, rows = _map_name(name, fused)
             if target not in params:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.attention.backend import AttentionBackend
+from engine.models.cpu_linear import can_pack, pack_linears
 from engine.models.llama import LlamaFamilyForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -83,5 +84,7 @@ def load_model(
         model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend).to(dtype)
     model.load_weights(iter_safetensors(path))
     model.eval()
+    if can_pack(device, dtype):
+        pack_linears(model)
     logger.info("loaded %s (%s) from %s in %s on %s", architecture, config.model_type, path, dtype, device)
     return LoadedModel(model, config, architecture, dtype, max_model_len)
