@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -129,9 +130,17 @@ def prefill_runs(metadata: AttentionMetadata) -> list[tuple[int, int, int, int]]
 
 
 class TorchAttentionBackend:
-    """Paged attention: one batched call for all decodes, one per run of alike prefills."""
+    """Paged attention: one batched call for all decodes, one per run of alike prefills.
+
+    On CPU, decodes go through the native kernel of :mod:`engine.attention.cpu_kernels`
+    when it could be built (it reads the paged cache in place); otherwise, and on
+    other devices, through :func:`paged_decode_attention`.
+    """
 
     name = "torch"
+
+    def __init__(self, use_cpu_kernels: bool = True) -> None:
+        self.cpu_kernels = cpu_kernels.load() if use_cpu_kernels else None
 
     def forward(
         self,
@@ -167,6 +176,12 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, layer_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         num_decodes = metadata.num_decodes
+        if self.cpu_kernels is not None and query.device.type == "cpu" and self.cpu_kernels.supports(query.dtype):
+            output = self.cpu_kernels.paged_decode_attention(
+                query, layer_cache, metadata.block_tables, metadata.seq_lens[:num_decodes], scale
+            )
+            if output is not None:
+                return output
         block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
         num_blocks = -(-max(metadata.seq_lens_cpu[:num_decodes]) // block_size)
         if metadata.decode_bias is None:

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +68,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and round before the weight, exactly as transformers does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Normalise in float32 and round before the weight, as transformers does
+        # (the fused kernel is fast in float32 only, hence the explicit upcast).
+        return self.weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, shape: ModelShape, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -87,12 +86,11 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
         self.intermediate_size = shape.intermediate_size
-        self.rotary = rotary
         self.backend = backend
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         layer_cache: torch.Tensor,
         metadata: AttentionMetadata,
@@ -101,15 +99,15 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # Rotation writes fresh contiguous q [T, H, D] and k [T, H_kv, D], as the backends prefer.
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         attn = self.backend.forward(q, k, v, layer_cache, metadata, self.scale)  # [T, H, D]
         hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        return hidden + self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -128,7 +126,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         shape = self.shape
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype)
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, self.rotary, backend) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(shape, backend) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
@@ -147,8 +145,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         logits_indices: [R] rows of the batch whose next-token logits are needed.
         Returns float32 logits [R, vocab_size]."""
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
         for layer_index, layer in enumerate(self.layers):
-            hidden = layer(positions, hidden, kv_cache[layer_index], metadata)
+            hidden = layer(cos_sin, hidden, kv_cache[layer_index], metadata)
         return self.lm_head(self.norm(hidden[logits_indices])).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

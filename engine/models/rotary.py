@@ -33,20 +33,24 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         inv_freq, scaling = _inv_freq(config, head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # Rounded to the model dtype as transformers does before applying them.
-        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        # Half width: transformers repeats the same values in both halves. Rounded to
+        # the model dtype, as transformers does before applying them.
+        self.register_buffer("cos", (freqs.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; query: [T, H, D]; key: [T, H_kv, D]. Returns both rotated."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the step's positions, each [T, 1, D/2]; looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: [T, heads, D] by (cos, sin): [T, 1, D/2]; returns a new tensor.
+
+    Same math as transformers' ``x * cos + rotate_half(x) * sin``, written per half
+    into one output to avoid the concatenations."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
+    return out

@@ -1,0 +1,194 @@
+/*
+ * Paged decode attention for CPU: one query token per sequence, attending to its
+ * whole context straight out of the paged KV cache, without gathering blocks
+ * into a temporary first (the torch fallback's main cost).
+ *
+ * Layout (one layer): key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+ * query, out: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(len / block_size)]
+ * with row stride block_table_stride; seq_lens: [num_seqs].
+ *
+ * One task per sequence walks its blocks in order, reading each block's K (then V)
+ * as one contiguous run for every KV head at once, and prefetches the next block:
+ * between two layers the weights stream through the caches, so the KV comes from
+ * DRAM and the walk is latency-bound without it. Softmax is computed online
+ * (flash-decoding style), one block at a time, in float32. Built with -fopenmp
+ * against the same libgomp soname torch loads, so it shares torch's thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEADS 64
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK_SIZE 64
+#define CACHE_LINE 64
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) to ~2e-7 relative error, written so the compiler vectorizes it (libm's
+   expf is a scalar call per score). Range reduction to 2^n * 2^f, |f| <= 0.5,
+   then a degree-7 Taylor polynomial of 2^f; -inf and tiny inputs give ~0. */
+static inline float fast_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = x * 1.44269504088896341f;
+    const float n = floorf(t + 0.5f);
+    const float f = t - n;
+    float p = 1.5252733804059841e-5f;
+    p = p * f + 1.5403530393381609e-4f;
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline void load_row(const void *base, int64_t offset, int is_bf16, int64_t n, float *restrict dst) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void prefetch_range(const char *start, int64_t num_bytes) {
+    for (int64_t offset = 0; offset < num_bytes; offset += CACHE_LINE) __builtin_prefetch(start + offset, 0, 3);
+}
+
+/* One sequence's attention. Inlined into one copy per common head_dim and dtype
+   (see the dispatch below): with the length known at compile time every per-row loop is
+   straight vector code instead of a loop with peeling and remainder branches. */
+static inline __attribute__((always_inline)) void decode_sequence(
+    int64_t seq, const void *query, const void *key_cache, const void *value_cache, const int32_t *block_tables,
+    const int32_t *seq_lens, void *out, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
+    int64_t block_size, int64_t block_table_stride, float scale, const int is_bf16) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t block_stride = block_size * token_stride;
+    const int64_t block_bytes = block_stride * (is_bf16 ? 2 : 4);
+    const char *key_bytes = (const char *)key_cache, *value_bytes = (const char *)value_cache;
+    const int64_t seq_len = seq_lens[seq];
+    const int32_t *block_table = block_tables + seq * block_table_stride;
+    float q[MAX_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float scores[MAX_HEADS][MAX_BLOCK_SIZE] __attribute__((aligned(64)));
+    float row[MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float running_max[MAX_HEADS], running_sum[MAX_HEADS];
+
+    for (int64_t head = 0; head < num_heads; ++head) {
+        load_row(query, (seq * num_heads + head) * head_dim, is_bf16, head_dim, q[head]);
+        for (int64_t d = 0; d < head_dim; ++d) {
+            q[head][d] *= scale;
+            acc[head][d] = 0.0f;
+        }
+        running_max[head] = -INFINITY;
+        running_sum[head] = 0.0f;
+    }
+
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t block_index = start / block_size;
+        const int64_t base = (int64_t)block_table[block_index] * block_stride;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        if (start + block_size < seq_len) {
+            const int64_t next = (int64_t)block_table[block_index + 1] * block_bytes;
+            prefetch_range(key_bytes + next, block_bytes);
+            prefetch_range(value_bytes + next, block_bytes);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                load_row(key_cache, base + t * token_stride + kv_head * head_dim, is_bf16, head_dim, row);
+                for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < head_dim; ++d) dot += q[head][d] * row[d];
+                    scores[head][t] = dot;
+                }
+            }
+        }
+        for (int64_t head = 0; head < num_heads; ++head) {
+            float block_max = scores[head][0];
+            for (int64_t t = 1; t < n; ++t) block_max = scores[head][t] > block_max ? scores[head][t] : block_max;
+            const float new_max = block_max > running_max[head] ? block_max : running_max[head];
+            const float correction = fast_expf(running_max[head] - new_max); /* 0 on the first block */
+            running_sum[head] *= correction;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) acc[head][d] *= correction;
+            float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+            for (int64_t t = 0; t < n; ++t) {
+                scores[head][t] = fast_expf(scores[head][t] - new_max);
+                block_sum += scores[head][t];
+            }
+            running_sum[head] += block_sum;
+            running_max[head] = new_max;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                load_row(value_cache, base + t * token_stride + kv_head * head_dim, is_bf16, head_dim, row);
+                for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+                    const float p = scores[head][t];
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; ++d) acc[head][d] += p * row[d];
+                }
+            }
+        }
+    }
+
+    for (int64_t head = 0; head < num_heads; ++head) {
+        const int64_t offset = (seq * num_heads + head) * head_dim;
+        const float inv_sum = running_sum[head] > 0.0f ? 1.0f / running_sum[head] : 0.0f;
+        if (is_bf16) {
+            uint16_t *dst = (uint16_t *)out + offset;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = float_to_bf16(acc[head][d] * inv_sum);
+        } else {
+            float *dst = (float *)out + offset;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[head][d] * inv_sum;
+        }
+    }
+}
+
+/* Returns 0, or -1 when a size exceeds the stack buffers (the caller falls back). */
+int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, void *out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t block_table_stride, float scale, int is_bf16) {
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
+#define DECODE(HEAD_DIM, IS_BF16)                                                                       \
+    decode_sequence(seq, query, key_cache, value_cache, block_tables, seq_lens, out, num_heads, num_kv_heads, \
+                    HEAD_DIM, block_size, block_table_stride, scale, IS_BF16)
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+        /* The branch sits inside the parallel loop: OpenMP outlines the loop body
+           into its own function, so a head_dim fixed outside it would not propagate. */
+        if (head_dim == 64 && is_bf16)
+            DECODE(64, 1);
+        else if (head_dim == 128 && is_bf16)
+            DECODE(128, 1);
+        else if (head_dim == 64)
+            DECODE(64, 0);
+        else if (head_dim == 128)
+            DECODE(128, 0);
+        else
+            DECODE(head_dim, is_bf16);
+    }
+#undef DECODE
+    return 0;
+}
