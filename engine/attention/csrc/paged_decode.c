@@ -18,6 +18,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 64
@@ -69,9 +73,110 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int64
     }
 }
 
-static inline void prefetch_range(const char *start, int64_t num_bytes) {
-    for (int64_t offset = 0; offset < num_bytes; offset += CACHE_LINE) __builtin_prefetch(start + offset, 0, 3);
+/* The next block's cache lines, prefetched a line at a time between the current
+   block's computations: a burst of ~200 prefetches would stall the core on its
+   miss buffers, while trickling them keeps the next block arriving as we compute. */
+typedef struct {
+    const char *next;
+    const char *end;
+} PrefetchStream;
+
+static inline void prefetch_step(PrefetchStream *stream) {
+    if (stream->next < stream->end) {
+        __builtin_prefetch(stream->next, 0, 3);
+        stream->next += CACHE_LINE;
+    }
 }
+
+static inline void prefetch_rest(PrefetchStream *stream) {
+    while (stream->next < stream->end) prefetch_step(stream);
+}
+
+#if defined(__AVX512F__)
+/* Permutation indices for reduce_16x16: round r halves the partial sums per token. */
+typedef struct {
+    __m512i lo[4], hi[4];
+} ReduceIndices;
+
+static void make_reduce_indices(ReduceIndices *indices) {
+    for (int round = 0, width = 16; width > 1; ++round, width /= 2) {
+        int32_t lo[16], hi[16];
+        for (int lane = 0; lane < 16; ++lane) {
+            const int from_b = lane >= 8 ? 16 : 0, within = lane % 8;
+            const int token = within / (width / 2), part = within % (width / 2);
+            lo[lane] = from_b + token * width + part;
+            hi[lane] = from_b + token * width + width / 2 + part;
+        }
+        indices->lo[round] = _mm512_loadu_si512(lo);
+        indices->hi[round] = _mm512_loadu_si512(hi);
+    }
+}
+
+/* Lane t of the result is the sum of v[t]'s 16 lanes: four rounds of pairwise
+   permute-and-add (45 instructions) instead of 16 separate horizontal sums. */
+static inline __m512 reduce_16x16(__m512 v[16], const ReduceIndices *indices) {
+    for (int round = 0, count = 16; count > 1; ++round, count /= 2)
+        for (int i = 0; i < count / 2; ++i)
+            v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], indices->lo[round], v[2 * i + 1]),
+                                 _mm512_permutex2var_ps(v[2 * i], indices->hi[round], v[2 * i + 1]));
+    return v[0];
+}
+
+static inline __m512 load16(const void *base, int64_t offset, const int is_bf16) {
+    if (is_bf16) {
+        const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + offset);
+}
+
+/* Scores of every head against one block of up to 16 tokens, vectorized along
+   head_dim with one transpose-reduction per head (head_dim % 16 == 0). */
+static inline void block_scores_avx512(const void *key_cache, int64_t base, int64_t token_stride, int64_t n,
+                                       int64_t num_kv_heads, int64_t group, const int64_t head_dim,
+                                       const int is_bf16, float q[][MAX_HEAD_DIM],
+                                       float scores[][MAX_BLOCK_SIZE], const ReduceIndices *indices,
+                                       PrefetchStream *next_keys) {
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+            __m512 partial[16];
+            for (int64_t t = 0; t < 16; ++t) {
+                prefetch_step(next_keys);
+                __m512 sum = _mm512_setzero_ps();
+                if (t < n) {
+                    const int64_t row = base + t * token_stride + kv_head * head_dim;
+                    for (int64_t d = 0; d < head_dim; d += 16)
+                        sum = _mm512_fmadd_ps(_mm512_loadu_ps(&q[head][d]), load16(key_cache, row + d, is_bf16), sum);
+                }
+                partial[t] = sum;
+            }
+            _mm512_storeu_ps(scores[head], reduce_16x16(partial, indices));
+        }
+    }
+}
+
+/* acc[head] += sum over the block's tokens of p[head][t] * V[t], with each head's
+   accumulator held in registers across the block (head_dim % 16 == 0, <= 256). */
+static inline void block_values_avx512(const void *value_cache, int64_t base, int64_t token_stride, int64_t n,
+                                       int64_t num_kv_heads, int64_t group, const int64_t head_dim,
+                                       const int is_bf16, float scores[][MAX_BLOCK_SIZE],
+                                       float acc[][MAX_HEAD_DIM], PrefetchStream *next_values) {
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+            __m512 sum[MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < head_dim / 16; ++c) sum[c] = _mm512_loadu_ps(&acc[head][16 * c]);
+            for (int64_t t = 0; t < n; ++t) {
+                prefetch_step(next_values);
+                const __m512 p = _mm512_set1_ps(scores[head][t]);
+                const int64_t row = base + t * token_stride + kv_head * head_dim;
+                for (int64_t c = 0; c < head_dim / 16; ++c)
+                    sum[c] = _mm512_fmadd_ps(p, load16(value_cache, row + 16 * c, is_bf16), sum[c]);
+            }
+            for (int64_t c = 0; c < head_dim / 16; ++c) _mm512_storeu_ps(&acc[head][16 * c], sum[c]);
+        }
+    }
+}
+#endif
 
 /* One sequence's attention. Inlined into one copy per common head_dim and dtype
    (see the dispatch below): with the length known at compile time every per-row loop is
@@ -79,7 +184,12 @@ static inline void prefetch_range(const char *start, int64_t num_bytes) {
 static inline __attribute__((always_inline)) void decode_sequence(
     int64_t seq, const void *query, const void *key_cache, const void *value_cache, const int32_t *block_tables,
     const int32_t *seq_lens, void *out, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
-    int64_t block_size, int64_t block_table_stride, float scale, const int is_bf16) {
+    int64_t block_size, int64_t block_table_stride, float scale, const int is_bf16, const void *reduce_indices) {
+#if defined(__AVX512F__)
+    const ReduceIndices *indices = (const ReduceIndices *)reduce_indices;
+#else
+    (void)reduce_indices;
+#endif
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
@@ -107,22 +217,29 @@ static inline __attribute__((always_inline)) void decode_sequence(
         const int64_t block_index = start / block_size;
         const int64_t base = (int64_t)block_table[block_index] * block_stride;
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        PrefetchStream next_keys = {NULL, NULL}, next_values = {NULL, NULL};
         if (start + block_size < seq_len) {
             const int64_t next = (int64_t)block_table[block_index + 1] * block_bytes;
-            prefetch_range(key_bytes + next, block_bytes);
-            prefetch_range(value_bytes + next, block_bytes);
+            next_keys = (PrefetchStream){key_bytes + next, key_bytes + next + block_bytes};
+            next_values = (PrefetchStream){value_bytes + next, value_bytes + next + block_bytes};
         }
-        for (int64_t t = 0; t < n; ++t) {
-            for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-                load_row(key_cache, base + t * token_stride + kv_head * head_dim, is_bf16, head_dim, row);
-                for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-                    float dot = 0.0f;
+#if defined(__AVX512F__)
+        if (block_size == 16 && head_dim % 16 == 0) {
+            block_scores_avx512(key_cache, base, token_stride, n, num_kv_heads, group, head_dim, is_bf16, q, scores,
+                                indices, &next_keys);
+        } else
+#endif
+            for (int64_t t = 0; t < n; ++t) {
+                for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                    load_row(key_cache, base + t * token_stride + kv_head * head_dim, is_bf16, head_dim, row);
+                    for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+                        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += q[head][d] * row[d];
-                    scores[head][t] = dot;
+                        for (int64_t d = 0; d < head_dim; ++d) dot += q[head][d] * row[d];
+                        scores[head][t] = dot;
+                    }
                 }
             }
-        }
         for (int64_t head = 0; head < num_heads; ++head) {
             float block_max = scores[head][0];
             for (int64_t t = 1; t < n; ++t) block_max = scores[head][t] > block_max ? scores[head][t] : block_max;
@@ -140,16 +257,24 @@ static inline __attribute__((always_inline)) void decode_sequence(
             running_sum[head] += block_sum;
             running_max[head] = new_max;
         }
-        for (int64_t t = 0; t < n; ++t) {
-            for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-                load_row(value_cache, base + t * token_stride + kv_head * head_dim, is_bf16, head_dim, row);
-                for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-                    const float p = scores[head][t];
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0) {
+            block_values_avx512(value_cache, base, token_stride, n, num_kv_heads, group, head_dim, is_bf16, scores,
+                                acc, &next_values);
+        } else
+#endif
+            for (int64_t t = 0; t < n; ++t) {
+                for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                    load_row(value_cache, base + t * token_stride + kv_head * head_dim, is_bf16, head_dim, row);
+                    for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+                        const float p = scores[head][t];
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) acc[head][d] += p * row[d];
+                        for (int64_t d = 0; d < head_dim; ++d) acc[head][d] += p * row[d];
+                    }
                 }
             }
-        }
+        prefetch_rest(&next_keys);
+        prefetch_rest(&next_values);
     }
 
     for (int64_t head = 0; head < num_heads; ++head) {
@@ -171,9 +296,15 @@ int paged_decode_attention(const void *query, const void *key_cache, const void 
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            int64_t block_table_stride, float scale, int is_bf16) {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
+    const void *reduce_indices = NULL;
+#if defined(__AVX512F__)
+    ReduceIndices indices;
+    make_reduce_indices(&indices);
+    reduce_indices = &indices;
+#endif
 #define DECODE(HEAD_DIM, IS_BF16)                                                                       \
     decode_sequence(seq, query, key_cache, value_cache, block_tables, seq_lens, out, num_heads, num_kv_heads, \
-                    HEAD_DIM, block_size, block_table_stride, scale, IS_BF16)
+                    HEAD_DIM, block_size, block_table_stride, scale, IS_BF16, reduce_indices)
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
         /* The branch sits inside the parallel loop: OpenMP outlines the loop body
