@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_kernels
+from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 
 

@@ -12,13 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.models.rotary import RotaryEmbedding, apply_rotary
+from engine.models.ops import ModelOps
+from engine.models.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,52 +62,55 @@ class ModelShape:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """RMSNorm fused with the residual add before it (``ModelOps.add_rms_norm``)."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: ModelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and round before the weight, as transformers does
-        # (the fused kernel is fast in float32 only, hence the explicit upcast).
-        return self.weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, backend: AttentionBackend) -> None:
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: AttentionBackend, ops: ModelOps) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
-        self.intermediate_size = shape.intermediate_size
+        self.rotary = rotary
         self.backend = backend
+        self.ops = ops
 
     def forward(
         self,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         layer_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        # hidden: [T, hidden_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [T, hidden_size], this layer's input before the residual add (residual is None
+        for the first layer). Returns (output, residual) with the same convention."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        hidden, residual = self.input_layernorm(hidden, residual)
+        qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Rotation writes fresh contiguous q [T, H, D] and k [T, H_kv, D], as the backends prefer.
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
+        q = self.rotary(q.view(num_tokens, self.num_heads, self.head_dim), positions)
+        k = self.rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = self.backend.forward(q, k, v, layer_cache, metadata, self.scale)  # [T, H, D]
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return hidden + self.down_proj(F.silu(gate).mul_(up))
+        hidden, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(num_tokens, self.q_size)), residual)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden))), residual
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -120,14 +123,15 @@ class LlamaFamilyForCausalLM(nn.Module):
         max_positions: int,
         dtype: torch.dtype,
         backend: AttentionBackend,
+        ops: ModelOps,
     ) -> None:
         super().__init__()
         self.shape = ModelShape.from_config(config, architecture)
         shape = self.shape
-        self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype)
+        self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype, ops)
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, backend) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(shape, self.rotary, backend, ops) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -144,11 +148,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         """input_ids, positions: [T]; kv_cache: [num_layers, 2, num_blocks, block_size, H_kv, D];
         logits_indices: [R] rows of the batch whose next-token logits are needed.
         Returns float32 logits [R, vocab_size]."""
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer_index, layer in enumerate(self.layers):
-            hidden = layer(cos_sin, hidden, kv_cache[layer_index], metadata)
-        return self.lm_head(self.norm(hidden[logits_indices])).float()
+            hidden, residual = layer(positions, hidden, residual, kv_cache[layer_index], metadata)
+        hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face checkpoint tensors into the fused parameters."""

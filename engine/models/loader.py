@@ -14,6 +14,7 @@ from transformers import AutoConfig, PretrainedConfig
 from engine.attention.backend import AttentionBackend
 from engine.models.cpu_linear import can_pack, pack_linears
 from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.ops import select_ops
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ def load_model(
     elif max_model_len > supported_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({supported_len})")
     with torch.device(device):
-        model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend).to(dtype)
+        ops = select_ops(device, dtype)
+        model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops).to(dtype)
     model.load_weights(iter_safetensors(path))
     model.eval()
     if can_pack(device, dtype):

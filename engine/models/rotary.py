@@ -7,6 +7,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.models.ops import ModelOps
+
 # Variants whose frequencies depend on the current sequence length; a paged
 # cache stores K already rotated, so they cannot be served exactly.
 _LENGTH_DEPENDENT = {"dynamic"}
@@ -29,7 +31,9 @@ def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, fl
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin for every position up to ``max_positions``, applied neox-style (rotate half)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, max_positions: int, dtype: torch.dtype, ops: ModelOps
+    ) -> None:
         super().__init__()
         inv_freq, scaling = _inv_freq(config, head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
@@ -37,20 +41,8 @@ class RotaryEmbedding(torch.nn.Module):
         # the model dtype, as transformers does before applying them.
         self.register_buffer("cos", (freqs.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scaling).to(dtype), persistent=False)
+        self.ops = ops
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the step's positions, each [T, 1, D/2]; looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [T, heads, D] by (cos, sin): [T, 1, D/2]; returns a new tensor.
-
-    Same math as transformers' ``x * cos + rotate_half(x) * sin``, written per half
-    into one output to avoid the concatenations."""
-    x1, x2 = x.chunk(2, dim=-1)
-    out = torch.empty_like(x)
-    out1, out2 = out.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
-    return out
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] (rows may be strided); positions: [T]. Returns x rotated, contiguous."""
+        return self.ops.rotary(x, self.cos, self.sin, positions)

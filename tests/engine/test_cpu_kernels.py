@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import cpu_kernels
+from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, decode_attention_bias, paged_decode_attention
 
@@ -100,3 +100,50 @@ def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv("SPLITSERVE_CPU_KERNELS")
         cpu_kernels.load.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def ops_pair() -> tuple[object, object]:
+    from engine.models.ops import NativeCPUOps, TorchOps
+
+    return NativeCPUOps(KERNELS), TorchOps()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["first-layer", "residual"])
+def test_fused_add_rms_norm_matches_reference(ops_pair, dtype: torch.dtype, with_residual: bool) -> None:
+    native, reference = ops_pair
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 96, generator=generator).to(dtype)
+    residual = torch.randn(37, 96, generator=generator).to(dtype) if with_residual else None
+    weight = torch.randn(96, generator=generator).to(dtype)
+    expected, expected_residual = reference.add_rms_norm(x, None if residual is None else residual.clone(), weight, 1e-5)
+    out, new_residual = native.add_rms_norm(x, residual, weight, 1e-5)
+    # The residual add rounds exactly like PyTorch's; the norm's float32 sum may differ in order.
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_silu_and_mul_matches_reference(ops_pair, dtype: torch.dtype) -> None:
+    native, reference = ops_pair
+    gate_up = (torch.randn(9, 2 * 80, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: rounds once, transformers twice
+    torch.testing.assert_close(
+        native.silu_and_mul(gate_up).float(), reference.silu_and_mul(gate_up).float(), atol=tolerance, rtol=tolerance
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_rotary_matches_reference_on_strided_rows(ops_pair, dtype: torch.dtype) -> None:
+    native, reference = ops_pair
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(11, 3 * 4 * 32, generator=generator).to(dtype)
+    q = qkv[:, : 4 * 32].view(11, 4, 32)  # strided rows, as the model hands them over
+    cos = torch.randn(64, 16, generator=generator).to(dtype)
+    sin = torch.randn(64, 16, generator=generator).to(dtype)
+    positions = torch.randint(0, 64, (11,), generator=generator)
+    out = native.rotary(q, cos, sin, positions)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, reference.rotary(q, cos, sin, positions), atol=1e-6, rtol=1e-6)
