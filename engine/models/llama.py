@@ -180,6 +180,8 @@ class LlamaFamilyForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
             dest = param.data if offset is None else param.data[offset : offset + rows]
+            if rows_loaded[target] + dest.shape[0] > param.shape[0]:
+                raise ValueError(f"checkpoint tensor {name!r} appears more than once")
             if dest.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,10 +52,21 @@ def model_max_len(config: PretrainedConfig) -> int:
     return min(max_len, window) if window else max_len
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: those its shard index names, else the single file, else all."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}; convert the checkpoint to safetensors first")
+    return files
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = safetensors_files(path)
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint
@@ -139,3 +139,29 @@ def test_smollm2_text_prompt(smollm2: tuple[LLM, Reference]) -> None:
     output = llm.generate([text], GREEDY)[0]
     assert output.outputs[0].token_ids == reference(llm.tokenizer.encode(text))
     assert output.outputs[0].text == llm.tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_llama3_rope_scaling_tied_embeddings_sharded(tmp_path: Path) -> None:
+    """Llama 3 style: llama3 RoPE scaling, tied embeddings, weights split over several safetensors files."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    single = make_checkpoint(tmp_path / "llama3", tie_word_embeddings=True, rope_parameters=rope)
+    model = AutoModelForCausalLM.from_pretrained(single)
+    path = tmp_path / "llama3-sharded"
+    model.save_pretrained(path, max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(single).save_pretrained(path)
+    assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").is_file()
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    llm = LLM(model=str(path), kv_cache_memory=1 << 22)
+    # Long enough prompts that positions pass the original context, where llama3 scaling bites.
+    assert_matches(llm, random_prompts([5, 70, 100], seed=6), Reference(path))
+
+
+def test_float16_generates_like_transformers_on_short_prompts(tmp_path: Path) -> None:
+    """float16 runs the torch reference paths on CPU; short prompts keep rounding drift out of argmax."""
+    path = make_checkpoint(tmp_path / "fp16")
+    llm = LLM(model=str(path), dtype="float16", kv_cache_memory=1 << 22)
+    outputs = llm.generate(random_prompts([4, 9], seed=7), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    assert llm.engine.runner.dtype == torch.float16
+    assert_no_leaks(llm)
