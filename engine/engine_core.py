@@ -95,6 +95,8 @@ class EngineCore:
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int | None) -> int:
         num_prompt = len(prompt_token_ids)
+        if first_token_id is not None and self.config.role != "decode":
+            raise ValueError(f"first_token_id continues a remotely prefilled prompt: decode role only, this engine is {self.config.role}")
         if num_prompt == 0:
             raise ValueError("the prompt is empty; send at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]

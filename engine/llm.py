@@ -59,14 +59,14 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 prompt_text, token_ids = self._tokenize(prompt)
-                request_id = uuid.uuid4().hex
-                self.engine.add_request(token_ids, params, request_id=request_id)
-                tracked[request_id] = _Tracked(
+                item = _Tracked(
                     prompt=prompt_text,
                     prompt_token_ids=token_ids,
                     detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
                     wants_logprobs=params.logprobs is not None,
                 )
+                request_id = self.engine.add_request(token_ids, params, request_id=uuid.uuid4().hex)
+                tracked[request_id] = item
         except ValueError:
             self.engine.abort(list(tracked))
             self.engine.step()  # drain the abort notices so the next call starts clean
