@@ -1,1 +1,2 @@
-"""Moving KV blocks between engines: UCX and LMCache backends (issue #3)."""
+"""Moving KV blocks between engines: one contract, UCX and LMCache backends, and the
+compatibility fingerprint checked at handshake (issue #3)."""

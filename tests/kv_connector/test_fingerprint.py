@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError, model_identity
+from tests.checkpoints import make_checkpoint
+
+BASE = Fingerprint(model="m-1", dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+
+
+def test_equal_fingerprints_pair() -> None:
+    BASE.check_compatible(Fingerprint(**{f: getattr(BASE, f) for f in BASE.__slots__}))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": "m-2"}, "model: decode has 'm-1', prefill has 'm-2'"),
+        ({"dtype": "float16"}, "dtype: decode has 'bfloat16', prefill has 'float16'"),
+        ({"block_size": 32}, "block_size: decode has 16, prefill has 32"),
+        ({"num_layers": 2}, "num_layers"),
+        ({"num_kv_heads": 9}, "num_kv_heads"),
+        ({"head_dim": 128}, "head_dim"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ],
+)
+def test_any_difference_is_refused_naming_both_values(change: dict[str, object], message: str) -> None:
+    other = Fingerprint(**{**{f: getattr(BASE, f) for f in BASE.__slots__}, **change})
+    with pytest.raises(FingerprintMismatchError, match=message):
+        BASE.check_compatible(other, this_side="decode", other_side="prefill")
+
+
+def test_model_identity_tells_weights_and_configs_apart(tmp_path: Path) -> None:
+    a = make_checkpoint(tmp_path / "same", seed=0)
+    b = make_checkpoint(tmp_path / "other" / "same", seed=1)  # same name and config, other weights
+    assert model_identity(a) == model_identity(a)
+    assert model_identity(a) != model_identity(b)
+    config = json.loads((a / "config.json").read_text())
+    config["transformers_version"] = "0.0.0"  # tooling noise does not change the identity
+    before = model_identity(a)
+    (a / "config.json").write_text(json.dumps(config))
+    assert model_identity(a) == before
+    config["rms_norm_eps"] = 0.5
+    (a / "config.json").write_text(json.dumps(config))
+    assert model_identity(a) != before
