@@ -1,0 +1,106 @@
+"""The KV connector contract: how a prompt's KV blocks travel from a prefill engine
+(P) to a decode engine (D).
+
+Both sides hold their engine's KV cache tensor, laid out as
+``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``. A
+transfer names blocks by id on each side, never raw offsets chosen by the peer.
+
+Ownership: P's blocks are pinned by P's engine from the end of prefill until
+D confirms the pull (ReleaseKV), the request is aborted, or its lease expires;
+the connector only reads them between :meth:`KVConnector.publish` and
+:meth:`KVConnector.unpublish`. D's destination blocks are allocated by D's
+engine, written only by :meth:`KVConnector.pull`, and not shared with any
+other request until the engine is told the pull finished.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from kv_connector.fingerprint import Fingerprint
+
+
+class KVTransferError(RuntimeError):
+    """A pull failed (peer unreachable, refused, timed out, or sent something invalid).
+    The decode side then recomputes the prompt or fails the request, as configured."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVSource:
+    """Where a request's prompt KV waits on the prefill side (the connector's view of a KVHandle)."""
+
+    request_id: str
+    address: str  # P's connector endpoint, host:port
+    block_ids: tuple[int, ...]  # P's blocks, in prompt order
+    num_tokens: int
+    fingerprint: Fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+class KVConnector(abc.ABC):
+    """One backend's way of moving KV blocks. Subclasses are chosen by :attr:`name`."""
+
+    name: str
+
+    def __init__(self, kv_cache: torch.Tensor, fingerprint: Fingerprint) -> None:
+        if kv_cache.dim() != 6:
+            raise ValueError(f"kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+        self.kv_cache = kv_cache
+        self.fingerprint = fingerprint
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        layers, kv, _, block_size, heads, head_dim = self.kv_cache.shape
+        return layers * kv * block_size * heads * head_dim * self.kv_cache.element_size()
+
+    # ------------------------------------------------------------- prefill side
+
+    @abc.abstractmethod
+    async def start(self, host: str, port: int) -> str:
+        """Called once when the instance starts. P listens for pulls; D prepares its client side.
+        Returns the address peers should use (P) or an empty string (D)."""
+
+    @abc.abstractmethod
+    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> None:
+        """P, right after prefill, while the engine keeps ``block_ids`` pinned: make the
+        prompt KV they hold (``token_ids``' KV) available to pulls for ``request_id``."""
+
+    @abc.abstractmethod
+    def unpublish(self, request_id: str) -> None:
+        """P, before the engine unpins the request's blocks (release, abort or lease expiry):
+        refuse further pulls of them. Idempotent."""
+
+    # -------------------------------------------------------------- decode side
+
+    @abc.abstractmethod
+    async def pull(self, source: KVSource, block_ids: list[int], first_block: int, timeout_s: float) -> TransferStats:
+        """D: copy the KV of ``source.block_ids[first_block:]`` into its own ``block_ids[first_block:]``
+        (the blocks before ``first_block`` are local prefix-cache hits). Raises
+        :class:`KVTransferError` on any failure, including a fingerprint mismatch or the timeout;
+        on error the destination blocks hold garbage and must be recomputed or freed."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop listening and drop connections. Called once at shutdown."""
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """The given blocks' KV as one contiguous tensor [layers, 2, n, block_size, kv_heads, head_dim]."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    return kv_cache.index_select(2, index)
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
+    """Write ``blocks`` (as :func:`gather_blocks` returns them) into ``kv_cache`` at ``block_ids``."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    kv_cache.index_copy_(2, index, blocks)

@@ -1,0 +1,23 @@
+"""Connector backends by name, imported only when chosen (each pulls in its own transport)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from kv_connector.base import KVConnector
+from kv_connector.fingerprint import Fingerprint
+
+# name -> "module:class"
+BACKENDS = {
+    "ucx": "kv_connector.ucx:UCXConnector",
+}
+
+
+def make_connector(name: str, kv_cache: torch.Tensor, fingerprint: Fingerprint) -> KVConnector:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown KV connector {name!r}; choose one of {', '.join(sorted(BACKENDS))}")
+    module_name, _, class_name = BACKENDS[name].partition(":")
+    connector_class = getattr(importlib.import_module(module_name), class_name)
+    return connector_class(kv_cache, fingerprint)

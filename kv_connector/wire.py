@@ -1,0 +1,98 @@
+"""The small JSON headers exchanged before a KV payload, validated field by field.
+
+Nothing from the wire is unpickled: headers are JSON objects whose every field
+is type-checked before use, and the payload is raw tensor bytes whose size and
+shape the receiver computes itself and compares.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from kv_connector.fingerprint import Fingerprint
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+
+
+class WireError(ValueError):
+    """A peer sent a header this side cannot accept."""
+
+
+@dataclass(frozen=True, slots=True)
+class PullRequest:
+    """D -> P: send these blocks of this request."""
+
+    request_id: str
+    block_ids: list[int]  # P's block ids, a subset of what P published for the request
+    fingerprint: Fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class PullReply:
+    """P -> D: whether the payload follows, and what it is."""
+
+    ok: bool
+    error: str = ""
+    num_bytes: int = 0
+    shape: list[int] | None = None
+    dtype: str = ""
+
+
+def encode(message: PullRequest | PullReply) -> bytes:
+    body = asdict(message)
+    body["version"] = PROTOCOL_VERSION
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_pull_request(data: bytes) -> PullRequest:
+    body = _object(data)
+    fingerprint = body.get("fingerprint")
+    if not isinstance(fingerprint, dict):
+        raise WireError("pull request has no fingerprint object")
+    try:
+        parsed_fingerprint = Fingerprint(**fingerprint)
+    except TypeError as error:
+        raise WireError(f"bad fingerprint: {error}") from None
+    for name, kind in (("model", str), ("dtype", str)):
+        _require(getattr(parsed_fingerprint, name), kind, f"fingerprint.{name}")
+    for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size"):
+        _require(getattr(parsed_fingerprint, name), int, f"fingerprint.{name}")
+    request_id = _require(body.get("request_id"), str, "request_id")
+    block_ids = _require(body.get("block_ids"), list, "block_ids")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
+        raise WireError("block_ids must be non-negative integers")
+    return PullRequest(request_id=request_id, block_ids=block_ids, fingerprint=parsed_fingerprint)
+
+
+def decode_pull_reply(data: bytes) -> PullReply:
+    body = _object(data)
+    ok = _require(body.get("ok"), bool, "ok")
+    error = _require(body.get("error", ""), str, "error")
+    num_bytes = _require(body.get("num_bytes", 0), int, "num_bytes")
+    shape = body.get("shape")
+    if shape is not None and not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise WireError("shape must be a list of non-negative integers")
+    dtype = _require(body.get("dtype", ""), str, "dtype")
+    return PullReply(ok=ok, error=error, num_bytes=num_bytes, shape=shape, dtype=dtype)
+
+
+def _object(data: bytes) -> dict[str, object]:
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WireError(f"header is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise WireError("header must be a JSON object")
+    if body.get("version") != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {body.get('version')!r}, this side speaks {PROTOCOL_VERSION}")
+    return body
+
+
+def _require(value: object, kind: type, name: str):  # noqa: ANN202 - returns value narrowed to kind
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise WireError(f"{name} must be {kind.__name__}, got {type(value).__name__}")
+    return value
