@@ -12,6 +12,8 @@ import sys
 # subcommand -> (module defining ``add_arguments(parser)`` and ``run(args)``, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.cli_generate", "generate text offline with the engine"),
+    "prefill": ("prefill_svc.server", "serve the engine in the prefill role over gRPC"),
+    "decode": ("decode_svc.server", "serve the engine in the decode role over gRPC"),
 }
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import generation_pb2 as splitserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/v1/disaggregation.proto\x12\rsplitserve.v1\x1a\x1esplitserve/v1/generation.proto\"\x99\x01\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\"\xe1\x01\n\x08KVHandle\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x11\n\tconnector\x18\x02 \x01(\t\x12\x19\n\x11\x63onnector_address\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12/\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x1a.splitserve.v1.Fingerprint\x12\x1c\n\x14lease_expires_unix_s\x18\x08 \x01(\x01\"\x95\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xdb\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x32\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\"\xbd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVHandle\x12\x10\n\x08priority\x18\x06 \x01(\x05\"}\n\nKVTransfer\x12\x19\n\x11num_pulled_blocks\x18\x01 \x01(\x05\x12\x1c\n\x14num_local_hit_blocks\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x12\n\nrecomputed\x18\x05 \x01(\x08\"\xdb\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12.\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.KVTransferB\x10\n\x0e_stop_token_id\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11LoadReportRequest\"\xd8\x02\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12/\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x1a.splitserve.v1.Fingerprint\x12\x11\n\tconnector\x18\x08 \x01(\t\x12\x19\n\x11\x63onnector_address\x18\t \x01(\t\x12\x1d\n\x15prefix_cache_hit_rate\x18\n \x01(\x01\x12\x14\n\x0ckv_transfers\x18\x0b \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x32\xdf\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x19.splitserve.v1.RequestRef\x1a .splitserve.v1.ReleaseKVResponse\x12@\n\x05\x41\x62ort\x12\x19.splitserve.v1.RequestRef\x1a\x1c.splitserve.v1.AbortResponse2\x93\x01\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12@\n\x05\x41\x62ort\x12\x19.splitserve.v1.RequestRef\x1a\x1c.splitserve.v1.AbortResponse2T\n\x04Load\x12L\n\rGetLoadReport\x12 .splitserve.v1.LoadReportRequest\x1a\x19.splitserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/v1/disaggregation.proto\x12\rsplitserve.v1\x1a\x1esplitserve/v1/generation.proto\"\x99\x01\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\"\x94\x02\n\x08KVHandle\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x11\n\tconnector\x18\x02 \x01(\t\x12\x19\n\x11\x63onnector_address\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12/\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x1a.splitserve.v1.Fingerprint\x12\x1c\n\x14lease_expires_unix_s\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_address\x18\t \x01(\t\x12\x18\n\x10prompt_token_ids\x18\n \x03(\x05\"\x95\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xdb\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x32\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\"\xbd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVHandle\x12\x10\n\x08priority\x18\x06 \x01(\x05\"}\n\nKVTransfer\x12\x19\n\x11num_pulled_blocks\x18\x01 \x01(\x05\x12\x1c\n\x14num_local_hit_blocks\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x12\n\nrecomputed\x18\x05 \x01(\x08\"\xdb\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12.\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.KVTransferB\x10\n\x0e_stop_token_id\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11LoadReportRequest\"\xd8\x02\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12/\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x1a.splitserve.v1.Fingerprint\x12\x11\n\tconnector\x18\x08 \x01(\t\x12\x19\n\x11\x63onnector_address\x18\t \x01(\t\x12\x1d\n\x15prefix_cache_hit_rate\x18\n \x01(\x01\x12\x14\n\x0ckv_transfers\x18\x0b \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x32\xdf\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x19.splitserve.v1.RequestRef\x1a .splitserve.v1.ReleaseKVResponse\x12@\n\x05\x41\x62ort\x12\x19.splitserve.v1.RequestRef\x1a\x1c.splitserve.v1.AbortResponse2\x93\x01\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12@\n\x05\x41\x62ort\x12\x19.splitserve.v1.RequestRef\x1a\x1c.splitserve.v1.AbortResponse2T\n\x04Load\x12L\n\rGetLoadReport\x12 .splitserve.v1.LoadReportRequest\x1a\x19.splitserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINGERPRINT']._serialized_start=86
   _globals['_FINGERPRINT']._serialized_end=239
   _globals['_KVHANDLE']._serialized_start=242
-  _globals['_KVHANDLE']._serialized_end=467
-  _globals['_PREFILLREQUEST']._serialized_start=470
-  _globals['_PREFILLREQUEST']._serialized_end=619
-  _globals['_PREFILLRESPONSE']._serialized_start=622
-  _globals['_PREFILLRESPONSE']._serialized_end=841
-  _globals['_DECODEREQUEST']._serialized_start=844
-  _globals['_DECODEREQUEST']._serialized_end=1033
-  _globals['_KVTRANSFER']._serialized_start=1035
-  _globals['_KVTRANSFER']._serialized_end=1160
-  _globals['_DECODERESPONSE']._serialized_start=1163
-  _globals['_DECODERESPONSE']._serialized_end=1382
-  _globals['_REQUESTREF']._serialized_start=1384
-  _globals['_REQUESTREF']._serialized_end=1416
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1418
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1455
-  _globals['_ABORTRESPONSE']._serialized_start=1457
-  _globals['_ABORTRESPONSE']._serialized_end=1487
-  _globals['_LOADREPORTREQUEST']._serialized_start=1489
-  _globals['_LOADREPORTREQUEST']._serialized_end=1508
-  _globals['_LOADREPORT']._serialized_start=1511
-  _globals['_LOADREPORT']._serialized_end=1855
-  _globals['_PREFILL']._serialized_start=1858
-  _globals['_PREFILL']._serialized_end=2081
-  _globals['_DECODE']._serialized_start=2084
-  _globals['_DECODE']._serialized_end=2231
-  _globals['_LOAD']._serialized_start=2233
-  _globals['_LOAD']._serialized_end=2317
+  _globals['_KVHANDLE']._serialized_end=518
+  _globals['_PREFILLREQUEST']._serialized_start=521
+  _globals['_PREFILLREQUEST']._serialized_end=670
+  _globals['_PREFILLRESPONSE']._serialized_start=673
+  _globals['_PREFILLRESPONSE']._serialized_end=892
+  _globals['_DECODEREQUEST']._serialized_start=895
+  _globals['_DECODEREQUEST']._serialized_end=1084
+  _globals['_KVTRANSFER']._serialized_start=1086
+  _globals['_KVTRANSFER']._serialized_end=1211
+  _globals['_DECODERESPONSE']._serialized_start=1214
+  _globals['_DECODERESPONSE']._serialized_end=1433
+  _globals['_REQUESTREF']._serialized_start=1435
+  _globals['_REQUESTREF']._serialized_end=1467
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1469
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1506
+  _globals['_ABORTRESPONSE']._serialized_start=1508
+  _globals['_ABORTRESPONSE']._serialized_end=1538
+  _globals['_LOADREPORTREQUEST']._serialized_start=1540
+  _globals['_LOADREPORTREQUEST']._serialized_end=1559
+  _globals['_LOADREPORT']._serialized_start=1562
+  _globals['_LOADREPORT']._serialized_end=1906
+  _globals['_PREFILL']._serialized_start=1909
+  _globals['_PREFILL']._serialized_end=2132
+  _globals['_DECODE']._serialized_start=2135
+  _globals['_DECODE']._serialized_end=2282
+  _globals['_LOAD']._serialized_start=2284
+  _globals['_LOAD']._serialized_end=2368
 # @@protoc_insertion_point(module_scope)

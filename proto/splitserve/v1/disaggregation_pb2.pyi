@@ -26,7 +26,7 @@ class Fingerprint(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_instance_id", "connector", "connector_address", "block_ids", "num_tokens", "block_hashes", "fingerprint", "lease_expires_unix_s")
+    __slots__ = ("prefill_instance_id", "connector", "connector_address", "block_ids", "num_tokens", "block_hashes", "fingerprint", "lease_expires_unix_s", "prefill_address", "prompt_token_ids")
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class KVHandle(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prefill_instance_id: str
     connector: str
     connector_address: str
@@ -43,7 +45,9 @@ class KVHandle(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     fingerprint: Fingerprint
     lease_expires_unix_s: float
-    def __init__(self, prefill_instance_id: _Optional[str] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_expires_unix_s: _Optional[float] = ...) -> None: ...
+    prefill_address: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefill_instance_id: _Optional[str] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_expires_unix_s: _Optional[float] = ..., prefill_address: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt")

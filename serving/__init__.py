@@ -1,0 +1,3 @@
+"""What the prefill and decode services share: an engine instance served over gRPC
+(engine and connector set-up, health, load report, graceful shutdown) and the
+conversions between protobuf messages and engine types."""

@@ -1,0 +1,81 @@
+"""Conversions at the gRPC edge: protobuf messages <-> engine and connector types.
+Converted once here; nothing inward sees a protobuf message."""
+
+from __future__ import annotations
+
+from splitserve.v1 import disaggregation_pb2, generation_pb2
+
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from kv_connector.base import KVSource
+from kv_connector.fingerprint import Fingerprint
+
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(message: generation_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep the engine's defaults. Raises ValueError for bad values."""
+    kwargs: dict[str, object] = {name: getattr(message, name) for name in _OPTIONAL_SAMPLING_FIELDS if message.HasField(name)}
+    return SamplingParams(
+        **kwargs,  # type: ignore[arg-type]
+        min_tokens=message.min_tokens,
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+    )
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        rank=logprobs.rank,
+        top=[generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top_logprobs],
+    )
+
+
+def fingerprint_to_proto(fingerprint: Fingerprint) -> disaggregation_pb2.Fingerprint:
+    return disaggregation_pb2.Fingerprint(
+        model=fingerprint.model,
+        dtype=fingerprint.dtype,
+        block_size=fingerprint.block_size,
+        num_layers=fingerprint.num_layers,
+        num_kv_heads=fingerprint.num_kv_heads,
+        head_dim=fingerprint.head_dim,
+        tensor_parallel_size=fingerprint.tensor_parallel_size,
+    )
+
+
+def fingerprint_from_proto(message: disaggregation_pb2.Fingerprint) -> Fingerprint:
+    return Fingerprint(
+        model=message.model,
+        dtype=message.dtype,
+        block_size=message.block_size,
+        num_layers=message.num_layers,
+        num_kv_heads=message.num_kv_heads,
+        head_dim=message.head_dim,
+        tensor_parallel_size=message.tensor_parallel_size,
+    )
+
+
+def kv_source_from_proto(request_id: str, handle: disaggregation_pb2.KVHandle) -> KVSource:
+    return KVSource(
+        request_id=request_id,
+        address=handle.connector_address,
+        block_ids=tuple(handle.block_ids),
+        num_tokens=handle.num_tokens,
+        fingerprint=fingerprint_from_proto(handle.fingerprint),
+    )

@@ -1,0 +1,188 @@
+"""An engine instance served over gRPC: the engine on its thread, the KV connector,
+standard health, the load report, and a drain on SIGTERM. Each role adds its servicer."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
+
+from engine.async_engine import AsyncEngine
+from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineRole
+from engine.engine_core import EngineCore
+from engine.scheduler_output import KVLoad
+from kv_connector.base import KVConnector, TransferStats
+from kv_connector.fingerprint import Fingerprint, model_identity
+from kv_connector.registry import BACKENDS, make_connector
+from serving.convert import fingerprint_to_proto
+
+logger = logging.getLogger(__name__)
+
+DRAIN_GRACE_S = 30.0
+
+
+def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """Flags both roles take; the names match compose/ and the gateway's expectations."""
+    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind the gRPC server and the KV connector to")
+    parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free port)")
+    parser.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
+    parser.add_argument("--kv-connector", default="ucx", choices=sorted(BACKENDS))
+    parser.add_argument("--kv-port", type=int, default=0, help="KV connector port (0: any free port)")
+    parser.add_argument("--instance-id", default=None, help="name in load reports (default: random)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--kv-cache-memory", type=int, default=DEFAULT_KV_CACHE_MEMORY, help="KV cache bytes on CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--num-blocks", type=int, default=None, help="override the KV block count")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        role=role,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_blocks_override=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def fingerprint_of(core: EngineCore) -> Fingerprint:
+    shape = core.runner.shape
+    return Fingerprint(
+        model=model_identity(core.model_path),
+        dtype=str(core.runner.dtype).removeprefix("torch."),
+        block_size=core.config.block_size,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+    )
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    num_transfers: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, stats: TransferStats) -> None:
+        self.num_transfers += 1
+        self.num_bytes += stats.num_bytes
+        self.seconds += stats.seconds
+
+
+@dataclass
+class Instance:
+    """One prefill or decode instance: engine, connector and identity."""
+
+    role: EngineRole
+    engine: AsyncEngine
+    connector: KVConnector
+    fingerprint: Fingerprint
+    instance_id: str
+    grpc_address: str = ""
+    connector_address: str = ""
+    transfers: TransferCounters = field(default_factory=TransferCounters)
+
+    @classmethod
+    def create(
+        cls, args: argparse.Namespace, role: EngineRole, on_kv_loads: Callable[[list[KVLoad]], None] | None = None
+    ) -> Instance:
+        """Load the model and size the KV cache (blocking); log capacity and fingerprint."""
+        engine = AsyncEngine(engine_config(args, role), on_kv_loads=on_kv_loads)
+        fingerprint = fingerprint_of(engine.core)
+        connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint)
+        instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        report = engine.core.load_report()
+        logger.info(
+            "%s %s: %d KV blocks x %d tokens = %d tokens; fingerprint %s",
+            role,
+            instance_id,
+            report.num_total_blocks,
+            fingerprint.block_size,
+            report.num_total_blocks * fingerprint.block_size,
+            fingerprint,
+        )
+        return cls(role, engine, connector, fingerprint, instance_id)
+
+    async def load_report(self) -> disaggregation_pb2.LoadReport:
+        report = await self.engine.load_report()
+        return disaggregation_pb2.LoadReport(
+            instance_id=self.instance_id,
+            role=self.role,
+            num_waiting=report.num_waiting,
+            num_running=report.num_running,
+            num_free_blocks=report.num_free_blocks,
+            num_total_blocks=report.num_total_blocks,
+            fingerprint=fingerprint_to_proto(self.fingerprint),
+            connector=self.connector.name,
+            connector_address=self.connector_address,
+            prefix_cache_hit_rate=report.prefix_cache_hit_rate,
+            kv_transfers=self.transfers.num_transfers,
+            kv_transfer_bytes=self.transfers.num_bytes,
+            kv_transfer_seconds=self.transfers.seconds,
+        )
+
+
+class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+
+    async def GetLoadReport(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+        return await self.instance.load_report()
+
+
+async def serve(
+    instance: Instance, args: argparse.Namespace, add_servicer: Callable[[grpc.aio.Server], None], ready: Callable[[str], None] | None = None
+) -> None:
+    """Start engine, connector and gRPC server; run until SIGTERM/SIGINT, then drain and stop."""
+    await instance.engine.start()
+    advertise = args.advertise_host or args.host
+    connector_address = await instance.connector.start(args.host, args.kv_port)
+    instance.connector_address = connector_address.replace(args.host, advertise, 1) if connector_address else ""
+    server = grpc.aio.server()
+    add_servicer(server)
+    disaggregation_pb2_grpc.add_LoadServicer_to_server(LoadServicer(instance), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    instance.grpc_address = f"{advertise}:{port}"
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    logger.info("%s %s serving gRPC on %s, KV on %s", instance.role, instance.instance_id, instance.grpc_address, instance.connector_address)
+    if ready is not None:
+        ready(instance.grpc_address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    logger.info("draining: no new requests, waiting up to %.0f s for in-flight ones", DRAIN_GRACE_S)
+    await health_servicer.enter_graceful_shutdown()
+    started = time.monotonic()
+    await server.stop(grace=DRAIN_GRACE_S)
+    await instance.connector.close()
+    await instance.engine.stop()
+    logger.info("stopped after draining for %.1f s", time.monotonic() - started)

@@ -1,0 +1,175 @@
+"""Prefill and decode services as real processes on loopback: P -> KV connector -> D
+gives the colocated engine's greedy tokens, and no KV block leaks on any path."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
+
+from engine import LLM, SamplingParams
+from tests.checkpoints import make_checkpoint
+from tests.engine.test_parity import random_prompts
+from tests.services.processes import Service, free_port, running
+
+pytest.importorskip("ucxx")
+
+MAX_TOKENS = 8
+GREEDY = generation_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama-other"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def colocated(model: Path) -> LLM:
+    return LLM(model=str(model), kv_cache_memory=1 << 22)
+
+
+@pytest.fixture(scope="module")
+def prefill(model: Path) -> Iterator[Service]:
+    with running("prefill", model, "--lease-seconds", "2") as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def decode(model: Path) -> Iterator[Service]:
+    with running("decode", model, "--kv-pull-timeout", "5") as service:
+        yield service
+
+
+def expected_tokens(colocated: LLM, prompt: list[int]) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return colocated.generate([prompt], params)[0].outputs[0].token_ids
+
+
+def run_prefill(prefill: Service, request_id: str, prompt: list[int]) -> disaggregation_pb2.PrefillResponse:
+    stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
+    return stub.Prefill(disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=GREEDY), timeout=30)
+
+
+def run_decode(decode: Service, request_id: str, prompt: list[int], prefilled: disaggregation_pb2.PrefillResponse) -> tuple[list[int], list[disaggregation_pb2.DecodeResponse]]:
+    stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
+    responses = list(stub.Decode(disaggregation_pb2.DecodeRequest(
+        request_id=request_id, prompt_token_ids=prompt, first_token_id=prefilled.first_token_id,
+        sampling=GREEDY, kv=prefilled.kv), timeout=60))
+    tokens = [prefilled.first_token_id] + [t for r in responses for t in r.token_ids]
+    return tokens, responses
+
+
+def assert_all_free(*services: Service) -> None:
+    for service in services:
+        report = service.wait_all_free()
+        assert report.num_free_blocks == report.num_total_blocks, f"{service.address} leaked blocks"
+        assert report.num_running == report.num_waiting == 0
+
+
+def test_disaggregated_output_equals_colocated(prefill: Service, decode: Service, colocated: LLM) -> None:
+    for index, prompt in enumerate(random_prompts([3, 16, 17, 40, 70], seed=21)):
+        request_id = f"match-{index}"
+        prefilled = run_prefill(prefill, request_id, prompt)
+        assert prefilled.kv.num_tokens == len(prompt) and len(prefilled.kv.block_ids) == -(-len(prompt) // 16)
+        tokens, responses = run_decode(decode, request_id, prompt, prefilled)
+        assert tokens == expected_tokens(colocated, prompt)
+        assert responses[-1].finish_reason == "length"
+        transfer = responses[0].kv_transfer
+        assert not transfer.recomputed and transfer.num_pulled_blocks == len(prefilled.kv.block_ids)
+    assert_all_free(prefill, decode)
+    report = decode.load()
+    assert report.kv_transfers >= 5 and report.kv_transfer_bytes > 0
+
+
+def test_decode_prefix_hit_pulls_only_new_blocks(prefill: Service, decode: Service, colocated: LLM) -> None:
+    shared = random_prompts([48], seed=22)[0]  # three full blocks
+    transfers = []
+    for index, suffix in enumerate(random_prompts([20, 20], seed=23)):
+        prompt = shared + suffix
+        prefilled = run_prefill(prefill, f"prefix-{index}", prompt)
+        tokens, responses = run_decode(decode, f"prefix-{index}", prompt, prefilled)
+        assert tokens == expected_tokens(colocated, prompt)
+        transfers.append(responses[0].kv_transfer)
+    assert (transfers[0].num_local_hit_blocks, transfers[0].num_pulled_blocks) == (0, 5)
+    assert (transfers[1].num_local_hit_blocks, transfers[1].num_pulled_blocks) == (3, 2)
+    assert_all_free(prefill, decode)
+
+
+def test_unreleased_kv_is_freed_at_lease_expiry(prefill: Service) -> None:
+    run_prefill(prefill, "lease", random_prompts([40], seed=24)[0])
+    report = prefill.load()
+    assert report.num_total_blocks - report.num_free_blocks == 3
+    time.sleep(2.5)  # the fixture's lease is 2 s
+    assert_all_free(prefill)
+    released = disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="lease"))
+    assert not released.released  # exactly once: the lease already freed them
+
+
+def test_abort_frees_pinned_blocks(prefill: Service) -> None:
+    run_prefill(prefill, "abort-pinned", random_prompts([40], seed=25)[0])
+    found = disaggregation_pb2_grpc.PrefillStub(prefill.channel).Abort(disaggregation_pb2.RequestRef(request_id="abort-pinned"))
+    assert found.found
+    assert_all_free(prefill)
+
+
+def test_client_leaving_mid_decode_frees_both_sides(prefill: Service, decode: Service) -> None:
+    prompt = random_prompts([50], seed=26)[0]
+    prefilled = run_prefill(prefill, "leave", prompt)
+    stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
+    long_run = generation_pb2.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    call = stub.Decode(disaggregation_pb2.DecodeRequest(
+        request_id="leave", prompt_token_ids=prompt, first_token_id=prefilled.first_token_id, sampling=long_run, kv=prefilled.kv))
+    next(call)
+    call.cancel()
+    assert_all_free(prefill, decode)
+
+
+def test_dead_prefill_instance_means_local_recompute(model: Path, decode: Service, colocated: LLM) -> None:
+    prompt = random_prompts([45], seed=27)[0]
+    with running("prefill", model) as doomed:
+        prefilled = run_prefill(doomed, "orphan", prompt)
+        doomed.stop(signal.SIGKILL)
+    tokens, responses = run_decode(decode, "orphan", prompt, prefilled)
+    assert tokens == expected_tokens(colocated, prompt)
+    assert responses[0].kv_transfer.recomputed
+    assert_all_free(decode)
+
+
+def test_unreachable_peer_with_fail_policy_is_a_clear_error(model: Path, prefill: Service) -> None:
+    prompt = random_prompts([20], seed=28)[0]
+    prefilled = run_prefill(prefill, "unreachable", prompt)
+    prefilled.kv.connector_address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    with running("decode", model, "--kv-failure-policy", "fail", "--kv-pull-timeout", "3") as strict:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as raised:
+            run_decode(strict, "unreachable", prompt, prefilled)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "KV transfer from the prefill instance failed" in raised.value.details()
+        assert time.monotonic() - started < 10
+        assert_all_free(strict)
+    assert_all_free(prefill)  # D still released P's blocks
+
+
+def test_mismatched_fingerprints_refuse_to_pair(other_model: Path, prefill: Service, decode: Service, colocated: LLM) -> None:
+    prompt = random_prompts([20], seed=29)[0]
+    with running("decode", other_model) as stranger:
+        prefilled = run_prefill(prefill, "stranger", prompt)
+        with pytest.raises(grpc.RpcError) as raised:
+            run_decode(stranger, "stranger", prompt, prefilled)
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "model: decode has" in raised.value.details() and "prefill has" in raised.value.details()
+        assert_all_free(stranger)
+        # Both keep serving: the same prefill pairs with the matching decode instance.
+        tokens, _ = run_decode(decode, "stranger", prompt, prefilled)
+        assert tokens == expected_tokens(colocated, prompt)
+    assert_all_free(prefill, decode)
