@@ -56,7 +56,6 @@ class PeerSpec:
     head_dim: int
     num_cache_blocks: int
     request_num_blocks: tuple[int, ...]  # one published request per entry
-    raw_bytes: int  # size of the raw mode's contiguous payload
     seed: int
 
     @property
@@ -70,6 +69,16 @@ class PeerSpec:
     def cache_shape(self) -> tuple[int, int, int, int, int, int]:
         # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
         return (self.num_layers, 2, self.num_cache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * _DTYPES[self.dtype].itemsize
+
+    @property
+    def raw_bytes(self) -> int:
+        """Size of the raw mode's payload: the largest request's KV."""
+        return max(self.request_num_blocks) * self.bytes_per_block
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -173,3 +173,43 @@ def test_mismatched_fingerprints_refuse_to_pair(other_model: Path, prefill: Serv
         tokens, _ = run_decode(decode, "stranger", prompt, prefilled)
         assert tokens == expected_tokens(colocated, prompt)
     assert_all_free(prefill, decode)
+
+
+def test_sigterm_drains_in_flight_requests(model: Path, prefill: Service) -> None:
+    prompt = random_prompts([30], seed=30)[0]
+    prefilled = run_prefill(prefill, "drain", prompt)
+    service = Service("decode", model)
+    try:
+        stub = disaggregation_pb2_grpc.DecodeStub(service.channel)
+        longer = generation_pb2.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        call = stub.Decode(disaggregation_pb2.DecodeRequest(
+            request_id="drain", prompt_token_ids=prompt, first_token_id=prefilled.first_token_id, sampling=longer, kv=prefilled.kv))
+        first = next(call)
+        service.process.send_signal(signal.SIGTERM)
+        rest = list(call)
+        assert sum(len(r.token_ids) for r in [first, *rest]) == 39  # every token after the first one P sampled
+        assert rest[-1].finish_reason == "length"
+        assert service.process.wait(timeout=30) == 0
+    finally:
+        service.stop()
+    assert_all_free(prefill)
+
+
+def test_first_token_that_finishes_pins_nothing(prefill: Service) -> None:
+    stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
+    one = generation_pb2.SamplingParams(temperature=0.0, max_tokens=1)
+    response = stub.Prefill(disaggregation_pb2.PrefillRequest(request_id="one", prompt_token_ids=[5, 6, 7], sampling=one))
+    assert response.finish_reason == "length" and not response.HasField("kv")
+    assert_all_free(prefill)
+
+
+def test_bad_sampling_parameters_are_invalid_argument(prefill: Service) -> None:
+    stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Prefill(disaggregation_pb2.PrefillRequest(
+            request_id="bad", prompt_token_ids=[5], sampling=generation_pb2.SamplingParams(top_p=1.5)))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in raised.value.details()
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Prefill(disaggregation_pb2.PrefillRequest(request_id="empty", prompt_token_ids=[], sampling=GREEDY))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in raised.value.details()
+    assert_all_free(prefill)
