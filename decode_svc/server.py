@@ -46,6 +46,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         self.pull_timeout_s = pull_timeout_s
         self.instance: Instance | None = None  # set once the engine exists (it calls back into us)
         self._pending: dict[str, PendingPull] = {}
+        # The serving loop, captured by the first Decode call (KV loads only follow Decode calls).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Future[None]] = set()  # strong references to release tasks
@@ -198,5 +199,12 @@ def run(args: argparse.Namespace) -> int:
     servicer = DecodeServicer(args.kv_failure_policy, args.kv_pull_timeout)
     instance = Instance.create(args, "decode", on_kv_loads=servicer.on_kv_loads)
     servicer.instance = instance
-    asyncio.run(serve(instance, args, lambda server: disaggregation_pb2_grpc.add_DecodeServicer_to_server(servicer, server)))
+
+    async def main() -> None:
+        try:
+            await serve(instance, args, lambda server: disaggregation_pb2_grpc.add_DecodeServicer_to_server(servicer, server))
+        finally:
+            await servicer.close()
+
+    asyncio.run(main())
     return 0
