@@ -37,6 +37,8 @@ class KVSource:
     block_ids: tuple[int, ...]  # P's blocks, in prompt order
     num_tokens: int
     fingerprint: Fingerprint
+    # The prompt's token ids, for backends that find KV by content (LMCache) rather than by P's block ids.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

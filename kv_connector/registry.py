@@ -12,12 +12,16 @@ from kv_connector.fingerprint import Fingerprint
 # name -> "module:class"
 BACKENDS = {
     "ucx": "kv_connector.ucx:UCXConnector",
+    "lmcache": "kv_connector.lmcache_connector:LMCacheConnector",
 }
 
 
-def make_connector(name: str, kv_cache: torch.Tensor, fingerprint: Fingerprint) -> KVConnector:
+def make_connector(
+    name: str, kv_cache: torch.Tensor, fingerprint: Fingerprint, options: dict[str, object] | None = None
+) -> KVConnector:
+    """``options`` are the backend's own keyword arguments (lmcache: ``remote_url``)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown KV connector {name!r}; choose one of {', '.join(sorted(BACKENDS))}")
     module_name, _, class_name = BACKENDS[name].partition(":")
     connector_class = getattr(importlib.import_module(module_name), class_name)
-    return connector_class(kv_cache, fingerprint)
+    return connector_class(kv_cache, fingerprint, **(options or {}))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import time
 import uuid
@@ -38,6 +39,8 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
     parser.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
     parser.add_argument("--kv-connector", default="ucx", choices=sorted(BACKENDS))
     parser.add_argument("--kv-port", type=int, default=0, help="KV connector port (0: any free port)")
+    parser.add_argument("--lmcache-url", default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
+                        help="lmcache connector: the store P and D share, redis://HOST:PORT or lm://HOST:PORT")
     parser.add_argument("--instance-id", default=None, help="name in load reports (default: random)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
@@ -112,7 +115,8 @@ class Instance:
         """Load the model and size the KV cache (blocking); log capacity and fingerprint."""
         engine = AsyncEngine(engine_config(args, role), on_kv_loads=on_kv_loads)
         fingerprint = fingerprint_of(engine.core)
-        connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint)
+        options = {"remote_url": args.lmcache_url} if args.kv_connector == "lmcache" else {}
+        connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint, options)
         instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         report = engine.core.load_report()
         logger.info(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from tests.stores import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Service:

@@ -1,0 +1,91 @@
+"""The paged-cache <-> LMCache memory-object adapter behind the lmcache KV connector.
+
+LMCache's shipped engine connectors copy between vLLM's CUDA caches and its memory
+objects with CUDA kernels. This one does the same for splitserve's cache
+``[layers, 2, blocks, block_size, kv_heads, head_dim]`` with plain torch indexing,
+so it runs wherever the cache lives (CPU here, a GPU elsewhere). Memory objects use
+LMCache's ``KV_2LTD`` layout: ``[2, layers, tokens, kv_heads * head_dim]``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# lmcache reports usage to its authors unless told not to; a server must not phone home.
+os.environ["LMCACHE_TRACK_USAGE"] = "false"
+
+import torch  # noqa: E402
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
+from lmcache.v1.memory_management import MemoryObj  # noqa: E402
+
+from kv_connector.base import KVTransferError  # noqa: E402
+
+
+class PagedKVAdapter(GPUConnectorInterface):
+    """Copies tokens between the paged KV cache and LMCache memory objects (format KV_2LTD).
+
+    The connector passes its own keyword arguments through ``LMCacheEngine.store`` and
+    ``retrieve``: ``block_ids`` (P's blocks) for a store, and for a retrieve a
+    ``staging`` tensor ``[2, layers, tokens, kv_heads * head_dim]`` whose token 0 is
+    prompt token ``staging_start``. D never lets LMCache write its cache directly: a
+    retrieve that outlives its pull (timeout, cancel) must not land in blocks the
+    engine has handed on.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.num_layers, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        """The memory-object shape for ``num_tokens`` tokens."""
+        return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_dim])
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """One chunk of :meth:`batched_from_gpu` (LMCache's interface asks for both forms)."""
+        self.batched_from_gpu([memory_obj], [start], [end], **kwargs)
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """One chunk of :meth:`batched_to_gpu`."""
+        self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
+
+    def batched_from_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
+        """Inside ``store`` on P: copy prompt tokens ``starts[i]..ends[i]-1`` out of their
+        blocks into ``memory_objs[i]``, one LMCache chunk each."""
+        block_ids = kwargs["block_ids"]
+        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            blocks, offsets = token_slots(block_ids, start, end, self.block_size, self.kv_cache.device)
+            tokens = self.kv_cache[:, :, blocks, offsets]  # [layers, 2, n, kv_heads, head_dim]
+            self._checked(memory_obj, start, end).copy_(tokens.transpose(0, 1).reshape(self.get_shape(end - start)))
+
+    def batched_to_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
+        """Inside ``retrieve`` on D: copy each fetched chunk into the staging tensor."""
+        staging: torch.Tensor = kwargs["staging"]
+        staging_start: int = kwargs["staging_start"]
+        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            # Synchronous copy: LMCache recycles the memory object as soon as this returns.
+            staging[:, :, start - staging_start : end - staging_start].copy_(self._checked(memory_obj, start, end))
+
+    def _checked(self, memory_obj: MemoryObj, start: int, end: int) -> torch.Tensor:
+        """The object's tensor, if it has exactly the chunk's shape and the cache's dtype."""
+        tensor = memory_obj.tensor
+        expected = self.get_shape(end - start)
+        if tensor is None or tensor.shape != expected or tensor.dtype != self.kv_cache.dtype:
+            found = "nothing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
+            raise KVTransferError(f"LMCache holds {found} for tokens [{start}, {end}), expected {tuple(expected)} {self.kv_cache.dtype}")
+        return tensor
+
+
+def token_slots(block_ids: list[int], start: int, end: int, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block id, offset in block) of prompt tokens ``start..end-1``, as index tensors on ``device``."""
+    positions = torch.arange(start, end)
+    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
+    return blocks.to(device), (positions % block_size).to(device)
+
+
+def write_blocks(kv_cache: torch.Tensor, block_ids: list[int], start: int, end: int, tokens: torch.Tensor) -> None:
+    """Write prompt tokens ``start..end-1`` (``tokens``: [2, layers, n, kv_heads * head_dim])
+    into their slots of ``block_ids``; slots past ``end`` in the last block stay as they are."""
+    layers, _, _, block_size, heads, head_dim = kv_cache.shape
+    blocks, offsets = token_slots(block_ids, start, end, block_size, kv_cache.device)
+    kv_cache[:, :, blocks, offsets] = tokens.reshape(2, layers, end - start, heads, head_dim).transpose(0, 1)

@@ -1,0 +1,352 @@
+"""KV transfer through LMCache: P stores the prompt's KV in a remote LMCache store
+(``redis://`` or LMCache's own ``lm://`` server), D retrieves it by the prompt's
+token ids. P and D never talk to each other; both only reach the store.
+
+How the pieces fit:
+
+- **Chunks.** LMCache splits a token sequence into chunks of ``chunk_size`` tokens
+  (a multiple of the engine's block size) and keys each chunk by a hash chained
+  over all tokens up to its end, so a key names a whole prefix. The last chunk
+  may be partial (``save_unfull_chunk``): every prompt token's KV is stored.
+- **Adapter.** LMCache's own engine connectors expect vLLM's CUDA caches;
+  :class:`~kv_connector.lmcache_adapter.PagedKVAdapter` moves tokens between this
+  engine's paged cache and LMCache memory objects with plain torch indexing, so it
+  works for CPU and GPU caches alike.
+- **Fingerprint.** The key's model-name field is the model identity plus a digest
+  of the whole :class:`Fingerprint`, its world-size field the tensor-parallel size
+  and its dtype field the cache dtype: a D with another fingerprint computes other
+  keys and can only miss, never read P's bytes. D also compares the handle's
+  fingerprint with its own first, so the usual mismatch is refused naming both.
+
+The store is configured with ``SPLITSERVE_LMCACHE_URL`` (or ``remote_url=``), the
+same on P and D. lmcache's usage telemetry is switched off before it is imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import multiprocessing
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import astuple
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+# lmcache reports usage to its authors unless told not to; a server must not phone home.
+os.environ["LMCACHE_TRACK_USAGE"] = "false"
+
+import torch  # noqa: E402
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+
+from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats  # noqa: E402
+from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError  # noqa: E402
+from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+URL_ENV = "SPLITSERVE_LMCACHE_URL"
+SUPPORTED_SCHEMES = ("redis", "rediss", "lm")
+_DEFAULT_PORTS = {"redis": 6379, "rediss": 6379}
+_REMOTE_BACKEND = "RemoteBackend"  # lmcache's name for the store behind remote_url
+_DEFAULT_CHUNK_TOKENS = 256  # lmcache's default; rounded to whole blocks
+_MAX_DEFAULT_BUFFER_BYTES = 256 << 20
+_REMOTE_OP_TIMEOUT_S = 10  # lmcache gives up on one remote get after this long
+_PROBE_TIMEOUT_S = 1.0
+_CLOSE_TIMEOUT_S = 10.0
+_T = TypeVar("_T")
+
+
+class LMCacheConnector(KVConnector):
+    name = "lmcache"
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        fingerprint: Fingerprint,
+        *,
+        remote_url: str | None = None,
+        chunk_size: int | None = None,
+        buffer_bytes: int | None = None,
+        publish_timeout_s: float = 5.0,
+    ) -> None:
+        """``chunk_size`` defaults to whole blocks near LMCache's 256 tokens; ``buffer_bytes``
+        (host memory LMCache stages one transfer in, allocated up front) to the cache's
+        size capped at 256 MiB — a prompt whose KV exceeds it is not stored."""
+        super().__init__(kv_cache, fingerprint)
+        block_size = kv_cache.shape[3]
+        if fingerprint.block_size != block_size:
+            raise ValueError(f"fingerprint block_size {fingerprint.block_size} does not match the KV cache's {block_size}")
+        self.remote_url = remote_url or os.environ.get(URL_ENV, "")
+        if urlsplit(self.remote_url).scheme not in SUPPORTED_SCHEMES:
+            raise ValueError(
+                f"the lmcache KV connector needs the store P and D share, got {self.remote_url!r}: "
+                f"set {URL_ENV}=redis://HOST:PORT or lm://HOST:PORT on both"
+            )
+        self.chunk_size = chunk_size or block_size * max(1, _DEFAULT_CHUNK_TOKENS // block_size)
+        if self.chunk_size % block_size != 0:
+            raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of the block size {block_size}")
+        self.publish_timeout_s = publish_timeout_s
+        self._bytes_per_token = self.bytes_per_block // block_size
+        cache_bytes = kv_cache.numel() * kv_cache.element_size()
+        # Two spare chunks absorb the allocator's per-object alignment.
+        self._buffer_bytes = buffer_bytes or min(cache_bytes, _MAX_DEFAULT_BUFFER_BYTES) + 2 * self.chunk_size * self._bytes_per_token
+        self._adapter = PagedKVAdapter(kv_cache)
+        self._instance_id = f"splitserve-{uuid.uuid4().hex[:12]}"
+        self._engine: LMCacheEngine | None = None
+        self._lock = threading.Lock()  # LMCacheEngine calls are not documented thread-safe
+
+    # ------------------------------------------------------------------ both
+
+    async def start(self, host: str, port: int) -> str:
+        """Build the LMCache engine and check the store answers. Returns the store's URL
+        (host and port are unused: nothing listens here). Raises :class:`KVTransferError`
+        if the store is unreachable."""
+        error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
+        if error is not None:
+            raise KVTransferError(f"LMCache store {self.remote_url} is unreachable: {error}")
+        self._engine = await asyncio.to_thread(run_on_daemon_thread, self._build_engine, None)
+        logger.info("LMCache KV connector on %s, chunks of %d tokens, keys for %s", self.remote_url, self.chunk_size, key_model_name(self.fingerprint))
+        return self.remote_url
+
+    async def close(self) -> None:
+        """Tear the engine down; with a Redis store it is only dropped (see below)."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        if urlsplit(self.remote_url).scheme in ("redis", "rediss"):
+            # lmcache 0.5.6's Redis connector deadlocks its own event loop on close. Its threads
+            # were started as daemons (run_on_daemon_thread), so they end with the process.
+            return
+        try:
+            await asyncio.to_thread(run_on_daemon_thread, lambda: LMCacheEngineBuilder.destroy(self._instance_id), _CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("LMCache engine %s did not close within %.0f s; leaving it to process exit", self._instance_id, _CLOSE_TIMEOUT_S)
+
+    # ------------------------------------------------------------- prefill side
+
+    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> None:
+        """P, right after prefill: store the KV of ``token_ids`` (held in ``block_ids``, the
+        last block possibly partial) and wait until the store confirms every chunk, so a
+        pull that follows finds it. Blocks the caller for that round trip (bounded by
+        ``publish_timeout_s``). A store failure is logged, not raised: the handle still goes
+        out, and D's pull fails as a miss and recomputes."""
+        engine = self._started()
+        tokens = [int(token) for token in token_ids]
+        check_blocks(block_ids, len(tokens), self.kv_cache.shape[3], self.kv_cache.shape[2])
+        if not tokens:
+            return
+        deadline = time.monotonic() + self.publish_timeout_s
+        try:
+            with self._lock:
+                engine.store(tokens, block_ids=list(block_ids), req_id=request_id)
+                num_stored, reason = self._wait_until_stored(engine, tokens, deadline)
+        except Exception:  # the request must still get its handle and lease (see the docstring)
+            logger.exception("storing the KV of %s in LMCache at %s failed", request_id, self.remote_url)
+            return
+        if num_stored < len(tokens):
+            logger.error(
+                "LMCache stored the KV of %d of %d prompt tokens of %s in %s (%s); decode instances will miss it",
+                num_stored, len(tokens), request_id, self.remote_url, reason,
+            )
+
+    def unpublish(self, request_id: str) -> None:
+        """A no-op: stored chunks belong to a token prefix, not to a request — another
+        request with the same prefix may be reading them — and P's blocks were copied at
+        publish. The store reclaims space by its own eviction (Redis ``maxmemory-policy``)."""
+
+    # -------------------------------------------------------------- decode side
+
+    async def pull(self, source: KVSource, block_ids: list[int], first_block: int, timeout_s: float) -> TransferStats:
+        """D: retrieve the KV of ``source.token_ids`` from the store and write blocks
+        ``first_block:`` of it into ``block_ids[first_block:]``; earlier blocks are not
+        touched. Raises :class:`KVTransferError` on a fingerprint mismatch, a miss (not
+        stored, evicted, or stored under another fingerprint), an unreachable store or
+        the timeout; D's blocks are then untouched."""
+        engine = self._started()
+        tokens = [int(token) for token in source.token_ids]
+        block_size = self.kv_cache.shape[3]
+        if not tokens:
+            raise KVTransferError(f"the KV handle of {source.request_id!r} carries no prompt token ids; the lmcache connector retrieves by tokens")
+        if len(tokens) != source.num_tokens:
+            raise KVTransferError(f"the KV handle of {source.request_id!r} has {len(tokens)} token ids for {source.num_tokens} tokens (bug)")
+        num_blocks = math.ceil(len(tokens) / block_size)
+        if len(block_ids) != num_blocks:
+            raise KVTransferError(f"{len(tokens)} prompt tokens need {num_blocks} blocks, got {len(block_ids)} local ones (bug)")
+        if not 0 <= first_block <= num_blocks:
+            raise KVTransferError(f"first_block {first_block} outside the prompt's {num_blocks} blocks (bug)")
+        if first_block == num_blocks:
+            return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
+        try:
+            self.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
+        except FingerprintMismatchError as error:
+            raise KVTransferError(str(error)) from None
+        started = time.perf_counter()
+        first_token = first_block * block_size
+        # LMCache skips only whole chunks; the chunk holding first_token is fetched whole.
+        fetch_start = first_token - first_token % self.chunk_size
+        staging = torch.empty(
+            self._adapter.get_shape(len(tokens) - fetch_start), dtype=self.kv_cache.dtype, device=self.kv_cache.device
+        )
+        try:
+            retrieved = await asyncio.wait_for(
+                asyncio.to_thread(self._retrieve, engine, tokens, fetch_start, staging, source.request_id), timeout=timeout_s
+            )
+        except TimeoutError:
+            raise KVTransferError(f"retrieving {source.request_id!r} from LMCache at {self.remote_url} timed out after {timeout_s} s") from None
+        except KVTransferError:
+            raise
+        except Exception as error:  # lmcache surfaces remote and allocation failures as its own types
+            raise KVTransferError(f"retrieving {source.request_id!r} from LMCache at {self.remote_url} failed: {type(error).__name__}: {error}") from None
+        missing = (~retrieved[fetch_start:]).nonzero()
+        if len(missing):
+            raise await self._miss(source, fetch_start + int(missing[0]), len(tokens))
+        write_blocks(self.kv_cache, block_ids, first_token, len(tokens), staging[:, :, first_token - fetch_start :])
+        return TransferStats(
+            num_blocks=num_blocks - first_block,
+            num_bytes=staging.numel() * staging.element_size(),
+            seconds=time.perf_counter() - started,
+        )
+
+    # -------------------------------------------------------------- internals
+
+    def _build_engine(self) -> LMCacheEngine:
+        layers, _, _, _, heads, head_dim = self.kv_cache.shape
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=self.chunk_size,
+            local_cpu=False,  # no local hot cache: the remote store is the hand-off
+            max_local_cpu_size=self._buffer_bytes / 1024**3,
+            remote_url=self.remote_url,
+            remote_serde="naive",
+            save_unfull_chunk=True,  # the prompt's partial last block travels too
+            blocking_timeout_secs=_REMOTE_OP_TIMEOUT_S,
+        )
+        metadata = LMCacheMetadata(
+            model_name=key_model_name(self.fingerprint),
+            world_size=self.fingerprint.tensor_parallel_size,
+            local_world_size=self.fingerprint.tensor_parallel_size,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=self.kv_cache.dtype,
+            kv_shape=(layers, 2, self.chunk_size, heads, head_dim),
+            chunk_size=self.chunk_size,
+        )
+        # LMCacheEngine forces the "spawn" start method process-wide; keep this process's choice.
+        start_method = multiprocessing.get_start_method(allow_none=True)
+        try:
+            engine = LMCacheEngineBuilder.get_or_create(self._instance_id, config, metadata, self._adapter, _single_rank, _single_rank)
+            engine.post_init()
+        finally:
+            multiprocessing.set_start_method(start_method, force=True)
+        return engine
+
+    def _started(self) -> LMCacheEngine:
+        if self._engine is None:
+            raise RuntimeError("the lmcache KV connector was used before start() or after close() (bug)")
+        return self._engine
+
+    def _wait_until_stored(self, engine: LMCacheEngine, tokens: list[int], deadline: float) -> tuple[int, str]:
+        """Poll the store until it holds every chunk: lmcache writes in the background and
+        Redis may answer a lookup before the write lands. Returns (tokens stored, why not all)."""
+        delay_s, probed = 0.001, False
+        started = time.monotonic()
+        while True:
+            num_stored = engine.lookup(tokens, search_range=[_REMOTE_BACKEND])
+            if num_stored >= len(tokens):
+                return num_stored, ""
+            if time.monotonic() >= deadline:
+                return num_stored, f"not confirmed within {self.publish_timeout_s} s"
+            if not probed and time.monotonic() - started > 0.05:  # slow: is the store there at all?
+                probed, error = True, probe(self.remote_url, _PROBE_TIMEOUT_S)
+                if error is not None:
+                    return num_stored, f"store unreachable: {error}"
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.05)
+
+    def _retrieve(self, engine: LMCacheEngine, tokens: list[int], fetch_start: int, staging: torch.Tensor, request_id: str) -> torch.Tensor:
+        """Worker thread: fill ``staging`` from token ``fetch_start`` on. Returns LMCache's
+        per-token hit mask (bool, on CPU)."""
+        mask = None
+        if fetch_start:
+            mask = torch.ones(len(tokens), dtype=torch.bool)
+            mask[:fetch_start] = False  # a local prefix hit on D: not fetched
+        with self._lock:
+            return engine.retrieve(tokens, mask=mask, staging=staging, staging_start=fetch_start, req_id=request_id)
+
+    async def _miss(self, source: KVSource, first_missing: int, num_tokens: int) -> KVTransferError:
+        error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
+        if error is not None:
+            return KVTransferError(f"LMCache store {self.remote_url} is unreachable: {error}")
+        where = self.remote_url if source.address in ("", self.remote_url) else f"{self.remote_url} (prefill stored to {source.address})"
+        return KVTransferError(
+            f"LMCache at {where} has no KV for tokens {first_missing}..{num_tokens - 1} of {source.request_id!r} "
+            f"under {key_model_name(self.fingerprint)}: not stored, evicted, or stored for another fingerprint"
+        )
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def key_model_name(fingerprint: Fingerprint) -> str:
+    """The model-name field of this instance's LMCache keys: readable model identity plus a
+    digest of every fingerprint field. Kept short (lm:// keys hold 150 bytes) and free of
+    the ``@`` and ``%`` LMCache uses as key separators."""
+    digest = hashlib.sha256(json.dumps(astuple(fingerprint)).encode()).hexdigest()[:16]
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', fingerprint.model)[:64]}~{digest}"
+
+
+def check_blocks(block_ids: list[int], num_tokens: int, block_size: int, num_blocks: int) -> None:
+    """Raise RuntimeError unless ``block_ids`` are exactly the blocks ``num_tokens`` tokens fill."""
+    if len(block_ids) != math.ceil(num_tokens / block_size):
+        raise RuntimeError(f"{num_tokens} tokens fill {math.ceil(num_tokens / block_size)} blocks, got {len(block_ids)} block ids (bug)")
+    if any(not 0 <= block < num_blocks for block in block_ids):
+        raise RuntimeError(f"block ids {list(block_ids)} outside the cache's {num_blocks} blocks (bug)")
+
+
+def probe(url: str, timeout_s: float) -> str | None:
+    """Open and close a TCP connection to the store. Returns None if it answers, else why not."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
+        if parts.hostname is None or port is None:
+            return f"{url!r} names no host and port"
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def run_on_daemon_thread(function: Callable[[], _T], timeout_s: float | None) -> _T:
+    """Run ``function`` on a fresh daemon thread and return its result. Threads it starts
+    inherit daemon=True, so lmcache's event-loop thread can never keep the process alive.
+    Raises TimeoutError if it has not finished after ``timeout_s``."""
+    outcome: list[object] = []
+
+    def target() -> None:
+        try:
+            outcome.append(function())
+        except BaseException as error:  # re-raised on the calling thread
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, name="lmcache-setup", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{getattr(function, '__name__', 'call')} still running after {timeout_s} s")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]  # type: ignore[return-value]
+
+
+def _single_rank(*_: object) -> None:
+    raise RuntimeError("the lmcache KV connector is single-rank; LMCache asked for a tensor-parallel broadcast (bug)")

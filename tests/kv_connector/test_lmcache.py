@@ -1,0 +1,222 @@
+"""LMCache transfers between two real processes on loopback, through a Redis server and
+through LMCache's own ``lm://`` server, each started here on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ["LMCACHE_TRACK_USAGE"] = "false"
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+with warnings.catch_warnings():  # lmcache's opentelemetry import warns about its own deprecations
+    warnings.simplefilter("ignore", DeprecationWarning)
+    pytest.importorskip("lmcache")
+    from kv_connector.lmcache_connector import LMCacheConnector, key_model_name
+
+from kv_connector.base import KVSource, KVTransferError  # noqa: E402
+from kv_connector.registry import make_connector  # noqa: E402
+from tests.stores import LMCACHE_ENV, free_port, start_lm_server, start_redis, stop  # noqa: E402
+from tests.kv_connector.lmcache_peer import CHUNK_SIZE, PROMPT, PUBLISHED_BLOCKS, SHAPE, fingerprint, seeded_cache  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PEER_ENV = LMCACHE_ENV
+TAIL = len(PROMPT) % SHAPE[3]  # tokens in the partial last block
+pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    process, url = start_redis()
+    try:
+        yield url
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def lm_url() -> Iterator[str]:
+    process, url = start_lm_server()
+    try:
+        yield url
+    finally:
+        stop(process)
+
+
+@contextlib.contextmanager
+def prefill_peer(url: str) -> Iterator[None]:
+    """A prefill process (seed 7) that has published PROMPT's KV into the store at ``url``."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.kv_connector.lmcache_peer", "--url", url, "--seed", "7"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=PEER_ENV,
+    )
+    try:
+        assert process.stdout.readline().strip() == "published"
+        yield
+    finally:
+        process.stdin.close()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def redis_store(redis_url: str) -> Iterator[str]:
+    with prefill_peer(redis_url):
+        yield redis_url
+
+
+@pytest.fixture(scope="module")
+def lm_store(lm_url: str) -> Iterator[str]:
+    with prefill_peer(lm_url):
+        yield lm_url
+
+
+@pytest.fixture(params=["redis", "lm"])
+def store(request: pytest.FixtureRequest) -> str:
+    """The URL of a store holding PROMPT's KV, once per kind of store."""
+    return request.getfixturevalue(f"{request.param}_store")
+
+
+def source(tokens: list[int] = PROMPT, model: str = "tiny-0123", address: str = "") -> KVSource:
+    return KVSource(
+        request_id="r", address=address, block_ids=tuple(PUBLISHED_BLOCKS), num_tokens=len(tokens),
+        fingerprint=fingerprint(model), token_ids=tuple(tokens),
+    )
+
+
+def pull(cache: torch.Tensor, url: str, src: KVSource, local_blocks: list[int], first_block: int = 0, model: str = "tiny-0123", timeout_s: float = 10.0):
+    async def run():
+        connector = LMCacheConnector(cache, fingerprint(model), remote_url=url, chunk_size=CHUNK_SIZE)
+        await connector.start("127.0.0.1", 0)
+        try:
+            return await connector.pull(src, local_blocks, first_block, timeout_s)
+        finally:
+            await connector.close()
+
+    return asyncio.run(run())
+
+
+def test_pull_copies_the_prompt_into_other_blocks(store: str) -> None:
+    remote = seeded_cache(7)
+    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    stats = pull(local, store, source(), [0, 3, 11, 6])
+    bytes_per_token = remote[:, :, 0, 0].numel() * 2
+    assert stats.num_blocks == 4 and stats.num_bytes == len(PROMPT) * bytes_per_token
+    for mine, theirs in zip([0, 3, 11], PUBLISHED_BLOCKS[:3], strict=True):
+        assert torch.equal(local[:, :, mine], remote[:, :, theirs])
+    # The partial last block: its prompt tokens arrive, the slots after them stay untouched.
+    assert torch.equal(local[:, :, 6, :TAIL], remote[:, :, PUBLISHED_BLOCKS[3], :TAIL])
+    assert not local[:, :, 6, TAIL:].any()
+    untouched = [b for b in range(SHAPE[2]) if b not in (0, 3, 11, 6)]
+    assert not local[:, :, untouched].any()
+
+
+@pytest.mark.parametrize("first_block", [1, 2, 3])  # inside a chunk, on a chunk edge, the partial block's chunk
+def test_local_prefix_hits_are_not_pulled(redis_store: str, first_block: int) -> None:
+    remote = seeded_cache(7)
+    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    local_blocks = [1, 2, 3, 4]
+    stats = pull(local, redis_store, source(), local_blocks, first_block=first_block)
+    assert stats.num_blocks == 4 - first_block
+    assert not local[:, :, local_blocks[:first_block]].any()
+    for index in range(first_block, 4):
+        tokens = TAIL if index == 3 else SHAPE[3]
+        assert torch.equal(local[:, :, local_blocks[index], :tokens], remote[:, :, PUBLISHED_BLOCKS[index], :tokens])
+
+
+def test_fingerprint_mismatch_is_refused(redis_store: str) -> None:
+    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    # Caught against the handle's fingerprint, naming both sides...
+    with pytest.raises(KVTransferError, match="model: decode has 'tiny-9999', prefill has 'tiny-0123'"):
+        pull(local, redis_store, source(), [0, 1, 2, 3], model="tiny-9999")
+    # ...and when the handle claims what P is not, P's KV is under other keys: only a miss.
+    with pytest.raises(KVTransferError, match=f"no KV for tokens 0..59 of 'r' under {key_model_name(fingerprint('tiny-9999'))}"):
+        pull(local, redis_store, source(model="tiny-9999"), [0, 1, 2, 3], model="tiny-9999")
+    assert not local.any()
+
+
+def test_unknown_prompt_is_a_miss(redis_store: str) -> None:
+    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    started = time.monotonic()
+    with pytest.raises(KVTransferError, match="LMCache at redis://.* has no KV for tokens 0..59 of 'r'"):
+        pull(local, redis_store, source([5] * 60), [0, 1, 2, 3])
+    # A prompt sharing only the first chunk misses from the second chunk on; nothing is written.
+    with pytest.raises(KVTransferError, match=rf"no KV for tokens {CHUNK_SIZE}..59"):
+        pull(local, redis_store, source(PROMPT[:40] + [5] * 20), [0, 1, 2, 3])
+    assert time.monotonic() - started < 5.0
+    assert not local.any()
+
+
+def test_handle_without_token_ids_is_refused(redis_url: str) -> None:
+    no_tokens = KVSource("r", "", tuple(PUBLISHED_BLOCKS), len(PROMPT), fingerprint())
+    with pytest.raises(KVTransferError, match="carries no prompt token ids"):
+        pull(torch.zeros(SHAPE, dtype=torch.bfloat16), redis_url, no_tokens, [0, 1, 2, 3])
+
+
+def test_unreachable_store_fails_fast() -> None:
+    connector = LMCacheConnector(torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=f"redis://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(KVTransferError, match="is unreachable: ConnectionRefusedError"):
+        asyncio.run(connector.start("127.0.0.1", 0))
+    assert time.monotonic() - started < 3.0
+
+
+def test_store_that_goes_away(caplog: pytest.LogCaptureFixture) -> None:
+    """P's publish logs (and returns) and D's pull raises within its timeout once the store is gone."""
+    process, url = start_redis()
+
+    async def run() -> None:
+        prefill = LMCacheConnector(seeded_cache(7), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE, publish_timeout_s=2.0)
+        decode = LMCacheConnector(torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE)
+        await prefill.start("127.0.0.1", 0)
+        await decode.start("127.0.0.1", 0)
+        stop(process)
+        started = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="kv_connector.lmcache_connector"):
+            prefill.publish("r", PUBLISHED_BLOCKS, PROMPT)
+        assert time.monotonic() - started < 2.5
+        assert "decode instances will miss it" in caplog.text
+        started = time.monotonic()
+        with pytest.raises(KVTransferError, match=f"LMCache store {url} is unreachable"):
+            await decode.pull(source(), [0, 1, 2, 3], 0, timeout_s=5.0)
+        assert time.monotonic() - started < 5.0
+        await prefill.close()
+        await decode.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        if process.poll() is None:
+            stop(process)
+
+
+def test_configuration_errors_say_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    monkeypatch.delenv("SPLITSERVE_LMCACHE_URL", raising=False)
+    with pytest.raises(ValueError, match="set SPLITSERVE_LMCACHE_URL=redis://HOST:PORT or lm://HOST:PORT"):
+        LMCacheConnector(cache, fingerprint())
+    with pytest.raises(ValueError, match="chunk_size 24 must be a multiple of the block size 16"):
+        LMCacheConnector(cache, fingerprint(), remote_url="redis://127.0.0.1:6379", chunk_size=24)
+    monkeypatch.setenv("SPLITSERVE_LMCACHE_URL", "lm://127.0.0.1:65432")
+    connector = make_connector("lmcache", cache, fingerprint())
+    assert isinstance(connector, LMCacheConnector) and connector.remote_url == "lm://127.0.0.1:65432"
+    assert connector.chunk_size == 256
+
+
+def test_keys_tell_every_fingerprint_field_apart() -> None:
+    base = fingerprint()
+    names = {key_model_name(base)}
+    for change in ({"dtype": "float16"}, {"block_size": 32}, {"num_layers": 3}, {"num_kv_heads": 4}, {"head_dim": 16}, {"tensor_parallel_size": 2}):
+        names.add(key_model_name(type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, **change})))
+    assert len(names) == 7
+    odd = key_model_name(type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "model": "a@b%c d/" + "x" * 100}))
+    assert "@" not in odd and "%" not in odd and " " not in odd and len(odd) <= 81
