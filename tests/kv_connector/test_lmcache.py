@@ -36,15 +36,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWa
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    process, url = start_redis()
-    try:
-        yield url
-    finally:
-        stop(process)
-
-
-@pytest.fixture(scope="module")
 def lm_url() -> Iterator[str]:
     process, url = start_lm_server()
     try:

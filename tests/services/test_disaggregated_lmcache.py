@@ -14,7 +14,6 @@ from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
 from tests.services.client import assert_all_free, expected_tokens, run_decode, run_prefill
 from tests.services.processes import Service, running
-from tests.stores import start_redis, stop
 
 pytest.importorskip("lmcache")
 os.environ["LMCACHE_TRACK_USAGE"] = "false"  # inherited by the service processes
@@ -26,17 +25,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[str]:
-    process, url = start_redis()
-    try:
-        yield url
-    finally:
-        stop(process)
-
-
-@pytest.fixture(scope="module")
-def services(model: Path, store: str) -> Iterator[tuple[Service, Service]]:
-    flags = ("--kv-connector", "lmcache", "--lmcache-url", store)
+def services(model: Path, redis_url: str) -> Iterator[tuple[Service, Service]]:
+    flags = ("--kv-connector", "lmcache", "--lmcache-url", redis_url)
     with running("prefill", model, *flags) as prefill, running("decode", model, *flags) as decode:
         yield prefill, decode
 
