@@ -37,9 +37,6 @@ class UCXConnector(KVConnector):
         self._published: dict[str, frozenset[int]] = {}
         self._listener = None
         self._host = ""
-        # D: connected endpoints per prefill address, idle between pulls. Creating an endpoint
-        # costs a handshake (~10 ms on loopback), more than moving a short prompt's KV.
-        self._idle_endpoints: dict[str, list[object]] = {}
 
     async def start(self, host: str, port: int) -> str:
         import ucxx
@@ -60,25 +57,15 @@ class UCXConnector(KVConnector):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for endpoints in self._idle_endpoints.values():
-            for endpoint in endpoints:
-                await endpoint.close()
-        self._idle_endpoints.clear()
 
     # ------------------------------------------------------------ P: serving
 
     async def _serve(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
-        """Answer pulls on one connection, one after another, until the decode side closes it."""
         try:
-            while True:
-                try:
-                    data = await endpoint.recv_obj()
-                except Exception:  # the peer closed the connection (or died): nothing more to serve
-                    return
-                reply, payload = self._answer(data)
-                await endpoint.send_obj(encode(reply))
-                if payload is not None:
-                    await endpoint.send(_wire_buffer(payload))
+            reply, payload = self._answer(await endpoint.recv_obj())
+            await endpoint.send_obj(encode(reply))
+            if payload is not None:
+                await endpoint.send(_wire_buffer(payload))
         except Exception:  # a broken peer must never take the listener down
             logger.exception("serving a KV pull failed")
         finally:
@@ -128,27 +115,10 @@ class UCXConnector(KVConnector):
         return TransferStats(num_blocks=len(local_blocks), num_bytes=staging.numel() * staging.element_size(), seconds=seconds)
 
     async def _receive(self, source: KVSource, remote_blocks: list[int]) -> torch.Tensor:
-        idle = self._idle_endpoints.setdefault(source.address, [])
-        if idle:
-            endpoint = idle.pop()
-            try:
-                return await self._exchange(endpoint, source, remote_blocks)
-            except KVTransferError:
-                raise
-            except Exception:  # a pooled connection the peer has since dropped: retry on a fresh one
-                logger.info("pooled UCX endpoint to %s failed; reconnecting", source.address)
-        return await self._exchange(await self._connect(source.address), source, remote_blocks)
-
-    async def _connect(self, address: str) -> object:
         import ucxx
 
-        host, _, port = address.rpartition(":")
-        return await ucxx.create_endpoint(host, int(port))
-
-    async def _exchange(self, endpoint, source: KVSource, remote_blocks: list[int]) -> torch.Tensor:  # noqa: ANN001
-        """One pull on ``endpoint``. The endpoint goes back to the pool when the exchange
-        ended cleanly (a refusal too); after any other failure or a cancellation it is closed."""
-        reusable = False
+        host, _, port = source.address.rpartition(":")
+        endpoint = await ucxx.create_endpoint(host, int(port))
         try:
             await endpoint.send_obj(encode(PullRequest(source.request_id, remote_blocks, self.fingerprint)))
             try:
@@ -156,7 +126,6 @@ class UCXConnector(KVConnector):
             except WireError as error:
                 raise KVTransferError(f"prefill instance {source.address} sent {error}") from None
             if not reply.ok:
-                reusable = True  # nothing else follows a refusal
                 raise KVTransferError(f"prefill instance {source.address} refused the pull: {reply.error}")
             layers, kv, _, block_size, heads, head_dim = self.kv_cache.shape
             expected_shape = [layers, kv, len(remote_blocks), block_size, heads, head_dim]
@@ -168,10 +137,6 @@ class UCXConnector(KVConnector):
                     f"expected {expected_shape} ({expected_bytes} bytes)"
                 )
             await endpoint.recv(_wire_buffer(staging))
-            reusable = True
             return staging
         finally:
-            if reusable:
-                self._idle_endpoints.setdefault(source.address, []).append(endpoint)
-            else:
-                await endpoint.close()
+            await endpoint.close()

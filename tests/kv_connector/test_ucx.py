@@ -97,25 +97,3 @@ def test_fingerprint_mismatch_is_refused_on_both_sides(peer: str) -> None:
 def test_unreachable_peer_fails_fast_without_hanging() -> None:
     with pytest.raises(KVTransferError, match="127.0.0.1:9"):
         pull(torch.zeros(SHAPE, dtype=torch.bfloat16), source("127.0.0.1:9"), [0, 1, 2, 3])
-
-
-def test_pulls_reuse_one_connection_per_peer(peer: str) -> None:
-    remote = seeded_cache(7)
-
-    async def run() -> tuple[int, list[torch.Tensor]]:
-        connector = UCXConnector(torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint())
-        try:
-            for local in ([0, 1, 2, 3], [4, 5, 6, 8]):
-                await connector.pull(source(peer), local, 0, timeout_s=10.0)
-            # A refusal leaves the connection usable too.
-            with pytest.raises(KVTransferError, match="no KV published"):
-                await connector.pull(source(peer, request_id="gone"), [9, 10, 11, 1], 0, timeout_s=10.0)
-            await connector.pull(source(peer), [9, 10, 11, 1], 0, timeout_s=10.0)
-            return len(connector._idle_endpoints[peer]), [connector.kv_cache[:, :, [4, 5, 6, 8]]]
-        finally:
-            await connector.close()
-
-    os.environ.update(UCX_ENV)
-    num_idle, (second,) = asyncio.run(run())
-    assert num_idle == 1  # every pull went over the same endpoint
-    assert torch.equal(second, remote[:, :, PUBLISHED_BLOCKS])
