@@ -24,12 +24,13 @@ import json
 import logging
 import os
 import random
+import select
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -38,28 +39,29 @@ import numpy as np
 import torch
 
 from bench.kv_transfer_peer import (
-    OP_BYE,
+    OP_PAUSE,
     OP_PING,
     OP_SEND,
-    TAG_COMMAND,
-    TAG_DATA,
-    TAG_HELLO,
     PeerReady,
     PeerSpec,
+    raw_command,
     request_id,
     scattered_block_ids,
     seeded_cache,
     seeded_payload,
 )
 from kv_connector.base import KVSource, KVTransferError, gather_blocks, scatter_blocks
+from kv_connector.ucx import UCXConnector  # imports ucxx only when used, after the UCX environment is set
 from kv_connector.wire import PullReply, PullRequest, decode_pull_reply, decode_pull_request, encode
 
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-# Fast settings for UCX between two processes on one host (docs: 0.7 GiB/s with UCX's
-# defaults, 1.9 GiB/s with these, for 64 MiB on the 2-core development VM).
-UCX_DEFAULTS = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy"}
+# Fast settings for UCX between two processes on one host (ucxx moved 64 MiB at 0.7 GiB/s
+# with UCX's defaults and 1.9 GiB/s with these on the 2-core development VM), and UCX's
+# TCP transport kept on loopback (by default it listens on, and stripes over, every
+# interface). ucxx listeners themselves bind every address: ucxx takes no bind address.
+UCX_DEFAULTS = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_NET_DEVICES": "lo"}
 _PEER_START_TIMEOUT_S = 120.0
 _PEER_STOP_TIMEOUT_S = 30.0
 _GIB = 1 << 30
@@ -133,7 +135,8 @@ def resolve_ucx_env(args: argparse.Namespace) -> list[EnvSetting]:
     flag value unsets the variable. Applied to ``os.environ`` here, before ucxx starts,
     and inherited by the peer process."""
     settings = []
-    for name, flag in (("UCX_TLS", args.ucx_tls), ("UCX_RNDV_SCHEME", args.ucx_rndv_scheme)):
+    flags = {"UCX_TLS": args.ucx_tls, "UCX_RNDV_SCHEME": args.ucx_rndv_scheme, "UCX_NET_DEVICES": args.ucx_net_devices}
+    for name, flag in flags.items():
         if flag is not None:
             setting = EnvSetting(name, flag or None, "flag")
         elif name in os.environ:
@@ -146,6 +149,7 @@ def resolve_ucx_env(args: argparse.Namespace) -> list[EnvSetting]:
             os.environ[name] = setting.value
         settings.append(setting)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables this UCX build does not know
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")  # not stdout, which carries the peer's ready line and the table
     return settings
 
 
@@ -166,76 +170,99 @@ def kv_layout(model: str | None) -> tuple[str, tuple[int, int, int]]:
 # ----------------------------------------------------------------- the peer
 
 
+class Peer:
+    """The running prefill-side process: its addresses, and its stdin for control lines."""
+
+    def __init__(self, process: subprocess.Popen, ready: PeerReady) -> None:
+        self._process = process
+        self.ready = ready
+
+    def send_line(self, line: str) -> None:
+        self._process.stdin.write(line + "\n")
+        self._process.stdin.flush()
+
+
 @contextmanager
-def peer_process(spec: PeerSpec) -> Iterator[PeerReady]:
-    """Start the prefill-side process, yield its addresses, and always stop it."""
+def peer_process(spec: PeerSpec) -> Iterator[Peer]:
+    """Start the prefill-side process, yield it once it serves, and always stop it."""
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.kv_transfer_peer", "--spec", spec.to_json(), "--host", "127.0.0.1"],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ),
     )
     try:
-        line = process.stdout.readline()  # the peer writes nothing else to stdout
+        readable, _, _ = select.select([process.stdout], [], [], _PEER_START_TIMEOUT_S)
+        if not readable:
+            raise RuntimeError(f"the peer process was not ready within {_PEER_START_TIMEOUT_S:.0f} s; see its stderr above")
+        line = process.stdout.readline()  # its one line; the peer writes nothing else to stdout
         if not line:
-            raise RuntimeError(f"the peer process exited (code {process.wait(timeout=_PEER_START_TIMEOUT_S)}) before it was ready; see its stderr above")
-        yield PeerReady.from_json(line)
-    finally:
-        process.stdin.close()
+            raise RuntimeError(f"the peer process exited (code {process.wait(timeout=_PEER_STOP_TIMEOUT_S)}) before it was ready; see its stderr above")
         try:
+            ready = PeerReady.from_json(line)
+        except (ValueError, TypeError):
+            raise RuntimeError(f"the peer process wrote {line!r} instead of its ready line (bug)") from None
+        yield Peer(process, ready)
+    finally:
+        try:
+            process.stdin.close()
             process.wait(timeout=_PEER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        except (OSError, subprocess.TimeoutExpired):
             logger.warning("peer %d did not stop within %.0f s of stdin closing; killing it", process.pid, _PEER_STOP_TIMEOUT_S)
             process.kill()
             process.wait()
 
 
 class RawClient:
-    """This side of the peer's raw mode: plain ucxx tag send/recv on one endpoint, kept
-    open across transfers (protocol in :mod:`bench.kv_transfer_peer`)."""
+    """This side of the peer's raw mode: plain ucxx endpoint send/recv on one client-server
+    endpoint kept open across transfers (protocol in :mod:`bench.kv_transfer_peer`)."""
 
-    def __init__(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
+    def __init__(self, peer: Peer, endpoint, timeout_s: float) -> None:  # noqa: ANN001 - ucxx endpoint
+        self._peer = peer
         self._endpoint = endpoint
-        self._command = np.zeros(3, dtype=np.uint64)
+        self._timeout_s = timeout_s  # per transfer, like the connector's pulls: a dead peer must not hang the bench
 
     @classmethod
-    async def connect(cls, worker_address_hex: str) -> RawClient:
+    async def connect(cls, peer: Peer, timeout_s: float) -> RawClient:
         import ucxx
 
-        peer_address = ucxx.get_ucx_address_from_buffer(bytes.fromhex(worker_address_hex))
-        endpoint = await ucxx.create_endpoint_from_worker_address(peer_address)
-        own_address = np.frombuffer(bytearray(ucxx.get_worker_address().tobytes()), dtype=np.uint8)
-        await endpoint.send(np.array([own_address.nbytes], dtype=np.uint64), tag=TAG_HELLO, force_tag=True)
-        await endpoint.send(own_address, tag=TAG_HELLO, force_tag=True)
-        return cls(endpoint)
+        host, _, port = peer.ready.raw_address.rpartition(":")
+        return cls(peer, await ucxx.create_endpoint(host, int(port)), timeout_s)
 
-    async def _send_command(self, op: int, a: int = 0, b: int = 0) -> None:
-        self._command[:] = (op, a, b)
-        await self._endpoint.send(self._command, tag=TAG_COMMAND, force_tag=True)
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[RawClient]:
+        """The peer listens for raw commands only inside a session (see the peer's docstring)."""
+        self._peer.send_line("raw")
+        try:
+            yield self
+        finally:
+            await self._endpoint.send_obj(raw_command(OP_PAUSE))
 
     async def fetch(self, buffer: np.ndarray) -> None:
-        """Receive the first ``buffer.nbytes`` bytes of the peer's payload into ``buffer``."""
-        await self._send_command(OP_SEND, buffer.nbytes)
-        await self._endpoint.recv(buffer, tag=TAG_DATA, force_tag=True)
+        """Receive the first ``buffer.nbytes`` bytes of the peer's payload into ``buffer``:
+        one ``send_obj`` request, one payload, as a pull minus its reply header."""
+        async def exchange() -> None:
+            await self._endpoint.send_obj(raw_command(OP_SEND, buffer.nbytes))
+            await self._endpoint.recv(buffer)
 
-    async def ping(self, request: np.ndarray, reply_bytes: int) -> None:
-        """The connector's header exchange without the connector: the same four messages
-        (size and body each way) carrying bodies of the same sizes."""
-        await self._send_command(OP_PING, request.nbytes, reply_bytes)
-        await self._endpoint.send(request, tag=TAG_COMMAND, force_tag=True)
-        size = np.empty(1, dtype=np.uint64)
-        await self._endpoint.recv(size, tag=TAG_DATA, force_tag=True)
-        await self._endpoint.recv(np.empty(int(size[0]), dtype=np.uint8), tag=TAG_DATA, force_tag=True)
+        await asyncio.wait_for(exchange(), self._timeout_s)
+
+    async def ping(self, request_bytes: int, reply_bytes: int) -> None:
+        """The connector's header exchange without the connector: ``send_obj`` of a
+        ``request_bytes`` body, ``recv_obj`` of a ``reply_bytes`` one."""
+        async def exchange() -> None:
+            await self._endpoint.send_obj(raw_command(OP_PING, reply_bytes, size=request_bytes))
+            await self._endpoint.recv_obj()
+
+        await asyncio.wait_for(exchange(), self._timeout_s)
 
     async def close(self) -> None:
-        try:
-            await self._send_command(OP_BYE)
-        finally:
-            await self._endpoint.close()
+        await self._endpoint.close()
 
 
 # ------------------------------------------------------------- measurements
 
 
 async def timed_async(run: Callable[[], Awaitable[object]], repeats: int) -> Samples:
+    """``repeats`` timed awaits of ``run()``; the caller has run its warm-up."""
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -244,9 +271,9 @@ async def timed_async(run: Callable[[], Awaitable[object]], repeats: int) -> Sam
     return Samples(seconds)
 
 
-def timed(run: Callable[[], object], repeats: int, warmup: bool = True) -> Samples:
-    if warmup:
-        run()
+def timed(run: Callable[[], object], repeats: int) -> Samples:
+    """Like :func:`timed_async` for synchronous work, with its own warm-up run."""
+    run()
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -263,66 +290,89 @@ def check_blocks(local_cache: torch.Tensor, local_ids: list[int], remote_cache: 
         raise RuntimeError("the connector wrote different bytes than the peer holds (bug in the connector or the bench)")
 
 
-async def measure_length(
-    num_tokens: int,
-    spec: PeerSpec,
-    ready: PeerReady,
-    raw: RawClient,
-    local_cache: torch.Tensor,
-    remote_cache: torch.Tensor,
-    payload: torch.Tensor,
-    repeats: int,
-    timeout_s: float,
-) -> LengthResult:
-    from kv_connector.ucx import UCXConnector
+@dataclass(slots=True)
+class Bench:
+    """What every prompt length's measurements share."""
 
+    spec: PeerSpec
+    peer: Peer
+    raw: RawClient
+    local_cache: torch.Tensor  # the decode side's KV cache, pulled into
+    remote_cache: torch.Tensor  # a copy of the peer's, to check bytes against and to time the peer's gather
+    payload: torch.Tensor  # a copy of the peer's raw payload
+    repeats: int
+    timeout_s: float
+
+
+async def measure_length(bench: Bench, num_tokens: int) -> LengthResult:
+    """Every measurement for one prompt length. The connector's part runs first and alone,
+    and its connector is closed before anything else is timed: a connection left open makes
+    the peer's ucxx wait spin a core (see the peer's docstring)."""
+    spec, repeats = bench.spec, bench.repeats
     num_blocks = -(-num_tokens // spec.block_size)
     remote_ids = scattered_block_ids("prefill", spec.seed, spec.num_cache_blocks, num_blocks)
     local_ids = scattered_block_ids("decode", spec.seed, spec.num_cache_blocks, num_blocks)
-    connector = UCXConnector(local_cache, spec.fingerprint)
-    num_bytes = num_blocks * connector.bytes_per_block
-    source = KVSource(request_id(num_blocks), ready.connector_address, tuple(remote_ids), num_tokens, spec.fingerprint)
+    source = KVSource(request_id(num_blocks), bench.peer.ready.connector_address, tuple(remote_ids), num_tokens, spec.fingerprint)
+    refused = KVSource("bench-not-published", source.address, source.block_ids, num_tokens, spec.fingerprint)
+    num_bytes = num_blocks * spec.bytes_per_block
 
-    # (1) the connector: warm-up pull into zeroed blocks, check the bytes, then time.
-    local_cache[:, :, local_ids] = 0
-    stats = await connector.pull(source, local_ids, 0, timeout_s)
-    if stats.num_bytes != num_bytes:
-        raise RuntimeError(f"the connector moved {stats.num_bytes} bytes for {num_blocks} blocks, expected {num_bytes} (bug)")
-    check_blocks(local_cache, local_ids, remote_cache, remote_ids)
-    connector_samples = await timed_async(lambda: connector.pull(source, local_ids, 0, timeout_s), repeats)
+    async def refused_pull(connector: UCXConnector) -> None:
+        try:
+            await connector.pull(refused, local_ids, 0, bench.timeout_s)
+        except KVTransferError as error:
+            if "no KV published" not in str(error):
+                raise
+        else:
+            raise RuntimeError("the peer served a request it never published (bug)")
 
-    # (2) raw UCX: one contiguous buffer, reused, over an endpoint kept open.
+    async def refused_pull_on_new_connection() -> None:
+        fresh = UCXConnector(bench.local_cache, spec.fingerprint)
+        try:
+            await refused_pull(fresh)
+        finally:
+            await fresh.close()
+
+    # (1) the connector: a warm-up pull into zeroed blocks (it also opens the connection),
+    # checked bytewise, then the timed pulls; then pulls the peer refuses, which time the
+    # header exchange and the peer's checks on the same connection.
+    connector = UCXConnector(bench.local_cache, spec.fingerprint)
+    try:
+        bench.local_cache[:, :, local_ids] = 0
+        stats = await connector.pull(source, local_ids, 0, bench.timeout_s)
+        if stats.num_bytes != num_bytes:
+            raise RuntimeError(f"the connector moved {stats.num_bytes} bytes for {num_blocks} blocks, expected {num_bytes} (bug)")
+        check_blocks(bench.local_cache, local_ids, bench.remote_cache, remote_ids)
+        connector_samples = await timed_async(lambda: connector.pull(source, local_ids, 0, bench.timeout_s), repeats)
+        await refused_pull(connector)
+        refusal = await timed_async(lambda: refused_pull(connector), repeats)
+    finally:
+        await connector.close()
+    # A pull on a new connection, closed after: the connector connects for every pull.
+    await refused_pull_on_new_connection()
+    reconnect = await timed_async(refused_pull_on_new_connection, repeats)
+
+    # (2) raw UCX: the same bytes as one contiguous buffer, reused, over an endpoint kept open.
     receive = torch.zeros(num_bytes, dtype=torch.uint8)
-    await raw.fetch(receive.numpy())
-    if not torch.equal(receive, payload[:num_bytes]):
-        raise RuntimeError("raw UCX delivered different bytes than the peer sent (bug in the bench)")
-    raw_samples = await timed_async(lambda: raw.fetch(receive.numpy()), repeats)
+    async with bench.raw.session() as raw:
+        await raw.fetch(receive.numpy())
+        if not torch.equal(receive, bench.payload[:num_bytes]):
+            raise RuntimeError("raw UCX delivered different bytes than the peer sent (bug in the bench)")
+        raw_samples = await timed_async(lambda: raw.fetch(receive.numpy()), repeats)
 
     # (3) memcpy of the same bytes in this process.
     destination = torch.empty_like(receive)
     memcpy_samples = timed(lambda: destination.copy_(receive), repeats)
 
-    result = LengthResult(num_tokens, num_blocks, num_bytes, connector_samples, raw_samples, memcpy_samples)
-    result.breakdown = await measure_breakdown(connector, source, local_ids, raw, remote_cache, num_bytes, repeats, timeout_s)
-    await connector.close()
-    return result
+    breakdown = {"refused_pull": refusal, "reconnect": reconnect} | await measure_breakdown(bench, source, local_ids, num_bytes)
+    return LengthResult(num_tokens, num_blocks, num_bytes, connector_samples, raw_samples, memcpy_samples, breakdown)
 
 
-async def measure_breakdown(
-    connector,  # noqa: ANN001 - UCXConnector
-    source: KVSource,
-    local_ids: list[int],
-    raw: RawClient,
-    remote_cache: torch.Tensor,
-    num_bytes: int,
-    repeats: int,
-    timeout_s: float,
-) -> dict[str, Samples]:
-    """The parts of one pull, each timed on its own, in the order the pull runs them:
+async def measure_breakdown(bench: Bench, source: KVSource, local_ids: list[int], num_bytes: int) -> dict[str, Samples]:
+    """The parts of one pull, each timed on its own, in the order a pull runs them (the
+    caller times ``refused_pull``, the connection, header exchange and peer's checks of one
+    refused pull, and ``reconnect``, the same on a new connection, closed after):
 
-    - ``handshake``: a pull the peer refuses (unknown request id, same block list): the
-      endpoint's connect and close, the JSON header exchange and the peer's checks;
-    - ``header_round_trip``: the same four header messages over an open raw endpoint;
+    - ``header_round_trip``: the four header messages over an open raw endpoint;
     - ``json_cpu``: encoding and decoding both headers;
     - ``gather``: the peer's ``index_select`` of the scattered blocks (run here, on an
       identical cache: the peer's process runs the same call on the same CPU);
@@ -330,47 +380,35 @@ async def measure_breakdown(
       tensor is (page faults on first touch included);
     - ``scatter``: the pull's ``index_copy_`` into the decode cache's blocks.
     """
-    refused = KVSource("bench-not-published", source.address, source.block_ids, source.num_tokens, source.fingerprint)
+    repeats = bench.repeats
+    remote_ids = list(source.block_ids)
+    staging_shape = [*bench.local_cache.shape]
+    staging_shape[2] = len(remote_ids)
+    dtype_name = str(bench.local_cache.dtype).removeprefix("torch.")
 
-    async def refused_pull() -> None:
-        try:
-            await connector.pull(refused, local_ids, 0, timeout_s)
-        except KVTransferError as error:
-            if "no KV published" not in str(error):
-                raise
-        else:
-            raise RuntimeError("the peer served a request it never published (bug)")
+    def encode_request() -> bytes:
+        return encode(PullRequest(source.request_id, remote_ids, source.fingerprint))
 
-    await refused_pull()
-    handshake = await timed_async(refused_pull, repeats)
+    def encode_reply() -> bytes:
+        return encode(PullReply(ok=True, num_bytes=num_bytes, shape=staging_shape, dtype=dtype_name))
 
-    request = encode(PullRequest(source.request_id, list(source.block_ids), connector.fingerprint))
-    staging_shape = list(connector.kv_cache.shape)
-    staging_shape[2] = len(source.block_ids)
-    reply = encode(PullReply(ok=True, num_bytes=num_bytes, shape=staging_shape, dtype=str(connector.kv_cache.dtype).removeprefix("torch.")))
-    request_array = np.frombuffer(bytearray(request), dtype=np.uint8)
-    await raw.ping(request_array, len(reply))
-    header_round_trip = await timed_async(lambda: raw.ping(request_array, len(reply)), repeats)
+    request, reply = encode_request(), encode_reply()
+    json_cpu = timed(lambda: (decode_pull_request(encode_request()), decode_pull_reply(encode_reply())), repeats)
 
-    def json_round() -> None:
-        encode(PullRequest(source.request_id, list(source.block_ids), connector.fingerprint))
-        decode_pull_request(request)
-        encode(PullReply(ok=True, num_bytes=num_bytes, shape=staging_shape, dtype="bfloat16"))
-        decode_pull_reply(reply)
+    async with bench.raw.session() as raw:
 
-    json_cpu = timed(json_round, repeats)
-    gather = timed(lambda: gather_blocks(remote_cache, list(source.block_ids)), repeats)
+        async def fetch_fresh() -> None:
+            await raw.fetch(torch.empty(num_bytes, dtype=torch.uint8).numpy())
 
-    async def fetch_fresh() -> None:
-        await raw.fetch(torch.empty(num_bytes, dtype=torch.uint8).numpy())
+        await raw.ping(len(request), len(reply))
+        header_round_trip = await timed_async(lambda: raw.ping(len(request), len(reply)), repeats)
+        await fetch_fresh()
+        raw_fresh_buffer = await timed_async(fetch_fresh, repeats)
 
-    await fetch_fresh()
-    raw_fresh_buffer = await timed_async(fetch_fresh, repeats)
-
-    staging = gather_blocks(remote_cache, list(source.block_ids))
-    scatter = timed(lambda: scatter_blocks(connector.kv_cache, local_ids, staging), repeats)
+    gather = timed(lambda: gather_blocks(bench.remote_cache, remote_ids), repeats)
+    staging = gather_blocks(bench.remote_cache, remote_ids)
+    scatter = timed(lambda: scatter_blocks(bench.local_cache, local_ids, staging), repeats)
     return {
-        "handshake": handshake,
         "header_round_trip": header_round_trip,
         "json_cpu": json_cpu,
         "gather": gather,
@@ -380,18 +418,18 @@ async def measure_breakdown(
 
 
 async def measure_transfers(spec: PeerSpec, prompt_tokens: list[int], repeats: int, timeout_s: float) -> list[LengthResult]:
-    logger.info("building the reference cache (%.0f MiB) and payload to check the bytes against", spec.num_cache_blocks * spec.bytes_per_block / _MIB)
+    logger.info("building the reference cache (%.0f MiB) and payload to check bytes against", spec.num_cache_blocks * spec.bytes_per_block / _MIB)
     remote_cache = seeded_cache(spec)
-    payload = seeded_payload(spec)
     local_cache = torch.zeros(spec.cache_shape, dtype=remote_cache.dtype)
-    results = []
-    with peer_process(spec) as ready:
-        logger.info("peer ready: connector at %s", ready.connector_address)
-        raw = await RawClient.connect(ready.worker_address)
+    with peer_process(spec) as peer:
+        logger.info("peer ready: connector at %s", peer.ready.connector_address)
+        raw = await RawClient.connect(peer, timeout_s)
         try:
+            bench = Bench(spec, peer, raw, local_cache, remote_cache, seeded_payload(spec), repeats, timeout_s)
+            results = []
             for num_tokens in prompt_tokens:
                 logger.info("measuring %d tokens", num_tokens)
-                results.append(await measure_length(num_tokens, spec, ready, raw, local_cache, remote_cache, payload, repeats, timeout_s))
+                results.append(await measure_length(bench, num_tokens))
         finally:
             await raw.close()
     return results
@@ -442,18 +480,21 @@ def format_report(
             )
     lines += [
         "",
-        "connector breakdown, median ms (handshake = refused pull: connect + headers + checks + close;",
-        "staging = raw into a fresh buffer minus raw into a reused one; predicted = handshake + gather + raw fresh + scatter)",
-        f"{'tokens':>6} {'pull':>8} {'handshake':>10} {'headers':>8} {'json':>6} {'gather':>8} {'raw':>8} {'staging':>8} {'scatter':>8} {'predicted':>10} {'overhead':>9}",
+        "connector breakdown, median ms: refused = a pull the peer refuses (connect + headers + checks);",
+        "headers = the same messages over raw UCX; staging = raw into a fresh buffer minus raw into a reused one;",
+        "predicted = refused + gather + raw fresh + scatter; reconnect = the refused pull on a new connection, closed after",
+        "(connect + headers + close: the connector connects for every pull)",
+        f"{'tokens':>6} {'pull':>8} {'refused':>8} {'headers':>8} {'json':>6} {'gather':>8} {'raw':>8} {'staging':>8} "
+        f"{'scatter':>8} {'predicted':>10} {'overhead':>9} {'reconnect':>10}",
     ]
     for r in results:
         b = {name: samples.median_s * 1e3 for name, samples in r.breakdown.items()}
         raw_ms = r.raw_ucx.median_s * 1e3
-        predicted = b["handshake"] + b["gather"] + b["raw_fresh_buffer"] + b["scatter"]
+        predicted = b["refused_pull"] + b["gather"] + b["raw_fresh_buffer"] + b["scatter"]
         lines.append(
-            f"{r.num_tokens:>6} {r.connector.median_s * 1e3:>8.2f} {b['handshake']:>10.2f} {b['header_round_trip']:>8.2f} "
+            f"{r.num_tokens:>6} {r.connector.median_s * 1e3:>8.2f} {b['refused_pull']:>8.2f} {b['header_round_trip']:>8.2f} "
             f"{b['json_cpu']:>6.2f} {b['gather']:>8.2f} {raw_ms:>8.2f} {b['raw_fresh_buffer'] - raw_ms:>8.2f} "
-            f"{b['scatter']:>8.2f} {predicted:>10.2f} {r.overhead_vs_raw:>+9.1%}"
+            f"{b['scatter']:>8.2f} {predicted:>10.2f} {r.overhead_vs_raw:>+9.1%} {b['reconnect']:>10.2f}"
         )
     if prefill is not None:
         transfer = next(r for r in results if r.num_tokens == prefill.num_tokens)
@@ -513,6 +554,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seeds the KV bytes, block ids and prefill prompts")
     parser.add_argument("--ucx-tls", default=None, help=f"UCX_TLS for both processes (default: the environment's, else {UCX_DEFAULTS['UCX_TLS']}; '' unsets it)")
     parser.add_argument("--ucx-rndv-scheme", default=None, help=f"UCX_RNDV_SCHEME likewise (default {UCX_DEFAULTS['UCX_RNDV_SCHEME']})")
+    parser.add_argument("--ucx-net-devices", default=None, help=f"UCX_NET_DEVICES likewise (default {UCX_DEFAULTS['UCX_NET_DEVICES']}: TCP on loopback only)")
     parser.add_argument("--skip-prefill", action="store_true", help="do not time the engine's prefill")
     parser.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length whose prefill is timed; must be among --prompt-tokens")
     parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills, after one warm-up")

@@ -2,20 +2,25 @@
 
 It holds a KV cache filled with seeded random bytes, publishes one request per
 prompt length on a :class:`UCXConnector` (at scattered, shuffled block ids), and
-serves a raw UCX mode beside it: a contiguous buffer of the same bytes sent with
-plain ucxx tag send/recv. It prints one JSON line (:class:`PeerReady`) and serves
-until stdin closes. Started by the bench as
+beside it serves a raw mode: a contiguous payload of the same bytes sent with plain
+ucxx endpoint send/recv, on a second ucxx listener, so that both paths use the same
+kind of endpoint (a client-server one, over the same UCX transports). It prints one
+JSON line (:class:`PeerReady`) and serves until stdin closes. Started by the bench as
 ``python -m bench.kv_transfer_peer --spec '<PeerSpec JSON>'``.
 
-The raw mode connects by worker address (exchanged over the bench's pipes), so it
-opens no listening socket of its own; its messages use fixed tags. The bench
-sends a command ``uint64[3] = (op, a, b)`` with :data:`TAG_COMMAND`:
+Raw mode: the bench keeps one endpoint open and, in a *session*, sends commands with
+``send_obj`` (:func:`raw_command`), as the connector sends its pull request:
 
-- ``OP_SEND, nbytes``: the peer sends ``payload[:nbytes]`` with :data:`TAG_DATA`;
-- ``OP_PING, request_bytes, reply_bytes``: the bench then sends ``request_bytes``
-  bytes; the peer answers with an 8-byte size and ``reply_bytes`` bytes, the same
-  four messages as the connector's ``send_obj`` / ``recv_obj`` header exchange;
-- ``OP_BYE``: the bench is done with this connection.
+- ``OP_SEND, nbytes``: the peer sends ``payload[:nbytes]``;
+- ``OP_PING, reply_bytes`` (the command padded to the pull request's size): the peer
+  answers with ``send_obj`` of ``reply_bytes`` bytes, the connector's header exchange
+  without the connector;
+- ``OP_PAUSE``: the session ends.
+
+A session starts when the bench writes the line ``raw`` on the peer's stdin. Sessions
+exist because ucxx (without ``UCXPY_ENABLE_PYTHON_FUTURE=1``) awaits a request by
+spinning the event loop: a receive left posted while the bench times something else
+would keep one of the peer's cores busy and skew every other figure.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import asyncio
 import json
 import logging
 import random
+import struct
 import sys
 from dataclasses import asdict, dataclass
 
@@ -36,10 +42,8 @@ from kv_connector.ucx import UCXConnector
 
 logger = logging.getLogger(__name__)
 
-TAG_HELLO = 0x6B76_6265_6E63_0001  # bench -> peer: its worker address (8-byte size, then the bytes)
-TAG_COMMAND = 0x6B76_6265_6E63_0002  # bench -> peer: uint64[3] commands, and ping request bodies
-TAG_DATA = 0x6B76_6265_6E63_0003  # peer -> bench: payloads and ping replies
-OP_BYE, OP_SEND, OP_PING = 0, 1, 2
+OP_PAUSE, OP_SEND, OP_PING = 0, 1, 2
+_COMMAND = struct.Struct("<QQ")  # op, argument
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -95,7 +99,7 @@ class PeerReady:
     """The peer's one line on stdout once it serves."""
 
     connector_address: str  # host:port of the UCXConnector listener
-    worker_address: str  # hex of the peer's UCX worker address, for the raw mode
+    raw_address: str  # host:port of the raw mode's listener
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -127,61 +131,86 @@ def seeded_payload(spec: PeerSpec) -> torch.Tensor:
     return torch.randint(0, 256, (spec.raw_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(spec.seed + 1))
 
 
-async def _recv_bytes(nbytes: int, tag: int) -> np.ndarray:
-    import ucxx
-
-    buffer = np.empty(nbytes, dtype=np.uint8)
-    await ucxx.recv(buffer, tag=tag)
-    return buffer
+def raw_command(op: int, argument: int = 0, size: int = _COMMAND.size) -> bytes:
+    """A raw-mode command, zero-padded to ``size`` bytes (a ping mimics the pull request's size)."""
+    return _COMMAND.pack(op, argument).ljust(size, b"\0")
 
 
-async def serve_raw(payload: np.ndarray) -> None:
-    """Serve raw-mode clients one after another, forever (cancelled at shutdown)."""
-    import ucxx
+class RawServer:
+    """The raw mode: one client endpoint at a time, served one session at a time."""
 
-    while True:
-        (address_size,) = (await _recv_bytes(8, TAG_HELLO)).view(np.uint64)
-        address = await _recv_bytes(int(address_size), TAG_HELLO)
-        endpoint = await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address.tobytes()))
-        command = np.empty(3, dtype=np.uint64)
+    def __init__(self, payload: np.ndarray) -> None:
+        self._payload = payload
+        self._sessions: asyncio.Queue[bool] = asyncio.Queue()  # True: serve a session; False: stop
+        self._listener = None
+        self._client_done: asyncio.Event | None = None  # set once a connected client's handler has finished
+
+    def start(self, host: str) -> str:
+        import ucxx
+
+        self._listener = ucxx.create_listener(self._serve, port=None)
+        return f"{host}:{self._listener.port}"
+
+    def begin_session(self) -> None:
+        self._sessions.put_nowait(True)
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Let a connected client's handler close its endpoint, then stop listening."""
+        self._sessions.put_nowait(False)
+        if self._client_done is not None:
+            try:
+                await asyncio.wait_for(self._client_done.wait(), timeout_s)
+            except TimeoutError:
+                logger.warning("the raw-mode handler did not finish within %.0f s", timeout_s)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    async def _serve(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
+        self._client_done = asyncio.Event()
         try:
-            while True:
-                await ucxx.recv(command, tag=TAG_COMMAND)
-                op, a, b = (int(x) for x in command)
-                if op == OP_BYE:
-                    break
-                if op == OP_SEND:
-                    if a > payload.nbytes:
-                        raise ValueError(f"asked for {a} raw bytes, the payload holds {payload.nbytes} (bug in the bench)")
-                    await endpoint.send(payload[:a], tag=TAG_DATA, force_tag=True)
-                elif op == OP_PING:
-                    await _recv_bytes(a, TAG_COMMAND)
-                    await endpoint.send(np.array([b], dtype=np.uint64), tag=TAG_DATA, force_tag=True)
-                    await endpoint.send(np.zeros(b, dtype=np.uint8), tag=TAG_DATA, force_tag=True)
-                else:
-                    raise ValueError(f"unknown raw-mode op {op} (bug in the bench)")
+            while await self._sessions.get():
+                await self._serve_session(endpoint)
+        except Exception:  # the bench sees the failure as a timeout; the reason goes to stderr
+            logger.exception("serving the raw mode failed")
         finally:
             await endpoint.close()
+            self._client_done.set()
+
+    async def _serve_session(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
+        while True:
+            command = bytes(await endpoint.recv_obj())
+            op, argument = _COMMAND.unpack_from(command)
+            if op == OP_PAUSE:
+                return
+            if op == OP_SEND:
+                if argument > self._payload.nbytes:
+                    raise ValueError(f"asked for {argument} raw bytes, the payload holds {self._payload.nbytes} (bug in the bench)")
+                await endpoint.send(self._payload[:argument])
+            elif op == OP_PING:
+                await endpoint.send_obj(bytes(argument))
+            else:
+                raise ValueError(f"unknown raw-mode op {op} (bug in the bench)")
 
 
 async def serve(spec: PeerSpec, host: str) -> None:
-    import ucxx
-
     cache = seeded_cache(spec)
-    payload = seeded_payload(spec).numpy()
     connector = UCXConnector(cache, spec.fingerprint)
-    address = await connector.start(host, 0)
-    for num_blocks in spec.request_num_blocks:
-        block_ids = scattered_block_ids("prefill", spec.seed, spec.num_cache_blocks, num_blocks)
-        connector.publish(request_id(num_blocks), block_ids, token_ids=[])  # the UCX connector ignores token_ids
-    raw_task = asyncio.create_task(serve_raw(payload))
-    worker_address = ucxx.get_worker_address()
-    sys.stdout.write(PeerReady(address, worker_address.tobytes().hex()).to_json() + "\n")
-    sys.stdout.flush()
+    raw = RawServer(seeded_payload(spec).numpy())
     try:
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the bench closes stdin
+        connector_address = await connector.start(host, 0)
+        for num_blocks in spec.request_num_blocks:
+            block_ids = scattered_block_ids("prefill", spec.seed, spec.num_cache_blocks, num_blocks)
+            connector.publish(request_id(num_blocks), block_ids, token_ids=[])  # the UCX connector ignores token_ids
+        sys.stdout.write(PeerReady(connector_address, raw.start(host)).to_json() + "\n")
+        sys.stdout.flush()
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):  # "" once the bench closes stdin
+            if line.strip() != "raw":
+                raise ValueError(f"unknown control line {line!r} (bug in the bench)")
+            raw.begin_session()
     finally:
-        raw_task.cancel()
+        await raw.stop()
         await connector.close()
 
 
