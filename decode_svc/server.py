@@ -116,7 +116,8 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
 
     def on_kv_loads(self, loads: list[KVLoad]) -> None:
         """Engine thread: blocks are allocated for these prompts; start their pulls on the event loop."""
-        assert self._loop is not None
+        if self._loop is None:
+            raise RuntimeError("KV loads before any Decode call (bug)")
         for load in loads:
             self._loop.call_soon_threadsafe(self._start_pull, load)
 

@@ -168,8 +168,7 @@ class AsyncEngine:
                     loads, self.core.pending_kv_loads = self.core.pending_kv_loads, []
                     if self._on_kv_loads is not None:
                         self._on_kv_loads(loads)
-                if outputs:
-                    assert self._loop is not None
+                if outputs and self._loop is not None:  # set by start(), before this thread runs
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as error:
             logger.exception("engine step loop crashed")

@@ -42,7 +42,8 @@ class FreeBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
-        assert last is not None
+        if last is None:
+            raise RuntimeError("free queue tail sentinel lost its link (bug)")
         last.next_free, block.prev_free = block, last
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free_blocks += 1

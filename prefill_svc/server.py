@@ -16,7 +16,7 @@ import time
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, KVHandoff
 from serving.convert import fingerprint_to_proto, logprobs_to_proto, sampling_params_from_proto
 from serving.instance import Instance, add_instance_arguments, serve
 
@@ -59,18 +59,14 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         if final.new_logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
         if final.kv_handoff is not None:
-            response.kv.CopyFrom(self._pin(final, list(request.prompt_token_ids)))
+            response.kv.CopyFrom(self._pin(final.request_id, final.kv_handoff, list(request.prompt_token_ids)))
         return response
 
-    def _pin(self, output: EngineCoreOutput, prompt_token_ids: list[int]) -> disaggregation_pb2.KVHandle:
+    def _pin(self, request_id: str, handoff: KVHandoff, prompt_token_ids: list[int]) -> disaggregation_pb2.KVHandle:
         """Publish the pinned blocks on the connector and start the lease that frees them."""
-        handoff = output.kv_handoff
-        assert handoff is not None
-        self.instance.connector.publish(output.request_id, handoff.block_ids, prompt_token_ids)
+        self.instance.connector.publish(request_id, handoff.block_ids, prompt_token_ids)
         loop = asyncio.get_running_loop()
-        self._leases[output.request_id] = loop.call_later(
-            self.lease_s, lambda: asyncio.ensure_future(self._expire(output.request_id))
-        )
+        self._leases[request_id] = loop.call_later(self.lease_s, lambda: asyncio.ensure_future(self._expire(request_id)))
         return disaggregation_pb2.KVHandle(
             prefill_instance_id=self.instance.instance_id,
             connector=self.instance.connector.name,
