@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_connector.fingerprint import Fingerprint
+from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
 
 
 class KVTransferError(RuntimeError):
@@ -90,6 +90,14 @@ class KVConnector(abc.ABC):
         (the blocks before ``first_block`` are local prefix-cache hits). Raises
         :class:`KVTransferError` on any failure, including a fingerprint mismatch or the timeout;
         on error the destination blocks hold garbage and must be recomputed or freed."""
+
+    def check_source(self, source: KVSource) -> None:
+        """D, before a pull: refuse a source whose fingerprint differs from this side's,
+        with a :class:`KVTransferError` naming both values."""
+        try:
+            self.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
+        except FingerprintMismatchError as error:
+            raise KVTransferError(str(error)) from None
 
     @abc.abstractmethod
     async def close(self) -> None:

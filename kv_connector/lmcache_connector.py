@@ -50,7 +50,7 @@ from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats  # noqa: E402
-from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError  # noqa: E402
+from kv_connector.fingerprint import Fingerprint  # noqa: E402
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -187,10 +187,7 @@ class LMCacheConnector(KVConnector):
             raise KVTransferError(f"first_block {first_block} outside the prompt's {num_blocks} blocks (bug)")
         if first_block == num_blocks:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
-        try:
-            self.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
-        except FingerprintMismatchError as error:
-            raise KVTransferError(str(error)) from None
+        self.check_source(source)
         started = time.perf_counter()
         first_token = first_block * block_size
         # LMCache skips only whole chunks; the chunk holding first_token is fetched whole.

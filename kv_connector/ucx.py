@@ -97,10 +97,7 @@ class UCXConnector(KVConnector):
             raise KVTransferError(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones (bug)")
         if not remote_blocks:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
-        try:
-            self.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
-        except FingerprintMismatchError as error:
-            raise KVTransferError(str(error)) from None
+        self.check_source(source)
         start = time.perf_counter()
         try:
             staging = await asyncio.wait_for(self._receive(source, remote_blocks), timeout=timeout_s)
