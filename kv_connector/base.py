@@ -16,11 +16,16 @@ other request until the engine is told the pull finished.
 from __future__ import annotations
 
 import abc
+import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
+
+T = TypeVar("T")
 
 
 class KVTransferError(RuntimeError):
@@ -102,6 +107,19 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop listening and drop connections. Called once at shutdown."""
+
+
+async def bounded_transfer(operation: Awaitable[T], timeout_s: float, what: str) -> T:
+    """Await a transport operation within ``timeout_s``; a timeout, or any error the transport
+    library raises in its own types, becomes a :class:`KVTransferError` naming ``what``."""
+    try:
+        return await asyncio.wait_for(operation, timeout=timeout_s)
+    except TimeoutError:
+        raise KVTransferError(f"{what} timed out after {timeout_s} s") from None
+    except KVTransferError:
+        raise
+    except Exception as error:
+        raise KVTransferError(f"{what} failed: {type(error).__name__}: {error}") from None
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:

@@ -49,7 +49,7 @@ from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa:
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
-from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats  # noqa: E402
+from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, bounded_transfer  # noqa: E402
 from kv_connector.fingerprint import Fingerprint  # noqa: E402
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks  # noqa: E402
 
@@ -195,16 +195,11 @@ class LMCacheConnector(KVConnector):
         staging = torch.empty(
             self._adapter.get_shape(len(tokens) - fetch_start), dtype=self.kv_cache.dtype, device=self.kv_cache.device
         )
-        try:
-            retrieved = await asyncio.wait_for(
-                asyncio.to_thread(self._retrieve, engine, tokens, fetch_start, staging, source.request_id), timeout=timeout_s
-            )
-        except TimeoutError:
-            raise KVTransferError(f"retrieving {source.request_id!r} from LMCache at {self.remote_url} timed out after {timeout_s} s") from None
-        except KVTransferError:
-            raise
-        except Exception as error:  # lmcache surfaces remote and allocation failures as its own types
-            raise KVTransferError(f"retrieving {source.request_id!r} from LMCache at {self.remote_url} failed: {type(error).__name__}: {error}") from None
+        retrieved = await bounded_transfer(
+            asyncio.to_thread(self._retrieve, engine, tokens, fetch_start, staging, source.request_id),
+            timeout_s,
+            f"retrieving {source.request_id!r} from LMCache at {self.remote_url}",
+        )
         missing = (~retrieved[fetch_start:]).nonzero()
         if len(missing):
             raise await self._miss(source, fetch_start + int(missing[0]), len(tokens))

@@ -8,13 +8,20 @@ one host set ``UCX_TLS=tcp,sm,self UCX_RNDV_SCHEME=put_zcopy`` (see docs/benchma
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 import torch
 
-from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, gather_blocks, scatter_blocks
+from kv_connector.base import (
+    KVConnector,
+    KVSource,
+    KVTransferError,
+    TransferStats,
+    bounded_transfer,
+    gather_blocks,
+    scatter_blocks,
+)
 from kv_connector.fingerprint import FingerprintMismatchError
 from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_reply, decode_pull_request, encode
 
@@ -99,14 +106,9 @@ class UCXConnector(KVConnector):
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
         self.check_source(source)
         start = time.perf_counter()
-        try:
-            staging = await asyncio.wait_for(self._receive(source, remote_blocks), timeout=timeout_s)
-        except TimeoutError:
-            raise KVTransferError(f"pulling {len(remote_blocks)} blocks from {source.address} timed out after {timeout_s} s") from None
-        except KVTransferError:
-            raise
-        except Exception as error:  # ucxx raises its own types for unreachable or dead peers
-            raise KVTransferError(f"pulling from {source.address} failed: {type(error).__name__}: {error}") from None
+        staging = await bounded_transfer(
+            self._receive(source, remote_blocks), timeout_s, f"pulling {len(remote_blocks)} blocks from {source.address}"
+        )
         scatter_blocks(self.kv_cache, local_blocks, staging)
         seconds = time.perf_counter() - start
         return TransferStats(num_blocks=len(local_blocks), num_bytes=staging.numel() * staging.element_size(), seconds=seconds)
