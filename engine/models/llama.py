@@ -105,8 +105,9 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Rotation writes fresh contiguous q [T, H, D] and k [T, H_kv, D], as the backends prefer.
-        q = self.rotary(q.view(num_tokens, self.num_heads, self.head_dim), positions)
-        k = self.rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)
+        q, k = self.rotary(
+            q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim), positions
+        )
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = self.backend.forward(q, k, v, layer_cache, metadata, self.scale)  # [T, H, D]
         hidden, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(num_tokens, self.q_size)), residual)

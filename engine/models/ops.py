@@ -31,9 +31,11 @@ class ModelOps(Protocol):
         """gate_up: [T, 2 * I], gate then up. Returns ``silu(gate) * up``: [T, I]."""
         ...
 
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Neox-style rotation of x: [T, heads, D] (rows may be strided) into a new contiguous tensor.
-        cos, sin: [max_positions, D / 2]; positions: [T]."""
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox-style rotation of q: [T, H, D] and k: [T, H_kv, D] (rows may be strided) into new
+        contiguous tensors. cos, sin: [max_positions, D / 2]; positions: [T]."""
         ...
 
 
@@ -50,15 +52,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2]
-        x1, x2 = x.chunk(2, dim=-1)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        out1, out2 = out.chunk(2, dim=-1)
-        # x * cos + rotate_half(x) * sin, one half at a time, without the concatenation.
-        torch.mul(x1, cos, out=out1).sub_(x2 * sin)
-        torch.mul(x2, cos, out=out2).add_(x1 * sin)
-        return out
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2], looked up once
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 class NativeCPUOps:
@@ -75,8 +73,22 @@ class NativeCPUOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(gate_up.contiguous())
 
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rotary_embedding(x, cos, sin, positions)
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rotate = self.kernels.rotary_embedding
+        return rotate(q, cos, sin, positions), rotate(k, cos, sin, positions)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x: [T, heads, D], cos/sin: [T, 1, D/2], one half at a
+    time into a new tensor, without the concatenation."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out2).add_(x1 * sin)
+    return out
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> ModelOps:

@@ -141,9 +141,11 @@ def test_fused_rotary_matches_reference_on_strided_rows(ops_pair, dtype: torch.d
     generator = torch.Generator().manual_seed(3)
     qkv = torch.randn(11, 3 * 4 * 32, generator=generator).to(dtype)
     q = qkv[:, : 4 * 32].view(11, 4, 32)  # strided rows, as the model hands them over
+    k = qkv[:, 4 * 32 : 6 * 32].view(11, 2, 32)
     cos = torch.randn(64, 16, generator=generator).to(dtype)
     sin = torch.randn(64, 16, generator=generator).to(dtype)
     positions = torch.randint(0, 64, (11,), generator=generator)
-    out = native.rotary(q, cos, sin, positions)
-    assert out.is_contiguous()
-    torch.testing.assert_close(out, reference.rotary(q, cos, sin, positions), atol=1e-6, rtol=1e-6)
+    outputs = native.rotary(q, k, cos, sin, positions)
+    assert all(out.is_contiguous() for out in outputs)
+    for out, expected in zip(outputs, reference.rotary(q, k, cos, sin, positions), strict=True):
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
