@@ -12,7 +12,9 @@ from engine.sampling_params import SamplingParams
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="+", help="one or more prompts")
     parser.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    # float32 by default: one prompt costs little, and on a 135M model bfloat16 rounding can
+    # flip near-tied first tokens (SmolLM2 puts "The" and "L" 0.1 apart for the README's question).
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--kv-cache-memory", type=int, default=DEFAULT_KV_CACHE_MEMORY, help="KV cache bytes on CPU")
     parser.add_argument("--max-tokens", type=int, default=128)
