@@ -52,6 +52,10 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--registry-url", default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""),
+                        help="redis://HOST:PORT to register in (with a heartbeat) so gateways find this instance")
+    parser.add_argument("--heartbeat-seconds", type=float, default=1.0,
+                        help="seconds between registry heartbeats; an entry expires after three missed ones")
 
 
 def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:

@@ -1,0 +1,1 @@
+"""``splitserve up``: a gateway and its prefill and decode instances as local processes."""
