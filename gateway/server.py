@@ -4,7 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import os
+from pathlib import Path
+
+import uvicorn
+
+from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+from gateway.app import create_app
+from gateway.discovery import RedisDiscovery, StaticDiscovery
+from gateway.generation import GenerationService
+from gateway.grpc_front import start_grpc_front
+from gateway.instances import InstancePool
+from gateway.metrics import GatewayMetrics
+from gateway.tokenizer import ModelTokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
 DEFAULT_GRPC_PORT = 50051
@@ -29,4 +45,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("gateway: under construction")
+    if not (args.prefill or args.decode or args.colocated or args.registry_url):
+        raise ValueError("no instances to route to: give --registry-url redis://HOST:PORT, or --prefill and --decode HOST:PORT (or --colocated)")
+    if bool(args.prefill) != bool(args.decode):
+        raise ValueError("static routing needs both --prefill and --decode instances (or --colocated)")
+    asyncio.run(serve(args))
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Serve REST and gRPC until SIGTERM/SIGINT, then let in-flight requests finish."""
+    model_path = Path(args.model) if args.model else default_model_path()
+    model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    pool = InstancePool(stale_after_s=args.stale_after)
+    if args.registry_url:
+        discovery: RedisDiscovery | StaticDiscovery = RedisDiscovery(pool, args.registry_url, args.poll_interval)
+    else:
+        discovery = StaticDiscovery(pool, {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}, args.poll_interval)
+    await discovery.poll_once()
+    discovery_task = asyncio.create_task(discovery.run())
+    metrics = GatewayMetrics(pool)
+    service = GenerationService(
+        pool, ModelTokenizer(model_path), metrics, args.max_pending_requests, args.request_timeout, args.max_model_len
+    )
+    grpc_server = None
+    if args.grpc_port >= 0:
+        grpc_server, grpc_port = await start_grpc_front(service, model_name, args.api_key, args.host, args.grpc_port)
+        logger.info("gRPC Generation API on %s:%d", args.host, grpc_port)
+    app = create_app(service, model_name, args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
+    try:
+        await uvicorn.Server(config).serve()  # returns after SIGTERM/SIGINT and a graceful shutdown
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=30)
+        discovery_task.cancel()
+        await asyncio.gather(discovery_task, return_exceptions=True)
+        await service.dispatcher.drain()
+        if isinstance(discovery, RedisDiscovery):
+            await discovery.close()
+        await pool.close()

@@ -4,7 +4,25 @@ colocated instance) as local processes, wait until ready, stop all on Ctrl-C / S
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import shutil
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from launcher.processes import Child, free_port, parse_cpu_list, splitserve_command
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # the first run converts the embedded model, and loads take a while on 2 cores
+STOP_TIMEOUT_S = 40.0  # instances drain for up to 30 s
+# Shared memory for UCX between local processes; tcp stays for connection set-up.
+LOCAL_UCX_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,14 +32,135 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port")
     parser.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY") or None)
     parser.add_argument("--kv-connector", default="ucx", choices=["ucx", "lmcache"])
+    parser.add_argument("--lmcache-url", default="", help="lmcache store (redis://, lm://); default: a local redis-server started here")
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--colocated", action="store_true", help="one instance doing both phases instead of prefill + decode")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    # float32 by default, like `splitserve generate`: SmolLM2's bf16 rounding ties its first
+    # answer tokens. Pass --dtype auto (bf16 on CPU) for speed.
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per instance on CPU")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--prefill-cpus", default=None, help="CPU list for prefill instances, e.g. '0' or '0-3' (taskset)")
     parser.add_argument("--decode-cpus", default=None, help="CPU list for decode instances")
+    parser.add_argument("--colocated-cpus", default=None, help="CPU list for the colocated instance")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("up: under construction")
+    if args.num_prefill < 1 or args.num_decode < 1:
+        raise ValueError("--num-prefill and --num-decode must be at least 1")
+    cpus = {role: parse_cpu_list(spec) if spec else None for role, spec in
+            (("prefill", args.prefill_cpus), ("decode", args.decode_cpus), ("colocated", args.colocated_cpus))}
+    model = Path(args.model) if args.model else _default_model()
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+
+    children: list[Child] = []
+    try:
+        routes = _start_instances(args, model, cpus, children)
+        gateway_argv = splitserve_command("--log-level", args.log_level, "gateway", "--model", str(model), "--host", args.host,
+                        "--port", str(args.port), "--grpc-port", str(args.grpc_port), *routes)
+        if args.model is None:
+            gateway_argv += ["--served-model-name", model.name]
+        if args.max_model_len:
+            gateway_argv += ["--max-model-len", str(args.max_model_len)]
+        # The key travels in the environment, not argv, where any local user could read it.
+        children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or ""}))
+        url = f"http://{_dial_host(args.host)}:{args.port}"
+        if not _wait_ready(url, children, stop):
+            return 1
+        _print_banner(args, url, model)
+        while not stop.wait(0.5):
+            dead = [c for c in children if c.exited]
+            if dead:
+                logger.error("%s exited with %s; stopping everything", dead[0].name, dead[0].process.returncode)
+                return 1
+        return 0
+    finally:
+        # The gateway first (no new requests), then the instances drain theirs.
+        for child in reversed(children):
+            child.terminate()
+            if child.name == "gateway":
+                child.wait(STOP_TIMEOUT_S)
+        for child in children:
+            child.wait(STOP_TIMEOUT_S)
+        logger.info("stopped")
+
+
+def _start_instances(args: argparse.Namespace, model: Path, cpus: dict[str, set[int] | None], children: list[Child]) -> list[str]:
+    """Start the engines; return the gateway's routing flags for them."""
+    common = ["--model", str(model), "--dtype", args.dtype]
+    if args.kv_cache_memory:
+        common += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.max_model_len:
+        common += ["--max-model-len", str(args.max_model_len)]
+    if args.colocated:
+        port = free_port()
+        argv = splitserve_command("--log-level", args.log_level, "colocated", *common, "--port", str(port))
+        children.append(Child("colocated", argv, cpus=cpus["colocated"]))
+        return ["--colocated", f"127.0.0.1:{port}"]
+    connector = ["--kv-connector", args.kv_connector]
+    env = {k: v for k, v in LOCAL_UCX_ENV.items() if k not in os.environ}
+    if args.kv_connector == "lmcache":
+        connector += ["--lmcache-url", args.lmcache_url or _start_redis(children)]
+    routes = []
+    for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+        for index in range(count):
+            port = free_port()
+            argv = splitserve_command("--log-level", args.log_level, role, *common, *connector, "--port", str(port), "--instance-id", f"{role}-{index}")
+            children.append(Child(f"{role}-{index}", argv, env=env, cpus=cpus[role]))
+            routes += [f"--{role}", f"127.0.0.1:{port}"]
+    return routes
+
+
+def _start_redis(children: list[Child]) -> str:
+    """A throwaway Redis on loopback for the lmcache connector's store (no persistence)."""
+    if shutil.which("redis-server") is None:
+        raise ValueError("--kv-connector lmcache needs a store: pass --lmcache-url, or install redis-server to have one started here")
+    port = free_port()
+    children.append(Child("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]))
+    return f"redis://127.0.0.1:{port}"
+
+
+def _default_model() -> Path:
+    # Converting the embedded GGUF (once) imports torch; doing it here keeps the
+    # instances from racing to convert it.
+    from engine.default_model import default_model_path  # noqa: PLC0415
+
+    return default_model_path()
+
+
+def _dial_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def _wait_ready(url: str, children: list[Child], stop: threading.Event) -> bool:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and not stop.is_set():
+        dead = [c for c in children if c.exited]
+        if dead:
+            logger.error("%s exited with %s before the stack was ready", dead[0].name, dead[0].process.returncode)
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+                if json.load(response).get("ready"):
+                    return True
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        stop.wait(0.5)
+    if not stop.is_set():
+        logger.error("the stack was not ready after %.0f s", READY_TIMEOUT_S)
+    return False
+
+
+def _print_banner(args: argparse.Namespace, url: str, model: Path) -> None:
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    example = json.dumps({"model": model.name if args.model is None else args.model,
+                          "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
+    print(  # noqa: T201 - the user-facing banner of an interactive command
+        f"\nsplitserve is up: OpenAI API at {url}/v1, gRPC Generation at {_dial_host(args.host)}:{args.grpc_port}\n"
+        f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{example}'\n"
+        "Ctrl-C stops everything.\n",
+        flush=True,
+    )

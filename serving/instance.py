@@ -25,6 +25,7 @@ from kv_connector.base import KVConnector, TransferStats
 from kv_connector.fingerprint import Fingerprint, model_identity
 from kv_connector.registry import BACKENDS, make_connector
 from serving.convert import fingerprint_to_proto
+from serving.registration import RegistryHeartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +102,11 @@ class TransferCounters:
 
 @dataclass
 class Instance:
-    """One prefill or decode instance: engine, connector and identity."""
+    """One prefill, decode or colocated instance: engine, connector (none when colocated) and identity."""
 
     role: EngineRole
     engine: AsyncEngine
-    connector: KVConnector
+    connector: KVConnector | None  # None in the colocated role: no KV leaves the instance
     fingerprint: Fingerprint
     instance_id: str
     grpc_address: str = ""
@@ -119,8 +120,10 @@ class Instance:
         """Load the model and size the KV cache (blocking); log capacity and fingerprint."""
         engine = AsyncEngine(engine_config(args, role), on_kv_loads=on_kv_loads)
         fingerprint = fingerprint_of(engine.core)
-        options = {"remote_url": args.lmcache_url} if args.kv_connector == "lmcache" else {}
-        connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint, options)
+        connector = None
+        if role != "colocated":
+            options = {"remote_url": args.lmcache_url} if args.kv_connector == "lmcache" else {}
+            connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint, options)
         instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         report = engine.core.load_report()
         logger.info(
@@ -144,12 +147,13 @@ class Instance:
             num_free_blocks=report.num_free_blocks,
             num_total_blocks=report.num_total_blocks,
             fingerprint=fingerprint_to_proto(self.fingerprint),
-            connector=self.connector.name,
+            connector=self.connector.name if self.connector is not None else "",
             connector_address=self.connector_address,
             prefix_cache_hit_rate=report.prefix_cache_hit_rate,
             kv_transfers=self.transfers.num_transfers,
             kv_transfer_bytes=self.transfers.num_bytes,
             kv_transfer_seconds=self.transfers.seconds,
+            max_model_len=self.engine.core.max_model_len,
         )
 
 
@@ -167,8 +171,9 @@ async def serve(
     """Start engine, connector and gRPC server; run until SIGTERM/SIGINT, then drain and stop."""
     await instance.engine.start()
     advertise = args.advertise_host or args.host
-    connector_address = await instance.connector.start(args.host, args.kv_port)
-    instance.connector_address = connector_address.replace(args.host, advertise, 1) if connector_address else ""
+    if instance.connector is not None:
+        connector_address = await instance.connector.start(args.host, args.kv_port)
+        instance.connector_address = connector_address.replace(args.host, advertise, 1) if connector_address else ""
     server = grpc.aio.server()
     add_servicer(server)
     disaggregation_pb2_grpc.add_LoadServicer_to_server(LoadServicer(instance), server)
@@ -179,6 +184,12 @@ async def serve(
     instance.grpc_address = f"{advertise}:{port}"
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     logger.info("%s %s serving gRPC on %s, KV on %s", instance.role, instance.instance_id, instance.grpc_address, instance.connector_address)
+    heartbeat = None
+    if args.registry_url:
+        heartbeat = RegistryHeartbeat(args.registry_url, instance.instance_id, instance.grpc_address, instance.load_report, args.heartbeat_seconds)
+        await heartbeat.beat()  # registered before we say we are up
+        heartbeat.start()
+        logger.info("registered as %s in %s", instance.instance_id, args.registry_url)
     if ready is not None:
         ready(instance.grpc_address)
 
@@ -188,9 +199,12 @@ async def serve(
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     logger.info("draining: no new requests, waiting up to %.0f s for in-flight ones", DRAIN_GRACE_S)
+    if heartbeat is not None:
+        await heartbeat.stop()
     await health_servicer.enter_graceful_shutdown()
     started = time.monotonic()
     await server.stop(grace=DRAIN_GRACE_S)
-    await instance.connector.close()
+    if instance.connector is not None:
+        await instance.connector.close()
     await instance.engine.stop()
     logger.info("stopped after draining for %.1f s", time.monotonic() - started)

@@ -150,7 +150,7 @@ class LoadReportRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "fingerprint", "connector", "connector_address", "prefix_cache_hit_rate", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds")
+    __slots__ = ("instance_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "fingerprint", "connector", "connector_address", "prefix_cache_hit_rate", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "max_model_len")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class LoadReport(_message.Message):
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     num_waiting: int
@@ -177,4 +178,17 @@ class LoadReport(_message.Message):
     kv_transfers: int
     kv_transfer_bytes: int
     kv_transfer_seconds: float
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class Registration(_message.Message):
+    __slots__ = ("grpc_address", "report", "unix_s", "serving")
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    grpc_address: str
+    report: LoadReport
+    unix_s: float
+    serving: bool
+    def __init__(self, grpc_address: _Optional[str] = ..., report: _Optional[_Union[LoadReport, _Mapping]] = ..., unix_s: _Optional[float] = ..., serving: bool = ...) -> None: ...

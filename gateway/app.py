@@ -1,0 +1,138 @@
+"""The OpenAI-compatible REST app: routes, API-key check, and errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import APIError
+from gateway.generation import GenerationService
+from gateway.openai_chat import create_chat_completion
+from gateway.openai_completions import create_completion
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+# Probes and scrapes stay open when an API key is set (as in vLLM: the key guards the API).
+_OPEN_PATHS = {"/health", "/ready", "/metrics"}
+
+
+def create_app(service: GenerationService, model_name: str, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="splitserve", docs_url=None, redoc_url=None)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(HTTPStatus.NOT_FOUND, f"the model {model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next):  # noqa: ANN001, ANN202 - starlette's signature
+        if api_key is not None and request.url.path not in _OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                error = APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                return _error_response(error)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            message, location = f"the request body is not valid JSON: {first.get('msg', '')}", []
+        else:
+            message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid value')}"
+        return _error_response(APIError(HTTPStatus.BAD_REQUEST, message, ".".join(location) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return _error_response(APIError(HTTPStatus(error.status_code), str(error.detail)))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        pool = service.pool
+        body = {
+            "ready": pool.is_ready(),
+            "instances": {role: len(pool.healthy(role)) for role in ("prefill", "decode", "colocated")},
+        }
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=model_name, max_model_len=service.max_model_len)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        check_model(request.model)
+        return await create_completion(request, raw, service, model_name)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        check_model(request.model)
+        return await create_chat_completion(request, raw, service, model_name)
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]) -> TokenizeResponse:
+        # vLLM's two shapes: a prompt, or chat messages through the template.
+        try:
+            request = (TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest).model_validate(body)
+        except ValidationError as error:
+            raise RequestValidationError(error.errors()) from error
+        check_model(request.model)
+        tokenizer = service.tokenizer
+        if isinstance(request, TokenizeChatRequest):
+            tokens = tokenizer.encode_chat(request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs)
+        else:
+            tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=service.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(request.model)
+        vocab_size = service.tokenizer.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", "tokens")
+        return DetokenizeResponse(prompt=service.tokenizer.decode(request.tokens))
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> PlainTextResponse:
+        return PlainTextResponse(f"splitserve: OpenAI-compatible API for {model_name} at /v1\n")
+
+    return app
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    if error.status >= 500:
+        logger.warning("answering %d: %s", error.status, error.message)
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status)

@@ -1,0 +1,95 @@
+"""Keeping the instance pool current: a static list polled over gRPC, or the
+instances' own registrations in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import redis.asyncio as redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
+
+from gateway.instances import ROLES, InstancePool, Role
+from serving.registration import scan_registrations
+
+logger = logging.getLogger(__name__)
+
+
+class StaticDiscovery:
+    """Fixed addresses (``--prefill/--decode/--colocated HOST:PORT``), each polled for
+    health and load every ``interval_s``."""
+
+    def __init__(self, pool: InstancePool, addresses: dict[Role, list[str]], interval_s: float) -> None:
+        self.pool = pool
+        self.interval_s = interval_s
+        for role, role_addresses in addresses.items():
+            for address in role_addresses:
+                pool.add(address, role)
+
+    async def run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(address) for address in list(self.pool.instances)))
+
+    async def _poll(self, address: str) -> None:
+        state = self.pool.instances[address]
+        timeout = max(self.interval_s * 2, 1.0)
+        try:
+            health, report = await asyncio.gather(
+                health_pb2_grpc.HealthStub(state.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout),
+                disaggregation_pb2_grpc.LoadStub(state.channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=timeout),
+            )
+        except grpc.aio.AioRpcError:
+            self.pool.record_unreachable(address)
+            return
+        if report.role and report.role != state.role:
+            logger.error("%s was given as a %s instance but reports role %r; not using it", address, state.role, report.role)
+            self.pool.record_unreachable(address)
+            return
+        self.pool.record_report(address, report, health.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+class RedisDiscovery:
+    """Instances found through their registrations in Redis (``serving.registration``)."""
+
+    def __init__(self, pool: InstancePool, url: str, interval_s: float) -> None:
+        self.pool = pool
+        self.interval_s = interval_s
+        self.client = redis.from_url(url)
+        self._heartbeat_unix_s: dict[str, float] = {}  # by address: the newest heartbeat seen
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except (redis.RedisError, OSError) as error:
+                # Keep routing on what we know; reports go stale if the outage lasts.
+                logger.warning("registry scan failed: %s", error)
+            await asyncio.sleep(self.interval_s)
+
+    async def poll_once(self) -> None:
+        seen = set()
+        for registration in await scan_registrations(self.client):
+            role = registration.report.role
+            if role not in ROLES or not registration.grpc_address:
+                logger.warning("ignoring a registration with role %r at %r", role, registration.grpc_address)
+                continue
+            address = registration.grpc_address
+            seen.add(address)
+            self.pool.add(address, role)  # type: ignore[arg-type] - checked against ROLES above
+            # Freshness by the gateway's clock: a heartbeat counts when its timestamp moves,
+            # so clock skew between nodes does not matter.
+            if registration.unix_s > self._heartbeat_unix_s.get(address, 0.0):
+                self._heartbeat_unix_s[address] = registration.unix_s
+                self.pool.record_report(address, registration.report, registration.serving)
+        for address in set(self.pool.instances) - seen:
+            self._heartbeat_unix_s.pop(address, None)
+            self.pool.remove(address)
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,70 @@
+"""Errors the gateway answers with, in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``, and their HTTP and gRPC statuses.
+
+Anything the client did wrong is a 4xx with a message that says how to fix it;
+a 500 means a bug in splitserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import grpc
+
+from gateway.protocol import ErrorInfo, ErrorResponse
+
+# OpenAI's error "type" for each status the gateway uses.
+_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable_error",
+    HTTPStatus.GATEWAY_TIMEOUT: "timeout_error",
+}
+
+_GRPC_CODES = {
+    HTTPStatus.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    HTTPStatus.UNAUTHORIZED: grpc.StatusCode.UNAUTHENTICATED,
+    HTTPStatus.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    HTTPStatus.TOO_MANY_REQUESTS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    HTTPStatus.SERVICE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    HTTPStatus.GATEWAY_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+@dataclass
+class APIError(Exception):
+    """An error to answer a request with. Raised anywhere below the HTTP/gRPC handlers."""
+
+    status: HTTPStatus
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error")
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return _GRPC_CODES.get(self.status, grpc.StatusCode.INTERNAL)
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param, code)
+
+
+def no_instance(role: str) -> APIError:
+    return APIError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        f"no healthy {role} instance is available; retry later",
+        code="no_healthy_instance",
+    )

@@ -1,0 +1,115 @@
+"""The public gRPC ``Generation.Generate`` API, served by the gateway with the same
+semantics as the REST path: text or token-id prompts, tokens streamed as they
+come (text deltas when the prompt was text), usage and timings at the end."""
+
+from __future__ import annotations
+
+import time
+from http import HTTPStatus
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+from engine.sampling_params import SamplingParams
+from gateway.errors import APIError, bad_request
+from gateway.generation import GenerationJob, GenerationService
+
+_OPTIONAL_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "logprobs",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
+)  # fmt: skip
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, service: GenerationService, model_name: str, api_key: str | None) -> None:
+        self.service = service
+        self.model_name = model_name
+        self.api_key = api_key
+
+    async def Generate(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+        try:
+            self._authorize(context)
+            if request.model and request.model != self.model_name:
+                raise APIError(HTTPStatus.NOT_FOUND, f"the model {request.model!r} does not exist; this server serves {self.model_name!r}")
+            job = self._job(request)
+        except APIError as error:
+            await context.abort(error.grpc_code, error.message)
+        is_text = request.WhichOneof("prompt") == "text"
+        first_token_at: float | None = None
+        stream = self.service.stream(job)
+        try:
+            async for delta in stream:
+                response = generation_pb2.GenerateResponse(
+                    request_id=job.request_id,
+                    token_ids=delta.token_ids,
+                    text=delta.text if is_text else "",
+                    logprobs=delta.logprobs,
+                    finish_reason=delta.finish_reason or "",
+                )
+                if first_token_at is None:
+                    first_token_at = time.monotonic()
+                if isinstance(delta.stop_reason, int):
+                    response.stop_token_id = delta.stop_reason
+                elif isinstance(delta.stop_reason, str):
+                    response.stop_string = delta.stop_reason
+                if delta.finish_reason is not None:
+                    response.usage.CopyFrom(
+                        generation_pb2.Usage(
+                            prompt_tokens=job.usage.prompt_tokens,
+                            completion_tokens=job.usage.completion_tokens,
+                            cached_tokens=job.usage.cached_tokens,
+                        )
+                    )
+                    response.timings.CopyFrom(
+                        generation_pb2.Timings(
+                            queue_s=job.dispatched_at - job.timer.arrival,
+                            ttft_s=first_token_at - job.timer.arrival,
+                            kv_transfer_s=job.kv_transfer_s,
+                            e2e_s=time.monotonic() - job.timer.arrival,
+                        )
+                    )
+                yield response
+        except APIError as error:
+            await context.abort(error.grpc_code, error.message)
+        finally:
+            await stream.aclose()
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.api_key is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        if metadata.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'")
+
+    def _job(self, request: generation_pb2.GenerateRequest) -> GenerationJob:
+        sampling = request.sampling
+        kwargs = {name: getattr(sampling, name) for name in _OPTIONAL_FIELDS if sampling.HasField(name)}
+        try:
+            params = SamplingParams(
+                **kwargs,
+                min_tokens=sampling.min_tokens,
+                stop=list(sampling.stop),
+                stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=sampling.ignore_eos,
+                include_stop_str_in_output=sampling.include_stop_str_in_output,
+            )
+        except ValueError as error:
+            raise bad_request(str(error)) from error
+        if request.WhichOneof("prompt") == "text":
+            token_ids = self.service.tokenizer.encode(request.text)
+        else:
+            token_ids = list(request.token_ids.ids)
+        # Token-id prompts get no text back, but stop strings still need the text to match on.
+        return self.service.prepare(token_ids, params, request_id=request.request_id or None, priority=request.priority)
+
+
+async def start_grpc_front(service: GenerationService, model_name: str, api_key: str | None, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, model_name, api_key), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

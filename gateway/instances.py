@@ -1,0 +1,160 @@
+"""The instances the gateway knows, their latest load reports, and how it picks
+one: lowest ``4 * waiting + running`` among the healthy ones, never pairing a
+prefill and a decode instance whose KV fingerprints differ.
+
+Discovery (``gateway.discovery``) keeps the reports fresh; the dispatcher
+reports RPC failures here so a dead instance is skipped at once rather than
+after its reports go stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+from splitserve.v1 import disaggregation_pb2
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+# Waiting requests weigh more than running ones: each still needs its prefill (or its
+# pull), while a running one costs only a share of the next decode step.
+WAITING_WEIGHT = 4
+CHANNEL_CLOSE_GRACE_S = 30.0
+
+
+@dataclass(slots=True, eq=False)
+class InstanceState:
+    address: str  # gRPC host:port
+    role: Role
+    channel: grpc.aio.Channel
+    report: disaggregation_pb2.LoadReport | None = None
+    serving: bool = False  # the instance's own health status
+    reported_at: float = 0.0  # monotonic time the latest report arrived
+    failed_at: float | None = None  # monotonic time an RPC to it last failed
+    # Requests sent since the latest report, which it cannot show yet; without this
+    # a burst between two polls would all go to the same instance.
+    num_dispatched: int = 0
+
+    @property
+    def instance_id(self) -> str:
+        return self.report.instance_id if self.report is not None and self.report.instance_id else self.address
+
+    @property
+    def score(self) -> int:
+        if self.report is None:
+            return WAITING_WEIGHT * self.num_dispatched
+        return WAITING_WEIGHT * (self.report.num_waiting + self.num_dispatched) + self.report.num_running
+
+    def is_healthy(self, now: float, stale_after_s: float) -> bool:
+        if not self.serving or self.report is None or now - self.reported_at > stale_after_s:
+            return False
+        # After a failed RPC, only a report that arrived later proves it is back.
+        return self.failed_at is None or self.reported_at > self.failed_at
+
+
+@dataclass
+class InstancePool:
+    stale_after_s: float
+    instances: dict[str, InstanceState] = field(default_factory=dict)  # by address
+    _closing: set[asyncio.Task[None]] = field(default_factory=set)  # channels of removed instances
+
+    def add(self, address: str, role: Role) -> InstanceState:
+        state = self.instances.get(address)
+        if state is None or state.role != role:
+            if state is not None:
+                self._close(state)
+            state = self.instances[address] = InstanceState(address, role, grpc.aio.insecure_channel(address))
+            logger.info("%s instance %s added", role, address)
+        return state
+
+    def remove(self, address: str) -> None:
+        state = self.instances.pop(address, None)
+        if state is not None:
+            logger.info("%s instance %s removed", state.role, address)
+            self._close(state)
+
+    def record_report(self, address: str, report: disaggregation_pb2.LoadReport, serving: bool) -> None:
+        state = self.instances.get(address)
+        if state is None:
+            return
+        was_healthy = state.is_healthy(time.monotonic(), self.stale_after_s)
+        state.report, state.serving, state.reported_at, state.num_dispatched = report, serving, time.monotonic(), 0
+        if not was_healthy and state.is_healthy(time.monotonic(), self.stale_after_s):
+            logger.info("%s instance %s (%s) is healthy", state.role, address, report.instance_id)
+
+    def record_unreachable(self, address: str) -> None:
+        state = self.instances.get(address)
+        if state is not None and state.serving:
+            logger.warning("%s instance %s is unreachable", state.role, address)
+            state.serving = False
+
+    def record_failure(self, state: InstanceState) -> None:
+        """An RPC to this instance failed as if it were down: skip it until it reports again."""
+        logger.warning("%s instance %s failed a request; skipping it until it reports again", state.role, state.address)
+        state.failed_at = time.monotonic()
+
+    def healthy(self, role: Role) -> list[InstanceState]:
+        now = time.monotonic()
+        return [s for s in self.instances.values() if s.role == role and s.is_healthy(now, self.stale_after_s)]
+
+    def pick(
+        self,
+        role: Role,
+        exclude: Iterable[InstanceState] = (),
+        fingerprint: disaggregation_pb2.Fingerprint | None = None,
+    ) -> InstanceState | None:
+        """The least-loaded healthy instance of a role, optionally KV-compatible with a fingerprint."""
+        excluded = {id(s) for s in exclude}
+        candidates = [
+            s
+            for s in self.healthy(role)
+            if id(s) not in excluded and (fingerprint is None or s.report.fingerprint == fingerprint)
+        ]
+        if not candidates:
+            return None
+        chosen = min(candidates, key=lambda s: s.score)
+        chosen.num_dispatched += 1
+        return chosen
+
+    def pick_prefill(self, exclude: Iterable[InstanceState] = ()) -> InstanceState | None:
+        """The least-loaded prefill instance that some healthy decode instance can pair with."""
+        decode_fingerprints = [s.report.fingerprint for s in self.healthy("decode")]
+        excluded = {id(s) for s in exclude}
+        candidates = [
+            s for s in self.healthy("prefill") if id(s) not in excluded and s.report.fingerprint in decode_fingerprints
+        ]
+        if not candidates:
+            return None
+        chosen = min(candidates, key=lambda s: s.score)
+        chosen.num_dispatched += 1
+        return chosen
+
+    def is_ready(self) -> bool:
+        """Requests can be served: a colocated instance, or a compatible prefill + decode pair."""
+        if self.healthy("colocated"):
+            return True
+        decode_fingerprints = [s.report.fingerprint for s in self.healthy("decode")]
+        return any(s.report.fingerprint in decode_fingerprints for s in self.healthy("prefill"))
+
+    def max_model_len(self) -> int | None:
+        """The smallest context any healthy instance accepts (a request must fit wherever it lands)."""
+        lengths = [s.report.max_model_len for role in ROLES for s in self.healthy(role) if s.report.max_model_len]
+        return min(lengths, default=None)
+
+    async def close(self) -> None:
+        for state in self.instances.values():
+            await state.channel.close()
+        self.instances.clear()
+
+    def _close(self, state: InstanceState) -> None:
+        # Requests still streaming over the channel may finish within the grace period.
+        task = asyncio.get_running_loop().create_task(state.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)

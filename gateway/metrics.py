@@ -1,0 +1,120 @@
+"""The gateway's Prometheus metrics (``GET /metrics``): request latencies as the
+client sees them, request and token counts, KV hand-off volume, and each
+instance's latest load report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from splitserve.v1 import disaggregation_pb2
+
+from gateway.instances import InstancePool
+
+# Latency buckets (seconds) spanning a CPU-served small model to a fast GPU.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self, pool: InstancePool) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Arrival to the first token sent", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Gap between successive output tokens", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Arrival to the last token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(
+            "splitserve_request_queue_time_seconds",
+            "Arrival to the request's dispatch to an instance (tokenizing, templating, admission)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter("splitserve_requests", "Finished requests by outcome", ["status"], registry=r)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_prompt_tokens = Counter("splitserve_cached_prompt_tokens", "Prompt tokens served by a prefix cache", registry=r)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Output tokens sent", registry=r)
+        self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved from prefill to decode", registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "splitserve_kv_transfer_seconds", "Duration of one request's KV pull", buckets=_TRANSFER_BUCKETS, registry=r
+        )
+        self.kv_recomputes = Counter("splitserve_kv_recomputes", "Hand-offs where decode recomputed the prompt", registry=r)
+        r.register(_InstanceCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Client-visible timings of one request, fed to the histograms as tokens go out."""
+
+    __slots__ = ("metrics", "arrival", "last_token_at")
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.last_token_at: float | None = None
+
+    def tokens_sent(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token_at is None:
+            self.metrics.ttft.observe(now - self.arrival)
+            num_gaps = num_tokens - 1
+            gap = 0.0
+        else:
+            num_gaps, gap = num_tokens, (now - self.last_token_at) / num_tokens
+        for _ in range(num_gaps):  # tokens that arrived together split the gap evenly
+            self.metrics.itl.observe(gap)
+        self.metrics.generation_tokens.inc(num_tokens)
+        self.last_token_at = now
+
+    def finished(self, status: str) -> None:
+        self.metrics.requests.labels(status=status).inc()
+        if status in ("stop", "length"):
+            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+
+    def kv_transfer(self, transfer: disaggregation_pb2.KVTransfer) -> None:
+        if transfer.recomputed:
+            self.metrics.kv_recomputes.inc()
+        else:
+            self.metrics.kv_transfer_bytes.inc(transfer.num_bytes)
+            self.metrics.kv_transfer_seconds.observe(transfer.seconds)
+
+
+class _InstanceCollector(Collector):
+    """Each known instance's latest load report, read at scrape time."""
+
+    def __init__(self, pool: InstancePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["instance", "role", "address"]
+        gauges = {
+            "healthy": GaugeMetricFamily("splitserve_instance_healthy", "1 if the gateway routes to this instance", labels=labels),
+            "waiting": GaugeMetricFamily("splitserve_instance_num_waiting", "Requests waiting on the instance", labels=labels),
+            "running": GaugeMetricFamily("splitserve_instance_num_running", "Requests running on the instance", labels=labels),
+            "free": GaugeMetricFamily("splitserve_instance_free_kv_blocks", "Free KV blocks", labels=labels),
+            "total": GaugeMetricFamily("splitserve_instance_total_kv_blocks", "Total KV blocks", labels=labels),
+            "hit": GaugeMetricFamily("splitserve_instance_prefix_cache_hit_rate", "Prefix-cache hit rate since start", labels=labels),
+            "bytes": GaugeMetricFamily("splitserve_instance_kv_transfer_bytes", "KV bytes pulled by this instance since start", labels=labels),
+            "seconds": GaugeMetricFamily("splitserve_instance_kv_transfer_seconds", "Seconds spent pulling KV since start", labels=labels),
+        }
+        healthy = {id(s) for role in ("prefill", "decode", "colocated") for s in self.pool.healthy(role)}  # type: ignore[arg-type]
+        for state in list(self.pool.instances.values()):
+            values = [state.instance_id, state.role, state.address]
+            gauges["healthy"].add_metric(values, 1.0 if id(state) in healthy else 0.0)
+            report = state.report
+            if report is None:
+                continue
+            gauges["waiting"].add_metric(values, report.num_waiting)
+            gauges["running"].add_metric(values, report.num_running)
+            gauges["free"].add_metric(values, report.num_free_blocks)
+            gauges["total"].add_metric(values, report.num_total_blocks)
+            gauges["hit"].add_metric(values, report.prefix_cache_hit_rate)
+            gauges["bytes"].add_metric(values, report.kv_transfer_bytes)
+            gauges["seconds"].add_metric(values, report.kv_transfer_seconds)
+        yield from gauges.values()

@@ -1,0 +1,87 @@
+"""Child processes of ``splitserve up``: started with an optional CPU set, killed
+by the kernel if the launcher dies (so nothing outlives it), stopped with
+SIGTERM (each drains) and killed only if it overstays."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def parse_cpu_list(spec: str) -> set[int]:
+    """'0', '0-3' or '0,2,4-5' (taskset's syntax) as a set of CPU ids."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                low, high = (int(x) for x in part.split("-", 1))
+                cpus.update(range(low, high + 1))
+            else:
+                cpus.add(int(part))
+        except ValueError:
+            raise ValueError(f"bad CPU list {spec!r}: use taskset's syntax, e.g. '0', '0-3' or '0,2'") from None
+    available = os.sched_getaffinity(0)
+    if not cpus or not cpus <= available:
+        raise ValueError(f"CPU list {spec!r} is not within the CPUs this process may use: {sorted(available)}")
+    return cpus
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
+    def setup() -> None:
+        # Die with the launcher: a killed `splitserve up` must not leave engines behind.
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+def splitserve_command(*argv: str) -> list[str]:
+    """The ``splitserve`` CLI as a command line, with this interpreter."""
+    return [sys.executable, "-m", "engine.cli", *argv]
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None) -> None:
+        self.name = name
+        child_env = {**os.environ, **(env or {})}
+        if cpus is not None:
+            # torch sizes its thread pool by the machine, not the affinity mask: oversubscribed
+            # threads on a pinned process would fight over its cores.
+            child_env["OMP_NUM_THREADS"] = str(len(cpus))
+        logger.info("starting %s: %s", name, " ".join(argv))
+        self.process = subprocess.Popen(argv, env=child_env, preexec_fn=_child_setup(cpus))  # noqa: PLW1509 - prctl must run in the child
+
+    @property
+    def exited(self) -> bool:
+        return self.process.poll() is not None
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0f s; killing it", self.name, timeout_s)
+            self.process.kill()
+            self.process.wait()

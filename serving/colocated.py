@@ -1,0 +1,71 @@
+"""``splitserve colocated``: the engine doing both phases behind gRPC, with no KV
+hand-off. It serves the public ``Generation.Generate`` API for token-id prompts
+(tokens in, tokens out: text stays with the gateway), so a gateway can route to
+it with ``--colocated HOST:PORT``. This is the baseline disaggregation is
+measured against: prefills and decodes share each engine step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import grpc
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+from serving.convert import logprobs_to_proto, sampling_params_from_proto
+from serving.instance import Instance, add_instance_arguments, serve
+
+DEFAULT_PORT = 50081
+
+
+class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+
+    async def Generate(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+        if request.WhichOneof("prompt") != "token_ids":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this instance takes token ids; send text through the gateway")
+        prompt = list(request.token_ids.ids)
+        arrival = time.monotonic()
+        num_completion = 0
+        first_token_at: float | None = None
+        try:
+            params = sampling_params_from_proto(request.sampling)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        stream = self.instance.engine.generate(prompt, params, request_id=request.request_id or None, priority=request.priority)
+        try:
+            async for output in stream:
+                num_completion += len(output.new_token_ids)
+                if first_token_at is None and output.new_token_ids:
+                    first_token_at = time.monotonic()
+                response = generation_pb2.GenerateResponse(
+                    request_id=output.request_id,
+                    token_ids=output.new_token_ids,
+                    logprobs=[logprobs_to_proto(lp) for lp in output.new_logprobs],
+                    finish_reason=output.finish_reason or "",
+                    usage=generation_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_completion, cached_tokens=output.num_cached_tokens),
+                )
+                if isinstance(output.stop_reason, int):
+                    response.stop_token_id = output.stop_reason
+                if output.finished:
+                    now = time.monotonic()
+                    response.timings.CopyFrom(generation_pb2.Timings(ttft_s=(first_token_at or now) - arrival, e2e_s=now - arrival))
+                yield response
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        finally:
+            await stream.aclose()  # a client that left aborts the request and frees its blocks now
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_instance_arguments(parser, DEFAULT_PORT)
+
+
+def run(args: argparse.Namespace) -> int:
+    instance = Instance.create(args, "colocated")
+    servicer = ColocatedServicer(instance)
+    asyncio.run(serve(instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)))
+    return 0

@@ -1,0 +1,101 @@
+"""Instance discovery through Redis: each instance writes a ``Registration``
+(its address, load report and serving state) under its own key with a TTL on
+every heartbeat; gateways scan the keys. An instance that dies simply stops
+renewing its key, which Redis expires after three missed heartbeats.
+
+The gateway imports this module, so it must stay free of engine (torch) imports.
+Values are protobuf bytes, parsed with ``ParseFromString``, never unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as redis
+from splitserve.v1 import disaggregation_pb2
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_KEY_PREFIX = "splitserve:instance:"
+MISSED_HEARTBEATS_BEFORE_EXPIRY = 3
+
+
+def registry_key(instance_id: str) -> str:
+    return REGISTRY_KEY_PREFIX + instance_id
+
+
+class RegistryHeartbeat:
+    """Keeps one instance's registration alive in Redis until ``stop``."""
+
+    def __init__(
+        self,
+        url: str,
+        instance_id: str,
+        grpc_address: str,
+        load_report: Callable[[], Awaitable[disaggregation_pb2.LoadReport]],
+        interval_s: float,
+    ) -> None:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--registry-url must be redis://HOST:PORT, got {url!r}")
+        self._client = redis.from_url(url)
+        self._key = registry_key(instance_id)
+        self._grpc_address = grpc_address
+        self._load_report = load_report
+        self._interval_s = interval_s
+        self._serving = True
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except (redis.RedisError, OSError) as error:
+                # Keep serving: a registry outage only hides this instance from new gateways.
+                logger.warning("registry heartbeat to %s failed: %s", self._key, error)
+            await asyncio.sleep(self._interval_s)
+
+    async def beat(self) -> None:
+        registration = disaggregation_pb2.Registration(
+            grpc_address=self._grpc_address,
+            report=await self._load_report(),
+            unix_s=time.time(),
+            serving=self._serving,
+        )
+        ttl_ms = int(self._interval_s * MISSED_HEARTBEATS_BEFORE_EXPIRY * 1000)
+        await self._client.set(self._key, registration.SerializeToString(), px=ttl_ms)
+
+    async def stop(self) -> None:
+        """Deregister: gateways stop sending new requests here at their next scan."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self._client.delete(self._key)
+        except (redis.RedisError, OSError) as error:
+            logger.warning("could not deregister %s (its key expires by itself): %s", self._key, error)
+        await self._client.aclose()
+
+
+async def scan_registrations(client: redis.Redis) -> list[disaggregation_pb2.Registration]:
+    """Every live registration. Malformed values are skipped with a warning, never trusted."""
+    keys = [key async for key in client.scan_iter(match=REGISTRY_KEY_PREFIX + "*", count=500)]
+    if not keys:
+        return []
+    registrations = []
+    for key, value in zip(keys, await client.mget(keys), strict=True):
+        if value is None:
+            continue  # expired between SCAN and MGET
+        registration = disaggregation_pb2.Registration()
+        try:
+            registration.ParseFromString(value)
+        except Exception as error:  # protobuf's DecodeError; the message is what matters
+            logger.warning("ignoring malformed registration under %r: %s", key, error)
+            continue
+        registrations.append(registration)
+    return registrations
