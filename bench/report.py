@@ -1,0 +1,100 @@
+"""The tables printed at the end of ``bench serve`` and ``bench sweep``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.metrics import LATENCY_METRICS, LatencyStats
+
+_WIDTH = 60
+_TITLES = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+}
+
+
+def format_result(result: dict[str, Any]) -> str:
+    lines = [" Serving Benchmark Result ".center(_WIDTH, "=")]
+    row = lines.append
+    row(_line("Successful requests:", result["completed"]))
+    row(_line("Failed requests:", result["failed"]))
+    row(_line("Request rate configured (RPS):", result["request_rate"]))
+    row(_line("Burstiness:", result["burstiness"]))
+    row(_line("Maximum request concurrency:", result["max_concurrency"]))
+    row(_line("Benchmark duration (s):", result["duration"]))
+    row(_line("Total input tokens:", result["total_input_tokens"]))
+    row(_line("Total generated tokens:", result["total_output_tokens"]))
+    row(_line("Request throughput (req/s):", result["request_throughput"]))
+    if result["request_goodput"] is not None:
+        slos = " ".join(f"{name}:{ms:g}" for name, ms in result["goodput_slos_ms"].items())
+        row(_line("Goodput SLOs (ms):", slos))
+        row(_line("Request goodput (req/s):", result["request_goodput"]))
+    row(_line("Output token throughput (tok/s):", result["output_throughput"]))
+    row(_line("Peak output chunks per second:", result["max_output_tokens_per_s"]))
+    row(_line("Peak concurrent requests:", result["max_concurrent_requests"]))
+    row(_line("Total token throughput (tok/s):", result["total_token_throughput"]))
+    for name in LATENCY_METRICS:
+        short, title = _TITLES[name]
+        row(f" {title} ".center(_WIDTH, "-"))
+        for stat, key in _stat_keys(result, name):
+            row(_line(f"{stat} {short} (ms):", result[key]))
+    lines += _per_workload(result)
+    if result["failed"]:
+        first = next(error for error in result["errors"] if error)
+        row(" Errors ".center(_WIDTH, "-"))
+        row(f"first of {result['failed']}: {first[:300]}")
+    row("=" * _WIDTH)
+    return "\n".join(lines)
+
+
+def format_sweep(results: list[dict[str, Any]]) -> str:
+    """One row per request rate: throughput and the latency figures a sweep is run for."""
+    header = (f"{'rate':>6} {'done':>5} {'fail':>5} {'req/s':>8} {'goodput':>8} {'out tok/s':>10} "
+              f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9}")
+    rows = [" Request Rate Sweep (latencies in ms) ".center(len(header), "="), header]
+    for r in results:
+        rows.append(
+            f"{r['request_rate']!s:>6} {r['completed']:>5} {r['failed']:>5} {r['request_throughput']:>8.2f} "
+            f"{_num(r['request_goodput'], 8)} {r['output_throughput']:>10.1f} "
+            f"{_num(r['median_ttft_ms'], 9)} {_num(r.get('p99_ttft_ms'), 9)} {_num(r['median_itl_ms'], 8)} "
+            f"{_num(r.get('p99_itl_ms'), 8)} {_num(r['median_tpot_ms'], 9)}"
+        )
+    rows.append("=" * len(header))
+    return "\n".join(rows)
+
+
+def _stat_keys(result: dict[str, Any], name: str) -> list[tuple[str, str]]:
+    keys = [("Mean", f"mean_{name}_ms"), ("Median", f"median_{name}_ms")]
+    suffix = f"_{name}_ms"
+    for key in result:
+        head = key[: -len(suffix)]
+        if key.endswith(suffix) and head.startswith("p") and head[1:].replace(".", "", 1).isdigit():
+            keys.append((head.upper(), key))
+    return keys + [("Max", f"max_{name}_ms")]
+
+
+def _per_workload(result: dict[str, Any]) -> list[str]:
+    """TTFT and ITL of each request class of a ``mixed`` run (e.g. long prompts and chat)."""
+    if result.get("dataset") != "mixed":
+        return []
+    names = sorted({w for w, e in zip(result["workloads"], result["errors"]) if not e})
+    lines = [" Per Workload Class ".center(_WIDTH, "-")]
+    for name in names:
+        ok = [i for i, (w, e) in enumerate(zip(result["workloads"], result["errors"])) if w == name and not e]
+        ttft = LatencyStats.of([result["ttfts"][i] for i in ok], (99.0,))
+        itl = LatencyStats.of([gap for i in ok for gap in result["itls"][i]], (99.0,))
+        lines.append(f"{name} ({len(ok)} req): TTFT p50 {_num(ttft.median)} p99 {_num(ttft.percentiles[99.0])}"
+                     f" | ITL p50 {_num(itl.median)} p99 {_num(itl.percentiles[99.0])} ms")
+    return lines
+
+
+def _line(label: str, value: Any) -> str:
+    if isinstance(value, float):
+        value = f"{value:.2f}"
+    return f"{label:<44} {'n/a' if value is None else value}"
+
+
+def _num(value: float | None, width: int = 0) -> str:
+    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.2f}"
