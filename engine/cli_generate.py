@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # flip near-tied first tokens (SmolLM2 puts "The" and "L" 0.1 apart for the README's question).
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--kv-cache-memory", type=int, default=DEFAULT_KV_CACHE_MEMORY, help="KV cache bytes on CPU")
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help=f"KV cache bytes: the size on CPU (default {DEFAULT_KV_CACHE_MEMORY}), a cap on GPU (default: none)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)

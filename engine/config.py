@@ -15,9 +15,9 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes; enough for ~36k tokens of SmolLM2-13
 class EngineConfig:
     """Every knob of one engine instance.
 
-    ``kv_cache_memory`` (bytes) sizes the KV cache on CPU; on GPU the size comes
-    from ``gpu_memory_utilization`` after a profiling forward pass, unless
-    ``kv_cache_memory`` is given explicitly. ``num_gpu_blocks_override`` pins the
+    ``kv_cache_memory`` (bytes) sizes the KV cache on CPU (``None``: 1 GiB); on GPU
+    the size comes from ``gpu_memory_utilization`` after a profiling forward pass,
+    capped by ``kv_cache_memory`` when that is given. ``num_gpu_blocks_override`` pins the
     block count outright (tests use it to force preemption).
     """
 
@@ -26,7 +26,7 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     role: EngineRole = "colocated"
     block_size: int = 16
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     num_blocks_override: int | None = None
     max_model_len: int | None = None  # None: from the model config

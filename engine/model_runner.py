@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.backend import select_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.config import EngineConfig
+from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from engine.kv_cache_utils import kv_cache_bytes_per_block, num_blocks_for_budget
 from engine.models import load_model
 from engine.sampler import Sampler, SamplingMetadata
@@ -82,7 +82,7 @@ class ModelRunner:
         if self.config.num_blocks_override is not None:
             return self.config.num_blocks_override
         if self.device.type != "cuda":
-            return num_blocks_for_budget(self.config.kv_cache_memory, self.bytes_per_block)
+            return num_blocks_for_budget(self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, self.bytes_per_block)
         return num_blocks_for_budget(self._profile_free_gpu_memory(), self.bytes_per_block)
 
     def _profile_free_gpu_memory(self) -> int:

@@ -45,7 +45,8 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
     parser.add_argument("--instance-id", default=None, help="name in load reports (default: random)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--kv-cache-memory", type=int, default=DEFAULT_KV_CACHE_MEMORY, help="KV cache bytes on CPU")
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help=f"KV cache bytes: the size on CPU (default {DEFAULT_KV_CACHE_MEMORY}), a cap on GPU (default: none)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-blocks", type=int, default=None, help="override the KV block count")
     parser.add_argument("--block-size", type=int, default=16)

@@ -19,6 +19,7 @@ import pytest
 from bench.arrivals import arrival_offsets
 from engine.cli import main
 from tests.bench.fake_openai_server import FakeOpenAIServer, FakeServerConfig
+from tests.gateway.processes import HTTPProcess
 from tests.stores import free_port
 
 TTFT_S, ITL_S = 0.05, 0.02
@@ -145,37 +146,19 @@ def test_sweep_writes_one_result_per_rate_and_plots_them(tokenizer_dir: Path, tm
     assert (tmp_path / "figures" / "latency_vs_rate.png").is_file()
 
 
-@pytest.mark.skip(reason="needs splitserve up (gateway issue #4)")
+@pytest.mark.slow
 def test_bench_serve_against_splitserve_up(tmp_path: Path) -> None:
-    port, grpc_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port)],
-                              env={**os.environ, "SPLITSERVE_API_KEY": ""})
-    base_url = f"http://127.0.0.1:{port}"
+    pytest.importorskip("ucxx")
+    port = free_port()
+    up = HTTPProcess("up", "up", "--port", str(port), "--grpc-port", str(free_port()), "--kv-cache-memory", str(64 << 20), port=port)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"splitserve up exited with {server.returncode}")
-            try:
-                with urllib.request.urlopen(f"{base_url}/ready", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("splitserve up was not ready after 180 s")
-            time.sleep(0.5)
-        args = ["bench", "serve", "--base-url", base_url, "--num-prompts", "4", "--input-len", "32",
+        args = ["bench", "serve", "--base-url", up.url, "--num-prompts", "4", "--input-len", "32",
                 "--output-len", "8", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
                 "--result-filename", "up.json"]
         assert main(args) == 0
         result = json.loads((tmp_path / "up.json").read_text())
         assert (result["completed"], result["failed"]) == (4, 0)
         assert result["output_lens"] == [8] * 4
+        assert result["input_lens"] == [32] * 4
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        assert up.stop() == 0

@@ -1,0 +1,70 @@
+"""HTTP-serving processes for the gateway tests: ``splitserve up`` and ``splitserve
+gateway``, started on free loopback ports and stopped (SIGTERM) by the test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.services.processes import ROOT, SERVICE_ENV
+from tests.stores import free_port
+
+
+class HTTPProcess:
+    def __init__(self, name: str, *argv: str, port: int, env: dict[str, str] | None = None, ready_path: str = "/ready") -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(f"/tmp/splitserve-test-{name}-{port}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", *argv],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **SERVICE_ENV, **(env or {})},
+        )
+        self._wait(ready_path)
+
+    def _wait(self, path: str, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exited with {self.process.returncode}: {self.log_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"{self.url}{path} not answering 200 after {timeout_s} s: {self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+@contextmanager
+def running_gateway(model: Path, *extra: str, ready_path: str = "/ready", env: dict[str, str] | None = None) -> Iterator[HTTPProcess]:
+    port = free_port()
+    gateway = HTTPProcess("gateway", "gateway", "--model", str(model), "--port", str(port), "--grpc-port", "-1",
+                          "--poll-interval", "0.2", *extra, port=port, env=env, ready_path=ready_path)
+    try:
+        yield gateway
+    finally:
+        gateway.stop()

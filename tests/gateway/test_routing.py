@@ -1,0 +1,172 @@
+"""The gateway routing over real prefill and decode processes (tiny random model,
+UCX on loopback): load spreads over two decode instances, a killed decode
+instance loses no request that had not started decoding on it, a client that
+leaves frees every block at once, registration through Redis, and the 429 /
+503 answers. After each scenario every instance reports all KV blocks free."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.checkpoints import make_checkpoint
+from tests.gateway.processes import running_gateway
+from tests.services.client import assert_all_free
+from tests.services.processes import Service, running
+from tests.stores import free_port
+
+pytest.importorskip("ucxx")
+
+LONG = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+SHORT = {"prompt": "The capital of France is", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def prefill(model: Path) -> Iterator[Service]:
+    with running("prefill", model, "--lease-seconds", "10") as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def decodes(model: Path) -> Iterator[tuple[Service, Service]]:
+    with running("decode", model) as first, running("decode", model) as second:
+        yield first, second
+
+
+def _static_routes(prefill: Service, *decodes: Service) -> list[str]:
+    return ["--prefill", prefill.address, *[arg for d in decodes for arg in ("--decode", d.address)]]
+
+
+def _complete(url: str, body: dict[str, object]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def _stream_until(url: str, body: dict[str, object], num_chunks: int) -> tuple[httpx.Client, httpx.Response]:
+    """Open a streaming completion and read a few chunks; the caller closes it."""
+    client = httpx.Client(timeout=120)
+    response = client.send(client.build_request("POST", f"{url}/v1/completions", json={**body, "stream": True}), stream=True)
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    seen = 0
+    while seen < num_chunks:
+        if next(lines).startswith("data: {"):
+            seen += 1
+    response.lines = lines  # type: ignore[attr-defined] - the rest of the stream, for the caller
+    return client, response
+
+
+def _finish_stream(response: httpx.Response) -> list[dict[str, object]]:
+    events = []
+    for line in response.lines:  # type: ignore[attr-defined]
+        if line.startswith("data: {"):
+            events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+def test_load_spreads_over_two_decode_instances(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
+    before = [d.load().kv_transfers for d in decodes]
+    with running_gateway(model, *_static_routes(prefill, *decodes)) as gateway:
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: _complete(gateway.url, {**SHORT, "max_tokens": 48}), range(8)))
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48 for r in responses)
+    served = [d.load().kv_transfers - b for d, b in zip(decodes, before, strict=True)]
+    assert sum(served) == 8 and min(served) >= 2, f"decode instances served {served}"
+    assert_all_free(prefill, *decodes)
+
+
+def test_client_disconnect_frees_blocks_at_once(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
+    with running_gateway(model, *_static_routes(prefill, *decodes)) as gateway:
+        client, response = _stream_until(gateway.url, LONG, num_chunks=3)
+        assert sum(d.load().num_running for d in decodes) == 1
+        response.close()
+        client.close()
+        left_at = time.monotonic()
+        for service in (prefill, *decodes):
+            report = service.wait_all_free(timeout_s=1.0)
+            assert report.num_free_blocks == report.num_total_blocks and report.num_running == 0, service.address
+        assert time.monotonic() - left_at < 2.0
+        # The gateway keeps serving.
+        assert _complete(gateway.url, SHORT).status_code == 200
+    assert_all_free(prefill, *decodes)
+
+
+def test_killed_decode_instance_loses_no_request_that_had_not_started_on_it(model: Path, prefill: Service) -> None:
+    with running("decode", model) as survivor:
+        victim = Service("decode", model)
+        # Slow polling: the gateway still believes the victim healthy when requests reach it,
+        # so the hand-off itself must fail over to the survivor.
+        routes = _static_routes(prefill, victim, survivor)
+        with running_gateway(model, *routes, "--poll-interval", "5", "--stale-after", "60") as gateway:
+            streams = [_stream_until(gateway.url, LONG, num_chunks=2) for _ in range(4)]
+            assert victim.load().num_running >= 1 and survivor.load().num_running >= 1
+            victim.stop(signal.SIGKILL)
+            with ThreadPoolExecutor(6) as pool:
+                after = list(pool.map(lambda _: _complete(gateway.url, SHORT), range(6)))
+            assert [r.status_code for r in after] == [200] * 6, [r.text for r in after]
+            assert all(r.json()["usage"]["completion_tokens"] == SHORT["max_tokens"] for r in after)
+            outcomes = []
+            for client, response in streams:
+                events = _finish_stream(response)
+                client.close()
+                outcomes.append("error" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"])
+            # Those decoding on the survivor finish; those on the victim end with an error, never hang.
+            assert set(outcomes) <= {"length", "error"} and 1 <= outcomes.count("length") <= 3, outcomes
+            assert httpx.get(f"{gateway.url}/ready").status_code == 200
+        assert_all_free(prefill, survivor)
+
+
+def test_queue_full_gets_429(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
+    with running_gateway(model, *_static_routes(prefill, *decodes), "--max-pending-requests", "1") as gateway:
+        client, response = _stream_until(gateway.url, LONG, num_chunks=1)
+        refused = _complete(gateway.url, SHORT)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        response.close()
+        client.close()
+        deadline = time.monotonic() + 5
+        while (answer := _complete(gateway.url, SHORT)).status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert answer.status_code == 200
+    assert_all_free(prefill, *decodes)
+
+
+def test_no_healthy_instance_gets_503(model: Path) -> None:
+    nowhere = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    with running_gateway(model, "--prefill", nowhere[0], "--decode", nowhere[1], ready_path="/health") as gateway:
+        assert httpx.get(f"{gateway.url}/ready").status_code == 503
+        answer = _complete(gateway.url, SHORT)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_healthy_instance"
+
+
+def test_mismatched_fingerprints_are_never_paired(tmp_path: Path, model: Path, prefill: Service) -> None:
+    other = make_checkpoint(tmp_path / "other", seed=1)
+    with running("decode", other) as decode, running_gateway(model, *_static_routes(prefill, decode), ready_path="/health") as gateway:
+        time.sleep(0.5)  # a poll or two
+        assert httpx.get(f"{gateway.url}/ready").status_code == 503
+        assert _complete(gateway.url, SHORT).status_code == 503
+
+
+def test_instances_found_through_redis(model: Path, redis_url: str) -> None:
+    registry = ["--registry-url", redis_url, "--heartbeat-seconds", "0.2"]
+    with running("prefill", model, *registry) as prefill, running("decode", model, *registry) as decode:
+        with running_gateway(model, "--registry-url", redis_url) as gateway:
+            answer = _complete(gateway.url, SHORT)
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == SHORT["max_tokens"]
+            assert decode.load().kv_transfers == 1
+            decode.stop()  # deregisters while draining
+            deadline = time.monotonic() + 3
+            while httpx.get(f"{gateway.url}/ready").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert httpx.get(f"{gateway.url}/ready").status_code == 503
+        assert_all_free(prefill)
