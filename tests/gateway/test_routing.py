@@ -170,3 +170,19 @@ def test_instances_found_through_redis(model: Path, redis_url: str) -> None:
                 time.sleep(0.1)
             assert httpx.get(f"{gateway.url}/ready").status_code == 503
         assert_all_free(prefill)
+
+
+def test_colocated_instance_gives_the_disaggregated_text(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
+    body = {**SHORT, "max_tokens": 40, "logprobs": 1}
+    with running_gateway(model, *_static_routes(prefill, *decodes)) as gateway:
+        disaggregated = _complete(gateway.url, body).json()
+    with running("colocated", model) as colocated, running_gateway(model, "--colocated", colocated.address) as gateway:
+        answer = _complete(gateway.url, body).json()
+        streamed = [json.loads(line.removeprefix("data: ")) for line in
+                    httpx.post(f"{gateway.url}/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
+                    if line.startswith("data: {")]
+        assert_all_free(colocated)
+    assert answer["choices"][0]["text"] == disaggregated["choices"][0]["text"]
+    assert answer["choices"][0]["logprobs"]["tokens"] == disaggregated["choices"][0]["logprobs"]["tokens"]
+    assert answer["usage"] == disaggregated["usage"]
+    assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == answer["choices"][0]["text"]
