@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -23,7 +23,7 @@ import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from gateway.errors import APIError, no_instance
-from gateway.instances import InstancePool, InstanceState
+from gateway.instances import InstancePool, InstanceState, Role
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Dispatcher:
         decoding = False  # a D has streamed: it owns the KV now and releases P itself
         try:
             yield first
-            async for event in self._decode(request, prefilled, prefill):
+            async for event in self._decode(request, prefilled):
                 decoding = True
                 yield event
         finally:
@@ -126,10 +126,7 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- decode
 
-    async def _decode(
-        self, request: DispatchRequest, prefilled: disaggregation_pb2.PrefillResponse, prefill: InstanceState
-    ) -> AsyncIterator[TokenEvent]:
-        tried: list[InstanceState] = []
+    async def _decode(self, request: DispatchRequest, prefilled: disaggregation_pb2.PrefillResponse) -> AsyncIterator[TokenEvent]:
         message = disaggregation_pb2.DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -138,73 +135,61 @@ class Dispatcher:
             kv=prefilled.kv,
             priority=request.priority,
         )
-        last_error: grpc.aio.AioRpcError | None = None
-        for _ in range(MAX_ATTEMPTS):
-            decode = self.pool.pick("decode", exclude=tried, fingerprint=prefilled.kv.fingerprint)
-            if decode is None:
-                break
-            tried.append(decode)
-            call = disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request))
-            streamed = False
-            try:
-                async for response in call:
-                    streamed = True
-                    yield TokenEvent(
-                        token_ids=list(response.token_ids),
-                        logprobs=list(response.logprobs),
-                        finish_reason=response.finish_reason or None,
-                        stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None,
-                        kv_transfer=response.kv_transfer if response.HasField("kv_transfer") else None,
-                        instance_ids=[decode.instance_id],
-                    )
-                return
-            except grpc.aio.AioRpcError as error:
-                last_error = self._failed(decode, error, "decode")
-                if streamed:
-                    raise _as_api_error(error, f"decode instance {decode.instance_id} failed mid-stream") from error
-            finally:
-                if not call.done():
-                    call.cancel()  # D aborts the request and frees its blocks
-        raise _exhausted("decode", last_error)
+        fingerprint = prefilled.kv.fingerprint
+        async for event in self._stream_with_failover(
+            "decode",
+            lambda tried: self.pool.pick("decode", exclude=tried, fingerprint=fingerprint),
+            lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request)),
+        ):
+            yield event
 
     # ------------------------------------------------------------- colocated
 
     async def _colocated(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
-        tried: list[InstanceState] = []
         message = generation_pb2.GenerateRequest(
             request_id=request.request_id,
             token_ids=generation_pb2.TokenIds(ids=request.prompt_token_ids),
             sampling=request.sampling,
             priority=request.priority,
         )
+        async for event in self._stream_with_failover(
+            "colocated",
+            lambda tried: self.pool.pick("colocated", exclude=tried),
+            lambda instance: generation_pb2_grpc.GenerationStub(instance.channel).Generate(message, timeout=_remaining(request)),
+        ):
+            yield event
+
+    async def _stream_with_failover(
+        self,
+        role: Role,
+        pick: Callable[[list[InstanceState]], InstanceState | None],
+        open_stream: Callable[[InstanceState], grpc.aio.UnaryStreamCall],
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream from the first instance that takes the request. Until it has streamed
+        something, a failure moves the request to another instance of the role; after
+        that the request fails (its tokens are out)."""
+        tried: list[InstanceState] = []
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
-            instance = self.pool.pick("colocated", exclude=tried)
+            instance = pick(tried)
             if instance is None:
                 break
             tried.append(instance)
-            call = generation_pb2_grpc.GenerationStub(instance.channel).Generate(message, timeout=_remaining(request))
+            call = open_stream(instance)
             streamed = False
             try:
                 async for response in call:
                     first, streamed = not streamed, True
-                    yield TokenEvent(
-                        token_ids=list(response.token_ids),
-                        logprobs=list(response.logprobs),
-                        finish_reason=response.finish_reason or None,
-                        stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None,
-                        num_cached_tokens=response.usage.cached_tokens if first else 0,
-                        instance_ids=[instance.instance_id],
-                    )
+                    yield _token_event(response, instance, first)
                 return
             except grpc.aio.AioRpcError as error:
-                last_error = self._failed(instance, error, "colocated")
+                last_error = self._failed(instance, error, role)
                 if streamed:
-                    raise _as_api_error(error, f"instance {instance.instance_id} failed mid-stream") from error
+                    raise _as_api_error(error, f"{role} instance {instance.instance_id} failed mid-stream") from error
             finally:
                 if not call.done():
-                    call.cancel()
-        raise _exhausted("colocated", last_error)
+                    call.cancel()  # the instance aborts the request and frees its blocks
+        raise _exhausted(role, last_error)
 
     # ---------------------------------------------------------------- helpers
 
@@ -245,6 +230,23 @@ class Dispatcher:
         """Wait for background cleanup (releases, aborts) to reach the instances."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _token_event(
+    response: disaggregation_pb2.DecodeResponse | generation_pb2.GenerateResponse, instance: InstanceState, first: bool
+) -> TokenEvent:
+    event = TokenEvent(
+        token_ids=list(response.token_ids),
+        logprobs=list(response.logprobs),
+        finish_reason=response.finish_reason or None,
+        stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None,
+        instance_ids=[instance.instance_id],
+    )
+    if isinstance(response, disaggregation_pb2.DecodeResponse):
+        event.kv_transfer = response.kv_transfer if response.HasField("kv_transfer") else None
+    elif first:
+        event.num_cached_tokens = response.usage.cached_tokens
+    return event
 
 
 def _remaining(request: DispatchRequest) -> float | None:

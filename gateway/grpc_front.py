@@ -4,6 +4,7 @@ come (text deltas when the prompt was text), usage and timings at the end."""
 
 from __future__ import annotations
 
+import hmac
 import time
 from http import HTTPStatus
 
@@ -79,7 +80,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.api_key is None:
             return
         metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {self.api_key}":
+        if not hmac.compare_digest(str(metadata.get("authorization", "")).encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'")
 
     def _job(self, request: generation_pb2.GenerateRequest) -> GenerationJob:

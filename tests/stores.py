@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import signal
 import subprocess
 import sys
 import time
@@ -46,13 +47,16 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     return process, f"redis://127.0.0.1:{port}"
 
 
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:
+    """Signal a process (SIGTERM: let it drain), kill it if it overstays; its exit code."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 

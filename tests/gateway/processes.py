@@ -4,7 +4,6 @@ gateway``, started on free loopback ports and stopped (SIGTERM) by the test."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from tests.services.processes import ROOT, SERVICE_ENV
-from tests.stores import free_port
+from tests.stores import free_port, stop
 
 
 class HTTPProcess:
@@ -48,15 +47,9 @@ class HTTPProcess:
         return Path(self.log.name).read_text()
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        returncode = stop(self.process, timeout_s=60)
         self.log.close()
-        return self.process.returncode
+        return returncode
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
-from tests.stores import free_port
+from tests.stores import free_port, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
@@ -61,15 +61,9 @@ class Service:
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         self.channel.close()
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        returncode = stop(self.process, sig, timeout_s=30)
         self.log.close()
-        return self.process.returncode
+        return returncode
 
 
 @contextmanager
