@@ -22,8 +22,9 @@ from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from engine.scheduler_output import KVLoad
 from kv_connector.base import KVSource, KVTransferError, TransferStats
 from kv_connector.fingerprint import FingerprintMismatchError
-from serving.convert import kv_source_from_proto, logprobs_to_proto, sampling_params_from_proto
+from serving.convert import kv_source_from_proto, logprobs_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
+from serving.sampling_proto import sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 

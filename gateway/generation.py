@@ -23,6 +23,7 @@ from gateway.errors import APIError, bad_request
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.tokenizer import ModelTokenizer
+from serving.sampling_proto import sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -192,23 +193,3 @@ class GenerationService:
             self.num_pending -= 1
             await events.aclose()
             job.timer.finished(status)
-
-
-def sampling_params_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
-    """Everything the instances need; stop strings stay here (instances see no text)."""
-    return generation_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        seed=params.seed,
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        skip_special_tokens=params.skip_special_tokens,
-    )

@@ -12,15 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
-from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, bad_request
 from gateway.generation import GenerationJob, GenerationService
-
-_OPTIONAL_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "logprobs",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
-)  # fmt: skip
-
+from serving.sampling_proto import sampling_params_from_proto
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, model_name: str, api_key: str | None) -> None:
@@ -84,17 +78,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'")
 
     def _job(self, request: generation_pb2.GenerateRequest) -> GenerationJob:
-        sampling = request.sampling
-        kwargs = {name: getattr(sampling, name) for name in _OPTIONAL_FIELDS if sampling.HasField(name)}
         try:
-            params = SamplingParams(
-                **kwargs,
-                min_tokens=sampling.min_tokens,
-                stop=list(sampling.stop),
-                stop_token_ids=list(sampling.stop_token_ids),
-                ignore_eos=sampling.ignore_eos,
-                include_stop_str_in_output=sampling.include_stop_str_in_output,
-            )
+            params = sampling_params_from_proto(request.sampling)
         except ValueError as error:
             raise bad_request(str(error)) from error
         if request.WhichOneof("prompt") == "text":

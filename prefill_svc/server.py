@@ -17,8 +17,9 @@ import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from engine.outputs import EngineCoreOutput, KVHandoff
-from serving.convert import fingerprint_to_proto, logprobs_to_proto, sampling_params_from_proto
+from serving.convert import fingerprint_to_proto, logprobs_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
+from serving.sampling_proto import sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 

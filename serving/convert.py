@@ -6,37 +6,8 @@ from __future__ import annotations
 from splitserve.v1 import disaggregation_pb2, generation_pb2
 
 from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
 from kv_connector.base import KVSource
 from kv_connector.fingerprint import Fingerprint
-
-_OPTIONAL_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "max_tokens",
-    "logprobs",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "skip_special_tokens",
-)
-
-
-def sampling_params_from_proto(message: generation_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep the engine's defaults. Raises ValueError for bad values."""
-    kwargs: dict[str, object] = {name: getattr(message, name) for name in _OPTIONAL_SAMPLING_FIELDS if message.HasField(name)}
-    return SamplingParams(
-        **kwargs,  # type: ignore[arg-type]
-        min_tokens=message.min_tokens,
-        stop=list(message.stop),
-        stop_token_ids=list(message.stop_token_ids),
-        ignore_eos=message.ignore_eos,
-        include_stop_str_in_output=message.include_stop_str_in_output,
-    )
-
 
 def logprobs_to_proto(logprobs: TokenLogprobs) -> generation_pb2.TokenLogprob:
     return generation_pb2.TokenLogprob(

@@ -1,0 +1,56 @@
+"""Sampling parameters between the engine's ``SamplingParams`` and protobuf, both
+ways. Torch-free: the gateway converts requests with it, instances convert back."""
+
+from __future__ import annotations
+
+from splitserve.v1 import generation_pb2
+
+from engine.sampling_params import SamplingParams
+
+# proto3 ``optional`` fields: unset keeps the engine's default.
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(message: generation_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep the engine's defaults. Raises ValueError for bad values."""
+    kwargs: dict[str, object] = {name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)}
+    return SamplingParams(
+        **kwargs,  # type: ignore[arg-type]
+        min_tokens=message.min_tokens,
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+    )
+
+
+def sampling_params_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
+    """Everything an instance needs. Stop strings stay with the caller: instances see no text."""
+    return generation_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        skip_special_tokens=params.skip_special_tokens,
+    )
