@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -105,13 +106,32 @@ def _start_instances(args: argparse.Namespace, model: Path, cpus: dict[str, set[
     if args.kv_connector == "lmcache":
         connector += ["--lmcache-url", args.lmcache_url or _start_redis(children)]
     routes = []
+    gpus = _visible_gpus()
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for index in range(count):
             port = free_port()
             argv = splitserve_command("--log-level", args.log_level, role, *common, *connector, "--port", str(port), "--instance-id", f"{role}-{index}")
-            children.append(Child(f"{role}-{index}", argv, env=env, cpus=cpus[role]))
+            child_env = dict(env)
+            if gpus:
+                # One GPU per instance, round robin, so prefill and decode do not share one when there are several.
+                child_env["CUDA_VISIBLE_DEVICES"] = gpus[len(routes) // 2 % len(gpus)]
+            children.append(Child(f"{role}-{index}", argv, env=child_env, cpus=cpus[role]))
             routes += [f"--{role}", f"127.0.0.1:{port}"]
     return routes
+
+
+def _visible_gpus() -> list[str]:
+    """NVIDIA GPU indices this process may use (none without nvidia-smi), without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [gpu for gpu in visible.split(",") if gpu.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in listing.stdout.splitlines() if line.strip().isdigit()] if listing.returncode == 0 else []
 
 
 def _start_redis(children: list[Child]) -> str:
