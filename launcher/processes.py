@@ -60,8 +60,11 @@ def splitserve_command(*argv: str) -> list[str]:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None, stop_stage: int = 1
+    ) -> None:
         self.name = name
+        self.stop_stage = stop_stage  # children stop in stages, lowest first: each waits for the one before
         child_env = {**os.environ, **(env or {})}
         if cpus is not None:
             # torch sizes its thread pool by the machine, not the affinity mask: oversubscribed

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         if args.max_model_len:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
         # The key travels in the environment, not argv, where any local user could read it.
-        children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or ""}))
+        children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or ""}, stop_stage=0))
         url = f"http://{_dial_host(args.host)}:{args.port}"
         if not _wait_ready(url, children, stop):
             return 1
@@ -79,13 +79,13 @@ def run(args: argparse.Namespace) -> int:
                 return 1
         return 0
     finally:
-        # The gateway first (no new requests), then the instances drain theirs.
-        for child in reversed(children):
-            child.terminate()
-            if child.name == "gateway":
+        # The gateway first (no new requests), then the instances drain theirs, then the store they used.
+        for stage in sorted({c.stop_stage for c in children}):
+            group = [c for c in children if c.stop_stage == stage]
+            for child in group:
+                child.terminate()
+            for child in group:
                 child.wait(STOP_TIMEOUT_S)
-        for child in children:
-            child.wait(STOP_TIMEOUT_S)
         logger.info("stopped")
 
 
@@ -139,7 +139,7 @@ def _start_redis(children: list[Child]) -> str:
     if shutil.which("redis-server") is None:
         raise ValueError("--kv-connector lmcache needs a store: pass --lmcache-url, or install redis-server to have one started here")
     port = free_port()
-    children.append(Child("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]))
+    children.append(Child("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"], stop_stage=2))
     return f"redis://127.0.0.1:{port}"
 
 
