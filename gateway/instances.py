@@ -27,6 +27,9 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 # pull), while a running one costs only a share of the next decode step.
 WAITING_WEIGHT = 4
 CHANNEL_CLOSE_GRACE_S = 30.0
+# gRPC backs off up to minutes between reconnects by default; an instance that comes
+# (back) up should be routable within a poll or two.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass(slots=True, eq=False)
@@ -70,7 +73,7 @@ class InstancePool:
         if state is None or state.role != role:
             if state is not None:
                 self._close(state)
-            state = self.instances[address] = InstanceState(address, role, grpc.aio.insecure_channel(address))
+            state = self.instances[address] = InstanceState(address, role, grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS))
             logger.info("%s instance %s added", role, address)
         return state
 

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or ""}, stop_stage=0))
         url = f"http://{_dial_host(args.host)}:{args.port}"
         if not _wait_ready(url, children, stop):
-            return 1
+            return 0 if stop.is_set() else 1  # stopped by the user before it was ready: not a failure
         _print_banner(args, url, model)
         while not stop.wait(0.5):
             dead = [c for c in children if c.exited]

@@ -43,7 +43,8 @@ class HTTPProcess:
         raise TimeoutError(f"{self.url}{path} not answering 200 after {timeout_s} s: {self.log_text()[-3000:]}")
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return Path(self.log.name).read_text()
 
     def stop(self) -> int:

@@ -6,6 +6,7 @@ OpenAI error shape with the right status."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -39,7 +40,22 @@ def stack() -> Iterator[HTTPProcess]:
     try:
         yield up
     finally:
+        children = child_pids(up.process.pid)
+        assert len(children) == 3  # gateway, prefill, decode
         assert up.stop() == 0, up.log_text()[-3000:]
+        assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "splitserve up left processes behind"
+
+
+def child_pids(parent: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:  # fields after the command name: state, ppid, ...
+            pids.append(int(stat.parent.name))
+    return pids
 
 
 @pytest.fixture(scope="module")
