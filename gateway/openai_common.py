@@ -89,7 +89,7 @@ async def merged(service: GenerationService, jobs: list[GenerationJob]) -> Async
             async for delta in service.stream(job):
                 await queue.put((index, delta))
             await queue.put((index, None))
-        except (APIError, Exception) as error:  # handed to the consumer, which raises it
+        except Exception as error:  # handed to the consumer, which raises it (APIError included)
             await queue.put((index, error))
 
     tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
