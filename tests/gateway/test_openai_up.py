@@ -228,3 +228,16 @@ def test_tokenize_detokenize_and_metrics(stack: HTTPProcess, offline: LLM) -> No
                  'splitserve_requests_total{status="length"}', "splitserve_generation_tokens_total",
                  "splitserve_kv_transfer_bytes_total", 'splitserve_instance_num_running{', "splitserve_instance_prefix_cache_hit_rate{"):
         assert name in metrics, name
+
+
+def test_several_prompts_in_one_request(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.generate(PROMPTS, greedy(8))
+    response = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert [c.text for c in response.choices] == [e.outputs[0].text for e in expected]
+    assert response.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    streamed = ["", ""]
+    for chunk in client.completions.create(model=DEFAULT_MODEL_NAME, prompt=PROMPTS, max_tokens=8, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in response.choices]
