@@ -50,6 +50,8 @@ class AsyncEngine:
         self._stopping = False
         self._closed = False  # the step loop has exited: commands would never run
         self._error: BaseException | None = None
+        # Replaced (never mutated) by the engine thread after each step and command batch.
+        self._latest_report: LoadReport = self.core.load_report()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -129,7 +131,13 @@ class AsyncEngine:
         self._submit(lambda: self.core.finish_kv_load(request_id, success))
 
     async def load_report(self) -> LoadReport:
+        """The load exactly, between steps (waits for the current step)."""
         return await self._call(self.core.load_report)
+
+    def latest_load_report(self) -> LoadReport:
+        """The load as of the latest step, at once. Health and routing polls use this: a
+        long prefill step takes seconds, and an instance busy with one is not unhealthy."""
+        return self._latest_report
 
     # ------------------------------------------------------------ internals
 
@@ -159,11 +167,13 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._drain_commands()
+                self._latest_report = self.core.load_report()
                 if not self.core.has_unfinished_requests():
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
                 outputs = self.core.step()
+                self._latest_report = self.core.load_report()
                 if self.core.pending_kv_loads:
                     loads, self.core.pending_kv_loads = self.core.pending_kv_loads, []
                     if self._on_kv_loads is not None:

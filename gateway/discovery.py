@@ -38,14 +38,16 @@ class StaticDiscovery:
 
     async def _poll(self, address: str) -> None:
         state = self.pool.instances[address]
-        timeout = max(self.interval_s * 2, 1.0)
+        timeout = self.pool.stale_after_s
         try:
             health, report = await asyncio.gather(
                 health_pb2_grpc.HealthStub(state.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout),
                 disaggregation_pb2_grpc.LoadStub(state.channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=timeout),
             )
-        except grpc.aio.AioRpcError:
-            self.pool.record_unreachable(address)
+        except grpc.aio.AioRpcError as error:
+            # A slow answer is not a dead instance: its report goes stale if it stays slow.
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.pool.record_unreachable(address)
             return
         if report.role and report.role != state.role:
             logger.error("%s was given as a %s instance but reports role %r; not using it", address, state.role, report.role)

@@ -139,7 +139,7 @@ class Instance:
         return cls(role, engine, connector, fingerprint, instance_id)
 
     async def load_report(self) -> disaggregation_pb2.LoadReport:
-        report = await self.engine.load_report()
+        report = self.engine.latest_load_report()
         return disaggregation_pb2.LoadReport(
             instance_id=self.instance_id,
             role=self.role,

@@ -117,3 +117,22 @@ def test_prefill_role_hands_off_and_releases(model_path: Path) -> None:
             assert_all_free(engine)
 
     asyncio.run(main())
+
+
+def test_latest_load_report_follows_the_steps_without_waiting_for_one(model_path: Path) -> None:
+    async def main() -> None:
+        async with AsyncEngine(config(model_path)) as engine:
+            total = engine.latest_load_report().num_total_blocks
+            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            stream = engine.generate(random_prompts([40], seed=9)[0], params)
+            await anext(stream)
+            running = engine.latest_load_report()
+            assert (running.num_running, running.num_free_blocks) == (1, total - 3)  # 40 prompt tokens + 1: 3 blocks
+            await stream.aclose()  # aborts, on the engine thread's next command batch
+            for _ in range(100):
+                if (idle := engine.latest_load_report()).num_running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (idle.num_running, idle.num_waiting, idle.num_free_blocks) == (0, 0, total)
+
+    asyncio.run(main())
