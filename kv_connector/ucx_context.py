@@ -1,0 +1,63 @@
+"""The process's ucxx context, set up for the event loop that moves KV.
+
+ucxx keeps one context per process. By default it awaits a request by spinning the
+event loop (``await asyncio.sleep(0)`` until the request completes), so a receive left
+posted on an idle connection burns a core; that is why connections used to be opened
+and closed for every pull. With ``enable_python_future`` a notifier thread completes
+asyncio futures instead, and an idle connection costs nothing (about 1% of a core for
+the whole process, measured on the development VM). It also frees the core a transfer
+used to spin on for the transport's own work. The futures belong to the event loop
+the context was created in, so the context is made again when a new loop (a test's
+``asyncio.run``) first uses it.
+
+The notifier thread is stopped when the interpreter exits.
+
+Everything in the process that speaks ucxx (the connector, and the KV benchmark's raw
+UCX baseline) must get it from :func:`ucxx_for_running_loop`, before any other ucxx
+call: ucxx cannot switch a context it created on its own to these settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from types import ModuleType
+
+_loop_ref: weakref.ReferenceType[asyncio.AbstractEventLoop] | None = None
+_exit_hook_registered = False
+
+
+def ucxx_for_running_loop() -> ModuleType:
+    """The ``ucxx`` module, its context initialised (once per event loop) with the
+    thread progress mode and asyncio futures completed by ucxx's notifier thread.
+
+    Raises ``RuntimeError`` when called outside a running event loop, when ucxx was
+    initialised by something else first, or when a previous loop's context still has
+    open endpoints or listeners."""
+    global _loop_ref, _exit_hook_registered
+    import ucxx
+
+    loop = asyncio.get_running_loop()
+    if _loop_ref is not None and _loop_ref() is loop:
+        return ucxx
+    if _loop_ref is not None:
+        try:
+            ucxx.reset()  # the previous loop is finished; its futures cannot serve this one
+        except ucxx.exceptions.UCXError as error:
+            raise RuntimeError(f"ucxx is still in use by a previous event loop (close its connectors first): {error}") from None
+    try:
+        ucxx.init(progress_mode="thread", enable_python_future=True)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"ucxx was initialised before the KV connector ({error}); call "
+            "kv_connector.ucx_context.ucxx_for_running_loop() before any other ucxx call"
+        ) from None
+    _loop_ref = weakref.ref(loop)
+    if not _exit_hook_registered:
+        # The notifier thread is not a daemon: stop it when the interpreter shuts down, before
+        # it joins non-daemon threads (the hook concurrent.futures uses for its workers), or
+        # the process never exits.
+        threading._register_atexit(ucxx.stop_notifier_thread)  # noqa: SLF001
+        _exit_hook_registered = True
+    return ucxx
