@@ -5,10 +5,13 @@ For each prompt length, a prefill-side process (``bench.kv_transfer_peer``) hold
 cache of the model's shape and publishes the request's blocks at scattered, shuffled
 block ids; this process, the decode side, times :meth:`UCXConnector.pull` into its own
 scattered block ids. Beside it: the same bytes as one contiguous buffer over plain ucxx
-send/recv between the same two processes, and ``torch`` ``copy_`` in-process. Every
-timing is the median and best of ``--repeats`` runs after one untimed warm-up; the
-pulled bytes are checked once. A breakdown splits the connector's time into its parts
-(handshake, header round trip, gather, staging buffer, wire, scatter), and, unless
+send/recv between the same two processes, on the same ucxx runtime, and ``torch``
+``copy_`` in-process. Connector pulls and raw transfers alternate (each repeat runs
+both, in alternating order), so that both see the same load on a shared machine; every
+timing is the median and best of ``--repeats`` runs after one untimed warm-up, and the
+pulled bytes are checked once. A breakdown shows the connector's parts on their own
+(connection, header round trip, gather, scatter, the same bytes as raw UCX in the
+connector's chunks) and both paths' CPU time per transfer in each process; unless
 ``--skip-prefill``, the engine's prefill of the same prompt puts the transfer in
 proportion::
 
@@ -29,8 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -39,20 +42,24 @@ import numpy as np
 import torch
 
 from bench.kv_transfer_peer import (
-    OP_PAUSE,
+    OP_CHUNKS,
+    OP_CPU,
     OP_PING,
     OP_SEND,
     PeerReady,
     PeerSpec,
+    process_cpu_s,
     raw_command,
     request_id,
     scattered_block_ids,
     seeded_cache,
     seeded_payload,
 )
-from kv_connector.base import KVSource, KVTransferError, gather_blocks, scatter_blocks
-from kv_connector.ucx import UCXConnector  # imports ucxx only when used, after the UCX environment is set
-from kv_connector.wire import PullReply, PullRequest, decode_pull_reply, decode_pull_request, encode
+from kv_connector.base import KVSource, gather_blocks
+from kv_connector.block_copy import BlockCopier
+from kv_connector.ucx import RING_DEPTH, ChunkPlan, UCXConnector  # imports ucxx only when used, after the UCX environment is set
+from kv_connector.ucx_context import ucxx_for_running_loop
+from kv_connector.wire import PullReply, PullRequest, encode
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +121,8 @@ class LengthResult:
     memcpy: Samples
     # Parts of the connector's time, each measured on its own (see measure_breakdown).
     breakdown: dict[str, Samples] = field(default_factory=dict)
+    # CPU milliseconds per transfer, by path ("connector", "raw UCX") and process ("decode", "prefill").
+    cpu_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def overhead_vs_raw(self) -> float:
@@ -171,15 +180,11 @@ def kv_layout(model: str | None) -> tuple[str, tuple[int, int, int]]:
 
 
 class Peer:
-    """The running prefill-side process: its addresses, and its stdin for control lines."""
+    """The running prefill-side process and its addresses."""
 
     def __init__(self, process: subprocess.Popen, ready: PeerReady) -> None:
         self._process = process
         self.ready = ready
-
-    def send_line(self, line: str) -> None:
-        self._process.stdin.write(line + "\n")
-        self._process.stdin.flush()
 
 
 @contextmanager
@@ -209,32 +214,23 @@ def peer_process(spec: PeerSpec) -> Iterator[Peer]:
             logger.warning("peer %d did not stop within %.0f s of stdin closing; killing it", process.pid, _PEER_STOP_TIMEOUT_S)
             process.kill()
             process.wait()
+        process.stdout.close()
 
 
 class RawClient:
     """This side of the peer's raw mode: plain ucxx endpoint send/recv on one client-server
     endpoint kept open across transfers (protocol in :mod:`bench.kv_transfer_peer`)."""
 
-    def __init__(self, peer: Peer, endpoint, timeout_s: float) -> None:  # noqa: ANN001 - ucxx endpoint
-        self._peer = peer
+    def __init__(self, endpoint, timeout_s: float) -> None:  # noqa: ANN001 - ucxx endpoint
         self._endpoint = endpoint
         self._timeout_s = timeout_s  # per transfer, like the connector's pulls: a dead peer must not hang the bench
 
     @classmethod
     async def connect(cls, peer: Peer, timeout_s: float) -> RawClient:
-        import ucxx
-
+        # The connector's ucxx runtime (asyncio futures, no spinning waits): both paths run on it.
+        ucxx = ucxx_for_running_loop()
         host, _, port = peer.ready.raw_address.rpartition(":")
-        return cls(peer, await ucxx.create_endpoint(host, int(port)), timeout_s)
-
-    @asynccontextmanager
-    async def session(self) -> AsyncIterator[RawClient]:
-        """The peer listens for raw commands only inside a session (see the peer's docstring)."""
-        self._peer.send_line("raw")
-        try:
-            yield self
-        finally:
-            await self._endpoint.send_obj(raw_command(OP_PAUSE))
+        return cls(await ucxx.create_endpoint(host, int(port)), timeout_s)
 
     async def fetch(self, buffer: np.ndarray) -> None:
         """Receive the first ``buffer.nbytes`` bytes of the peer's payload into ``buffer``:
@@ -245,6 +241,23 @@ class RawClient:
 
         await asyncio.wait_for(exchange(), self._timeout_s)
 
+    async def fetch_chunks(self, buffer: np.ndarray, chunk_bytes: int) -> None:
+        """Like :meth:`fetch`, the payload in messages of ``chunk_bytes`` with at most
+        ``RING_DEPTH`` receives posted: the connector's wire pattern without its copies."""
+        async def exchange() -> None:
+            await self._endpoint.send_obj(raw_command(OP_CHUNKS, buffer.nbytes, chunk_bytes))
+            starts = range(0, buffer.nbytes, chunk_bytes)
+            receives = [self._receive(buffer, start, chunk_bytes, index) for index, start in enumerate(starts[:RING_DEPTH])]
+            for index in range(len(starts)):
+                await receives[index]
+                if index + RING_DEPTH < len(starts):
+                    receives.append(self._receive(buffer, starts[index + RING_DEPTH], chunk_bytes, index + RING_DEPTH))
+
+        await asyncio.wait_for(exchange(), self._timeout_s)
+
+    def _receive(self, buffer: np.ndarray, start: int, chunk_bytes: int, index: int) -> asyncio.Future:
+        return asyncio.ensure_future(self._endpoint.recv(buffer[start:start + chunk_bytes], tag=index))
+
     async def ping(self, request_bytes: int, reply_bytes: int) -> None:
         """The connector's header exchange without the connector: ``send_obj`` of a
         ``request_bytes`` body, ``recv_obj`` of a ``reply_bytes`` one."""
@@ -253,6 +266,14 @@ class RawClient:
             await self._endpoint.recv_obj()
 
         await asyncio.wait_for(exchange(), self._timeout_s)
+
+    async def peer_cpu_s(self) -> float:
+        """The peer process's CPU seconds so far."""
+        async def exchange() -> float:
+            await self._endpoint.send_obj(raw_command(OP_CPU))
+            return float(json.loads(bytes(await self._endpoint.recv_obj())))
+
+        return await asyncio.wait_for(exchange(), self._timeout_s)
 
     async def close(self) -> None:
         await self._endpoint.close()
@@ -269,6 +290,18 @@ async def timed_async(run: Callable[[], Awaitable[object]], repeats: int) -> Sam
         await run()
         seconds.append(time.perf_counter() - start)
     return Samples(seconds)
+
+
+async def timed_alternating(first: Callable[[], Awaitable[object]], second: Callable[[], Awaitable[object]], repeats: int) -> tuple[Samples, Samples]:
+    """``repeats`` timed awaits of each, interleaved (first-second, then second-first, ...),
+    so that both see the same moments of a shared machine's load."""
+    seconds: tuple[list[float], list[float]] = ([], [])
+    for repeat in range(repeats):
+        for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
+            start = time.perf_counter()
+            await (first, second)[which]()
+            seconds[which].append(time.perf_counter() - start)
+    return Samples(seconds[0]), Samples(seconds[1])
 
 
 def timed(run: Callable[[], object], repeats: int) -> Samples:
@@ -297,6 +330,7 @@ class Bench:
     spec: PeerSpec
     peer: Peer
     raw: RawClient
+    connector: UCXConnector  # the decode side's, on local_cache; its connection stays open, as a decode instance's does
     local_cache: torch.Tensor  # the decode side's KV cache, pulled into
     remote_cache: torch.Tensor  # a copy of the peer's, to check bytes against and to time the peer's gather
     payload: torch.Tensor  # a copy of the peer's raw payload
@@ -305,116 +339,98 @@ class Bench:
 
 
 async def measure_length(bench: Bench, num_tokens: int) -> LengthResult:
-    """Every measurement for one prompt length. The connector's part runs first and alone,
-    and its connector is closed before anything else is timed: a connection left open makes
-    the peer's ucxx wait spin a core (see the peer's docstring)."""
-    spec, repeats = bench.spec, bench.repeats
+    """Every measurement for one prompt length."""
+    spec, repeats, connector = bench.spec, bench.repeats, bench.connector
     num_blocks = -(-num_tokens // spec.block_size)
     remote_ids = scattered_block_ids("prefill", spec.seed, spec.num_cache_blocks, num_blocks)
     local_ids = scattered_block_ids("decode", spec.seed, spec.num_cache_blocks, num_blocks)
     source = KVSource(request_id(num_blocks), bench.peer.ready.connector_address, tuple(remote_ids), num_tokens, spec.fingerprint)
-    refused = KVSource("bench-not-published", source.address, source.block_ids, num_tokens, spec.fingerprint)
     num_bytes = num_blocks * spec.bytes_per_block
 
-    async def refused_pull(connector: UCXConnector) -> None:
-        try:
-            await connector.pull(refused, local_ids, 0, bench.timeout_s)
-        except KVTransferError as error:
-            if "no KV published" not in str(error):
-                raise
-        else:
-            raise RuntimeError("the peer served a request it never published (bug)")
+    async def pull() -> None:
+        await connector.pull(source, local_ids, 0, bench.timeout_s)
 
-    async def refused_pull_on_new_connection() -> None:
-        fresh = UCXConnector(bench.local_cache, spec.fingerprint)
-        try:
-            await refused_pull(fresh)
-        finally:
-            await fresh.close()
-
-    # (1) the connector: a warm-up pull into zeroed blocks (it also opens the connection),
-    # checked bytewise, then the timed pulls; then pulls the peer refuses, which time the
-    # header exchange and the peer's checks on the same connection.
-    connector = UCXConnector(bench.local_cache, spec.fingerprint)
-    try:
-        bench.local_cache[:, :, local_ids] = 0
-        stats = await connector.pull(source, local_ids, 0, bench.timeout_s)
-        if stats.num_bytes != num_bytes:
-            raise RuntimeError(f"the connector moved {stats.num_bytes} bytes for {num_blocks} blocks, expected {num_bytes} (bug)")
-        check_blocks(bench.local_cache, local_ids, bench.remote_cache, remote_ids)
-        connector_samples = await timed_async(lambda: connector.pull(source, local_ids, 0, bench.timeout_s), repeats)
-        await refused_pull(connector)
-        refusal = await timed_async(lambda: refused_pull(connector), repeats)
-    finally:
-        await connector.close()
-    # A pull on a new connection, closed after: the connector connects for every pull.
-    await refused_pull_on_new_connection()
-    reconnect = await timed_async(refused_pull_on_new_connection, repeats)
-
-    # (2) raw UCX: the same bytes as one contiguous buffer, reused, over an endpoint kept open.
     receive = torch.zeros(num_bytes, dtype=torch.uint8)
-    async with bench.raw.session() as raw:
-        await raw.fetch(receive.numpy())
-        if not torch.equal(receive, bench.payload[:num_bytes]):
-            raise RuntimeError("raw UCX delivered different bytes than the peer sent (bug in the bench)")
-        raw_samples = await timed_async(lambda: raw.fetch(receive.numpy()), repeats)
 
-    # (3) memcpy of the same bytes in this process.
+    async def fetch() -> None:
+        await bench.raw.fetch(receive.numpy())
+
+    # Warm-ups, checked bytewise: a pull into zeroed blocks, a raw transfer into a zeroed buffer.
+    bench.local_cache[:, :, local_ids] = 0
+    stats = await connector.pull(source, local_ids, 0, bench.timeout_s)
+    if stats.num_bytes != num_bytes:
+        raise RuntimeError(f"the connector moved {stats.num_bytes} bytes for {num_blocks} blocks, expected {num_bytes} (bug)")
+    check_blocks(bench.local_cache, local_ids, bench.remote_cache, remote_ids)
+    await fetch()
+    if not torch.equal(receive, bench.payload[:num_bytes]):
+        raise RuntimeError("raw UCX delivered different bytes than the peer sent (bug in the bench)")
+
+    connector_samples, raw_samples = await timed_alternating(pull, fetch, repeats)
+    cpu_ms = {"connector": await cpu_per_transfer(bench, pull), "raw UCX": await cpu_per_transfer(bench, fetch)}
+
     destination = torch.empty_like(receive)
     memcpy_samples = timed(lambda: destination.copy_(receive), repeats)
 
-    breakdown = {"refused_pull": refusal, "reconnect": reconnect} | await measure_breakdown(bench, source, local_ids, num_bytes)
-    return LengthResult(num_tokens, num_blocks, num_bytes, connector_samples, raw_samples, memcpy_samples, breakdown)
+    breakdown = await measure_breakdown(bench, source, local_ids, num_bytes)
+    return LengthResult(num_tokens, num_blocks, num_bytes, connector_samples, raw_samples, memcpy_samples, breakdown, cpu_ms)
+
+
+async def cpu_per_transfer(bench: Bench, transfer: Callable[[], Awaitable[object]]) -> dict[str, float]:
+    """CPU milliseconds per transfer in this (decode) process and in the peer, all threads,
+    over ``repeats`` back-to-back transfers."""
+    decode_start, prefill_start = process_cpu_s(), await bench.raw.peer_cpu_s()
+    for _ in range(bench.repeats):
+        await transfer()
+    decode_s, prefill_s = process_cpu_s() - decode_start, await bench.raw.peer_cpu_s() - prefill_start
+    return {"decode": decode_s * 1e3 / bench.repeats, "prefill": prefill_s * 1e3 / bench.repeats}
 
 
 async def measure_breakdown(bench: Bench, source: KVSource, local_ids: list[int], num_bytes: int) -> dict[str, Samples]:
-    """The parts of one pull, each timed on its own, in the order a pull runs them (the
-    caller times ``refused_pull``, the connection, header exchange and peer's checks of one
-    refused pull, and ``reconnect``, the same on a new connection, closed after):
+    """The parts of one pull, each timed on its own:
 
-    - ``header_round_trip``: the four header messages over an open raw endpoint;
-    - ``json_cpu``: encoding and decoding both headers;
-    - ``gather``: the peer's ``index_select`` of the scattered blocks (run here, on an
-      identical cache: the peer's process runs the same call on the same CPU);
-    - ``raw_fresh_buffer``: raw UCX into a newly allocated buffer, as the pull's staging
-      tensor is (page faults on first touch included);
-    - ``scatter``: the pull's ``index_copy_`` into the decode cache's blocks.
+    - ``connect``: a new connection to the peer's connector, closed after (a decode
+      instance makes one per prefill instance and keeps it);
+    - ``header_round_trip``: the request and reply headers over an open raw endpoint;
+    - ``gather``: the peer's copies of the scattered blocks into its staging chunks, one
+      chunk after another (run here, on an identical cache: the peer runs the same
+      calls on the same CPU); in a pull they overlap the wire;
+    - ``scatter``: the pull's copies from staging chunks into the decode cache's blocks;
+    - ``raw_chunked``: raw UCX of the same bytes in the connector's chunks, with as many
+      in flight as the connector has staging buffers: the connector's wire without copies.
     """
-    repeats = bench.repeats
+    repeats, connector = bench.repeats, bench.connector
     remote_ids = list(source.block_ids)
-    staging_shape = [*bench.local_cache.shape]
-    staging_shape[2] = len(remote_ids)
-    dtype_name = str(bench.local_cache.dtype).removeprefix("torch.")
+    plan = ChunkPlan(len(remote_ids), connector.blocks_per_chunk)
+    chunk_bytes = connector.blocks_per_chunk * bench.spec.bytes_per_block
+    layers, kv, _, block_size, heads, head_dim = bench.local_cache.shape
+    request = encode(PullRequest(source.request_id, remote_ids, source.fingerprint))
+    reply = encode(PullReply(ok=True, num_bytes=num_bytes, shape=[plan.num_chunks, layers, kv, plan.blocks_per_chunk, block_size, heads, head_dim], dtype=bench.spec.dtype))
 
-    def encode_request() -> bytes:
-        return encode(PullRequest(source.request_id, remote_ids, source.fingerprint))
+    async def connect() -> None:
+        ucxx = ucxx_for_running_loop()
+        host, _, port = source.address.rpartition(":")
+        endpoint = await ucxx.create_endpoint(host, int(port))
+        await endpoint.close()
 
-    def encode_reply() -> bytes:
-        return encode(PullReply(ok=True, num_bytes=num_bytes, shape=staging_shape, dtype=dtype_name))
+    await connect()
+    connect_samples = await timed_async(connect, repeats)
+    await bench.raw.ping(len(request), len(reply))
+    header_round_trip = await timed_async(lambda: bench.raw.ping(len(request), len(reply)), repeats)
+    receive = np.zeros(num_bytes, dtype=np.uint8)
+    await bench.raw.fetch_chunks(receive, chunk_bytes)
+    raw_chunked = await timed_async(lambda: bench.raw.fetch_chunks(receive, chunk_bytes), repeats)
 
-    request, reply = encode_request(), encode_reply()
-    json_cpu = timed(lambda: (decode_pull_request(encode_request()), decode_pull_reply(encode_reply())), repeats)
+    ring = [torch.zeros(chunk_bytes, dtype=torch.uint8) for _ in range(RING_DEPTH)]
+    remote_copier, local_copier = BlockCopier(bench.remote_cache), BlockCopier(bench.local_cache)
 
-    async with bench.raw.session() as raw:
+    def each_chunk(copy: Callable[[list[int], torch.Tensor], None], block_ids: list[int]) -> None:
+        for chunk in range(plan.num_chunks):
+            start, stop = plan.bounds(chunk)
+            copy(block_ids[start:stop], ring[chunk % RING_DEPTH])
 
-        async def fetch_fresh() -> None:
-            await raw.fetch(torch.empty(num_bytes, dtype=torch.uint8).numpy())
-
-        await raw.ping(len(request), len(reply))
-        header_round_trip = await timed_async(lambda: raw.ping(len(request), len(reply)), repeats)
-        await fetch_fresh()
-        raw_fresh_buffer = await timed_async(fetch_fresh, repeats)
-
-    gather = timed(lambda: gather_blocks(bench.remote_cache, remote_ids), repeats)
-    staging = gather_blocks(bench.remote_cache, remote_ids)
-    scatter = timed(lambda: scatter_blocks(bench.local_cache, local_ids, staging), repeats)
-    return {
-        "header_round_trip": header_round_trip,
-        "json_cpu": json_cpu,
-        "gather": gather,
-        "raw_fresh_buffer": raw_fresh_buffer,
-        "scatter": scatter,
-    }
+    gather = timed(lambda: each_chunk(remote_copier.gather, remote_ids), repeats)
+    scatter = timed(lambda: each_chunk(local_copier.scatter, local_ids), repeats)
+    return {"connect": connect_samples, "header_round_trip": header_round_trip, "gather": gather, "scatter": scatter, "raw_chunked": raw_chunked}
 
 
 async def measure_transfers(spec: PeerSpec, prompt_tokens: list[int], repeats: int, timeout_s: float) -> list[LengthResult]:
@@ -424,13 +440,15 @@ async def measure_transfers(spec: PeerSpec, prompt_tokens: list[int], repeats: i
     with peer_process(spec) as peer:
         logger.info("peer ready: connector at %s", peer.ready.connector_address)
         raw = await RawClient.connect(peer, timeout_s)
+        connector = UCXConnector(local_cache, spec.fingerprint)
         try:
-            bench = Bench(spec, peer, raw, local_cache, remote_cache, seeded_payload(spec), repeats, timeout_s)
+            bench = Bench(spec, peer, raw, connector, local_cache, remote_cache, seeded_payload(spec), repeats, timeout_s)
             results = []
             for num_tokens in prompt_tokens:
                 logger.info("measuring %d tokens", num_tokens)
                 results.append(await measure_length(bench, num_tokens))
         finally:
+            await connector.close()
             await raw.close()
     return results
 
@@ -480,21 +498,21 @@ def format_report(
             )
     lines += [
         "",
-        "connector breakdown, median ms: refused = a pull the peer refuses (connect + headers + checks);",
-        "headers = the same messages over raw UCX; staging = raw into a fresh buffer minus raw into a reused one;",
-        "predicted = refused + gather + raw fresh + scatter; reconnect = the refused pull on a new connection, closed after",
-        "(connect + headers + close: the connector connects for every pull)",
-        f"{'tokens':>6} {'pull':>8} {'refused':>8} {'headers':>8} {'json':>6} {'gather':>8} {'raw':>8} {'staging':>8} "
-        f"{'scatter':>8} {'predicted':>10} {'overhead':>9} {'reconnect':>10}",
+        "connector breakdown, median ms, parts timed on their own: connect = a new connection (made once per prefill",
+        "instance, then kept); headers = the request and reply headers over raw UCX; gather / scatter = the copies",
+        "between scattered blocks and staging chunks on each side, chunk after chunk; raw chunked = raw UCX of the same",
+        "bytes in the connector's chunks (the wire without copies). In a pull the copies overlap the wire.",
+        "CPU ms per transfer (decode process + prefill process, all threads) for the connector and raw UCX.",
+        f"{'tokens':>6} {'pull':>8} {'raw':>8} {'connect':>8} {'headers':>8} {'gather':>8} {'scatter':>8} {'raw chunked':>12} "
+        f"{'overhead':>9} {'pull CPU D+P':>14} {'raw CPU D+P':>13}",
     ]
     for r in results:
         b = {name: samples.median_s * 1e3 for name, samples in r.breakdown.items()}
-        raw_ms = r.raw_ucx.median_s * 1e3
-        predicted = b["refused_pull"] + b["gather"] + b["raw_fresh_buffer"] + b["scatter"]
+        pull_cpu, raw_cpu = r.cpu_ms["connector"], r.cpu_ms["raw UCX"]
         lines.append(
-            f"{r.num_tokens:>6} {r.connector.median_s * 1e3:>8.2f} {b['refused_pull']:>8.2f} {b['header_round_trip']:>8.2f} "
-            f"{b['json_cpu']:>6.2f} {b['gather']:>8.2f} {raw_ms:>8.2f} {b['raw_fresh_buffer'] - raw_ms:>8.2f} "
-            f"{b['scatter']:>8.2f} {predicted:>10.2f} {r.overhead_vs_raw:>+9.1%} {b['reconnect']:>10.2f}"
+            f"{r.num_tokens:>6} {r.connector.median_s * 1e3:>8.2f} {r.raw_ucx.median_s * 1e3:>8.2f} {b['connect']:>8.2f} "
+            f"{b['header_round_trip']:>8.2f} {b['gather']:>8.2f} {b['scatter']:>8.2f} {b['raw_chunked']:>12.2f} "
+            f"{r.overhead_vs_raw:>+9.1%} {pull_cpu['decode']:>6.1f}+{pull_cpu['prefill']:<7.1f} {raw_cpu['decode']:>5.1f}+{raw_cpu['prefill']:<7.1f}"
         )
     if prefill is not None:
         transfer = next(r for r in results if r.num_tokens == prefill.num_tokens)
@@ -525,6 +543,7 @@ def report_json(
                 "memcpy": {**r.memcpy.summary(r.num_bytes), "seconds": r.memcpy.seconds},
                 "connector_overhead_vs_raw_pct": r.overhead_vs_raw * 100,
                 "breakdown": {name: {**s.summary(), "seconds": s.seconds} for name, s in r.breakdown.items()},
+                "cpu_ms_per_transfer": r.cpu_ms,
             }
             for r in results
         ],

@@ -4,23 +4,26 @@ It holds a KV cache filled with seeded random bytes, publishes one request per
 prompt length on a :class:`UCXConnector` (at scattered, shuffled block ids), and
 beside it serves a raw mode: a contiguous payload of the same bytes sent with plain
 ucxx endpoint send/recv, on a second ucxx listener, so that both paths use the same
-kind of endpoint (a client-server one, over the same UCX transports). It prints one
-JSON line (:class:`PeerReady`) and serves until stdin closes. Started by the bench as
+kind of endpoint (a client-server one, over the same UCX transports) and the same
+ucxx runtime (:mod:`kv_connector.ucx_context`). It prints one JSON line
+(:class:`PeerReady`) and serves until stdin closes. Started by the bench as
 ``python -m bench.kv_transfer_peer --spec '<PeerSpec JSON>'``.
 
-Raw mode: the bench keeps one endpoint open and, in a *session*, sends commands with
-``send_obj`` (:func:`raw_command`), as the connector sends its pull request:
+Raw mode: the bench keeps one endpoint open and sends commands with ``send_obj``
+(:func:`raw_command`), as the connector sends its pull request:
 
-- ``OP_SEND, nbytes``: the peer sends ``payload[:nbytes]``;
+- ``OP_SEND, nbytes``: the peer sends ``payload[:nbytes]`` as one message;
+- ``OP_CHUNKS, nbytes, chunk_bytes``: the peer sends ``payload[:nbytes]`` as messages of
+  ``chunk_bytes``, tagged by index, at most ``RING_DEPTH`` in flight: the connector's
+  wire pattern without its copies;
 - ``OP_PING, reply_bytes`` (the command padded to the pull request's size): the peer
   answers with ``send_obj`` of ``reply_bytes`` bytes, the connector's header exchange
   without the connector;
-- ``OP_PAUSE``: the session ends.
+- ``OP_CPU``: the peer answers with its process CPU seconds so far (JSON), to split
+  a transfer's CPU time between the two processes.
 
-A session starts when the bench writes the line ``raw`` on the peer's stdin. Sessions
-exist because ucxx (without ``UCXPY_ENABLE_PYTHON_FUTURE=1``) awaits a request by
-spinning the event loop: a receive left posted while the bench times something else
-would keep one of the peer's cores busy and skew every other figure.
+An idle raw endpoint costs the peer nothing: with the connector's ucxx runtime a posted
+receive waits on an asyncio future instead of spinning the event loop.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import json
 import logging
 import random
+import resource
 import struct
 import sys
 from dataclasses import asdict, dataclass
@@ -38,12 +42,13 @@ import numpy as np
 import torch
 
 from kv_connector.fingerprint import Fingerprint
-from kv_connector.ucx import UCXConnector
+from kv_connector.ucx import RING_DEPTH, UCXConnector
+from kv_connector.ucx_context import ucxx_for_running_loop
 
 logger = logging.getLogger(__name__)
 
-OP_PAUSE, OP_SEND, OP_PING = 0, 1, 2
-_COMMAND = struct.Struct("<QQ")  # op, argument
+OP_SEND, OP_PING, OP_CHUNKS, OP_CPU = 1, 2, 3, 4
+_COMMAND = struct.Struct("<QQQ")  # op, argument, second argument
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -131,66 +136,71 @@ def seeded_payload(spec: PeerSpec) -> torch.Tensor:
     return torch.randint(0, 256, (spec.raw_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(spec.seed + 1))
 
 
-def raw_command(op: int, argument: int = 0, size: int = _COMMAND.size) -> bytes:
+def raw_command(op: int, argument: int = 0, second: int = 0, size: int = _COMMAND.size) -> bytes:
     """A raw-mode command, zero-padded to ``size`` bytes (a ping mimics the pull request's size)."""
-    return _COMMAND.pack(op, argument).ljust(size, b"\0")
+    return _COMMAND.pack(op, argument, second).ljust(size, b"\0")
+
+
+def process_cpu_s() -> float:
+    """CPU seconds this process has used, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 class RawServer:
-    """The raw mode: one client endpoint at a time, served one session at a time."""
+    """The raw mode: commands on any number of client endpoints, one at a time each."""
 
     def __init__(self, payload: np.ndarray) -> None:
         self._payload = payload
-        self._sessions: asyncio.Queue[bool] = asyncio.Queue()  # True: serve a session; False: stop
         self._listener = None
-        self._client_done: asyncio.Event | None = None  # set once a connected client's handler has finished
+        self._endpoints: set[object] = set()
 
     def start(self, host: str) -> str:
-        import ucxx
-
+        ucxx = ucxx_for_running_loop()  # the connector's ucxx settings (see kv_connector.ucx_context)
         self._listener = ucxx.create_listener(self._serve, port=None)
         return f"{host}:{self._listener.port}"
 
-    def begin_session(self) -> None:
-        self._sessions.put_nowait(True)
-
-    async def stop(self, timeout_s: float = 5.0) -> None:
-        """Let a connected client's handler close its endpoint, then stop listening."""
-        self._sessions.put_nowait(False)
-        if self._client_done is not None:
-            try:
-                await asyncio.wait_for(self._client_done.wait(), timeout_s)
-            except TimeoutError:
-                logger.warning("the raw-mode handler did not finish within %.0f s", timeout_s)
+    async def stop(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        for endpoint in list(self._endpoints):
+            await endpoint.close()
 
     async def _serve(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
-        self._client_done = asyncio.Event()
+        self._endpoints.add(endpoint)
         try:
-            while await self._sessions.get():
-                await self._serve_session(endpoint)
+            while True:
+                try:
+                    command = bytes(await endpoint.recv_obj())
+                except Exception:  # noqa: BLE001 - the bench closed the endpoint: the normal end
+                    return
+                await self._run(endpoint, *_COMMAND.unpack_from(command))
         except Exception:  # the bench sees the failure as a timeout; the reason goes to stderr
             logger.exception("serving the raw mode failed")
         finally:
+            self._endpoints.discard(endpoint)
             await endpoint.close()
-            self._client_done.set()
 
-    async def _serve_session(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
-        while True:
-            command = bytes(await endpoint.recv_obj())
-            op, argument = _COMMAND.unpack_from(command)
-            if op == OP_PAUSE:
-                return
-            if op == OP_SEND:
-                if argument > self._payload.nbytes:
-                    raise ValueError(f"asked for {argument} raw bytes, the payload holds {self._payload.nbytes} (bug in the bench)")
-                await endpoint.send(self._payload[:argument])
-            elif op == OP_PING:
-                await endpoint.send_obj(bytes(argument))
-            else:
-                raise ValueError(f"unknown raw-mode op {op} (bug in the bench)")
+    async def _run(self, endpoint, op: int, argument: int, second: int) -> None:  # noqa: ANN001 - ucxx endpoint
+        if op in (OP_SEND, OP_CHUNKS) and argument > self._payload.nbytes:
+            raise ValueError(f"asked for {argument} raw bytes, the payload holds {self._payload.nbytes} (bug in the bench)")
+        if op == OP_SEND:
+            await endpoint.send(self._payload[:argument])
+        elif op == OP_CHUNKS:
+            starts = range(0, argument, second)
+            sends: list[asyncio.Future] = []
+            for index, start in enumerate(starts):
+                if len(sends) >= RING_DEPTH:
+                    await sends[index - RING_DEPTH]
+                sends.append(asyncio.ensure_future(endpoint.send(self._payload[start:min(start + second, argument)], tag=index)))
+            await asyncio.gather(*sends)
+        elif op == OP_PING:
+            await endpoint.send_obj(bytes(argument))
+        elif op == OP_CPU:
+            await endpoint.send_obj(json.dumps(process_cpu_s()).encode())
+        else:
+            raise ValueError(f"unknown raw-mode op {op} (bug in the bench)")
 
 
 async def serve(spec: PeerSpec, host: str) -> None:
@@ -204,11 +214,7 @@ async def serve(spec: PeerSpec, host: str) -> None:
             connector.publish(request_id(num_blocks), block_ids, token_ids=[])  # the UCX connector ignores token_ids
         sys.stdout.write(PeerReady(connector_address, raw.start(host)).to_json() + "\n")
         sys.stdout.flush()
-        loop = asyncio.get_running_loop()
-        while line := await loop.run_in_executor(None, sys.stdin.readline):  # "" once the bench closes stdin
-            if line.strip() != "raw":
-                raise ValueError(f"unknown control line {line!r} (bug in the bench)")
-            raw.begin_session()
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the bench closes stdin
     finally:
         await raw.stop()
         await connector.close()

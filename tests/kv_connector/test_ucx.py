@@ -19,8 +19,10 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from kv_connector.base import KVSource, KVTransferError  # noqa: E402
-from kv_connector.ucx import UCXConnector  # noqa: E402
+from kv_connector.base import KVSource, KVTransferError, gather_blocks  # noqa: E402
+from kv_connector.block_copy import BlockCopier  # noqa: E402
+from kv_connector.staging import StagingPool  # noqa: E402
+from kv_connector.ucx import ChunkPlan, UCXConnector  # noqa: E402
 from kv_connector.ucx_context import ucxx_for_running_loop  # noqa: E402
 from tests.kv_connector.ucx_peer import PUBLISHED_BLOCKS, SHAPE, SLOW_BLOCKS, PeerState, fingerprint, seeded_cache  # noqa: E402
 
@@ -65,6 +67,54 @@ def running_peer(*args: str, seed: int = 7) -> Iterator[Peer]:
 def peer() -> Iterator[str]:
     with running_peer() as running:
         yield running.address
+
+
+# ------------------------------------------------------------- in-process parts
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["numpy-runs", "torch-fallback"])
+def test_block_copier_round_trips_scattered_blocks(contiguous: bool) -> None:
+    remote = seeded_cache(3)
+    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    if not contiguous:  # same layout and values, strided storage: the torch path
+        remote = torch.empty(SHAPE[::-1], dtype=torch.bfloat16).permute(5, 4, 3, 2, 1, 0).copy_(remote)
+        local = torch.empty(SHAPE[::-1], dtype=torch.bfloat16).permute(5, 4, 3, 2, 1, 0).zero_()
+    remote_copier, local_copier = BlockCopier(remote), BlockCopier(local)
+    chunk = torch.zeros(3 * remote_copier.bytes_per_block + 5, dtype=torch.uint8)  # a staging slot larger than needed
+    remote_copier.gather([9, 2, 11], chunk)
+    assert torch.equal(remote_copier.chunk_view(chunk, 3), gather_blocks(remote, [9, 2, 11]))
+    local_copier.scatter([4, 0, 7], chunk)
+    for mine, theirs in zip([4, 0, 7], [9, 2, 11], strict=True):
+        assert torch.equal(local[:, :, mine], remote[:, :, theirs])
+    assert not local[:, :, [1, 2, 3, 5, 6, 8, 9, 10, 11]].any()
+
+
+def test_block_copier_refuses_ids_outside_the_cache() -> None:
+    copier = BlockCopier(torch.zeros(SHAPE, dtype=torch.bfloat16))
+    copier.check_block_ids([0, 11])
+    with pytest.raises(RuntimeError, match="outside a cache of 12 blocks"):
+        copier.check_block_ids([3, 12])
+
+
+def test_staging_pool_reuses_buffers_up_to_its_cap() -> None:
+    pool = StagingPool(slot_bytes=64, device=torch.device("cpu"), max_idle=2)
+    pool.reserve(3)
+    assert pool.num_idle == 2
+    first = pool.acquire(3)
+    assert pool.num_idle == 0 and [slot.numel() for slot in first] == [64, 64, 64]
+    pool.release(first)
+    assert pool.num_idle == 2
+    again = pool.acquire(2)
+    assert {slot.data_ptr() for slot in again} <= {slot.data_ptr() for slot in first}
+
+
+def test_chunk_plan_cuts_blocks_in_order() -> None:
+    plan = ChunkPlan(num_blocks=10, blocks_per_chunk=4)
+    assert plan.num_chunks == 3
+    assert [plan.bounds(chunk) for chunk in range(3)] == [(0, 4), (4, 8), (8, 10)]
+
+
+# ------------------------------------------------------------- two processes
 
 
 def source(address: str, request_id: str = "r", blocks: list[int] = PUBLISHED_BLOCKS, model: str = "tiny-0123") -> KVSource:
