@@ -82,10 +82,13 @@ def plot_runs(runs: list[Run], output_dir: str | Path) -> list[Path]:
         axes = figure.add_subplot()
         for run, name in zip(runs, names):
             values = _values_ms(run, metric)
+            values = values[values > 0]  # log axis; chunks read together have zero gaps
             if values.size:
                 fractions = np.arange(1, values.size + 1) / values.size
                 axes.plot(np.sort(values), fractions, drawstyle="steps-post", label=name)
-        _finish(axes, title + " (CDF)", f"{title} (ms)", "fraction of " + ("requests" if metric == "ttfts" else "gaps"))
+        # Log scale: medians and tails differ by orders of magnitude, and the tail is the point.
+        axes.set_xscale("log")
+        _finish(axes, title + " (CDF)", f"{title} (ms, log scale)", "fraction of " + ("requests" if metric == "ttfts" else "gaps"))
         save(figure, f"{metric[:-1]}_cdf.png")
 
     figure = Figure(figsize=(9, 4.5))
@@ -96,7 +99,8 @@ def plot_runs(runs: list[Run], output_dir: str | Path) -> list[Path]:
             points = axes.scatter(times, gaps, s=6, alpha=0.4, linewidths=0)
             centers, medians = _rolling_median(times, gaps)
             axes.plot(centers, medians, color=points.get_facecolor()[0][:3], label=f"{name} (median)")
-    _finish(axes, "Inter-token latency over the run", "time since the first request (s)", "ITL (ms)")
+    axes.set_yscale("symlog", linthresh=10.0)  # stalls of seconds beside gaps of milliseconds
+    _finish(axes, "Inter-token latency over the run", "time since the first request (s)", "ITL (ms, log scale above 10)")
     save(figure, "itl_over_time.png")
 
     series = _sweep_series(runs)
@@ -197,7 +201,8 @@ def _latency_vs_rate(figure: Any, series: dict[str, list[Run]]) -> Any:
             if not all(math.isnan(v) for v in p99):
                 axes.plot(xs, p99, marker="x", linestyle="--", color=line.get_color(), label=f"{label} p99")
         _set_rate_ticks(axes, positions)
-        _finish(axes, f"{metric.upper()} vs request rate", None, f"{metric.upper()} (ms)")
+        axes.set_yscale("log")
+        _finish(axes, f"{metric.upper()} vs request rate", None, f"{metric.upper()} (ms, log scale)")
     return figure
 
 
