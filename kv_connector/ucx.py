@@ -254,6 +254,8 @@ class UCXConnector(KVConnector):
 
     async def _serve_pull(self, endpoint, pull_number: int, data: bytes) -> None:  # noqa: ANN001 - ucxx endpoint
         reply, request, published = self._answer(data)
+        if request is not None:
+            self._copier.check_block_ids(request.block_ids)  # published by the engine: in range unless there is a bug
         reply_sent = _send_header(endpoint, reply)
         if request is None:
             await reply_sent
