@@ -57,7 +57,8 @@ from bench.kv_transfer_peer import (
 )
 from kv_connector.base import KVSource, gather_blocks
 from kv_connector.block_copy import BlockCopier
-from kv_connector.ucx import RING_DEPTH, ChunkPlan, UCXConnector  # imports ucxx only when used, after the UCX environment is set
+from kv_connector.ucx import RING_DEPTH, UCXConnector  # imports ucxx only when used, after the UCX environment is set
+from kv_connector.ucx_messages import ChunkPlan
 from kv_connector.ucx_context import ucxx_for_running_loop
 from kv_connector.wire import PullReply, PullRequest, encode
 

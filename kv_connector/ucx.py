@@ -5,7 +5,7 @@ One pull, on a connection D keeps open between pulls (see :mod:`kv_connector.ucx
 for why an idle connection now costs nothing):
 
 1. D -> P: a :class:`~kv_connector.wire.PullRequest` header (size-prefixed, as ucxx's
-   ``send_obj`` frames it, both parts posted at once; a header over ``MAX_HEADER_BYTES`` is refused).
+   ``send_obj`` frames it; see :mod:`kv_connector.ucx_messages`).
 2. P -> D: a :class:`~kv_connector.wire.PullReply` header. When ``ok``, its ``shape``
    is the chunk layout ``[num_chunks, num_layers, 2, blocks_per_chunk, block_size,
    num_kv_heads, head_dim]``: the requested blocks in order, ``blocks_per_chunk`` per
@@ -49,50 +49,18 @@ from kv_connector.block_copy import BlockCopier
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
 from kv_connector.staging import StagingPool
 from kv_connector.ucx_context import ucxx_for_running_loop
-from kv_connector.wire import (
-    MAX_HEADER_BYTES,
-    PullReply,
-    PullRequest,
-    WireError,
-    decode_pull_reply,
-    decode_pull_request,
-    encode,
-)
+from kv_connector.ucx_messages import ChunkPlan, abandon, chunk_tag, header_buffer, recv_header, send_header, wire_buffer
+from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_reply, decode_pull_request
 
 logger = logging.getLogger(__name__)
 
-# Chunk size: large enough that per-message costs (a Python await, UCX's rendezvous) stay
-# small, small enough that gather, wire and scatter of neighbouring chunks overlap.
-# 2-4 MiB measured best on the 2-core development VM (SmolLM2: 8 blocks of 360 KiB).
+# Chunk size: large enough that per-message costs (Python awaits, UCX's rendezvous) stay
+# small, small enough that gather, wire and scatter of neighbouring chunks overlap. On the
+# 2-core development VM 1.5 MiB was slower and 3 to 24 MiB within noise of each other
+# (docs/benchmarks.md); 3 MiB keeps the staging rings small (SmolLM2: 8 blocks of 360 KiB).
 CHUNK_BYTES = 3 << 20
 RING_DEPTH = 3  # staging buffers per transfer and side: chunks in flight at once
 MAX_IDLE_CONNECTIONS_PER_PEER = 4
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkPlan:
-    """How a pull's blocks are cut into chunks, in order: at most ``blocks_per_chunk`` each."""
-
-    num_blocks: int
-    blocks_per_chunk: int
-    starts: tuple[int, ...] = ()  # chunk k is blocks [starts[k], starts[k + 1])
-
-    def __post_init__(self) -> None:
-        sizes = _chunk_sizes(self.num_blocks, self.blocks_per_chunk)
-        object.__setattr__(self, "starts", tuple(np.cumsum([0, *sizes]).tolist()))
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.starts) - 1
-
-    def bounds(self, chunk: int) -> tuple[int, int]:
-        """[start, stop) of chunk ``chunk`` in the pull's block list."""
-        return self.starts[chunk], self.starts[chunk + 1]
-
-
-def _chunk_sizes(num_blocks: int, blocks_per_chunk: int) -> list[int]:
-    full, rest = divmod(num_blocks, blocks_per_chunk)
-    return [blocks_per_chunk] * full + ([rest] if rest else [])
 
 
 @dataclass(slots=True)
@@ -101,72 +69,11 @@ class _Connection:
 
     endpoint: object  # ucxx Endpoint
     num_pulls: int = 0
-    header_buffer: np.ndarray = field(default_factory=lambda: _header_buffer())
+    header_buffer: np.ndarray = field(default_factory=header_buffer)
 
 
 class _StaleConnection(Exception):
     """A reused connection failed before P answered: P restarted, or dropped it while idle."""
-
-
-def _chunk_tag(pull_number: int, chunk: int) -> int:
-    # ucxx hashes a user tag with the connection's own, so chunk tags never match the
-    # untagged header messages, nor another connection's chunks.
-    return (pull_number << 32) | chunk
-
-
-def _wire_buffer(tensor: torch.Tensor) -> object:
-    """A zero-copy view UCX can send from or receive into: host tensors as uint8 numpy arrays
-    (numpy has no bfloat16), device tensors through __cuda_array_interface__."""
-    if tensor.device.type == "cpu":
-        return tensor.view(torch.uint8).numpy()
-    return tensor.view(torch.uint8)
-
-
-def _send_header(endpoint, message: PullRequest | PullReply) -> asyncio.Future:  # noqa: ANN001 - ucxx endpoint
-    """Post a header as ucxx's ``send_obj`` frames it (an 8-byte size, then the JSON body), both
-    messages at once: ``send_obj`` waits for the first to complete before posting the second."""
-    body = np.frombuffer(bytearray(encode(message)), dtype=np.uint8)
-    size = np.array([body.nbytes], dtype=np.uint64)
-    return asyncio.gather(endpoint.send(size), endpoint.send(body))
-
-
-async def _recv_header(endpoint, buffer: np.ndarray) -> bytes:  # noqa: ANN001 - ucxx endpoint
-    """Receive one header framed as :func:`_send_header` frames it. Both receives are posted at
-    once, the body's into ``buffer`` (``MAX_HEADER_BYTES``, reused): a larger header fails there."""
-    size = np.zeros(1, dtype=np.uint64)
-    size_received = asyncio.ensure_future(endpoint.recv(size))
-    body_received = asyncio.ensure_future(endpoint.recv(buffer))
-    try:
-        await size_received
-        num_bytes = int(size[0])
-        if not 0 < num_bytes <= buffer.nbytes:
-            raise WireError(f"header of {num_bytes} bytes (at most {buffer.nbytes})")
-        await body_received
-    except BaseException:
-        await _cancel([size_received, body_received])
-        raise
-    return buffer[:num_bytes].tobytes()
-
-
-def _header_buffer() -> np.ndarray:
-    return np.empty(MAX_HEADER_BYTES, dtype=np.uint8)  # pages are touched only as far as headers reach
-
-
-async def _cancel(tasks: list[asyncio.Future]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _abandon(endpoint, tasks: list[asyncio.Future]) -> None:  # noqa: ANN001 - ucxx endpoint
-    """Drop a connection mid-transfer. The tasks awaiting its requests are cancelled and
-    finished first (a ucxx receive that sees its endpoint close would otherwise fall back to
-    receiving a queued message on the worker), then closing cancels the requests still posted."""
-    await _cancel(tasks)
-    try:
-        await endpoint.close()
-    except Exception:  # noqa: BLE001 - closing a broken endpoint may itself fail; nothing is left to do
-        logger.debug("closing a UCX endpoint failed", exc_info=True)
 
 
 class UCXConnector(KVConnector):
@@ -223,7 +130,7 @@ class UCXConnector(KVConnector):
         endpoints = [c.endpoint for connections in self._idle.values() for c in connections] + list(self._serving)
         self._idle.clear()
         for endpoint in endpoints:
-            await _abandon(endpoint, [])
+            await abandon(endpoint, [])
 
     # ------------------------------------------------------------ P: serving
 
@@ -232,10 +139,10 @@ class UCXConnector(KVConnector):
         self._serving.add(endpoint)
         try:
             pull_number = 0
-            header_buffer = _header_buffer()
+            request_buffer = header_buffer()
             while True:
                 try:
-                    data = await _recv_header(endpoint, header_buffer)
+                    data = await recv_header(endpoint, request_buffer)
                 except WireError as error:
                     logger.warning("closing a KV connection that sent %s", error)
                     return
@@ -250,13 +157,13 @@ class UCXConnector(KVConnector):
                     return
         finally:
             self._serving.discard(endpoint)
-            await _abandon(endpoint, [])
+            await abandon(endpoint, [])
 
     async def _serve_pull(self, endpoint, pull_number: int, data: bytes) -> None:  # noqa: ANN001 - ucxx endpoint
         reply, request, published = self._answer(data)
         if request is not None:
             self._copier.check_block_ids(request.block_ids)  # published by the engine: in range unless there is a bug
-        reply_sent = _send_header(endpoint, reply)
+        reply_sent = send_header(endpoint, reply)
         if request is None:
             await reply_sent
             return
@@ -274,12 +181,12 @@ class UCXConnector(KVConnector):
                     raise KVTransferError(f"request {request.request_id!r} was released during its pull")
                 start, stop = plan.bounds(chunk)
                 self._gather_chunk(request.block_ids[start:stop], ring[slot])
-                message = _wire_buffer(ring[slot][: (stop - start) * self.bytes_per_block])
-                sends[slot] = asyncio.ensure_future(endpoint.send(message, tag=_chunk_tag(pull_number, chunk)))
+                message = wire_buffer(ring[slot][: (stop - start) * self.bytes_per_block])
+                sends[slot] = asyncio.ensure_future(endpoint.send(message, tag=chunk_tag(pull_number, chunk)))
                 await asyncio.sleep(0)  # let the send post before the next gather holds the loop
             await asyncio.gather(reply_sent, *(send for send in sends if send is not None))
         except BaseException:
-            await _abandon(endpoint, [reply_sent, *(send for send in sends if send is not None)])
+            await abandon(endpoint, [reply_sent, *(send for send in sends if send is not None)])
             raise  # the ring is dropped: a send may still read it
         else:
             self._staging.release(ring)
@@ -368,15 +275,15 @@ class UCXConnector(KVConnector):
 
         def post_receive(chunk: int) -> None:
             start, stop = plan.bounds(chunk)
-            buffer = _wire_buffer(ring[chunk % len(ring)][: (stop - start) * self.bytes_per_block])
-            pending[chunk] = asyncio.ensure_future(endpoint.recv(buffer, tag=_chunk_tag(pull_number, chunk)))
+            buffer = wire_buffer(ring[chunk % len(ring)][: (stop - start) * self.bytes_per_block])
+            pending[chunk] = asyncio.ensure_future(endpoint.recv(buffer, tag=chunk_tag(pull_number, chunk)))
 
         request = PullRequest(source.request_id, remote_blocks, self.fingerprint)
         try:
             try:
                 # Posted together, in order, when this task next yields: request, reply, first chunks.
-                request_sent = _send_header(endpoint, request)
-                reply_task = asyncio.ensure_future(_recv_header(endpoint, connection.header_buffer))
+                request_sent = send_header(endpoint, request)
+                reply_task = asyncio.ensure_future(recv_header(endpoint, connection.header_buffer))
                 for chunk in range(len(ring)):
                     post_receive(chunk)
                 await request_sent
@@ -396,7 +303,7 @@ class UCXConnector(KVConnector):
                     post_receive(chunk + len(ring))
         except BaseException:
             # Drop the connection and the ring: a receive may still be posted into it.
-            await _abandon(endpoint, [task for task in (request_sent, reply_task, *pending.values()) if task is not None])
+            await abandon(endpoint, [task for task in (request_sent, reply_task, *pending.values()) if task is not None])
             raise
         self._staging.release(ring)
 
@@ -440,4 +347,4 @@ class UCXConnector(KVConnector):
         if len(connections) < MAX_IDLE_CONNECTIONS_PER_PEER:
             connections.append(connection)
         else:
-            await _abandon(connection.endpoint, [])
+            await abandon(connection.endpoint, [])

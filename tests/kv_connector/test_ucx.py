@@ -22,7 +22,8 @@ pytest.importorskip("ucxx")
 from kv_connector.base import KVSource, KVTransferError, gather_blocks  # noqa: E402
 from kv_connector.block_copy import BlockCopier  # noqa: E402
 from kv_connector.staging import StagingPool  # noqa: E402
-from kv_connector.ucx import ChunkPlan, UCXConnector  # noqa: E402
+from kv_connector.ucx import UCXConnector  # noqa: E402
+from kv_connector.ucx_messages import ChunkPlan  # noqa: E402
 from kv_connector.ucx_context import ucxx_for_running_loop  # noqa: E402
 from tests.kv_connector.ucx_peer import PUBLISHED_BLOCKS, SHAPE, SLOW_BLOCKS, PeerState, fingerprint, seeded_cache  # noqa: E402
 
