@@ -96,7 +96,7 @@ class Dispatcher:
                 yield event
         finally:
             if not decoding:
-                self._in_background(self._release(prefill, request.request_id))
+                self._in_background(self._free_on_prefill(prefill, request.request_id, abort=False))
 
     # ---------------------------------------------------------------- prefill
 
@@ -120,7 +120,7 @@ class Dispatcher:
                 last_error = self._failed(prefill, error, "prefill")
             except asyncio.CancelledError:
                 # The client left mid-prefill: P may have pinned blocks just before the cancel reached it.
-                self._in_background(self._abort(prefill, request.request_id))
+                self._in_background(self._free_on_prefill(prefill, request.request_id, abort=True))
                 raise
         raise _exhausted("prefill", last_error)
 
@@ -203,22 +203,16 @@ class Dispatcher:
             self.pool.record_failure(instance)
         return error
 
-    async def _release(self, prefill: InstanceState, request_id: str) -> None:
-        """Free P's pinned blocks now rather than at lease expiry (a no-op if D already did)."""
+    async def _free_on_prefill(self, prefill: InstanceState, request_id: str, abort: bool) -> None:
+        """Free P's pinned blocks now rather than at lease expiry: ReleaseKV once nobody will
+        pull them (a no-op if D already did), Abort when the prefill itself may still run."""
+        stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
+        call = stub.Abort if abort else stub.ReleaseKV
         try:
-            await disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(
-                disaggregation_pb2.RequestRef(request_id=request_id), timeout=_RELEASE_TIMEOUT_S
-            )
+            await call(disaggregation_pb2.RequestRef(request_id=request_id), timeout=_RELEASE_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
-            logger.info("ReleaseKV of %s on %s failed (%s); its lease frees the blocks", request_id, prefill.address, error.code().name)
-
-    async def _abort(self, prefill: InstanceState, request_id: str) -> None:
-        try:
-            await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Abort(
-                disaggregation_pb2.RequestRef(request_id=request_id), timeout=_RELEASE_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError as error:
-            logger.info("Abort of %s on %s failed (%s); its lease frees the blocks", request_id, prefill.address, error.code().name)
+            name = "Abort" if abort else "ReleaseKV"
+            logger.info("%s of %s on %s failed (%s); its lease frees the blocks", name, request_id, prefill.address, error.code().name)
 
     def _in_background(self, coroutine: Awaitable[object]) -> None:
         """Run cleanup that must happen even though the request's task is ending."""
