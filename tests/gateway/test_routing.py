@@ -186,3 +186,23 @@ def test_colocated_instance_gives_the_disaggregated_text(model: Path, prefill: S
     assert answer["choices"][0]["logprobs"]["tokens"] == disaggregated["choices"][0]["logprobs"]["tokens"]
     assert answer["usage"] == disaggregated["usage"]
     assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == answer["choices"][0]["text"]
+
+
+def test_first_token_streams_before_decode_starts(model: Path, prefill: Service) -> None:
+    # A decode instance that runs one request at a time: the second request's first token
+    # (from prefill) must reach the client while decode is still busy with the first.
+    with running("decode", model, "--max-num-seqs", "1") as decode, running_gateway(model, *_static_routes(prefill, decode)) as gateway:
+        busy_client, busy = _stream_until(gateway.url, LONG, num_chunks=2)
+        client = httpx.Client(timeout=120)
+        with client.stream("POST", f"{gateway.url}/v1/completions", json={**SHORT, "stream": True}) as response:
+            chunks = (line for line in response.iter_lines() if line.startswith("data: {"))
+            next(chunks)
+            first_at = time.monotonic()
+            report = decode.load()
+            assert (report.num_running, report.num_waiting) == (1, 1), "decode should still be busy with the first request"
+            next(chunks)
+            assert time.monotonic() - first_at > 0.5  # the rest came only once decode was free
+        client.close()
+        assert "error" not in _finish_stream(busy)[-1]
+        busy_client.close()
+        assert_all_free(prefill, decode)
