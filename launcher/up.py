@@ -31,17 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway binds to (instances stay on 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="REST port")
     parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port")
-    parser.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY") or None)
-    parser.add_argument("--kv-connector", default="ucx", choices=["ucx", "lmcache"])
+    parser.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY") or None,
+                        help="require 'Authorization: Bearer KEY' on the API (env SPLITSERVE_API_KEY)")
+    parser.add_argument("--kv-connector", default="ucx", choices=["ucx", "lmcache"], help="how KV moves from prefill to decode")
     parser.add_argument("--lmcache-url", default="", help="lmcache store (redis://, lm://); default: a local redis-server started here")
-    parser.add_argument("--num-prefill", type=int, default=1)
-    parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill instances")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode instances")
     parser.add_argument("--colocated", action="store_true", help="one instance doing both phases instead of prefill + decode")
     # float32 by default, like `splitserve generate`: SmolLM2's bf16 rounding ties its first
     # answer tokens. Pass --dtype auto (bf16 on CPU) for speed.
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per instance on CPU")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     parser.add_argument("--prefill-cpus", default=None, help="CPU list for prefill instances, e.g. '0' or '0-3' (taskset)")
     parser.add_argument("--decode-cpus", default=None, help="CPU list for decode instances")
     parser.add_argument("--colocated-cpus", default=None, help="CPU list for the colocated instance")
