@@ -192,13 +192,15 @@ def test_first_token_streams_before_decode_starts(model: Path, prefill: Service)
     # A decode instance that runs one request at a time: the second request's first token
     # (from prefill) must reach the client while decode is still busy with the first.
     with running("decode", model, "--max-num-seqs", "1") as decode, running_gateway(model, *_static_routes(prefill, decode)) as gateway:
-        busy_client, busy = _stream_until(gateway.url, LONG, num_chunks=2)
+        busy_client, busy = _stream_until(gateway.url, {**LONG, "max_tokens": 900}, num_chunks=2)
         client = httpx.Client(timeout=120)
         with client.stream("POST", f"{gateway.url}/v1/completions", json={**SHORT, "stream": True}) as response:
             chunks = (line for line in response.iter_lines() if line.startswith("data: {"))
             next(chunks)
             first_at = time.monotonic()
-            report = decode.load()
+            # The Decode call may still be on its way; once it lands it must queue behind the first request.
+            while (report := decode.load()).num_waiting == 0 and time.monotonic() - first_at < 2.0:
+                time.sleep(0.02)
             assert (report.num_running, report.num_waiting) == (1, 1), "decode should still be busy with the first request"
             next(chunks)
             assert time.monotonic() - first_at > 0.5  # the rest came only once decode was free
