@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -14,8 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import APIError
+from gateway.errors import APIError, bearer_matches, unknown_model
 from gateway.generation import GenerationService
+from gateway.instances import ROLES
 from gateway.openai_chat import create_chat_completion
 from gateway.openai_completions import create_completion
 from gateway.protocol import (
@@ -41,13 +41,12 @@ def create_app(service: GenerationService, model_name: str, api_key: str | None)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
-            raise APIError(HTTPStatus.NOT_FOUND, f"the model {model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
+            raise unknown_model(model, model_name)
 
     @app.middleware("http")
     async def require_api_key(request: Request, call_next):  # noqa: ANN001, ANN202 - starlette's signature
         if api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            if not bearer_matches(request.headers.get("authorization", ""), api_key):
                 error = APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
                 return _error_response(error)
         return await call_next(request)
@@ -79,7 +78,7 @@ def create_app(service: GenerationService, model_name: str, api_key: str | None)
         pool = service.pool
         body = {
             "ready": pool.is_ready(),
-            "instances": {role: len(pool.healthy(role)) for role in ("prefill", "decode", "colocated")},
+            "instances": {role: len(pool.healthy(role)) for role in ROLES},
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
@@ -119,10 +118,7 @@ def create_app(service: GenerationService, model_name: str, api_key: str | None)
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(request.model)
-        vocab_size = service.tokenizer.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(HTTPStatus.BAD_REQUEST, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", "tokens")
+        service.tokenizer.check_token_ids(request.tokens, param="tokens")
         return DetokenizeResponse(prompt=service.tokenizer.decode(request.tokens))
 
     @app.get("/", include_in_schema=False)

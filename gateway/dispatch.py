@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import grpc
@@ -61,7 +61,6 @@ class TokenEvent:
     stop_token_id: int | None = None
     num_cached_tokens: int = 0  # first event only: prompt tokens a prefix cache served
     kv_transfer: disaggregation_pb2.KVTransfer | None = None  # the hand-off, when D reports it
-    instance_ids: list[str] = field(default_factory=list)  # who produced it
 
 
 class Dispatcher:
@@ -81,7 +80,6 @@ class Dispatcher:
             logprobs=[prefilled.first_logprob] if prefilled.HasField("first_logprob") else [],
             finish_reason=prefilled.finish_reason or None,
             num_cached_tokens=prefilled.num_cached_tokens,
-            instance_ids=[prefill.instance_id],
         )
         if first.finish_reason is None and not prefilled.HasField("kv"):
             raise RuntimeError(f"prefill instance {prefill.address} returned neither a KV handle nor a finish reason (bug)")
@@ -180,7 +178,7 @@ class Dispatcher:
             try:
                 async for response in call:
                     first, streamed = not streamed, True
-                    yield _token_event(response, instance, first)
+                    yield _token_event(response, first)
                 return
             except grpc.aio.AioRpcError as error:
                 last_error = self._failed(instance, error, role)
@@ -226,15 +224,12 @@ class Dispatcher:
             await asyncio.gather(*self._background, return_exceptions=True)
 
 
-def _token_event(
-    response: disaggregation_pb2.DecodeResponse | generation_pb2.GenerateResponse, instance: InstanceState, first: bool
-) -> TokenEvent:
+def _token_event(response: disaggregation_pb2.DecodeResponse | generation_pb2.GenerateResponse, first: bool) -> TokenEvent:
     event = TokenEvent(
         token_ids=list(response.token_ids),
         logprobs=list(response.logprobs),
         finish_reason=response.finish_reason or None,
         stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None,
-        instance_ids=[instance.instance_id],
     )
     if isinstance(response, disaggregation_pb2.DecodeResponse):
         event.kv_transfer = response.kv_transfer if response.HasField("kv_transfer") else None

@@ -7,6 +7,7 @@ a 500 means a bug in splitserve.
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -62,9 +63,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(HTTPStatus.BAD_REQUEST, message, param, code)
 
 
+def unknown_model(model: str, served: str) -> APIError:
+    return APIError(HTTPStatus.NOT_FOUND, f"the model {model!r} does not exist; this server serves {served!r}", "model", "model_not_found")
+
+
 def no_instance(role: str) -> APIError:
     return APIError(
         HTTPStatus.SERVICE_UNAVAILABLE,
         f"no healthy {role} instance is available; retry later",
         code="no_healthy_instance",
     )
+
+
+def bearer_matches(authorization: str, api_key: str) -> bool:
+    """``Authorization: Bearer <key>`` (REST header or gRPC metadata), compared in constant time."""
+    return hmac.compare_digest(authorization.encode(), f"Bearer {api_key}".encode())

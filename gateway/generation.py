@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from splitserve.v1 import generation_pb2
@@ -54,13 +54,11 @@ class GenerationJob:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
-    detokenize: bool
     usage: Usage
     timer: RequestTimer
     deadline: float
     kv_transfer_s: float = 0.0
     dispatched_at: float = 0.0  # monotonic; when it left the gateway for an instance
-    instance_ids: list[str] = field(default_factory=list)
 
 
 class GenerationService:
@@ -94,17 +92,13 @@ class GenerationService:
         *,
         request_id: str | None = None,
         priority: int = 0,
-        detokenize: bool = True,
         max_tokens_param: str = "max_tokens",
     ) -> GenerationJob:
         """Check a request against the model. Raises APIError (400); admission happens in ``stream``."""
         timer = RequestTimer(self.metrics)
         if not prompt_token_ids:
             raise bad_request("the prompt is empty; send at least one token", param="prompt")
-        vocab_size = self.tokenizer.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param="prompt")
+        self.tokenizer.check_token_ids(prompt_token_ids, param="prompt")
         max_model_len = self.max_model_len
         num_prompt = len(prompt_token_ids)
         if num_prompt >= max_model_len:
@@ -129,7 +123,6 @@ class GenerationService:
             prompt_token_ids=prompt_token_ids,
             params=params,
             priority=priority,
-            detokenize=detokenize,
             usage=Usage(prompt_tokens=num_prompt),
             timer=timer,
             deadline=time.monotonic() + self.request_timeout_s,
@@ -149,7 +142,8 @@ class GenerationService:
                 code="queue_full",
             )
         self.num_pending += 1
-        detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, job.prompt_token_ids, job.params) if job.detokenize else None
+        # Text for every prompt: stop strings match on it even when the caller only wants token ids.
+        detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, job.prompt_token_ids, job.params)
         status = "abort"  # unless it finishes or fails
         self.metrics.prompt_tokens.inc(job.usage.prompt_tokens)
         job.dispatched_at = time.monotonic()
@@ -170,15 +164,12 @@ class GenerationService:
                 if event.kv_transfer is not None:
                     job.kv_transfer_s = event.kv_transfer.seconds
                     job.timer.kv_transfer(event.kv_transfer)
-                job.instance_ids.extend(i for i in event.instance_ids if i not in job.instance_ids)
-                delta = Generated("", event.token_ids, event.logprobs, event.finish_reason, event.stop_token_id)
-                if detokenizer is not None:
-                    update = detokenizer.update(event.token_ids)
-                    delta.text = update.text_delta
-                    if update.stop_string is not None:
-                        delta.finish_reason, delta.stop_reason = "stop", update.stop_string
-                    elif event.finish_reason is not None:
-                        delta.text += detokenizer.flush()
+                update = detokenizer.update(event.token_ids)
+                delta = Generated(update.text_delta, event.token_ids, event.logprobs, event.finish_reason, event.stop_token_id)
+                if update.stop_string is not None:
+                    delta.finish_reason, delta.stop_reason = "stop", update.stop_string
+                elif event.finish_reason is not None:
+                    delta.text += detokenizer.flush()
                 job.usage.completion_tokens += len(event.token_ids)
                 job.timer.tokens_sent(len(event.token_ids))
                 if delta.finish_reason is not None:

@@ -4,7 +4,6 @@ come (text deltas when the prompt was text), usage and timings at the end."""
 
 from __future__ import annotations
 
-import hmac
 import time
 from http import HTTPStatus
 
@@ -12,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, bearer_matches, unknown_model
 from gateway.generation import GenerationJob, GenerationService
 from serving.sampling_proto import sampling_params_from_proto
 
@@ -26,7 +25,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             self._authorize(context)
             if request.model and request.model != self.model_name:
-                raise APIError(HTTPStatus.NOT_FOUND, f"the model {request.model!r} does not exist; this server serves {self.model_name!r}")
+                raise unknown_model(request.model, self.model_name)
             job = self._job(request)
         except APIError as error:
             await context.abort(error.grpc_code, error.message)
@@ -74,7 +73,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.api_key is None:
             return
         metadata = dict(context.invocation_metadata() or ())
-        if not hmac.compare_digest(str(metadata.get("authorization", "")).encode(), f"Bearer {self.api_key}".encode()):
+        if not bearer_matches(str(metadata.get("authorization", "")), self.api_key):
             raise APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'")
 
     def _job(self, request: generation_pb2.GenerateRequest) -> GenerationJob:

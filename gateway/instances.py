@@ -115,29 +115,17 @@ class InstancePool:
     ) -> InstanceState | None:
         """The least-loaded healthy instance of a role, optionally KV-compatible with a fingerprint."""
         excluded = {id(s) for s in exclude}
-        candidates = [
-            s
-            for s in self.healthy(role)
-            if id(s) not in excluded and (fingerprint is None or s.report.fingerprint == fingerprint)
-        ]
-        if not candidates:
-            return None
-        chosen = min(candidates, key=lambda s: s.score)
-        chosen.num_dispatched += 1
-        return chosen
+        return _take_least_loaded(
+            s for s in self.healthy(role) if id(s) not in excluded and (fingerprint is None or s.report.fingerprint == fingerprint)
+        )
 
     def pick_prefill(self, exclude: Iterable[InstanceState] = ()) -> InstanceState | None:
         """The least-loaded prefill instance that some healthy decode instance can pair with."""
         decode_fingerprints = [s.report.fingerprint for s in self.healthy("decode")]
         excluded = {id(s) for s in exclude}
-        candidates = [
+        return _take_least_loaded(
             s for s in self.healthy("prefill") if id(s) not in excluded and s.report.fingerprint in decode_fingerprints
-        ]
-        if not candidates:
-            return None
-        chosen = min(candidates, key=lambda s: s.score)
-        chosen.num_dispatched += 1
-        return chosen
+        )
 
     def is_ready(self) -> bool:
         """Requests can be served: a colocated instance, or a compatible prefill + decode pair."""
@@ -161,3 +149,11 @@ class InstancePool:
         task = asyncio.get_running_loop().create_task(state.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+
+def _take_least_loaded(candidates: Iterable[InstanceState]) -> InstanceState | None:
+    """The lowest-scoring candidate, counted as one request busier until its next report."""
+    chosen = min(candidates, key=lambda s: s.score, default=None)
+    if chosen is not None:
+        chosen.num_dispatched += 1
+    return chosen

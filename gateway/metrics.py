@@ -12,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from splitserve.v1 import disaggregation_pb2
 
-from gateway.instances import InstancePool
+from gateway.instances import ROLES, InstancePool
 
 # Latency buckets (seconds) spanning a CPU-served small model to a fast GPU.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -103,7 +103,7 @@ class _InstanceCollector(Collector):
             "bytes": GaugeMetricFamily("splitserve_instance_kv_transfer_bytes", "KV bytes pulled by this instance since start", labels=labels),
             "seconds": GaugeMetricFamily("splitserve_instance_kv_transfer_seconds", "Seconds spent pulling KV since start", labels=labels),
         }
-        healthy = {id(s) for role in ("prefill", "decode", "colocated") for s in self.pool.healthy(role)}  # type: ignore[arg-type]
+        healthy = {id(s) for role in ROLES for s in self.pool.healthy(role)}
         for state in list(self.pool.instances.values()):
             values = [state.instance_id, state.role, state.address]
             gauges["healthy"].add_metric(values, 1.0 if id(state) in healthy else 0.0)

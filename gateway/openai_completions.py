@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -61,10 +62,11 @@ async def create_completion(
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(request, service.tokenizer)
     jobs = []
+    params = sampling_params(request, request.max_tokens, request.logprobs)  # validated (and extras logged) once
     for index, (token_ids, _) in enumerate(prompts):
-        params = sampling_params(request, request.max_tokens, request.logprobs)
         request_id = completion_id if len(prompts) == 1 else f"{completion_id}-{index}"
-        jobs.append(service.prepare(token_ids, params, request_id=request_id, priority=request.priority))
+        # Each job gets its own copy: prepare fills in max_tokens from its prompt's length.
+        jobs.append(service.prepare(token_ids, replace(params), request_id=request_id, priority=request.priority))
     echoes = [(text if text is not None else service.tokenizer.decode(ids)) if request.echo else "" for ids, text in prompts]
     if request.stream:
         deltas = await first_then_rest(merged(service, jobs))

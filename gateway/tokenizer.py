@@ -65,6 +65,13 @@ class ModelTokenizer:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Raises APIError 400 naming the first ids outside the vocabulary."""
+        vocab_size = self.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
+
 
 def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     """A message as chat templates expect it: content as one string."""
