@@ -50,7 +50,7 @@ class AsyncEngine:
         self._stopping = False
         self._closed = False  # the step loop has exited: commands would never run
         self._error: BaseException | None = None
-        # Replaced (never mutated) by the engine thread once per loop pass, after its commands.
+        # Replaced (never mutated) by the engine thread after each step and command batch.
         self._latest_report: LoadReport = self.core.load_report()
 
     # ------------------------------------------------------------ lifecycle
@@ -167,13 +167,13 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._drain_commands()
-                # Once per pass: it follows the previous step and this batch of commands alike.
                 self._latest_report = self.core.load_report()
                 if not self.core.has_unfinished_requests():
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
                 outputs = self.core.step()
+                self._latest_report = self.core.load_report()
                 if self.core.pending_kv_loads:
                     loads, self.core.pending_kv_loads = self.core.pending_kv_loads, []
                     if self._on_kv_loads is not None:
