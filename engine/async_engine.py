@@ -167,12 +167,13 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._drain_commands()
-                self._latest_report = self.core.load_report()
+                self._latest_report = self.core.load_report()  # commands (aborts, releases) change it too
                 if not self.core.has_unfinished_requests():
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
                 outputs = self.core.step()
+                # Before the outputs go out: a caller who has seen them sees a report at least as new.
                 self._latest_report = self.core.load_report()
                 if self.core.pending_kv_loads:
                     loads, self.core.pending_kv_loads = self.core.pending_kv_loads, []
