@@ -43,7 +43,7 @@ class CPUKernels:
     """Typed wrappers; each takes contiguous CPU tensors of a :meth:`supports`-ed dtype."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._decode = _bind(library, "paged_decode_attention", _INT, [_P] * 6 + [_I64] * 6 + [_F32, _INT])
+        self._decode = _bind(library, "paged_decode_attention", _INT, [_P] * 6 + [_I64] * 7 + [_F32, _INT])
         self._add_rms_norm = _bind(library, "add_rms_norm", None, [_P] * 4 + [_I64, _I64, _F32, _INT])
         self._silu_and_mul = _bind(library, "silu_and_mul", None, [_P, _P, _I64, _I64, _INT])
         self._rotary = _bind(library, "rotary_embedding", None, [_P, _I64, _P, _I64, _P, _P, _P] + [_I64] * 3 + [_INT])
@@ -60,13 +60,14 @@ class CPUKernels:
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor | None:
-        """query: [S, H, D]; layer_cache: [2, num_blocks, block_size, H_kv, D]; block_tables: [S, >=blocks]
+        """query: [S, H, D]; layer_cache: [2, num_blocks, block_size, H_kv, D], each block contiguous
+        (blocks may lie any stride apart: engine/kv_cache_layout.py); block_tables: [S, >=blocks]
         int32 with unit column stride; seq_lens: [S] int32. Returns [S, H, D], or None for shapes
         beyond the kernel's buffers."""
         num_seqs, num_heads, head_dim = query.shape
         block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
-        if not (layer_cache.is_contiguous() and block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
-            raise RuntimeError("paged_decode_attention needs contiguous cache, block tables rows and seq_lens (bug)")
+        if not (layer_cache[0, 0].is_contiguous() and block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
+            raise RuntimeError("paged_decode_attention needs contiguous cache blocks, block tables rows and seq_lens (bug)")
         query = query.contiguous()
         out = torch.empty_like(query)
         status = self._decode(
@@ -82,6 +83,7 @@ class CPUKernels:
             head_dim,
             block_size,
             block_tables.stride(0),
+            layer_cache.stride(1),
             scale,
             _DTYPES[query.dtype],
         )

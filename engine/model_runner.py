@@ -15,6 +15,7 @@ import torch
 from engine.attention.backend import select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.kv_cache_utils import kv_cache_bytes_per_block, num_blocks_for_budget
 from engine.models import load_model
 from engine.sampler import Sampler, SamplingMetadata
@@ -51,12 +52,9 @@ class ModelRunner:
             torch.tensor([], dtype=self.dtype).element_size(),
         )
         self.num_blocks = self._decide_num_blocks()
-        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            (self.shape.num_layers, 2, self.num_blocks, self.block_size, self.shape.num_kv_heads, self.shape.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        # Block-major (engine/kv_cache_layout.py): a KV connector moves each block as one buffer.
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.layer_caches = layer_views(self.kv_cache)
         # A KV capacity smaller than the context would leave a long request unschedulable forever.
         self.max_model_len = min(loaded.max_model_len, self.num_blocks * self.block_size)
         if self.max_model_len < loaded.max_model_len:
@@ -85,6 +83,10 @@ class ModelRunner:
             return num_blocks_for_budget(self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, self.bytes_per_block)
         return num_blocks_for_budget(self._profile_free_gpu_memory(), self.bytes_per_block)
 
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        shape = self.shape
+        return allocate_kv_cache(num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device)
+
     def _profile_free_gpu_memory(self) -> int:
         """Memory left for KV after the weights and the activations of the largest step.
 
@@ -93,11 +95,7 @@ class ModelRunner:
         """
         num_tokens = self.config.max_num_batched_tokens
         num_blocks = -(-num_tokens // self.block_size)
-        scratch = torch.zeros(
-            (self.shape.num_layers, 2, num_blocks, self.block_size, self.shape.num_kv_heads, self.shape.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        scratch = self._allocate_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         metadata = AttentionMetadata(
             num_decodes=0,
@@ -111,7 +109,7 @@ class ModelRunner:
             seq_lens_cpu=[num_tokens],
         )
         positions = torch.arange(num_tokens, device=self.device)
-        self.model(positions % self.shape.vocab_size, positions, scratch, metadata, positions[-1:])
+        self.model(positions % self.shape.vocab_size, positions, layer_views(scratch), metadata, positions[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch
@@ -127,7 +125,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, eos_token_ids: frozenset[int]) -> ModelOutput:
         """Run one scheduled step; returns a sampled token per request that samples."""
         input_ids, positions, metadata, logits_indices = self._prepare_inputs(output)
-        logits = self.model(input_ids, positions, self.kv_cache, metadata, logits_indices)
+        logits = self.model(input_ids, positions, self.layer_caches, metadata, logits_indices)
         sampling = [s.request for s in output.scheduled if s.samples]
         if not sampling:
             return ModelOutput(sampled_token_ids=[], logprobs=[])

@@ -1,16 +1,18 @@
 """The KV connector contract: how a prompt's KV blocks travel from a prefill engine
 (P) to a decode engine (D).
 
-Both sides hold their engine's KV cache tensor, laid out as
-``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``. A
+Both sides hold their engine's KV cache tensor, block-major
+(engine/kv_cache_layout.py): ``[num_blocks, num_layers, 2 (K, V), block_size,
+num_kv_heads, head_dim]``, so block ``b`` is the contiguous ``kv_cache[b]``. A
 transfer names blocks by id on each side, never raw offsets chosen by the peer.
 
 Ownership: P's blocks are pinned by P's engine from the end of prefill until
 D confirms the pull (ReleaseKV), the request is aborted, or its lease expires;
-the connector only reads them between :meth:`KVConnector.publish` and
-:meth:`KVConnector.unpublish`. D's destination blocks are allocated by D's
-engine, written only by :meth:`KVConnector.pull`, and not shared with any
-other request until the engine is told the pull finished.
+the connector reads them only between :meth:`KVConnector.publish` and the end of
+:meth:`KVConnector.unpublish`, which returns once no transfer reads them any more.
+D's destination blocks are allocated by D's engine, written only by
+:meth:`KVConnector.pull`, and not shared with any other request until the engine
+is told the pull finished.
 """
 
 from __future__ import annotations
@@ -59,16 +61,23 @@ class KVConnector(abc.ABC):
     name: str
 
     def __init__(self, kv_cache: torch.Tensor, fingerprint: Fingerprint) -> None:
-        if kv_cache.dim() != 6:
-            raise ValueError(f"kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or not kv_cache.is_contiguous():
+            raise ValueError(f"kv_cache must be a contiguous [blocks, layers, 2, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
         self.kv_cache = kv_cache
         self.fingerprint = fingerprint
 
     @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.shape[3]
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        layers, kv, _, block_size, heads, head_dim = self.kv_cache.shape
-        return layers * kv * block_size * heads * head_dim * self.kv_cache.element_size()
+        """Bytes of one block across all layers, K and V: one contiguous ``kv_cache[b]``."""
+        return self.kv_cache[0].numel() * self.kv_cache.element_size()
 
     # ------------------------------------------------------------- prefill side
 
@@ -83,9 +92,10 @@ class KVConnector(abc.ABC):
         prompt KV they hold (``token_ids``' KV) available to pulls for ``request_id``."""
 
     @abc.abstractmethod
-    def unpublish(self, request_id: str) -> None:
+    async def unpublish(self, request_id: str) -> None:
         """P, before the engine unpins the request's blocks (release, abort or lease expiry):
-        refuse further pulls of them. Idempotent."""
+        refuse further pulls of them, and return once no transfer reads them any more (a
+        pull in progress is cut off, not waited for). Idempotent."""
 
     # -------------------------------------------------------------- decode side
 
@@ -123,12 +133,5 @@ async def bounded_transfer(operation: Awaitable[T], timeout_s: float, what: str)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """The given blocks' KV as one contiguous tensor [layers, 2, n, block_size, kv_heads, head_dim]."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    return kv_cache.index_select(2, index)
-
-
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
-    """Write ``blocks`` (as :func:`gather_blocks` returns them) into ``kv_cache`` at ``block_ids``."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache.index_copy_(2, index, blocks)
+    """The given blocks' KV as one contiguous tensor [n, layers, 2, block_size, kv_heads, head_dim]."""
+    return kv_cache[torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)]

@@ -1,8 +1,8 @@
 """The paged-cache <-> LMCache memory-object adapter behind the lmcache KV connector.
 
 LMCache's shipped engine connectors copy between vLLM's CUDA caches and its memory
-objects with CUDA kernels. This one does the same for splitserve's cache
-``[layers, 2, blocks, block_size, kv_heads, head_dim]`` with plain torch indexing,
+objects with CUDA kernels. This one does the same for splitserve's block-major cache
+``[blocks, layers, 2, block_size, kv_heads, head_dim]`` with plain torch indexing,
 so it runs wherever the cache lives (CPU here, a GPU elsewhere). Memory objects use
 LMCache's ``KV_2LTD`` layout: ``[2, layers, tokens, kv_heads * head_dim]``.
 """
@@ -35,7 +35,7 @@ class PagedKVAdapter(GPUConnectorInterface):
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
-        self.num_layers, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
+        _, self.num_layers, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         """The memory-object shape for ``num_tokens`` tokens."""
@@ -55,8 +55,8 @@ class PagedKVAdapter(GPUConnectorInterface):
         block_ids = kwargs["block_ids"]
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
             blocks, offsets = token_slots(block_ids, start, end, self.block_size, self.kv_cache.device)
-            tokens = self.kv_cache[:, :, blocks, offsets]  # [layers, 2, n, kv_heads, head_dim]
-            self._checked(memory_obj, start, end).copy_(tokens.transpose(0, 1).reshape(self.get_shape(end - start)))
+            tokens = self.kv_cache[blocks, :, :, offsets]  # [n, layers, 2, kv_heads, head_dim]
+            self._checked(memory_obj, start, end).copy_(tokens.permute(2, 1, 0, 3, 4).reshape(self.get_shape(end - start)))
 
     def batched_to_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
         """Inside ``retrieve`` on D: copy each fetched chunk into the staging tensor."""
@@ -86,6 +86,6 @@ def token_slots(block_ids: list[int], start: int, end: int, block_size: int, dev
 def write_blocks(kv_cache: torch.Tensor, block_ids: list[int], start: int, end: int, tokens: torch.Tensor) -> None:
     """Write prompt tokens ``start..end-1`` (``tokens``: [2, layers, n, kv_heads * head_dim])
     into their slots of ``block_ids``; slots past ``end`` in the last block stay as they are."""
-    layers, _, _, block_size, heads, head_dim = kv_cache.shape
+    _, layers, _, block_size, heads, head_dim = kv_cache.shape
     blocks, offsets = token_slots(block_ids, start, end, block_size, kv_cache.device)
-    kv_cache[:, :, blocks, offsets] = tokens.reshape(2, layers, end - start, heads, head_dim).transpose(0, 1)
+    kv_cache[blocks, :, :, offsets] = tokens.reshape(2, layers, end - start, heads, head_dim).permute(2, 1, 0, 3, 4)

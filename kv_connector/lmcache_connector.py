@@ -84,7 +84,7 @@ class LMCacheConnector(KVConnector):
         (host memory LMCache stages one transfer in, allocated up front) to the cache's
         size capped at 256 MiB — a prompt whose KV exceeds it is not stored."""
         super().__init__(kv_cache, fingerprint)
-        block_size = kv_cache.shape[3]
+        block_size = self.block_size
         if fingerprint.block_size != block_size:
             raise ValueError(f"fingerprint block_size {fingerprint.block_size} does not match the KV cache's {block_size}")
         self.remote_url = remote_url or os.environ.get(URL_ENV, "")
@@ -143,7 +143,7 @@ class LMCacheConnector(KVConnector):
         out, and D's pull fails as a miss and recomputes."""
         engine = self._started()
         tokens = [int(token) for token in token_ids]
-        check_blocks(block_ids, len(tokens), self.kv_cache.shape[3], self.kv_cache.shape[2])
+        check_blocks(block_ids, len(tokens), self.block_size, self.num_blocks)
         if not tokens:
             return
         deadline = time.monotonic() + self.publish_timeout_s
@@ -160,7 +160,7 @@ class LMCacheConnector(KVConnector):
                 num_stored, len(tokens), request_id, self.remote_url, reason,
             )
 
-    def unpublish(self, request_id: str) -> None:
+    async def unpublish(self, request_id: str) -> None:
         """A no-op: stored chunks belong to a token prefix, not to a request — another
         request with the same prefix may be reading them — and P's blocks were copied at
         publish. The store reclaims space by its own eviction (Redis ``maxmemory-policy``)."""
@@ -175,7 +175,7 @@ class LMCacheConnector(KVConnector):
         the timeout; D's blocks are then untouched."""
         engine = self._started()
         tokens = [int(token) for token in source.token_ids]
-        block_size = self.kv_cache.shape[3]
+        block_size = self.block_size
         if not tokens:
             raise KVTransferError(f"the KV handle of {source.request_id!r} carries no prompt token ids; the lmcache connector retrieves by tokens")
         if len(tokens) != source.num_tokens:
@@ -213,7 +213,7 @@ class LMCacheConnector(KVConnector):
     # -------------------------------------------------------------- internals
 
     def _build_engine(self) -> LMCacheEngine:
-        layers, _, _, _, heads, head_dim = self.kv_cache.shape
+        _, layers, _, _, heads, head_dim = self.kv_cache.shape
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=self.chunk_size,
             local_cpu=False,  # no local hot cache: the remote store is the hand-off

@@ -1,37 +1,43 @@
-"""KV transfer over UCX (ucxx): D asks P for blocks with a validated JSON header and
-receives them in chunks, which P gathers and D scatters while other chunks are on the wire.
+"""KV transfer over UCX (ucxx), zero-copy: P sends each block straight out of its KV
+cache and D receives it straight into its own, so the bytes are copied once, by UCX,
+as they would be by a raw ucxx send of one buffer.
 
-One pull, on a connection D keeps open between pulls (see :mod:`kv_connector.ucx_context`
-for why an idle connection now costs nothing):
+The cache is block-major (engine/kv_cache_layout.py): block ``b`` is the contiguous
+``kv_cache[b]``, every layer's K and V. One pull, on a connection D keeps open between
+pulls (see :mod:`kv_connector.ucx_context` for why an idle connection costs nothing):
 
 1. D -> P: a :class:`~kv_connector.wire.PullRequest` header (size-prefixed, as ucxx's
-   ``send_obj`` frames it; see :mod:`kv_connector.ucx_messages`).
-2. P -> D: a :class:`~kv_connector.wire.PullReply` header. When ``ok``, its ``shape``
-   is the chunk layout ``[num_chunks, num_layers, 2, blocks_per_chunk, block_size,
-   num_kv_heads, head_dim]``: the requested blocks in order, ``blocks_per_chunk`` per
-   chunk (the last may hold fewer), each chunk laid out as ``gather_blocks`` lays out
-   blocks. A peer speaking the former one-payload protocol (a 6-dim ``shape``) is
-   refused by name, never misread.
-3. P -> D: chunk ``k`` as one message tagged with (the pull's number on this
-   connection, ``k``), from a ring of ``RING_DEPTH`` staging buffers on each side.
+   ``send_obj`` frames it; see :mod:`kv_connector.ucx_messages`): P's block ids and
+   how D cuts them into messages, each a run of blocks consecutive on both sides (so
+   one contiguous span of each cache), at most ``MAX_MESSAGE_BYTES`` long.
+2. P -> D: a :class:`~kv_connector.wire.PullReply` header: refused with a reason, or the
+   layout of one block, which D compares with its own.
+3. P -> D: message ``k`` tagged with (the pull's number on this connection, ``k``), at
+   most ``WINDOW`` in flight on each side.
 
-D posts its receives for the reply and the first chunks right after its request, so the
-reply costs no round trip of its own, and writes nothing into its cache before the
-reply is validated. Any failure or cancellation closes the connection, which cancels
-whatever is still posted on it, so no later pull can receive an earlier pull's bytes;
-its staging buffers are dropped rather than reused. D's cache is written only by the
-connector's own scatter between awaits, so once :meth:`UCXConnector.pull` has returned
-or raised (cancellation included) nothing writes into the destination blocks.
+D posts the reply's receive and its first block receives right after its request, so
+the reply costs no round trip of its own. Receives are sized from D's own blocks, so a
+peer can only ever write the blocks D asked for, and P sends only after an ``ok`` reply.
 
-P reads the published blocks chunk by chunk; before each chunk it checks, on the event
-loop that also runs :meth:`UCXConnector.unpublish`, that the request is still
-published, so no chunk is read from blocks the engine may already have freed (the
-engine unpins only after ``unpublish``).
+Who may touch which memory, and until when:
+
+- P reads a request's blocks only while they are published: :meth:`UCXConnector.unpublish`
+  (called before the engine frees them) cuts off a pull still reading them, by closing its
+  connection, which completes every UCX request on it, and returns only then.
+- D's blocks are written by UCX, on P's initiative where UCX moves data with remote
+  writes (shared memory, cuda_ipc, RDMA put). A pull that fails or is cancelled, unless
+  P refused it, therefore first waits up to ``SETTLE_S`` for the receives it posted, so
+  that no write P has started lands after :meth:`UCXConnector.pull` has returned; then it
+  closes the connection. A peer alive but stalled for longer than that could still
+  write later into blocks D has handed on (UCX cannot revoke a remote write it granted);
+  a dead peer writes nothing.
 
 On CPU, UCX moves host memory over TCP or shared memory; on GPU hosts the same code
-sends device buffers and UCX picks cuda_ipc, NVLink or RDMA. For speed on one host set
-``UCX_TLS=tcp,sm,self UCX_RNDV_SCHEME=put_zcopy`` (see docs/benchmarks.md). ucxx
-listeners bind every address (ucxx 0.52 takes no bind address), so firewall the KV port.
+sends device buffers and UCX picks cuda_ipc, NVLink or RDMA (P's KV is complete before
+it is published: the engine reads the sampled token back, which waits for the forward
+pass). For speed on one host set ``UCX_TLS=tcp,sm,self UCX_RNDV_SCHEME=put_zcopy`` (see
+docs/benchmarks.md). ucxx listeners bind every address (ucxx 0.52 takes no bind
+address), so firewall the KV port.
 """
 
 from __future__ import annotations
@@ -39,33 +45,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, bounded_transfer
-from kv_connector.block_copy import BlockCopier
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
-from kv_connector.staging import StagingPool
 from kv_connector.ucx_context import ucxx_for_running_loop
-from kv_connector.ucx_messages import ChunkPlan, abandon, chunk_tag, header_buffer, recv_header, send_header, wire_buffer
+from kv_connector.ucx_messages import (
+    abandon,
+    consecutive_runs_error,
+    header_buffer,
+    message_spans,
+    message_tag,
+    plan_messages,
+    recv_header,
+    send_header,
+    wire_buffer,
+)
 from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_reply, decode_pull_request
 
 logger = logging.getLogger(__name__)
 
-# Chunk size: large enough that per-message costs (Python awaits, UCX's rendezvous) stay
-# small, small enough that gather, wire and scatter of neighbouring chunks overlap. On the
-# 2-core development VM 1.5 MiB was slower and 3 to 24 MiB within noise of each other
-# (docs/benchmarks.md); 3 MiB keeps the staging rings small (SmolLM2: 8 blocks of 360 KiB).
-CHUNK_BYTES = 3 << 20
-RING_DEPTH = 3  # staging buffers per transfer and side: chunks in flight at once
+# Messages: large enough that per-message costs (a Python await, UCX's rendezvous) stay
+# small, small enough that many are in flight at once. On the 2-core development VM 128
+# messages of 360 KiB moved as fast as one of 45 MiB (docs/benchmarks.md).
+MAX_MESSAGE_BYTES = 4 << 20
+WINDOW = 8  # messages in flight per pull and side (ucxx's pool of request futures is small)
+SETTLE_S = 1.0  # how long a failed pull waits for writes P may have started (module docstring)
 MAX_IDLE_CONNECTIONS_PER_PEER = 4
 
 
 @dataclass(slots=True)
 class _Connection:
-    """D's side of one connection to a P; pulls on it are numbered so that their chunk tags differ."""
+    """D's side of one connection to a P; pulls on it are numbered so that their message tags differ."""
 
     endpoint: object  # ucxx Endpoint
     num_pulls: int = 0
@@ -79,16 +94,15 @@ class _StaleConnection(Exception):
 class UCXConnector(KVConnector):
     name = "ucx"
 
-    def __init__(self, kv_cache: torch.Tensor, fingerprint: Fingerprint, blocks_per_chunk: int | None = None) -> None:
-        """``blocks_per_chunk``: blocks per wire message (default: ``CHUNK_BYTES`` worth, at least one).
-        P chooses it for the pulls it serves; D assumes its own value and refuses a reply that differs."""
+    def __init__(self, kv_cache: torch.Tensor, fingerprint: Fingerprint, max_message_blocks: int | None = None) -> None:
+        """``max_message_blocks``: the most blocks D puts in one message (default: ``MAX_MESSAGE_BYTES``
+        worth, at least one). Only the pulling side's value matters: it names the messages."""
         super().__init__(kv_cache, fingerprint)
-        if blocks_per_chunk is not None and blocks_per_chunk < 1:
-            raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-        self.blocks_per_chunk = blocks_per_chunk or max(1, CHUNK_BYTES // self.bytes_per_block)
-        self._copier = BlockCopier(kv_cache)
-        self._staging = StagingPool(self.blocks_per_chunk * self.bytes_per_block, kv_cache.device, max_idle=2 * RING_DEPTH)
+        if max_message_blocks is not None and max_message_blocks < 1:
+            raise ValueError(f"max_message_blocks must be >= 1, got {max_message_blocks}")
+        self.max_message_blocks = max_message_blocks or max(1, MAX_MESSAGE_BYTES // self.bytes_per_block)
         self._published: dict[str, frozenset[int]] = {}
+        self._readers: dict[str, set[asyncio.Task]] = {}  # P: the pulls reading a request's blocks
         self._listener = None
         self._serving: set[object] = set()  # P: endpoints a serving loop runs on
         self._idle: dict[str, list[_Connection]] = {}  # D: open connections between pulls, by P address
@@ -111,7 +125,6 @@ class UCXConnector(KVConnector):
 
     async def start(self, host: str, port: int) -> str:
         ucxx = ucxx_for_running_loop()
-        self._staging.reserve(RING_DEPTH)
         self._listener = ucxx.create_listener(self._serve, port=port or None)
         address = f"{host}:{self._listener.port}"
         logger.info("UCX KV connector listening on %s", address)
@@ -120,8 +133,13 @@ class UCXConnector(KVConnector):
     def publish(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> None:
         self._published[request_id] = frozenset(block_ids)
 
-    def unpublish(self, request_id: str) -> None:
+    async def unpublish(self, request_id: str) -> None:
         self._published.pop(request_id, None)
+        readers = self._readers.pop(request_id, set())
+        for reader in readers:
+            reader.cancel()
+        if readers:
+            await asyncio.wait(readers)
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -131,6 +149,15 @@ class UCXConnector(KVConnector):
         self._idle.clear()
         for endpoint in endpoints:
             await abandon(endpoint, [])
+
+    def _blocks(self, first: int, count: int) -> torch.Tensor:
+        """Blocks ``first .. first + count - 1`` of the cache: one contiguous span."""
+        return self.kv_cache[first : first + count]
+
+    def _check_local_ids(self, block_ids: list[int]) -> None:
+        """Refuse ids outside the cache (a bug in the caller: ids come from the engine)."""
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            raise RuntimeError(f"block ids {min(block_ids)}..{max(block_ids)} outside a cache of {self.num_blocks} blocks (bug)")
 
     # ------------------------------------------------------------ P: serving
 
@@ -150,81 +177,90 @@ class UCXConnector(KVConnector):
                     logger.debug("KV connection closed by the decode side", exc_info=True)
                     return
                 pull_number += 1
+                reply, request = self._answer(data)
+                if request is None:
+                    await send_header(endpoint, reply)
+                    continue
+                # Registered before the next await, so an unpublish from here on finds it.
+                sending = asyncio.ensure_future(self._send_blocks(endpoint, pull_number, reply, request))
+                self._readers.setdefault(request.request_id, set()).add(sending)
+                sending.add_done_callback(lambda task, request_id=request.request_id: self._forget_reader(request_id, task))
                 try:
-                    await self._serve_pull(endpoint, pull_number, data)
-                except Exception:  # a broken peer must never take the listener down
-                    logger.warning("serving a KV pull failed; closing its connection", exc_info=True)
+                    await asyncio.wait([sending])
+                except BaseException:  # the listener is shutting down: stop reading the blocks too
+                    sending.cancel()
+                    raise
+                if sending.cancelled():
+                    logger.info("pull of %s cut off: its KV was released", request.request_id)
                     return
+                if sending.exception() is not None:  # a broken peer must never take the listener down
+                    logger.warning("serving a KV pull failed; closing its connection", exc_info=sending.exception())
+                    return
+        except Exception:  # noqa: BLE001 - the reply could not be sent: D is gone
+            logger.debug("KV connection failed", exc_info=True)
         finally:
             self._serving.discard(endpoint)
             await abandon(endpoint, [])
 
-    async def _serve_pull(self, endpoint, pull_number: int, data: bytes) -> None:  # noqa: ANN001 - ucxx endpoint
-        reply, request, published = self._answer(data)
-        if request is not None:
-            self._copier.check_block_ids(request.block_ids)  # published by the engine: in range unless there is a bug
-        reply_sent = send_header(endpoint, reply)
-        if request is None:
-            await reply_sent
-            return
-        await asyncio.sleep(0)  # post the reply now, ahead of the first chunk
-        plan = ChunkPlan(len(request.block_ids), self.blocks_per_chunk)
-        ring = self._staging.acquire(min(RING_DEPTH, plan.num_chunks))
-        sends: list[asyncio.Future | None] = [None] * len(ring)
+    async def _send_blocks(self, endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:  # noqa: ANN001
+        """Send the reply, then every message straight from the cache. On any failure or
+        cancellation the connection is closed before this returns, which ends every send."""
         self._num_transfers += 1
+        reply_sent = send_header(endpoint, reply)
+        sends: deque[asyncio.Future] = deque()
         try:
-            for chunk in range(plan.num_chunks):
-                slot = chunk % len(ring)
-                if sends[slot] is not None:
-                    await sends[slot]  # the slot's previous chunk has left
-                if self._published.get(request.request_id) is not published:
-                    raise KVTransferError(f"request {request.request_id!r} was released during its pull")
-                start, stop = plan.bounds(chunk)
-                self._gather_chunk(request.block_ids[start:stop], ring[slot])
-                message = wire_buffer(ring[slot][: (stop - start) * self.bytes_per_block])
-                sends[slot] = asyncio.ensure_future(endpoint.send(message, tag=chunk_tag(pull_number, chunk)))
-                await asyncio.sleep(0)  # let the send post before the next gather holds the loop
-            await asyncio.gather(reply_sent, *(send for send in sends if send is not None))
+            await asyncio.sleep(0)  # post the reply now, ahead of the first message
+            for index, (first, count) in enumerate(message_spans(request.block_ids, request.message_blocks)):
+                if len(sends) >= WINDOW:
+                    await sends.popleft()
+                sends.append(self._send(endpoint, self._blocks(first, count), message_tag(pull_number, index)))
+            await asyncio.gather(reply_sent, *sends)
         except BaseException:
-            await abandon(endpoint, [reply_sent, *(send for send in sends if send is not None)])
-            raise  # the ring is dropped: a send may still read it
-        else:
-            self._staging.release(ring)
+            await abandon(endpoint, [reply_sent, *sends])
+            raise
         finally:
             self._num_transfers -= 1
 
-    def _gather_chunk(self, block_ids: list[int], slot: torch.Tensor) -> None:
-        self._copier.gather(block_ids, slot)
+    def _send(self, endpoint, blocks: torch.Tensor, tag: int) -> asyncio.Future:  # noqa: ANN001 - ucxx endpoint
+        return asyncio.ensure_future(endpoint.send(wire_buffer(blocks), tag=tag))
 
-    def _answer(self, data: bytes) -> tuple[PullReply, PullRequest | None, frozenset[int] | None]:
-        """The reply to a pull request and, when it is served, the request and the publication it reads."""
+    def _forget_reader(self, request_id: str, task: asyncio.Task) -> None:
+        readers = self._readers.get(request_id)
+        if readers is not None:
+            readers.discard(task)
+            if not readers:
+                del self._readers[request_id]
+
+    def _answer(self, data: bytes) -> tuple[PullReply, PullRequest | None]:
+        """The reply to a pull request and, when it is served, the request."""
         try:
             request = decode_pull_request(data)
         except WireError as error:
-            return PullReply(ok=False, error=f"bad pull request: {error}"), None, None
+            return PullReply(ok=False, error=f"bad pull request: {error}"), None
         try:
             self.fingerprint.check_compatible(request.fingerprint, "prefill", "decode")
         except FingerprintMismatchError as error:
-            return PullReply(ok=False, error=str(error)), None, None
+            return PullReply(ok=False, error=str(error)), None
         published = self._published.get(request.request_id)
         if published is None:
-            return PullReply(ok=False, error=f"no KV published for request {request.request_id!r} (released or expired)"), None, None
+            return PullReply(ok=False, error=f"no KV published for request {request.request_id!r} (released or expired)"), None
         if not published.issuperset(request.block_ids):
-            return PullReply(ok=False, error=f"blocks {sorted(set(request.block_ids) - published)} are not the request's"), None, None
+            return PullReply(ok=False, error=f"blocks {sorted(set(request.block_ids) - published)} are not the request's"), None
         if not request.block_ids:
-            return PullReply(ok=False, error="a pull must name at least one block"), None, None
-        plan = ChunkPlan(len(request.block_ids), self.blocks_per_chunk)
+            return PullReply(ok=False, error="a pull must name at least one block"), None
+        if (error := consecutive_runs_error(request.block_ids, request.message_blocks)) is not None:
+            return PullReply(ok=False, error=f"bad message plan: {error}"), None
+        self._check_local_ids(request.block_ids)  # published by the engine: in range unless there is a bug
         reply = PullReply(
             ok=True,
-            num_bytes=plan.num_blocks * self.bytes_per_block,
-            shape=self._chunk_layout(plan),
+            num_bytes=len(request.block_ids) * self.bytes_per_block,
+            shape=self._block_shape(),
             dtype=str(self.kv_cache.dtype).removeprefix("torch."),
         )
-        return reply, request, published
+        return reply, request
 
-    def _chunk_layout(self, plan: ChunkPlan) -> list[int]:
-        layers, kv, _, block_size, heads, head_dim = self.kv_cache.shape
-        return [plan.num_chunks, layers, kv, plan.blocks_per_chunk, block_size, heads, head_dim]
+    def _block_shape(self) -> list[int]:
+        return list(self.kv_cache.shape[1:])
 
     # ------------------------------------------------------------- D: pulling
 
@@ -236,7 +272,7 @@ class UCXConnector(KVConnector):
         if not remote_blocks:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
         self.check_source(source)
-        self._copier.check_block_ids(local_blocks)
+        self._check_local_ids(local_blocks)
         start = time.perf_counter()
         await bounded_transfer(
             self._pull(source, remote_blocks, local_blocks), timeout_s, f"pulling {len(remote_blocks)} blocks from {source.address}"
@@ -267,25 +303,29 @@ class UCXConnector(KVConnector):
         endpoint = connection.endpoint
         connection.num_pulls += 1
         pull_number = connection.num_pulls
-        plan = ChunkPlan(len(remote_blocks), self.blocks_per_chunk)
-        ring = self._staging.acquire(min(RING_DEPTH, plan.num_chunks))
-        pending: dict[int, asyncio.Future] = {}
+        message_blocks = plan_messages(remote_blocks, local_blocks, self.max_message_blocks)
+        spans = list(message_spans(local_blocks, message_blocks))
+        receives: deque[asyncio.Future] = deque()
+        num_posted = 0
         request_sent: asyncio.Future | None = None
         reply_task: asyncio.Future | None = None
+        refused = False  # P said no: it sends nothing, so nothing it started can still land
 
-        def post_receive(chunk: int) -> None:
-            start, stop = plan.bounds(chunk)
-            buffer = wire_buffer(ring[chunk % len(ring)][: (stop - start) * self.bytes_per_block])
-            pending[chunk] = asyncio.ensure_future(endpoint.recv(buffer, tag=chunk_tag(pull_number, chunk)))
+        def post_receive() -> None:
+            nonlocal num_posted
+            first, count = spans[num_posted]
+            buffer = wire_buffer(self._blocks(first, count))
+            receives.append(asyncio.ensure_future(endpoint.recv(buffer, tag=message_tag(pull_number, num_posted))))
+            num_posted += 1
 
-        request = PullRequest(source.request_id, remote_blocks, self.fingerprint)
+        request = PullRequest(source.request_id, remote_blocks, self.fingerprint, message_blocks)
         try:
             try:
-                # Posted together, in order, when this task next yields: request, reply, first chunks.
+                # Posted together, in order, when this task next yields: request, reply, first messages.
                 request_sent = send_header(endpoint, request)
                 reply_task = asyncio.ensure_future(recv_header(endpoint, connection.header_buffer))
-                for chunk in range(len(ring)):
-                    post_receive(chunk)
+                while num_posted < min(WINDOW, len(spans)):
+                    post_receive()
                 await request_sent
                 data = await reply_task
             except WireError as error:
@@ -294,39 +334,38 @@ class UCXConnector(KVConnector):
                 if reused:
                     raise _StaleConnection(f"{type(error).__name__}: {error}") from None
                 raise
-            self._check_reply(source, data, plan)
-            for chunk in range(plan.num_chunks):
-                await pending.pop(chunk)
-                start, stop = plan.bounds(chunk)
-                self._copier.scatter(local_blocks[start:stop], ring[chunk % len(ring)])
-                if chunk + len(ring) < plan.num_chunks:
-                    post_receive(chunk + len(ring))
+            reply = self._decode_reply(source, data)
+            refused = not reply.ok
+            self._check_reply(source, reply, len(remote_blocks))
+            while receives:
+                await receives.popleft()
+                if num_posted < len(spans):
+                    post_receive()
         except BaseException:
-            # Drop the connection and the ring: a receive may still be posted into it.
-            await abandon(endpoint, [task for task in (request_sent, reply_task, *pending.values()) if task is not None])
+            try:
+                if receives and not refused:
+                    await asyncio.wait(receives, timeout=SETTLE_S)  # writes P started land now or never
+            finally:
+                # Drop the connection: closing it cancels what is still posted on it.
+                await abandon(endpoint, [task for task in (request_sent, reply_task, *receives) if task is not None])
             raise
-        self._staging.release(ring)
 
-    def _check_reply(self, source: KVSource, data: bytes, plan: ChunkPlan) -> None:
+    def _decode_reply(self, source: KVSource, data: bytes) -> PullReply:
         try:
-            reply = decode_pull_reply(data)
+            return decode_pull_reply(data)
         except WireError as error:
             raise KVTransferError(f"prefill instance {source.address} sent {error}") from None
+
+    def _check_reply(self, source: KVSource, reply: PullReply, num_blocks: int) -> None:
         if not reply.ok:
             raise KVTransferError(f"prefill instance {source.address} refused the pull: {reply.error}")
-        expected_shape = self._chunk_layout(plan)
-        expected_bytes = plan.num_blocks * self.bytes_per_block
+        expected_shape = self._block_shape()
+        expected_bytes = num_blocks * self.bytes_per_block
         expected_dtype = str(self.kv_cache.dtype).removeprefix("torch.")
-        if reply.shape is not None and len(reply.shape) != len(expected_shape):
-            raise KVTransferError(
-                f"prefill instance {source.address} offers one {reply.shape} payload, the former UCX KV protocol; "
-                "run the same splitserve version on prefill and decode instances"
-            )
         if reply.shape != expected_shape or reply.num_bytes != expected_bytes or reply.dtype != expected_dtype:
             raise KVTransferError(
-                f"prefill instance {source.address} offers chunks {reply.shape} ({reply.num_bytes} bytes of {reply.dtype}), "
-                f"expected {expected_shape} ({expected_bytes} bytes of {expected_dtype}); "
-                "blocks_per_chunk must be the same on prefill and decode instances"
+                f"prefill instance {source.address} offers blocks of {reply.shape} ({reply.num_bytes} bytes of {reply.dtype}), "
+                f"expected {expected_shape} ({expected_bytes} bytes of {expected_dtype})"
             )
 
     async def _connect(self, address: str) -> _Connection:

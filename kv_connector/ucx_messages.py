@@ -1,5 +1,6 @@
-"""How the UCX connector's messages travel on a ucxx endpoint: header framing, the chunk
-plan and chunk tags, and dropping a connection in the middle of a pull.
+"""How the UCX connector's messages travel on a ucxx endpoint: header framing, how a
+pull is cut into block messages and how they are tagged, and dropping a connection in
+the middle of a pull.
 
 Headers keep ucxx's ``send_obj`` framing (an 8-byte native-endian size, then the JSON
 body) so that a peer of the former protocol reads them and refuses clearly, but both
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -21,35 +22,60 @@ from kv_connector.wire import MAX_HEADER_BYTES, PullReply, PullRequest, WireErro
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkPlan:
-    """How a pull's blocks are cut into chunks: ``blocks_per_chunk`` at a time, in order (the last may hold fewer)."""
+def plan_messages(remote_blocks: Sequence[int], local_blocks: Sequence[int], max_blocks: int) -> list[int]:
+    """Block counts of a pull's messages, in order. A message is a run of blocks that are
+    consecutive on both sides, so it is one contiguous span of each cache (the cache is
+    block-major), sent and received in place; at most ``max_blocks`` per message."""
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+    counts: list[int] = []
+    for index in range(len(remote_blocks)):
+        extends = (
+            index > 0
+            and counts[-1] < max_blocks
+            and remote_blocks[index] == remote_blocks[index - 1] + 1
+            and local_blocks[index] == local_blocks[index - 1] + 1
+        )
+        if extends:
+            counts[-1] += 1
+        else:
+            counts.append(1)
+    return counts
 
-    num_blocks: int
-    blocks_per_chunk: int
 
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.num_blocks // self.blocks_per_chunk)
-
-    def bounds(self, chunk: int) -> tuple[int, int]:
-        """[start, stop) of chunk ``chunk`` in the pull's block list."""
-        start = chunk * self.blocks_per_chunk
-        return start, min(start + self.blocks_per_chunk, self.num_blocks)
+def message_spans(block_ids: Sequence[int], message_blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """(first block id, number of blocks) of each message, on the side whose ``block_ids`` these are."""
+    first = 0
+    for count in message_blocks:
+        yield block_ids[first], count
+        first += count
 
 
-def chunk_tag(pull_number: int, chunk: int) -> int:
-    # ucxx hashes a user tag with the connection's own, so chunk tags never match the
-    # untagged header messages, nor another connection's chunks.
-    return (pull_number << 32) | chunk
+def consecutive_runs_error(block_ids: Sequence[int], message_blocks: Sequence[int]) -> str | None:
+    """Why ``message_blocks`` does not cut ``block_ids`` into runs of consecutive ids, or None if it does."""
+    if sum(message_blocks) != len(block_ids):
+        return f"messages of {sum(message_blocks)} blocks in all for {len(block_ids)} blocks"
+    first = 0
+    for index, count in enumerate(message_blocks):
+        run = block_ids[first : first + count]
+        if any(block != run[0] + offset for offset, block in enumerate(run)):
+            return f"message {index} names blocks {list(run)}, which are not consecutive"
+        first += count
+    return None
+
+
+def message_tag(pull_number: int, message: int) -> int:
+    # ucxx hashes a user tag with the connection's own, so message tags never match the
+    # untagged header messages, nor another connection's messages.
+    return (pull_number << 32) | message
 
 
 def wire_buffer(tensor: torch.Tensor) -> object:
-    """A zero-copy view UCX can send from or receive into: host tensors as uint8 numpy arrays
-    (numpy has no bfloat16), device tensors through __cuda_array_interface__."""
-    if tensor.device.type == "cpu":
-        return tensor.view(torch.uint8).numpy()
-    return tensor.view(torch.uint8)
+    """A zero-copy view of a contiguous tensor's bytes that UCX can send from or receive into:
+    host tensors as uint8 numpy arrays (numpy has no bfloat16), device tensors through
+    __cuda_array_interface__."""
+    flat = tensor.view(-1).view(torch.uint8)
+    return flat.numpy() if flat.device.type == "cpu" else flat
 
 
 def send_header(endpoint, message: PullRequest | PullReply) -> asyncio.Future:  # noqa: ANN001 - ucxx endpoint

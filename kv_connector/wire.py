@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from kv_connector.fingerprint import Fingerprint
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: zero-copy messages of whole blocks (message_blocks); 1 sent gathered chunks
 MAX_HEADER_BYTES = 1 << 20
 
 
@@ -27,6 +27,9 @@ class PullRequest:
     request_id: str
     block_ids: list[int]  # P's block ids, a subset of what P published for the request
     fingerprint: Fingerprint
+    # How D cuts the pull into messages: block counts, in order, summing to len(block_ids);
+    # each message's blocks are consecutive on both sides (D knows both, so D decides).
+    message_blocks: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +39,7 @@ class PullReply:
     ok: bool
     error: str = ""
     num_bytes: int = 0
-    shape: list[int] | None = None
+    shape: list[int] | None = None  # of one block: [num_layers, 2, block_size, num_kv_heads, head_dim]
     dtype: str = ""
 
 
@@ -61,9 +64,12 @@ def decode_pull_request(data: bytes) -> PullRequest:
         _require(getattr(parsed_fingerprint, name), int, f"fingerprint.{name}")
     request_id = _require(body.get("request_id"), str, "request_id")
     block_ids = _require(body.get("block_ids"), list, "block_ids")
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
+    if not all(_is_int(b) and b >= 0 for b in block_ids):
         raise WireError("block_ids must be non-negative integers")
-    return PullRequest(request_id=request_id, block_ids=block_ids, fingerprint=parsed_fingerprint)
+    message_blocks = _require(body.get("message_blocks"), list, "message_blocks")
+    if not all(_is_int(n) and n > 0 for n in message_blocks):
+        raise WireError("message_blocks must be positive integers")
+    return PullRequest(request_id=request_id, block_ids=block_ids, fingerprint=parsed_fingerprint, message_blocks=message_blocks)
 
 
 def decode_pull_reply(data: bytes) -> PullReply:
@@ -90,6 +96,10 @@ def _object(data: bytes) -> dict[str, object]:
     if body.get("version") != PROTOCOL_VERSION:
         raise WireError(f"protocol version {body.get('version')!r}, this side speaks {PROTOCOL_VERSION}")
     return body
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require(value: object, kind: type, name: str):  # noqa: ANN202 - returns value narrowed to kind

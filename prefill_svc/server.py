@@ -85,7 +85,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         lease = self._leases.pop(request_id, None)
         if lease is not None:
             lease.cancel()
-        self.instance.connector.unpublish(request_id)
+        await self.instance.connector.unpublish(request_id)  # returns once no pull reads the blocks
         return await self.instance.engine.release_kv(request_id)
 
     async def _expire(self, request_id: str) -> None:

@@ -1,8 +1,9 @@
 """Reference attention in plain PyTorch: runs anywhere, and is what the Triton kernels are checked against.
 
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 holds K, 1 holds V). Slot ``s`` is token ``s % block_size`` of block
-``s // block_size``.
+(index 0 holds K, 1 holds V), each block contiguous but blocks a whole cross-layer
+block apart (engine/kv_cache_layout.py). Slot ``s`` is token ``s % block_size`` of
+block ``s // block_size``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ def write_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     key, value: [num_tokens, num_kv_heads, head_dim]
     slot_mapping: [num_tokens] int64
     """
-    num_kv_heads, head_dim = layer_cache.shape[-2:]
-    layer_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    layer_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    # Indexed by (block, offset): blocks are not one layer's block apart, so slots are not one flat axis.
+    block_size = layer_cache.shape[2]
+    slots = (slot_mapping // block_size, slot_mapping % block_size)
+    layer_cache[0].index_put_(slots, key)
+    layer_cache[1].index_put_(slots, value)
 
 
 def gather_context(layer_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:

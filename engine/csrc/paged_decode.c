@@ -3,8 +3,9 @@
  * whole context straight out of the paged KV cache, without gathering blocks
  * into a temporary first (the torch fallback's main cost).
  *
- * Layout (one layer): key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
- * query, out: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(len / block_size)]
+ * Layout (one layer): key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim],
+ * block b starting block_stride elements after block b - 1 (the cache is block-major:
+ * a block's span holds every layer, so the stride exceeds one layer's block); query, out: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(len / block_size)]
  * with row stride block_table_stride; seq_lens: [num_seqs].
  *
  * One task per sequence walks its blocks in order, reading each block's K (then V)
@@ -146,7 +147,8 @@ static inline void block_values_avx512(const void *value_cache, int64_t base, in
 static inline __attribute__((always_inline)) void decode_sequence(
     int64_t seq, const void *query, const void *key_cache, const void *value_cache, const int32_t *block_tables,
     const int32_t *seq_lens, void *out, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
-    int64_t block_size, int64_t block_table_stride, float scale, const int is_bf16, const void *reduce_indices) {
+    int64_t block_size, int64_t block_table_stride, int64_t block_stride, float scale, const int is_bf16,
+    const void *reduce_indices) {
 #if defined(__AVX512F__)
     const ReduceIndices *indices = (const ReduceIndices *)reduce_indices;
 #else
@@ -154,8 +156,8 @@ static inline __attribute__((always_inline)) void decode_sequence(
 #endif
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
-    const int64_t block_bytes = block_stride * (is_bf16 ? 2 : 4);
+    const int64_t element_bytes = is_bf16 ? 2 : 4;
+    const int64_t block_bytes = block_size * token_stride * element_bytes; /* one layer's K (or V) of a block */
     const char *key_bytes = (const char *)key_cache, *value_bytes = (const char *)value_cache;
     const int64_t seq_len = seq_lens[seq];
     const int32_t *block_table = block_tables + seq * block_table_stride;
@@ -181,7 +183,7 @@ static inline __attribute__((always_inline)) void decode_sequence(
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
         PrefetchStream next_keys = {NULL, NULL}, next_values = {NULL, NULL};
         if (start + block_size < seq_len) {
-            const int64_t next = (int64_t)block_table[block_index + 1] * block_bytes;
+            const int64_t next = (int64_t)block_table[block_index + 1] * block_stride * element_bytes;
             next_keys = (PrefetchStream){key_bytes + next, key_bytes + next + block_bytes};
             next_values = (PrefetchStream){value_bytes + next, value_bytes + next + block_bytes};
         }
@@ -256,7 +258,7 @@ static inline __attribute__((always_inline)) void decode_sequence(
 int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
                            const int32_t *block_tables, const int32_t *seq_lens, void *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t block_table_stride, float scale, int is_bf16) {
+                           int64_t block_table_stride, int64_t block_stride, float scale, int is_bf16) {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
     const void *reduce_indices = NULL;
 #if defined(__AVX512F__)
@@ -266,7 +268,7 @@ int paged_decode_attention(const void *query, const void *key_cache, const void 
 #endif
 #define DECODE(HEAD_DIM, IS_BF16)                                                                       \
     decode_sequence(seq, query, key_cache, value_cache, block_tables, seq_lens, out, num_heads, num_kv_heads, \
-                    HEAD_DIM, block_size, block_table_stride, scale, IS_BF16, reduce_indices)
+                    HEAD_DIM, block_size, block_table_stride, block_stride, scale, IS_BF16, reduce_indices)
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
         /* The branch sits inside the parallel loop: OpenMP outlines the loop body

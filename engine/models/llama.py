@@ -8,7 +8,7 @@ Q/K/V and gate/up projections are fused into single matmuls at load time.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -142,16 +142,17 @@ class LlamaFamilyForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: torch.Tensor,
+        layer_caches: Sequence[torch.Tensor],
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [num_layers, 2, num_blocks, block_size, H_kv, D];
+        """input_ids, positions: [T]; layer_caches: per layer, [2, num_blocks, block_size, H_kv, D]
+        (views of the block-major cache, engine/kv_cache_layout.py);
         logits_indices: [R] rows of the batch whose next-token logits are needed.
         Returns float32 logits [R, vocab_size]."""
         hidden, residual = self.embed_tokens(input_ids), None
         for layer_index, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_cache[layer_index], metadata)
+            hidden, residual = layer(positions, hidden, residual, layer_caches[layer_index], metadata)
         hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])
         return self.lm_head(hidden).float()
 

@@ -1,7 +1,11 @@
-"""Small factories for engine unit tests: requests and schedulers without a model."""
+"""Small factories for engine unit tests: requests and schedulers without a model, and
+attention caches laid out as the engine lays them out."""
 
 from __future__ import annotations
 
+import torch
+
+from engine.kv_cache_layout import layer_view
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -60,3 +64,15 @@ def run_step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
     output = scheduler.schedule()
     scheduler.update(output, sample(output, token_id))
     return output
+
+
+def in_block_major_cache(layer_cache: torch.Tensor, num_layers: int = 3, layer: int = 1) -> torch.Tensor:
+    """``layer_cache`` ([2, num_blocks, block_size, H_kv, D]) copied into layer ``layer`` of a
+    block-major cache of ``num_layers`` layers, as the engine hands a layer to attention: blocks
+    lie a whole cross-layer block apart. The other layers hold NaN, so a kernel that strays
+    into them poisons its output."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
+    full = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), float("nan"), dtype=layer_cache.dtype)
+    view = layer_view(full, layer)
+    view.copy_(layer_cache)
+    return view

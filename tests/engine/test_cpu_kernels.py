@@ -8,6 +8,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, decode_attention_bias, paged_decode_attention
+from tests.engine.factories import in_block_major_cache
 
 KERNELS = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here: the torch path is the only one")
@@ -21,7 +22,7 @@ def random_case(
     generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     num_blocks_per_seq = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * num_blocks_per_seq + 3
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    cache = in_block_major_cache(torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype))
     # Each sequence owns a shuffled, non-contiguous set of blocks.
     block_tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * num_blocks_per_seq]
     block_tables = block_tables.view(len(seq_lens), num_blocks_per_seq).to(torch.int32)
@@ -87,8 +88,8 @@ def test_backend_with_and_without_kernel_agree(dtype: torch.dtype) -> None:
 
     native = TorchAttentionBackend(use_cpu_kernels=True)
     assert native.cpu_kernels is not None
-    fast = native.forward(query, key, value, cache.clone(), metadata(), 0.125)
-    slow = TorchAttentionBackend(use_cpu_kernels=False).forward(query, key, value, cache.clone(), metadata(), 0.125)
+    fast = native.forward(query, key, value, in_block_major_cache(cache), metadata(), 0.125)
+    slow = TorchAttentionBackend(use_cpu_kernels=False).forward(query, key, value, in_block_major_cache(cache), metadata(), 0.125)
     torch.testing.assert_close(fast.float(), slow.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 

@@ -63,7 +63,7 @@ def test_prefill_to_decode_matches_colocated(model_path: Path, pull_succeeds: bo
         if pull_succeeds:
             skip = load.num_local_hit_tokens // d.config.block_size
             src = handoff_output.kv_handoff.block_ids[skip:]
-            d.runner.kv_cache[:, :, load.block_ids[skip:]] = p.runner.kv_cache[:, :, src]
+            d.runner.kv_cache[load.block_ids[skip:]] = p.runner.kv_cache[src]
         d.finish_kv_load(request_id, success=pull_succeeds)
         assert p.release_kv(request_id)
         tokens = [first_token]
@@ -85,7 +85,7 @@ def test_decode_prefix_hit_pulls_fewer_blocks(model_path: Path) -> None:
         (load,) = d.pending_kv_loads
         d.pending_kv_loads.clear()
         loads.append(load)
-        d.runner.kv_cache[:, :, load.block_ids] = p.runner.kv_cache[:, :, handoff_output.kv_handoff.block_ids]
+        d.runner.kv_cache[load.block_ids] = p.runner.kv_cache[handoff_output.kv_handoff.block_ids]
         d.finish_kv_load(f"r{index}", success=True)
         p.release_kv(f"r{index}")
         run_until_finished(d, f"r{index}")

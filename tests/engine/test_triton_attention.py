@@ -23,6 +23,7 @@ from engine.attention.torch_backend import (
 )
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.attention.triton_kernels import paged_attention, store_kv
+from tests.engine.factories import in_block_major_cache
 
 # (atol, rtol) against an fp32 reference; 16-bit kernels also round P to 16 bits before P @ V.
 TOLERANCES = {
@@ -83,7 +84,8 @@ def make_batch(
 def make_cache(
     metadata: AttentionMetadata, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = 16
 ) -> torch.Tensor:
-    """[2, NUM_BLOCKS, block_size, H_kv, D] of random K/V, with NaN in every block no sequence owns.
+    """[2, NUM_BLOCKS, block_size, H_kv, D] of random K/V, with NaN in every block no sequence owns,
+    as one layer of a block-major cache (the other layers NaN too).
 
     Block 0 is the block tables' padding, which the reference reads (and masks), so it stays finite;
     a NaN anywhere in the kernel's output means it read a block it had no business reading.
@@ -93,7 +95,7 @@ def make_cache(
     owned[metadata.block_tables.flatten().long()] = True
     owned[0] = True
     cache[:, ~owned] = float("nan")
-    return cache
+    return in_block_major_cache(cache)
 
 
 def make_qkv(

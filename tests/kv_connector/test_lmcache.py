@@ -100,15 +100,15 @@ def test_pull_copies_the_prompt_into_other_blocks(store: str) -> None:
     remote = seeded_cache(7)
     local = torch.zeros(SHAPE, dtype=torch.bfloat16)
     stats = pull(local, store, source(), [0, 3, 11, 6])
-    bytes_per_token = remote[:, :, 0, 0].numel() * 2
+    bytes_per_token = remote[0, :, :, 0].numel() * 2
     assert stats.num_blocks == 4 and stats.num_bytes == len(PROMPT) * bytes_per_token
     for mine, theirs in zip([0, 3, 11], PUBLISHED_BLOCKS[:3], strict=True):
-        assert torch.equal(local[:, :, mine], remote[:, :, theirs])
+        assert torch.equal(local[mine], remote[theirs])
     # The partial last block: its prompt tokens arrive, the slots after them stay untouched.
-    assert torch.equal(local[:, :, 6, :TAIL], remote[:, :, PUBLISHED_BLOCKS[3], :TAIL])
-    assert not local[:, :, 6, TAIL:].any()
-    untouched = [b for b in range(SHAPE[2]) if b not in (0, 3, 11, 6)]
-    assert not local[:, :, untouched].any()
+    assert torch.equal(local[6, :, :, :TAIL], remote[PUBLISHED_BLOCKS[3], :, :, :TAIL])
+    assert not local[6, :, :, TAIL:].any()
+    untouched = [b for b in range(SHAPE[0]) if b not in (0, 3, 11, 6)]
+    assert not local[untouched].any()
 
 
 @pytest.mark.parametrize("first_block", [1, 2, 3])  # inside a chunk, on a chunk edge, the partial block's chunk
@@ -118,10 +118,10 @@ def test_local_prefix_hits_are_not_pulled(redis_store: str, first_block: int) ->
     local_blocks = [1, 2, 3, 4]
     stats = pull(local, redis_store, source(), local_blocks, first_block=first_block)
     assert stats.num_blocks == 4 - first_block
-    assert not local[:, :, local_blocks[:first_block]].any()
+    assert not local[local_blocks[:first_block]].any()
     for index in range(first_block, 4):
         tokens = TAIL if index == 3 else SHAPE[3]
-        assert torch.equal(local[:, :, local_blocks[index], :tokens], remote[:, :, PUBLISHED_BLOCKS[index], :tokens])
+        assert torch.equal(local[local_blocks[index], :, :, :tokens], remote[PUBLISHED_BLOCKS[index], :, :, :tokens])
 
 
 def test_fingerprint_mismatch_is_refused(redis_store: str) -> None:

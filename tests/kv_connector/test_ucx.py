@@ -19,23 +19,38 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from kv_connector.base import KVSource, KVTransferError, gather_blocks  # noqa: E402
-from kv_connector.block_copy import BlockCopier  # noqa: E402
-from kv_connector.staging import StagingPool  # noqa: E402
-from kv_connector.ucx import UCXConnector  # noqa: E402
-from kv_connector.ucx_messages import ChunkPlan  # noqa: E402
+from kv_connector.base import KVSource, KVTransferError  # noqa: E402
+from kv_connector.ucx import SETTLE_S, UCXConnector  # noqa: E402
 from kv_connector.ucx_context import ucxx_for_running_loop  # noqa: E402
-from tests.kv_connector.ucx_peer import PUBLISHED_BLOCKS, SHAPE, SLOW_BLOCKS, PeerState, fingerprint, seeded_cache  # noqa: E402
+from kv_connector.ucx_messages import consecutive_runs_error, message_spans, plan_messages  # noqa: E402
+from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_request, encode  # noqa: E402
+from tests.kv_connector.ucx_peer import (  # noqa: E402
+    PUBLISHED_BLOCKS,
+    RUN_BLOCKS,
+    SHAPE,
+    SLOW_BLOCKS,
+    PeerState,
+    fingerprint,
+    seeded_cache,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 UCX_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-BLOCKS_PER_CHUNK = 1  # four chunks per four-block pull: more chunks than staging buffers (3)
 
 
 @dataclass(slots=True)
 class Peer:
     address: str
     process: subprocess.Popen
+
+    def command(self, line: str) -> str:
+        """Send one command (see ``tests.kv_connector.ucx_peer``) and return the peer's answer."""
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
+    def state(self) -> PeerState:
+        return PeerState(**json.loads(self.command("state")))
 
     def stop(self) -> PeerState:
         """Close stdin, wait for the peer to exit and return the state it reports."""
@@ -49,7 +64,7 @@ class Peer:
 def running_peer(*args: str, seed: int = 7) -> Iterator[Peer]:
     """A prefill-side connector process (``tests.kv_connector.ucx_peer``), stopped afterwards."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.kv_connector.ucx_peer", "--seed", str(seed), "--blocks-per-chunk", str(BLOCKS_PER_CHUNK), *args],
+        [sys.executable, "-m", "tests.kv_connector.ucx_peer", "--seed", str(seed), *args],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **UCX_ENV},
     )
     peer = Peer("", process)
@@ -73,46 +88,47 @@ def peer() -> Iterator[str]:
 # ------------------------------------------------------------- in-process parts
 
 
-@pytest.mark.parametrize("contiguous", [True, False], ids=["numpy-runs", "torch-fallback"])
-def test_block_copier_round_trips_scattered_blocks(contiguous: bool) -> None:
-    remote = seeded_cache(3)
-    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
-    if not contiguous:  # same layout and values, strided storage: the torch path
-        remote = torch.empty(SHAPE[::-1], dtype=torch.bfloat16).permute(5, 4, 3, 2, 1, 0).copy_(remote)
-        local = torch.empty(SHAPE[::-1], dtype=torch.bfloat16).permute(5, 4, 3, 2, 1, 0).zero_()
-    remote_copier, local_copier = BlockCopier(remote), BlockCopier(local)
-    chunk = torch.zeros(3 * remote_copier.bytes_per_block + 5, dtype=torch.uint8)  # a staging slot larger than needed
-    remote_copier.gather([9, 2, 11], chunk)
-    assert torch.equal(remote_copier.chunk_view(chunk, 3), gather_blocks(remote, [9, 2, 11]))
-    local_copier.scatter([4, 0, 7], chunk)
-    for mine, theirs in zip([4, 0, 7], [9, 2, 11], strict=True):
-        assert torch.equal(local[:, :, mine], remote[:, :, theirs])
-    assert not local[:, :, [1, 2, 3, 5, 6, 8, 9, 10, 11]].any()
+def test_messages_are_runs_consecutive_on_both_sides() -> None:
+    assert plan_messages([4, 5, 6, 9], [0, 1, 2, 3], max_blocks=8) == [3, 1]
+    assert plan_messages([4, 5, 6, 7], [0, 1, 5, 6], max_blocks=8) == [2, 2]  # consecutive remotely only
+    assert plan_messages(list(range(10)), list(range(20, 30)), max_blocks=4) == [4, 4, 2]
+    assert plan_messages([5, 2, 9, 7], [0, 3, 11, 6], max_blocks=8) == [1, 1, 1, 1]
+    assert plan_messages([], [], max_blocks=1) == []
+    assert list(message_spans([4, 5, 6, 9], [3, 1])) == [(4, 3), (9, 1)]
 
 
-def test_block_copier_refuses_ids_outside_the_cache() -> None:
-    copier = BlockCopier(torch.zeros(SHAPE, dtype=torch.bfloat16))
-    copier.check_block_ids([0, 11])
-    with pytest.raises(RuntimeError, match="outside a cache of 12 blocks"):
-        copier.check_block_ids([3, 12])
+def test_a_message_plan_must_cut_the_blocks_into_consecutive_runs() -> None:
+    assert consecutive_runs_error([4, 5, 6, 9], [3, 1]) is None
+    assert consecutive_runs_error([4, 5, 6, 9], [2, 1]) == "messages of 3 blocks in all for 4 blocks"
+    assert consecutive_runs_error([4, 5, 6, 9], [2, 2]) == "message 1 names blocks [6, 9], which are not consecutive"
+    assert consecutive_runs_error([3, 3], [2]) == "message 0 names blocks [3, 3], which are not consecutive"
 
 
-def test_staging_pool_reuses_buffers_up_to_its_cap() -> None:
-    pool = StagingPool(slot_bytes=64, device=torch.device("cpu"), max_idle=2)
-    pool.reserve(3)
-    assert pool.num_idle == 2
-    first = pool.acquire(3)
-    assert pool.num_idle == 0 and [slot.numel() for slot in first] == [64, 64, 64]
-    pool.release(first)
-    assert pool.num_idle == 2
-    again = pool.acquire(2)
-    assert {slot.data_ptr() for slot in again} <= {slot.data_ptr() for slot in first}
+def answer(request: PullRequest) -> PullReply:
+    """What a prefill-side connector holding ``PUBLISHED_BLOCKS`` and ``RUN_BLOCKS`` answers (no UCX involved)."""
+    connector = UCXConnector(seeded_cache(7), fingerprint())
+    connector.publish("r", PUBLISHED_BLOCKS, token_ids=[])
+    connector.publish("run", RUN_BLOCKS, token_ids=[])
+    reply, _ = connector._answer(encode(request))  # noqa: SLF001 - the validation on its own
+    return reply
 
 
-def test_chunk_plan_cuts_blocks_in_order() -> None:
-    plan = ChunkPlan(num_blocks=10, blocks_per_chunk=4)
-    assert plan.num_chunks == 3
-    assert [plan.bounds(chunk) for chunk in range(3)] == [(0, 4), (4, 8), (8, 10)]
+def test_prefill_side_checks_the_message_plan() -> None:
+    ok = answer(PullRequest("run", RUN_BLOCKS, fingerprint(), message_blocks=[2, 2]))
+    assert ok.ok and ok.shape == list(SHAPE[1:]) and ok.num_bytes == 4 * torch.zeros(SHAPE[1:], dtype=torch.bfloat16).nbytes
+    split = answer(PullRequest("r", PUBLISHED_BLOCKS, fingerprint(), message_blocks=[2, 2]))
+    assert not split.ok and split.error == "bad message plan: message 0 names blocks [5, 2], which are not consecutive"
+    short = answer(PullRequest("run", RUN_BLOCKS, fingerprint(), message_blocks=[3]))
+    assert not short.ok and "messages of 3 blocks in all for 4 blocks" in short.error
+    malformed = UCXConnector(seeded_cache(7), fingerprint())._answer(b'{"version": 2, "request_id": "run"}')[0]  # noqa: SLF001
+    assert not malformed.ok and malformed.error.startswith("bad pull request:")
+
+
+def test_wire_refuses_message_plans_that_are_not_positive_counts() -> None:
+    body = json.loads(encode(PullRequest("r", [1, 2], fingerprint(), message_blocks=[2])))
+    for bad in ([0, 2], [True, 1], "2", None):
+        with pytest.raises(WireError, match="message_blocks"):
+            decode_pull_request(json.dumps({**body, "message_blocks": bad}).encode())
 
 
 # ------------------------------------------------------------- two processes
@@ -122,8 +138,8 @@ def source(address: str, request_id: str = "r", blocks: list[int] = PUBLISHED_BL
     return KVSource(request_id=request_id, address=address, block_ids=tuple(blocks), num_tokens=60, fingerprint=fingerprint(model))
 
 
-def decode_connector(cache: torch.Tensor, model: str = "tiny-0123", blocks_per_chunk: int = BLOCKS_PER_CHUNK) -> UCXConnector:
-    return UCXConnector(cache, fingerprint(model), blocks_per_chunk=blocks_per_chunk)
+def decode_connector(cache: torch.Tensor, model: str = "tiny-0123", max_message_blocks: int | None = None) -> UCXConnector:
+    return UCXConnector(cache, fingerprint(model), max_message_blocks=max_message_blocks)
 
 
 def run(scenario) -> object:  # noqa: ANN001 - an async function taking no arguments
@@ -142,30 +158,57 @@ def pull(cache: torch.Tensor, src: KVSource, local_blocks: list[int], first_bloc
     return run(scenario)
 
 
+def empty_cache() -> torch.Tensor:
+    return torch.zeros(SHAPE, dtype=torch.bfloat16)
+
+
 def test_pull_copies_exactly_the_named_blocks(peer: str) -> None:
     remote = seeded_cache(7)
-    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    local = empty_cache()
     stats = pull(local, source(peer), [0, 3, 11, 6])
-    assert stats.num_blocks == 4 and stats.num_bytes == 4 * remote[:, :, 0].numel() * 2
+    assert stats.num_blocks == 4 and stats.num_bytes == 4 * remote[0].nbytes
     for mine, theirs in zip([0, 3, 11, 6], PUBLISHED_BLOCKS, strict=True):
-        assert torch.equal(local[:, :, mine], remote[:, :, theirs])
-    untouched = [b for b in range(SHAPE[2]) if b not in (0, 3, 11, 6)]
-    assert not local[:, :, untouched].any()
+        assert torch.equal(local[mine], remote[theirs])
+    untouched = [b for b in range(SHAPE[0]) if b not in (0, 3, 11, 6)]
+    assert not local[untouched].any()
+
+
+def test_blocks_consecutive_on_both_sides_travel_as_one_message() -> None:
+    remote = seeded_cache(7)
+    with running_peer() as running:
+        for local_blocks, max_message_blocks, expected_messages in (
+            ([0, 1, 2, 3], None, 1),
+            ([0, 1, 5, 6], None, 2),
+            ([2, 3, 4, 5], 3, 2),
+        ):
+            local = empty_cache()
+            sent_before = running.state().messages_sent
+
+            async def scenario(local: torch.Tensor = local, blocks: list[int] = local_blocks, cap: int | None = max_message_blocks) -> None:
+                connector = decode_connector(local, max_message_blocks=cap)
+                try:
+                    await connector.pull(source(running.address, "run", RUN_BLOCKS), blocks, 0, timeout_s=10.0)
+                finally:
+                    await connector.close()
+
+            run(scenario)
+            assert torch.equal(local[local_blocks], remote[RUN_BLOCKS])
+            assert running.state().messages_sent - sent_before == expected_messages, local_blocks
 
 
 def test_local_prefix_hits_are_not_pulled(peer: str) -> None:
     remote = seeded_cache(7)
-    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    local = empty_cache()
     stats = pull(local, source(peer), [1, 2, 3, 4], first_block=2)
     assert stats.num_blocks == 2
-    assert not local[:, :, [1, 2]].any()
-    assert torch.equal(local[:, :, 3], remote[:, :, PUBLISHED_BLOCKS[2]])
-    assert torch.equal(local[:, :, 4], remote[:, :, PUBLISHED_BLOCKS[3]])
+    assert not local[[1, 2]].any()
+    assert torch.equal(local[3], remote[PUBLISHED_BLOCKS[2]])
+    assert torch.equal(local[4], remote[PUBLISHED_BLOCKS[3]])
 
 
 def test_pulls_reuse_one_connection_and_refusals_drop_it(peer: str) -> None:
     remote = seeded_cache(7)
-    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    local = empty_cache()
 
     async def scenario() -> None:
         connector = decode_connector(local)
@@ -173,13 +216,15 @@ def test_pulls_reuse_one_connection_and_refusals_drop_it(peer: str) -> None:
             for local_blocks in ([0, 1, 2, 3], [8, 6, 4, 10]):
                 await connector.pull(source(peer), local_blocks, 0, timeout_s=10.0)
                 assert connector.num_idle_connections == 1
-                assert torch.equal(local[:, :, local_blocks], remote[:, :, PUBLISHED_BLOCKS])
+                assert torch.equal(local[local_blocks], remote[PUBLISHED_BLOCKS])
+            started = time.monotonic()
             with pytest.raises(KVTransferError, match="no KV published"):
                 await connector.pull(source(peer, request_id="other"), [0, 1, 2, 3], 0, timeout_s=10.0)
-            assert connector.num_idle_connections == 0  # it had receives posted for chunks that never come
+            assert time.monotonic() - started < SETTLE_S, "a refused pull has nothing in flight to wait for"
+            assert connector.num_idle_connections == 0  # it had receives posted for messages that never come
             local.zero_()
             await connector.pull(source(peer), [0, 1, 2, 3], 0, timeout_s=10.0)
-            assert torch.equal(local[:, :, [0, 1, 2, 3]], remote[:, :, PUBLISHED_BLOCKS])
+            assert torch.equal(local[[0, 1, 2, 3]], remote[PUBLISHED_BLOCKS])
             assert connector.num_transfers_in_flight == 0
         finally:
             await connector.close()
@@ -187,35 +232,23 @@ def test_pulls_reuse_one_connection_and_refusals_drop_it(peer: str) -> None:
     run(scenario)
 
 
-def test_chunk_size_mismatch_is_refused(peer: str) -> None:
-    async def scenario() -> None:
-        connector = decode_connector(torch.zeros(SHAPE, dtype=torch.bfloat16), blocks_per_chunk=2)
-        try:
-            await connector.pull(source(peer), [0, 1, 2, 3], 0, timeout_s=10.0)
-        finally:
-            await connector.close()
-
-    with pytest.raises(KVTransferError, match="blocks_per_chunk must be the same"):
-        run(scenario)
-
-
 def test_unknown_request_is_refused(peer: str) -> None:
     with pytest.raises(KVTransferError, match="no KV published for request 'other'"):
-        pull(torch.zeros(SHAPE, dtype=torch.bfloat16), source(peer, request_id="other"), [0, 1, 2, 3])
+        pull(empty_cache(), source(peer, request_id="other"), [0, 1, 2, 3])
 
 
 def test_blocks_outside_the_request_are_refused(peer: str) -> None:
     with pytest.raises(KVTransferError, match=r"blocks \[0\] are not the request's"):
-        pull(torch.zeros(SHAPE, dtype=torch.bfloat16), source(peer, blocks=[5, 0]), [1, 2])
+        pull(empty_cache(), source(peer, blocks=[5, 0]), [1, 2])
 
 
 def test_fingerprint_mismatch_is_refused_on_both_sides(peer: str) -> None:
     # Caught locally against the handle's fingerprint...
     with pytest.raises(KVTransferError, match="model: decode has 'tiny-9999', prefill has 'tiny-0123'"):
-        pull(torch.zeros(SHAPE, dtype=torch.bfloat16), source(peer), [0, 1, 2, 3], model="tiny-9999")
+        pull(empty_cache(), source(peer), [0, 1, 2, 3], model="tiny-9999")
     # ...and by the peer, when the handle claims what the peer is not.
     with pytest.raises(KVTransferError, match="refused the pull: KV caches are incompatible"):
-        pull(torch.zeros(SHAPE, dtype=torch.bfloat16), source(peer, model="tiny-9999"), [0, 1, 2, 3], model="tiny-9999")
+        pull(empty_cache(), source(peer, model="tiny-9999"), [0, 1, 2, 3], model="tiny-9999")
 
 
 def test_oversized_header_closes_only_that_connection(peer: str) -> None:
@@ -231,22 +264,22 @@ def test_oversized_header_closes_only_that_connection(peer: str) -> None:
             await endpoint.close()
 
     run(scenario)
-    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    local = empty_cache()
     pull(local, source(peer), [0, 1, 2, 3])
-    assert torch.equal(local[:, :, [0, 1, 2, 3]], seeded_cache(7)[:, :, PUBLISHED_BLOCKS])
+    assert torch.equal(local[[0, 1, 2, 3]], seeded_cache(7)[PUBLISHED_BLOCKS])
 
 
-def test_pull_cancelled_mid_transfer_leaves_nothing_behind() -> None:
-    """P stalls after the first chunk of "slow" is on the wire; D's pull times out. D's blocks
-    are not written after the pull raised, its connection is dropped, both sides end with no
-    transfer in flight, and the same request then pulls intact on the same connectors.
-    A pull of "r" first opens the connection (its four chunks are gathers 1-4), so that the
-    short timeout covers only the transfer; gather 6 is the second chunk of "slow"."""
-    stall_s = 2.0
+def test_pull_timed_out_mid_transfer_leaves_nothing_behind() -> None:
+    """P holds back the second message of "slow" (send 6: a pull of "r" first opens the
+    connection with sends 1-4, so that the short timeout covers only the transfer). D's pull
+    times out, waits at most SETTLE_S for writes in flight, and drops its connection; nothing
+    writes into its blocks once the pull has raised, even after P sends on; both sides end
+    with no transfer in flight, and the same request then pulls intact."""
+    stall_s = 4.0
     remote = seeded_cache(7)
-    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    local = empty_cache()
     local_blocks = [6, 0, 8, 4]
-    with running_peer("--stall-at-gather", "6", "--stall-seconds", str(stall_s), "--drain-seconds", "5") as running:
+    with running_peer("--stall-at-send", "6", "--stall-seconds", str(stall_s), "--drain-seconds", "5") as running:
 
         async def scenario() -> None:
             connector = decode_connector(local)
@@ -256,26 +289,57 @@ def test_pull_cancelled_mid_transfer_leaves_nothing_behind() -> None:
                 started = time.monotonic()
                 with pytest.raises(KVTransferError, match="timed out after 0.5 s"):
                     await connector.pull(source(running.address, "slow", SLOW_BLOCKS), local_blocks, 0, timeout_s=0.5)
-                # Mid-pull: the first chunk landed, the others did not.
-                assert torch.equal(local[:, :, local_blocks[0]], remote[:, :, SLOW_BLOCKS[0]])
-                assert not local[:, :, local_blocks[1:]].any()
+                assert time.monotonic() - started < 0.5 + SETTLE_S + 1.0
+                # Mid-pull: every message but the held-back one landed.
+                assert not local[local_blocks[1]].any()
+                for index in (0, 2, 3):
+                    assert torch.equal(local[local_blocks[index]], remote[SLOW_BLOCKS[index]])
                 assert connector.num_transfers_in_flight == 0 and connector.num_idle_connections == 0
-                # Nothing writes into the blocks once the pull has raised, even after P wakes up and sends on.
                 local.zero_()
                 await asyncio.sleep(stall_s - (time.monotonic() - started) + 0.5)
                 assert not local.any()
                 await connector.pull(source(running.address, "slow", SLOW_BLOCKS), local_blocks, 0, timeout_s=10.0)
-                assert torch.equal(local[:, :, local_blocks], remote[:, :, SLOW_BLOCKS])
+                assert torch.equal(local[local_blocks], remote[SLOW_BLOCKS])
             finally:
                 await connector.close()
 
         run(scenario)
-        assert running.stop() == PeerState(transfers_in_flight=0, serving_connections=0)
+        assert running.stop() == PeerState(transfers_in_flight=0, serving_connections=0, messages_sent=12)
+
+
+def test_unpublish_cuts_off_a_pull_reading_the_blocks() -> None:
+    """P releases "slow" while a pull of it waits for its held-back second message: unpublish
+    returns only once nothing reads the blocks (the pull's sends are over), D's pull fails at
+    once rather than at its timeout, and a later pull of the request is refused."""
+    local = empty_cache()
+    with running_peer("--stall-at-send", "2", "--stall-seconds", "30", "--drain-seconds", "5") as running:
+
+        async def scenario() -> None:
+            connector = decode_connector(local)
+            try:
+                pulling = asyncio.ensure_future(connector.pull(source(running.address, "slow", SLOW_BLOCKS), [0, 1, 2, 3], 0, timeout_s=20.0))
+                while not local[3].any():  # the last message landed: only the held-back one is outstanding
+                    await asyncio.sleep(0.01)
+                started = time.monotonic()
+                answer = await asyncio.get_running_loop().run_in_executor(None, running.command, "unpublish slow")
+                assert answer == "unpublished"
+                assert running.state().transfers_in_flight == 0
+                with pytest.raises(KVTransferError, match="failed"):
+                    await pulling
+                assert time.monotonic() - started < 5.0
+                with pytest.raises(KVTransferError, match="no KV published for request 'slow'"):
+                    await connector.pull(source(running.address, "slow", SLOW_BLOCKS), [0, 1, 2, 3], 0, timeout_s=10.0)
+                assert connector.num_transfers_in_flight == 0
+            finally:
+                await connector.close()
+
+        run(scenario)
+        assert running.stop() == PeerState(transfers_in_flight=0, serving_connections=0, messages_sent=4)
 
 
 def test_idle_connection_the_peer_dropped_is_replaced() -> None:
     remote = seeded_cache(7)
-    local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    local = empty_cache()
     with running_peer() as running:
 
         async def scenario() -> None:
@@ -283,12 +347,10 @@ def test_idle_connection_the_peer_dropped_is_replaced() -> None:
             try:
                 await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
                 assert connector.num_idle_connections == 1
-                running.process.stdin.write("drop\n")
-                running.process.stdin.flush()
-                assert running.process.stdout.readline().strip() == "dropped"
+                assert running.command("drop") == "dropped"
                 local.zero_()
                 await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
-                assert torch.equal(local[:, :, [0, 1, 2, 3]], remote[:, :, PUBLISHED_BLOCKS])
+                assert torch.equal(local[[0, 1, 2, 3]], remote[PUBLISHED_BLOCKS])
                 assert connector.num_idle_connections == 1
             finally:
                 await connector.close()
@@ -298,4 +360,4 @@ def test_idle_connection_the_peer_dropped_is_replaced() -> None:
 
 def test_unreachable_peer_fails_fast_without_hanging() -> None:
     with pytest.raises(KVTransferError, match="127.0.0.1:9"):
-        pull(torch.zeros(SHAPE, dtype=torch.bfloat16), source("127.0.0.1:9"), [0, 1, 2, 3])
+        pull(empty_cache(), source("127.0.0.1:9"), [0, 1, 2, 3])

@@ -1,12 +1,16 @@
 """A prefill-side UCX connector in its own process, for tests: fills a KV cache with
-seeded random data, publishes blocks for requests "r" and "slow", prints its address,
-and serves until stdin closes (a line ``drop`` makes it close every connection from a
-decode side and answer ``dropped``); then it waits up to ``--drain-seconds`` for connections
-to close and prints its connector's state as one JSON line (:class:`PeerState`). Run as ``python -m tests.kv_connector.ucx_peer``.
+seeded random data, publishes blocks for requests "r", "slow" and "run", prints its
+address, and serves until stdin closes; then it waits up to ``--drain-seconds`` for
+connections to close and prints its connector's state as one JSON line
+(:class:`PeerState`). Run as ``python -m tests.kv_connector.ucx_peer``.
 
-``--stall-at-gather K --stall-seconds S`` blocks the peer's event loop for S seconds in
-the K-th chunk it gathers (counting from 1 over the peer's life): with one block per
-chunk and K=2, a pull stops right after its first chunk is on the wire.
+Commands on stdin, one per line, each answered with one line once done: ``drop`` closes
+every connection from a decode side (``dropped``); ``unpublish NAME`` unpublishes a
+request (``unpublished``); ``state`` prints the state as at exit.
+
+``--stall-at-send K --stall-seconds S`` holds back the K-th message the peer sends
+(counting from 1 over the peer's life) for S seconds, without blocking its event loop:
+the other messages of that pull go out, that one does not.
 """
 
 from __future__ import annotations
@@ -23,19 +27,21 @@ import torch
 from kv_connector.fingerprint import Fingerprint
 from kv_connector.ucx import UCXConnector
 
-SHAPE = (2, 2, 12, 16, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
+SHAPE = (12, 2, 2, 16, 2, 8)  # blocks, layers, K/V, block_size, kv_heads, head_dim (block-major)
 PUBLISHED_BLOCKS = [5, 2, 9, 7]
 SLOW_BLOCKS = [1, 10, 3, 11]  # request "slow", for stalls
+RUN_BLOCKS = [6, 7, 8, 9]  # request "run": consecutive ids
 
 
 @dataclass(frozen=True, slots=True)
 class PeerState:
     transfers_in_flight: int
     serving_connections: int
+    messages_sent: int = 0
 
 
 def fingerprint(model: str = "tiny-0123") -> Fingerprint:
-    return Fingerprint(model=model, dtype="bfloat16", block_size=SHAPE[3], num_layers=SHAPE[0], num_kv_heads=SHAPE[4], head_dim=SHAPE[5])
+    return Fingerprint(model=model, dtype="bfloat16", block_size=SHAPE[3], num_layers=SHAPE[1], num_kv_heads=SHAPE[4], head_dim=SHAPE[5])
 
 
 def seeded_cache(seed: int) -> torch.Tensor:
@@ -43,19 +49,27 @@ def seeded_cache(seed: int) -> torch.Tensor:
 
 
 class StallingConnector(UCXConnector):
-    """Blocks the event loop once, in the ``stall_at``-th chunk gather."""
+    """Counts the messages it sends, and holds back the ``stall_at``-th for ``stall_s`` seconds."""
 
     def __init__(self, *args, stall_at: int, stall_s: float, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self._stall_at = stall_at
         self._stall_s = stall_s
-        self._num_gathers = 0
+        self.num_sends = 0
 
-    def _gather_chunk(self, block_ids: list[int], slot: torch.Tensor) -> None:
-        self._num_gathers += 1
-        if self._num_gathers == self._stall_at:
-            time.sleep(self._stall_s)
-        super()._gather_chunk(block_ids, slot)
+    def _send(self, endpoint, blocks: torch.Tensor, tag: int) -> asyncio.Future:  # noqa: ANN001
+        self.num_sends += 1
+        if self.num_sends != self._stall_at:
+            return super()._send(endpoint, blocks, tag)
+
+        async def stalled() -> None:
+            await asyncio.sleep(self._stall_s)
+            await super(StallingConnector, self)._send(endpoint, blocks, tag)
+
+        return asyncio.ensure_future(stalled())
+
+    def state(self) -> PeerState:
+        return PeerState(self.num_transfers_in_flight, self.num_serving_connections, self.num_sends)
 
     async def drop_connections(self) -> None:
         """Close every decode-side connection, as a restarted prefill instance would have."""
@@ -65,26 +79,30 @@ class StallingConnector(UCXConnector):
 
 async def serve(args: argparse.Namespace) -> None:
     cache = seeded_cache(args.seed)
-    connector = StallingConnector(
-        cache, fingerprint(args.model), blocks_per_chunk=args.blocks_per_chunk, stall_at=args.stall_at_gather, stall_s=args.stall_seconds
-    )
+    connector = StallingConnector(cache, fingerprint(args.model), stall_at=args.stall_at_send, stall_s=args.stall_seconds)
     address = await connector.start("127.0.0.1", args.port)
-    connector.publish("r", PUBLISHED_BLOCKS, token_ids=list(range(60)))
-    connector.publish("slow", SLOW_BLOCKS, token_ids=list(range(60)))
+    for name, blocks in (("r", PUBLISHED_BLOCKS), ("slow", SLOW_BLOCKS), ("run", RUN_BLOCKS)):
+        connector.publish(name, blocks, token_ids=list(range(60)))
     print(address, flush=True)
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):  # "" once the test closes stdin
-        if line.strip() != "drop":
+        command, *operands = line.split()
+        if command == "drop":
+            await connector.drop_connections()
+            while connector.num_serving_connections:
+                await asyncio.sleep(0.01)
+            print("dropped", flush=True)
+        elif command == "unpublish":
+            await connector.unpublish(operands[0])
+            print("unpublished", flush=True)
+        elif command == "state":
+            print(json.dumps(asdict(connector.state())), flush=True)
+        else:
             raise ValueError(f"unknown command {line!r}")
-        await connector.drop_connections()
-        while connector.num_serving_connections:
-            await asyncio.sleep(0.01)
-        print("dropped", flush=True)
     deadline = time.monotonic() + args.drain_seconds  # connections the test closed end on their own, soon
     while connector.num_serving_connections and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    state = PeerState(connector.num_transfers_in_flight, connector.num_serving_connections)
-    print(json.dumps(asdict(state)), flush=True)
+    print(json.dumps(asdict(connector.state())), flush=True)
     await connector.close()
 
 
@@ -93,8 +111,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="tiny-0123")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--blocks-per-chunk", type=int, default=None)
-    parser.add_argument("--stall-at-gather", type=int, default=0, help="0: never stall")
+    parser.add_argument("--stall-at-send", type=int, default=0, help="0: never stall")
     parser.add_argument("--stall-seconds", type=float, default=0.0)
     parser.add_argument("--drain-seconds", type=float, default=0.0, help="wait up to this long for open connections to end before reporting")
     asyncio.run(serve(parser.parse_args()))
