@@ -1,19 +1,27 @@
-"""KV transfer bandwidth: the UCX connector moving one request's KV between two processes,
-beside raw UCX and a plain memcpy of the same bytes, all measured in the same run.
+"""KV transfer bandwidth of the UCX connector, beside raw UCX and memcpy of the same bytes.
 
-For each prompt length, a prefill-side process (``bench.kv_transfer_peer``) holds a KV
-cache of the model's shape and publishes the request's blocks at scattered, shuffled
-block ids; this process, the decode side, times :meth:`UCXConnector.pull` into its own
-scattered block ids. Beside it: the same bytes as one contiguous buffer over plain ucxx
-send/recv between the same two processes, on the same ucxx runtime, and ``torch``
-``copy_`` in-process. Connector pulls and raw transfers alternate (each repeat runs
-both, in alternating order), so that both see the same load on a shared machine; every
-timing is the median and best of ``--repeats`` runs after one untimed warm-up, and the
-pulled bytes are checked once. A breakdown shows the connector's parts on their own
-(connection, header round trip, gather, scatter, the same bytes as raw UCX in the
-connector's chunks) and both paths' CPU time per transfer in each process; unless
-``--skip-prefill``, the engine's prefill of the same prompt puts the transfer in
-proportion::
+The connector moves one request's KV between two processes; raw UCX and a plain memcpy
+of the same bytes are measured in the same run. For each prompt length, a prefill-side
+process (``bench.kv_transfer_peer``) holds a block-major KV cache of the model's shape
+(engine/kv_cache_layout.py) and publishes the request twice; this process, the decode
+side, times :meth:`UCXConnector.pull` of each into its own cache:
+
+- scattered blocks: shuffled ids on both sides, none followed by its successor, so the
+  connector sends one message per block (the realistic worst case, a long-running
+  engine's fragmented cache);
+- consecutive blocks: ids ``0 .. n-1`` on both sides, as a freshly started engine
+  allocates them, so the connector sends messages of up to ``MAX_MESSAGE_BYTES``.
+
+Beside them: the same bytes as one contiguous buffer over plain ucxx send/recv between
+the same two processes, on the same ucxx runtime, and ``torch`` ``copy_`` in-process.
+Connector pulls and raw transfers interleave (each repeat runs all three, in rotating
+order), so that all see the same load on a shared machine; every timing is the median
+and best of ``--repeats`` runs after one untimed warm-up, and the pulled bytes are
+checked once. A breakdown times parts of a pull on their own (a new connection, the
+header round trip, the same bytes as raw UCX cut into the connector's messages for
+each layout: its wire pattern with no connector logic) and every path's CPU time per
+transfer in each process; unless ``--skip-prefill``, the engine's prefill of the same
+prompt puts the transfer in proportion::
 
     python -m bench.kv_transfer --prompt-tokens 512 2048 8192 --output-json kv_transfer.json
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -32,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -42,24 +52,27 @@ import numpy as np
 import torch
 
 from bench.kv_transfer_peer import (
-    OP_CHUNKS,
+    BLOCK_LAYOUTS,
     OP_CPU,
+    OP_MESSAGES,
     OP_PING,
     OP_SEND,
+    BlockLayout,
     PeerReady,
     PeerSpec,
+    empty_cache,
+    message_slices,
     process_cpu_s,
     raw_command,
+    request_block_ids,
     request_id,
-    scattered_block_ids,
     seeded_cache,
     seeded_payload,
 )
 from kv_connector.base import KVSource, gather_blocks
-from kv_connector.block_copy import BlockCopier
-from kv_connector.ucx import RING_DEPTH, UCXConnector  # imports ucxx only when used, after the UCX environment is set
-from kv_connector.ucx_messages import ChunkPlan
+from kv_connector.ucx import WINDOW, UCXConnector  # imports ucxx only when used, after the UCX environment is set
 from kv_connector.ucx_context import ucxx_for_running_loop
+from kv_connector.ucx_messages import plan_messages
 from kv_connector.wire import PullReply, PullRequest, encode
 
 logger = logging.getLogger(__name__)
@@ -117,18 +130,22 @@ class LengthResult:
     num_tokens: int
     num_blocks: int
     num_bytes: int
-    connector: Samples
+    connector: dict[BlockLayout, Samples]
+    num_messages: dict[BlockLayout, int]  # per pull, as the connector plans it
     raw_ucx: Samples
     memcpy: Samples
-    # Parts of the connector's time, each measured on its own (see measure_breakdown).
+    # Parts of a pull, each measured on its own (see measure_breakdown).
     breakdown: dict[str, Samples] = field(default_factory=dict)
-    # CPU milliseconds per transfer, by path ("connector", "raw UCX") and process ("decode", "prefill").
+    # CPU milliseconds per transfer, by path (path_name) and process ("decode", "prefill").
     cpu_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    @property
-    def overhead_vs_raw(self) -> float:
+    def overhead_vs_raw(self, layout: BlockLayout) -> float:
         """The connector's median time over raw UCX's, minus one (0.2 = 20% slower)."""
-        return self.connector.median_s / self.raw_ucx.median_s - 1.0
+        return self.connector[layout].median_s / self.raw_ucx.median_s - 1.0
+
+
+def path_name(layout: BlockLayout) -> str:
+    return f"connector, {layout} blocks"
 
 
 @dataclass(slots=True)
@@ -242,22 +259,20 @@ class RawClient:
 
         await asyncio.wait_for(exchange(), self._timeout_s)
 
-    async def fetch_chunks(self, buffer: np.ndarray, chunk_bytes: int) -> None:
-        """Like :meth:`fetch`, the payload in messages of ``chunk_bytes`` with at most
-        ``RING_DEPTH`` receives posted: the connector's wire pattern without its copies."""
+    async def fetch_messages(self, buffer: np.ndarray, message_bytes: int) -> None:
+        """Like :meth:`fetch`, the payload in tagged messages of ``message_bytes`` with at most
+        ``WINDOW`` receives posted, as the connector receives a pull: its wire pattern with
+        no connector logic."""
         async def exchange() -> None:
-            await self._endpoint.send_obj(raw_command(OP_CHUNKS, buffer.nbytes, chunk_bytes))
-            starts = range(0, buffer.nbytes, chunk_bytes)
-            receives = [self._receive(buffer, start, chunk_bytes, index) for index, start in enumerate(starts[:RING_DEPTH])]
-            for index in range(len(starts)):
-                await receives[index]
-                if index + RING_DEPTH < len(starts):
-                    receives.append(self._receive(buffer, starts[index + RING_DEPTH], chunk_bytes, index + RING_DEPTH))
+            await self._endpoint.send_obj(raw_command(OP_MESSAGES, buffer.nbytes, message_bytes))
+            receives: deque[asyncio.Future] = deque()
+            for index, span in enumerate(message_slices(buffer.nbytes, message_bytes)):
+                if len(receives) >= WINDOW:
+                    await receives.popleft()
+                receives.append(asyncio.ensure_future(self._endpoint.recv(buffer[span], tag=index)))
+            await asyncio.gather(*receives)
 
         await asyncio.wait_for(exchange(), self._timeout_s)
-
-    def _receive(self, buffer: np.ndarray, start: int, chunk_bytes: int, index: int) -> asyncio.Future:
-        return asyncio.ensure_future(self._endpoint.recv(buffer[start:start + chunk_bytes], tag=index))
 
     async def ping(self, request_bytes: int, reply_bytes: int) -> None:
         """The connector's header exchange without the connector: ``send_obj`` of a
@@ -293,16 +308,18 @@ async def timed_async(run: Callable[[], Awaitable[object]], repeats: int) -> Sam
     return Samples(seconds)
 
 
-async def timed_alternating(first: Callable[[], Awaitable[object]], second: Callable[[], Awaitable[object]], repeats: int) -> tuple[Samples, Samples]:
-    """``repeats`` timed awaits of each, interleaved (first-second, then second-first, ...),
-    so that both see the same moments of a shared machine's load."""
-    seconds: tuple[list[float], list[float]] = ([], [])
+async def timed_interleaved(runs: list[Callable[[], Awaitable[object]]], repeats: int) -> list[Samples]:
+    """``repeats`` timed awaits of each run, interleaved in an order that rotates every
+    repeat (a-b-c, b-c-a, c-a-b, ...), so that all see the same moments of a shared
+    machine's load and none always follows the same one."""
+    seconds: list[list[float]] = [[] for _ in runs]
     for repeat in range(repeats):
-        for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
+        for offset in range(len(runs)):
+            which = (repeat + offset) % len(runs)
             start = time.perf_counter()
-            await (first, second)[which]()
+            await runs[which]()
             seconds[which].append(time.perf_counter() - start)
-    return Samples(seconds[0]), Samples(seconds[1])
+    return [Samples(s) for s in seconds]
 
 
 def timed(run: Callable[[], object], repeats: int) -> Samples:
@@ -333,47 +350,88 @@ class Bench:
     raw: RawClient
     connector: UCXConnector  # the decode side's, on local_cache; its connection stays open, as a decode instance's does
     local_cache: torch.Tensor  # the decode side's KV cache, pulled into
-    remote_cache: torch.Tensor  # a copy of the peer's, to check bytes against and to time the peer's gather
+    remote_cache: torch.Tensor  # a copy of the peer's, to check pulled bytes against
     payload: torch.Tensor  # a copy of the peer's raw payload
     repeats: int
     timeout_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class PullCase:
+    """One request the peer published and the decode-side blocks it is pulled into."""
+
+    layout: BlockLayout
+    source: KVSource
+    local_ids: list[int]
+    message_blocks: list[int]  # blocks per message, as the connector plans this pull
+
+    @classmethod
+    def make(cls, bench: Bench, layout: BlockLayout, num_tokens: int) -> PullCase:
+        spec = bench.spec
+        num_blocks = -(-num_tokens // spec.block_size)
+        remote_ids = request_block_ids("prefill", layout, spec, num_blocks)
+        local_ids = request_block_ids("decode", layout, spec, num_blocks)
+        source = KVSource(request_id(num_blocks, layout), bench.peer.ready.connector_address, tuple(remote_ids), num_tokens, spec.fingerprint)
+        return cls(layout, source, local_ids, plan_messages(remote_ids, local_ids, bench.connector.max_message_blocks))
+
+    def message_bytes(self, bytes_per_block: int) -> int:
+        """The size of this pull's messages for the raw mode, which cuts its payload into
+        equal messages but a shorter last one: the connector's plan must be such a cut."""
+        first = self.message_blocks[0]
+        if any(count != first for count in self.message_blocks[:-1]) or self.message_blocks[-1] > first:
+            raise RuntimeError(f"the connector plans messages of {self.message_blocks} blocks, not a cut raw messages can mimic (bug in the bench)")
+        return first * bytes_per_block
+
+
+def pull_of(bench: Bench, case: PullCase) -> Callable[[], Awaitable[object]]:
+    return lambda: bench.connector.pull(case.source, case.local_ids, 0, bench.timeout_s)
+
+
+async def checked_pull(bench: Bench, case: PullCase, num_bytes: int) -> None:
+    """One pull into zeroed blocks, its bytes compared with the peer's."""
+    bench.local_cache[case.local_ids] = 0
+    stats = await pull_of(bench, case)()
+    if stats.num_bytes != num_bytes:
+        raise RuntimeError(f"the connector moved {stats.num_bytes} bytes for {len(case.local_ids)} blocks, expected {num_bytes} (bug)")
+    check_blocks(bench.local_cache, case.local_ids, bench.remote_cache, list(case.source.block_ids))
+
+
+def check_raw(bench: Bench, received: np.ndarray, what: str) -> None:
+    if not np.array_equal(received, bench.payload[: received.nbytes].numpy()):
+        raise RuntimeError(f"{what} delivered different bytes than the peer sent (bug in the bench)")
+
+
 async def measure_length(bench: Bench, num_tokens: int) -> LengthResult:
     """Every measurement for one prompt length."""
-    spec, repeats, connector = bench.spec, bench.repeats, bench.connector
-    num_blocks = -(-num_tokens // spec.block_size)
-    remote_ids = scattered_block_ids("prefill", spec.seed, spec.num_cache_blocks, num_blocks)
-    local_ids = scattered_block_ids("decode", spec.seed, spec.num_cache_blocks, num_blocks)
-    source = KVSource(request_id(num_blocks), bench.peer.ready.connector_address, tuple(remote_ids), num_tokens, spec.fingerprint)
-    num_bytes = num_blocks * spec.bytes_per_block
-
-    async def pull() -> None:
-        await connector.pull(source, local_ids, 0, bench.timeout_s)
-
-    receive = torch.zeros(num_bytes, dtype=torch.uint8)
+    cases = {layout: PullCase.make(bench, layout, num_tokens) for layout in BLOCK_LAYOUTS}
+    num_blocks = len(cases["scattered"].local_ids)
+    num_bytes = num_blocks * bench.spec.bytes_per_block
+    pulls = {layout: pull_of(bench, case) for layout, case in cases.items()}
+    receive = np.zeros(num_bytes, dtype=np.uint8)
 
     async def fetch() -> None:
-        await bench.raw.fetch(receive.numpy())
+        await bench.raw.fetch(receive)
 
-    # Warm-ups, checked bytewise: a pull into zeroed blocks, a raw transfer into a zeroed buffer.
-    bench.local_cache[:, :, local_ids] = 0
-    stats = await connector.pull(source, local_ids, 0, bench.timeout_s)
-    if stats.num_bytes != num_bytes:
-        raise RuntimeError(f"the connector moved {stats.num_bytes} bytes for {num_blocks} blocks, expected {num_bytes} (bug)")
-    check_blocks(bench.local_cache, local_ids, bench.remote_cache, remote_ids)
+    # Warm-ups, checked bytewise: pulls into zeroed blocks, a raw transfer into a zeroed buffer.
+    for case in cases.values():
+        await checked_pull(bench, case, num_bytes)
     await fetch()
-    if not torch.equal(receive, bench.payload[:num_bytes]):
-        raise RuntimeError("raw UCX delivered different bytes than the peer sent (bug in the bench)")
+    check_raw(bench, receive, "raw UCX")
 
-    connector_samples, raw_samples = await timed_alternating(pull, fetch, repeats)
-    cpu_ms = {"connector": await cpu_per_transfer(bench, pull), "raw UCX": await cpu_per_transfer(bench, fetch)}
+    *connector_samples, raw_samples = await timed_interleaved([*pulls.values(), fetch], bench.repeats)
+    cpu_ms = {path_name(layout): await cpu_per_transfer(bench, pull) for layout, pull in pulls.items()}
+    cpu_ms["raw UCX"] = await cpu_per_transfer(bench, fetch)
 
-    destination = torch.empty_like(receive)
-    memcpy_samples = timed(lambda: destination.copy_(receive), repeats)
+    received, destination = torch.from_numpy(receive), torch.empty(num_bytes, dtype=torch.uint8)
+    memcpy_samples = timed(lambda: destination.copy_(received), bench.repeats)
 
-    breakdown = await measure_breakdown(bench, source, local_ids, num_bytes)
-    return LengthResult(num_tokens, num_blocks, num_bytes, connector_samples, raw_samples, memcpy_samples, breakdown, cpu_ms)
+    breakdown = await measure_breakdown(bench, cases, num_bytes)
+    return LengthResult(
+        num_tokens, num_blocks, num_bytes,
+        connector=dict(zip(pulls, connector_samples, strict=True)),
+        num_messages={layout: len(case.message_blocks) for layout, case in cases.items()},
+        raw_ucx=raw_samples, memcpy=memcpy_samples, breakdown=breakdown, cpu_ms=cpu_ms,
+    )
 
 
 async def cpu_per_transfer(bench: Bench, transfer: Callable[[], Awaitable[object]]) -> dict[str, float]:
@@ -386,26 +444,21 @@ async def cpu_per_transfer(bench: Bench, transfer: Callable[[], Awaitable[object
     return {"decode": decode_s * 1e3 / bench.repeats, "prefill": prefill_s * 1e3 / bench.repeats}
 
 
-async def measure_breakdown(bench: Bench, source: KVSource, local_ids: list[int], num_bytes: int) -> dict[str, Samples]:
-    """The parts of one pull, each timed on its own:
+async def measure_breakdown(bench: Bench, cases: dict[BlockLayout, PullCase], num_bytes: int) -> dict[str, Samples]:
+    """Parts of a pull, each timed on its own:
 
     - ``connect``: a new connection to the peer's connector, closed after (a decode
       instance makes one per prefill instance and keeps it);
-    - ``header_round_trip``: the request and reply headers over an open raw endpoint;
-    - ``gather``: the peer's copies of the scattered blocks into its staging chunks, one
-      chunk after another (run here, on an identical cache: the peer runs the same
-      calls on the same CPU); in a pull they overlap the wire;
-    - ``scatter``: the pull's copies from staging chunks into the decode cache's blocks;
-    - ``raw_chunked``: raw UCX of the same bytes in the connector's chunks, with as many
-      in flight as the connector has staging buffers: the connector's wire without copies.
+    - ``header_round_trip``: the scattered pull's request and reply headers (the larger
+      request of the two) over an open raw endpoint;
+    - ``raw_<layout>_messages``: raw UCX of the same bytes cut as the connector cuts that
+      layout's pull, at most ``WINDOW`` messages in flight on each side: the connector's
+      wire pattern with no connector logic.
     """
-    repeats, connector = bench.repeats, bench.connector
-    remote_ids = list(source.block_ids)
-    plan = ChunkPlan(len(remote_ids), connector.blocks_per_chunk)
-    chunk_bytes = connector.blocks_per_chunk * bench.spec.bytes_per_block
-    layers, kv, _, block_size, heads, head_dim = bench.local_cache.shape
-    request = encode(PullRequest(source.request_id, remote_ids, source.fingerprint))
-    reply = encode(PullReply(ok=True, num_bytes=num_bytes, shape=[plan.num_chunks, layers, kv, plan.blocks_per_chunk, block_size, heads, head_dim], dtype=bench.spec.dtype))
+    repeats, scattered = bench.repeats, cases["scattered"]
+    source = scattered.source
+    request = encode(PullRequest(source.request_id, list(source.block_ids), source.fingerprint, scattered.message_blocks))
+    reply = encode(PullReply(ok=True, num_bytes=num_bytes, shape=list(bench.local_cache.shape[1:]), dtype=bench.spec.dtype))
 
     async def connect() -> None:
         ucxx = ucxx_for_running_loop()
@@ -414,30 +467,22 @@ async def measure_breakdown(bench: Bench, source: KVSource, local_ids: list[int]
         await endpoint.close()
 
     await connect()
-    connect_samples = await timed_async(connect, repeats)
+    breakdown = {"connect": await timed_async(connect, repeats)}
     await bench.raw.ping(len(request), len(reply))
-    header_round_trip = await timed_async(lambda: bench.raw.ping(len(request), len(reply)), repeats)
-    receive = np.zeros(num_bytes, dtype=np.uint8)
-    await bench.raw.fetch_chunks(receive, chunk_bytes)
-    raw_chunked = await timed_async(lambda: bench.raw.fetch_chunks(receive, chunk_bytes), repeats)
-
-    ring = [torch.zeros(chunk_bytes, dtype=torch.uint8) for _ in range(RING_DEPTH)]
-    remote_copier, local_copier = BlockCopier(bench.remote_cache), BlockCopier(bench.local_cache)
-
-    def each_chunk(copy: Callable[[list[int], torch.Tensor], None], block_ids: list[int]) -> None:
-        for chunk in range(plan.num_chunks):
-            start, stop = plan.bounds(chunk)
-            copy(block_ids[start:stop], ring[chunk % RING_DEPTH])
-
-    gather = timed(lambda: each_chunk(remote_copier.gather, remote_ids), repeats)
-    scatter = timed(lambda: each_chunk(local_copier.scatter, local_ids), repeats)
-    return {"connect": connect_samples, "header_round_trip": header_round_trip, "gather": gather, "scatter": scatter, "raw_chunked": raw_chunked}
+    breakdown["header_round_trip"] = await timed_async(lambda: bench.raw.ping(len(request), len(reply)), repeats)
+    for layout, case in cases.items():
+        receive = np.zeros(num_bytes, dtype=np.uint8)
+        fetch = functools.partial(bench.raw.fetch_messages, receive, case.message_bytes(bench.spec.bytes_per_block))
+        await fetch()
+        check_raw(bench, receive, f"raw UCX in {layout} messages")
+        breakdown[f"raw_{layout}_messages"] = await timed_async(fetch, repeats)
+    return breakdown
 
 
 async def measure_transfers(spec: PeerSpec, prompt_tokens: list[int], repeats: int, timeout_s: float) -> list[LengthResult]:
     logger.info("building the reference cache (%.0f MiB) and payload to check bytes against", spec.num_cache_blocks * spec.bytes_per_block / _MIB)
     remote_cache = seeded_cache(spec)
-    local_cache = torch.zeros(spec.cache_shape, dtype=remote_cache.dtype)
+    local_cache = empty_cache(spec)
     with peer_process(spec) as peer:
         logger.info("peer ready: connector at %s", peer.ready.connector_address)
         raw = await RawClient.connect(peer, timeout_s)
@@ -486,43 +531,57 @@ def format_report(
         f"{spec.block_size}-token blocks = {spec.bytes_per_block:,} bytes/block; "
         f"median and best of {repeats} runs after 1 warm-up",
         "",
-        f"{'tokens':>6} {'blocks':>6} {'MiB':>8}  {'path':<10} {'median ms':>10} {'best ms':>9} {'med GiB/s':>10} {'best GiB/s':>11} {'vs raw UCX':>11}",
+        f"{'tokens':>6} {'blocks':>6} {'MiB':>8}  {'path':<29} {'messages':>8} {'median ms':>10} {'best ms':>9} "
+        f"{'med GiB/s':>10} {'best GiB/s':>11} {'vs raw UCX':>11}",
     ]
     for r in results:
-        for name, samples in (("connector", r.connector), ("raw UCX", r.raw_ucx), ("memcpy", r.memcpy)):
+        rows = [(path_name(layout), r.connector[layout], str(r.num_messages[layout])) for layout in BLOCK_LAYOUTS]
+        rows += [("raw UCX", r.raw_ucx, "1"), ("memcpy", r.memcpy, "")]
+        for index, (name, samples, num_messages) in enumerate(rows):
             figures = samples.summary(r.num_bytes)
-            versus = f"{samples.median_s / r.raw_ucx.median_s - 1:+.1%}" if name != "raw UCX" else ""
-            head = f"{r.num_tokens:>6} {r.num_blocks:>6} {r.num_bytes / _MIB:>8.2f}" if name == "connector" else " " * 22
+            versus = f"{samples.median_s / r.raw_ucx.median_s - 1:+.1%}" if samples is not r.raw_ucx else ""
+            head = f"{r.num_tokens:>6} {r.num_blocks:>6} {r.num_bytes / _MIB:>8.2f}" if index == 0 else " " * 22
             lines.append(
-                f"{head}  {name:<10} {figures['median_ms']:>10.2f} {figures['best_ms']:>9.2f} "
+                f"{head}  {name:<29} {num_messages:>8} {figures['median_ms']:>10.2f} {figures['best_ms']:>9.2f} "
                 f"{figures['median_gib_per_s']:>10.2f} {figures['best_gib_per_s']:>11.2f} {versus:>11}"
             )
     lines += [
         "",
-        "connector breakdown, median ms, parts timed on their own: connect = a new connection (made once per prefill",
-        "instance, then kept); headers = the request and reply headers over raw UCX; gather / scatter = the copies",
-        "between scattered blocks and staging chunks on each side, chunk after chunk; raw chunked = raw UCX of the same",
-        "bytes in the connector's chunks (the wire without copies). In a pull the copies overlap the wire.",
-        "CPU ms per transfer (decode process + prefill process, all threads) for the connector and raw UCX.",
-        f"{'tokens':>6} {'pull':>8} {'raw':>8} {'connect':>8} {'headers':>8} {'gather':>8} {'scatter':>8} {'raw chunked':>12} "
-        f"{'overhead':>9} {'pull CPU D+P':>14} {'raw CPU D+P':>13}",
+        "breakdown, median ms, parts timed on their own: connect = a new connection (made once per prefill instance,",
+        "then kept); headers = the pull's request and reply headers over raw UCX; raw = raw UCX in one message; raw in",
+        "scattered / consecutive messages = raw UCX of the same bytes cut as the connector cuts that pull, at most",
+        f"{WINDOW} in flight (its wire pattern with no connector logic); pull = the connector's pull, from the table above.",
+        f"{'tokens':>6} {'connect':>8} {'headers':>8} {'raw':>8} {'raw in scattered':>17} {'pull scattered':>15} "
+        f"{'raw in consecutive':>19} {'pull consecutive':>17}",
     ]
     for r in results:
         b = {name: samples.median_s * 1e3 for name, samples in r.breakdown.items()}
-        pull_cpu, raw_cpu = r.cpu_ms["connector"], r.cpu_ms["raw UCX"]
         lines.append(
-            f"{r.num_tokens:>6} {r.connector.median_s * 1e3:>8.2f} {r.raw_ucx.median_s * 1e3:>8.2f} {b['connect']:>8.2f} "
-            f"{b['header_round_trip']:>8.2f} {b['gather']:>8.2f} {b['scatter']:>8.2f} {b['raw_chunked']:>12.2f} "
-            f"{r.overhead_vs_raw:>+9.1%} {pull_cpu['decode']:>6.1f}+{pull_cpu['prefill']:<7.1f} {raw_cpu['decode']:>5.1f}+{raw_cpu['prefill']:<7.1f}"
+            f"{r.num_tokens:>6} {b['connect']:>8.2f} {b['header_round_trip']:>8.2f} {r.raw_ucx.median_s * 1e3:>8.2f} "
+            f"{b['raw_scattered_messages']:>17.2f} {r.connector['scattered'].median_s * 1e3:>15.2f} "
+            f"{b['raw_consecutive_messages']:>19.2f} {r.connector['consecutive'].median_s * 1e3:>17.2f}"
         )
+    paths = [path_name(layout) for layout in BLOCK_LAYOUTS] + ["raw UCX"]
+    lines += [
+        "",
+        "CPU ms per transfer, decode process + prefill process, all threads:",
+        f"{'tokens':>6} " + " ".join(f"{path:>30}" for path in paths),
+    ]
+    for r in results:
+        cells = (f"{r.cpu_ms[path]['decode']:.1f} + {r.cpu_ms[path]['prefill']:.1f}" for path in paths)
+        lines.append(f"{r.num_tokens:>6} " + " ".join(f"{cell:>30}" for cell in cells))
     if prefill is not None:
         transfer = next(r for r in results if r.num_tokens == prefill.num_tokens)
-        ratio = transfer.connector.median_s / prefill.samples.median_s
+        prefill_ms = prefill.samples.median_s * 1e3
+        ratios = ", ".join(
+            f"{layout} {transfer.connector[layout].median_s * 1e3:.2f} ms = {transfer.connector[layout].median_s / prefill.samples.median_s:.1%}"
+            for layout in BLOCK_LAYOUTS
+        )
         lines += [
             "",
-            f"prefill of {prefill.num_tokens} tokens: median {prefill.samples.median_s * 1e3:.1f} ms, best {prefill.samples.best_s * 1e3:.1f} ms "
+            f"prefill of {prefill.num_tokens} tokens: median {prefill_ms:.1f} ms, best {prefill.samples.best_s * 1e3:.1f} ms "
             f"({len(prefill.samples.seconds)} runs after 1 warm-up)",
-            f"connector pull / prefill: {transfer.connector.median_s * 1e3:.2f} / {prefill.samples.median_s * 1e3:.1f} ms = {ratio:.1%} (target < 10%)",
+            f"connector pull / prefill: {ratios} (target < 10%)",
         ]
     return "\n".join(lines)
 
@@ -539,10 +598,17 @@ def report_json(
                 "num_tokens": r.num_tokens,
                 "num_blocks": r.num_blocks,
                 "num_bytes": r.num_bytes,
-                "connector": {**r.connector.summary(r.num_bytes), "seconds": r.connector.seconds},
+                "connector": {
+                    layout: {
+                        **r.connector[layout].summary(r.num_bytes),
+                        "seconds": r.connector[layout].seconds,
+                        "num_messages": r.num_messages[layout],
+                        "overhead_vs_raw_pct": r.overhead_vs_raw(layout) * 100,
+                    }
+                    for layout in BLOCK_LAYOUTS
+                },
                 "raw_ucx": {**r.raw_ucx.summary(r.num_bytes), "seconds": r.raw_ucx.seconds},
                 "memcpy": {**r.memcpy.summary(r.num_bytes), "seconds": r.memcpy.seconds},
-                "connector_overhead_vs_raw_pct": r.overhead_vs_raw * 100,
                 "breakdown": {name: {**s.summary(), "seconds": s.seconds} for name, s in r.breakdown.items()},
                 "cpu_ms_per_transfer": r.cpu_ms,
             }
@@ -555,7 +621,7 @@ def report_json(
             "num_tokens": prefill.num_tokens,
             **prefill.samples.summary(),
             "seconds": prefill.samples.seconds,
-            "transfer_over_prefill": transfer.connector.median_s / prefill.samples.median_s,
+            "transfer_over_prefill": {layout: transfer.connector[layout].median_s / prefill.samples.median_s for layout in BLOCK_LAYOUTS},
         }
     return report
 

@@ -139,7 +139,10 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             instance.transfers.add(stats)
             pending.transfer = _transfer_proto(stats, first_block, recomputed=False)
             instance.engine.finish_kv_load(load.request_id, success=True)
-            logger.info("pulled %d blocks (%d bytes) for %s in %.4f s", stats.num_blocks, stats.num_bytes, load.request_id, stats.seconds)
+            logger.info(
+                "pulled %d blocks (%d bytes, %d messages) for %s in %.4f s",
+                stats.num_blocks, stats.num_bytes, stats.num_messages, load.request_id, stats.seconds,
+            )
         # Not awaited: the release must reach P even if this request ends (and cancels its pull) first.
         release = asyncio.ensure_future(self._release_on_prefill(pending))
         self._background.add(release)

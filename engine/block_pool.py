@@ -105,7 +105,15 @@ class BlockPool:
             block.ref_cnt += 1
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop ``num_blocks`` blocks off the free queue (evicting their cached KV), each with ref count 1."""
+        """Pop ``num_blocks`` blocks off the free queue (evicting their cached KV), each with ref count 1,
+        in ascending id order.
+
+        Which blocks are taken is the eviction order's choice alone; handing them out sorted
+        only decides which position of the request each one holds. Blocks freed together
+        (one request's, which are freed tail first) come back as a run of consecutive ids,
+        and sorted they stay a run in prompt order, so a request's KV lies in a few
+        contiguous spans of the block-major cache, which a KV connector moves as a few
+        large messages instead of one per block."""
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(f"asked for {num_blocks} blocks with {self.num_free_blocks} free (bug)")
         new_blocks = []
@@ -114,6 +122,7 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
+        new_blocks.sort(key=lambda block: block.block_id)
         return new_blocks
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:

@@ -53,6 +53,9 @@ class TransferStats:
     num_blocks: int
     num_bytes: int
     seconds: float
+    # Transport messages the pull took (UCX: one per span of blocks consecutive on both
+    # sides; LMCache: chunks fetched). Many per block means a fragmented cache.
+    num_messages: int = 0
 
 
 class KVConnector(abc.ABC):

@@ -208,6 +208,7 @@ class LMCacheConnector(KVConnector):
             num_blocks=num_blocks - first_block,
             num_bytes=staging.numel() * staging.element_size(),
             seconds=time.perf_counter() - started,
+            num_messages=math.ceil((len(tokens) - fetch_start) / self.chunk_size),
         )
 
     # -------------------------------------------------------------- internals

@@ -69,11 +69,13 @@ from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_rep
 
 logger = logging.getLogger(__name__)
 
-# Messages: large enough that per-message costs (a Python await, UCX's rendezvous) stay
-# small, small enough that many are in flight at once. On the 2-core development VM 128
-# messages of 360 KiB moved as fast as one of 45 MiB (docs/benchmarks.md).
+# Messages: large enough that per-message costs (Python awaits, UCX's rendezvous) stay
+# small, small enough that several are in flight at once. On the 2-core development VM,
+# raw ucxx moved 4 MiB messages as fast as one large one, one-block (360 KiB) messages
+# 20-35% slower (docs/benchmarks.md). A window of 32 moved them faster than 8 and as
+# fast as 128; ucxx warns (and allocates) when more requests wait than its futures pool holds.
 MAX_MESSAGE_BYTES = 4 << 20
-WINDOW = 8  # messages in flight per pull and side (ucxx's pool of request futures is small)
+WINDOW = 32  # messages in flight per pull and side
 SETTLE_S = 1.0  # how long a failed pull waits for writes P may have started (module docstring)
 MAX_IDLE_CONNECTIONS_PER_PEER = 4
 
@@ -101,6 +103,7 @@ class UCXConnector(KVConnector):
         if max_message_blocks is not None and max_message_blocks < 1:
             raise ValueError(f"max_message_blocks must be >= 1, got {max_message_blocks}")
         self.max_message_blocks = max_message_blocks or max(1, MAX_MESSAGE_BYTES // self.bytes_per_block)
+        self._cache_bytes = wire_buffer(kv_cache)
         self._published: dict[str, frozenset[int]] = {}
         self._readers: dict[str, set[asyncio.Task]] = {}  # P: the pulls reading a request's blocks
         self._listener = None
@@ -150,9 +153,12 @@ class UCXConnector(KVConnector):
         for endpoint in endpoints:
             await abandon(endpoint, [])
 
-    def _blocks(self, first: int, count: int) -> torch.Tensor:
-        """Blocks ``first .. first + count - 1`` of the cache: one contiguous span."""
-        return self.kv_cache[first : first + count]
+    def _blocks(self, first: int, count: int) -> object:
+        """Blocks ``first .. first + count - 1`` of the cache, one contiguous span, as a wire buffer:
+        a slice of one byte view made up front (slicing costs well under a microsecond, where
+        making a view of a tensor slice costs several, and a pull of scattered blocks makes
+        one per block)."""
+        return self._cache_bytes[first * self.bytes_per_block : (first + count) * self.bytes_per_block]
 
     def _check_local_ids(self, block_ids: list[int]) -> None:
         """Refuse ids outside the cache (a bug in the caller: ids come from the engine)."""
@@ -221,8 +227,8 @@ class UCXConnector(KVConnector):
         finally:
             self._num_transfers -= 1
 
-    def _send(self, endpoint, blocks: torch.Tensor, tag: int) -> asyncio.Future:  # noqa: ANN001 - ucxx endpoint
-        return asyncio.ensure_future(endpoint.send(wire_buffer(blocks), tag=tag))
+    def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:  # noqa: ANN001 - ucxx endpoint
+        return asyncio.ensure_future(endpoint.send(blocks, tag=tag))
 
     def _forget_reader(self, request_id: str, task: asyncio.Task) -> None:
         readers = self._readers.get(request_id)
@@ -274,36 +280,47 @@ class UCXConnector(KVConnector):
         self.check_source(source)
         self._check_local_ids(local_blocks)
         start = time.perf_counter()
+        message_blocks = plan_messages(remote_blocks, local_blocks, self.max_message_blocks)
         await bounded_transfer(
-            self._pull(source, remote_blocks, local_blocks), timeout_s, f"pulling {len(remote_blocks)} blocks from {source.address}"
+            self._pull(source, remote_blocks, local_blocks, message_blocks), timeout_s, f"pulling {len(remote_blocks)} blocks from {source.address}"
         )
-        return TransferStats(num_blocks=len(local_blocks), num_bytes=len(local_blocks) * self.bytes_per_block, seconds=time.perf_counter() - start)
+        return TransferStats(
+            num_blocks=len(local_blocks),
+            num_bytes=len(local_blocks) * self.bytes_per_block,
+            seconds=time.perf_counter() - start,
+            num_messages=len(message_blocks),
+        )
 
-    async def _pull(self, source: KVSource, remote_blocks: list[int], local_blocks: list[int]) -> None:
+    async def _pull(self, source: KVSource, remote_blocks: list[int], local_blocks: list[int], message_blocks: list[int]) -> None:
         """On an idle connection if there is one; if that one turns out stale, once more on a new one."""
         self._num_transfers += 1
         try:
             connection = self._take_idle(source.address)
             if connection is not None:
                 try:
-                    await self._pull_on(connection, source, remote_blocks, local_blocks, reused=True)
+                    await self._pull_on(connection, source, remote_blocks, local_blocks, message_blocks, reused=True)
                 except _StaleConnection as stale:
                     logger.info("idle KV connection to %s went stale (%s); reconnecting", source.address, stale)
                     connection = None
             if connection is None:
                 connection = await self._connect(source.address)
-                await self._pull_on(connection, source, remote_blocks, local_blocks, reused=False)
+                await self._pull_on(connection, source, remote_blocks, local_blocks, message_blocks, reused=False)
             await self._put_idle(source.address, connection)
         finally:
             self._num_transfers -= 1
 
     async def _pull_on(
-        self, connection: _Connection, source: KVSource, remote_blocks: list[int], local_blocks: list[int], reused: bool
+        self,
+        connection: _Connection,
+        source: KVSource,
+        remote_blocks: list[int],
+        local_blocks: list[int],
+        message_blocks: list[int],
+        reused: bool,
     ) -> None:
         endpoint = connection.endpoint
         connection.num_pulls += 1
         pull_number = connection.num_pulls
-        message_blocks = plan_messages(remote_blocks, local_blocks, self.max_message_blocks)
         spans = list(message_spans(local_blocks, message_blocks))
         receives: deque[asyncio.Future] = deque()
         num_posted = 0
@@ -314,7 +331,7 @@ class UCXConnector(KVConnector):
         def post_receive() -> None:
             nonlocal num_posted
             first, count = spans[num_posted]
-            buffer = wire_buffer(self._blocks(first, count))
+            buffer = self._blocks(first, count)
             receives.append(asyncio.ensure_future(endpoint.recv(buffer, tag=message_tag(pull_number, num_posted))))
             num_posted += 1
 

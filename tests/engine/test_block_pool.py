@@ -20,8 +20,18 @@ def test_freed_blocks_join_the_tail_in_the_given_order() -> None:
     a, b, c = pool.get_new_blocks(3)
     pool.free_blocks([c, b, a])
     assert pool.free_queue.block_ids() == [3, 2, 1, 0]
-    # The least recently freed block is evicted first.
-    assert [blk.block_id for blk in pool.get_new_blocks(2)] == [3, 2]
+    # The least recently freed blocks are evicted first (3, then 2), handed out in id order.
+    assert [blk.block_id for blk in pool.get_new_blocks(2)] == [2, 3]
+    assert pool.free_queue.block_ids() == [1, 0]
+
+
+def test_a_request_freed_tail_first_comes_back_as_one_ascending_run() -> None:
+    """What keeps a request's KV in few contiguous spans for a KV connector, after any churn."""
+    pool = BlockPool(num_blocks=10, enable_prefix_caching=True)
+    first = pool.get_new_blocks(6)
+    pool.free_blocks(reversed(first[2:]))  # blocks 5, 4, 3, 2 join the queue after 6..9
+    pool.get_new_blocks(4)  # 6..9
+    assert [blk.block_id for blk in pool.get_new_blocks(4)] == [2, 3, 4, 5]
 
 
 def test_shared_block_returns_to_the_queue_only_at_zero_references() -> None:

@@ -184,16 +184,16 @@ def test_blocks_consecutive_on_both_sides_travel_as_one_message() -> None:
             local = empty_cache()
             sent_before = running.state().messages_sent
 
-            async def scenario(local: torch.Tensor = local, blocks: list[int] = local_blocks, cap: int | None = max_message_blocks) -> None:
+            async def scenario(local: torch.Tensor = local, blocks: list[int] = local_blocks, cap: int | None = max_message_blocks):
                 connector = decode_connector(local, max_message_blocks=cap)
                 try:
-                    await connector.pull(source(running.address, "run", RUN_BLOCKS), blocks, 0, timeout_s=10.0)
+                    return await connector.pull(source(running.address, "run", RUN_BLOCKS), blocks, 0, timeout_s=10.0)
                 finally:
                     await connector.close()
 
-            run(scenario)
+            stats = run(scenario)
             assert torch.equal(local[local_blocks], remote[RUN_BLOCKS])
-            assert running.state().messages_sent - sent_before == expected_messages, local_blocks
+            assert running.state().messages_sent - sent_before == expected_messages == stats.num_messages, local_blocks
 
 
 def test_local_prefix_hits_are_not_pulled(peer: str) -> None:

@@ -57,7 +57,7 @@ class StallingConnector(UCXConnector):
         self._stall_s = stall_s
         self.num_sends = 0
 
-    def _send(self, endpoint, blocks: torch.Tensor, tag: int) -> asyncio.Future:  # noqa: ANN001
+    def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:  # noqa: ANN001
         self.num_sends += 1
         if self.num_sends != self._stall_at:
             return super()._send(endpoint, blocks, tag)
