@@ -68,6 +68,8 @@ class KVConnector(abc.ABC):
             raise ValueError(f"kv_cache must be a contiguous [blocks, layers, 2, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
         self.kv_cache = kv_cache
         self.fingerprint = fingerprint
+        # Bytes of one block across all layers, K and V: one contiguous ``kv_cache[b]``.
+        self.bytes_per_block = kv_cache[0].numel() * kv_cache.element_size()
 
     @property
     def num_blocks(self) -> int:
@@ -76,11 +78,6 @@ class KVConnector(abc.ABC):
     @property
     def block_size(self) -> int:
         return self.kv_cache.shape[3]
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V: one contiguous ``kv_cache[b]``."""
-        return self.kv_cache[0].numel() * self.kv_cache.element_size()
 
     # ------------------------------------------------------------- prefill side
 

@@ -2,10 +2,12 @@
 pull is cut into block messages and how they are tagged, and dropping a connection in
 the middle of a pull.
 
-Headers keep ucxx's ``send_obj`` framing (an 8-byte native-endian size, then the JSON
-body) so that a peer of the former protocol reads them and refuses clearly, but both
-parts are posted at once on each side, and a size over ``MAX_HEADER_BYTES`` is refused
-before anything is allocated (``recv_obj`` allocates whatever size the peer names).
+A header is one message: its JSON body's size (8 bytes, little-endian), then the body,
+received into a buffer made once per connection (``recv_obj`` would allocate whatever
+size the peer names). One message rather than ucxx's ``send_obj`` pair saves a
+completion, and an event-loop wake-up, on each side of every pull. Both sides must run
+the same protocol version (:data:`~kv_connector.wire.PROTOCOL_VERSION`): a peer of
+protocol 1 sends its header as two messages, which this side refuses as not JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from kv_connector.wire import MAX_HEADER_BYTES, PullReply, PullRequest, WireError, encode
 
 logger = logging.getLogger(__name__)
+
+_SIZE_BYTES = 8  # a header's size prefix
 
 
 def plan_messages(remote_blocks: Sequence[int], local_blocks: Sequence[int], max_blocks: int) -> list[int]:
@@ -79,34 +83,37 @@ def wire_buffer(tensor: torch.Tensor) -> object:
 
 
 def send_header(endpoint, message: PullRequest | PullReply) -> asyncio.Future:  # noqa: ANN001 - ucxx endpoint
-    """Post a header as ucxx's ``send_obj`` frames it (an 8-byte size, then the JSON body), both
-    messages at once: ``send_obj`` waits for the first to complete before posting the second."""
-    body = np.frombuffer(bytearray(encode(message)), dtype=np.uint8)
-    size = np.array([body.nbytes], dtype=np.uint64)
-    return asyncio.gather(endpoint.send(size), endpoint.send(body))
+    """Post a header as one message: the body's size, then the JSON body."""
+    body = encode(message)
+    frame = np.empty(_SIZE_BYTES + len(body), dtype=np.uint8)
+    frame[:_SIZE_BYTES] = np.frombuffer(len(body).to_bytes(_SIZE_BYTES, "little"), dtype=np.uint8)
+    frame[_SIZE_BYTES:] = np.frombuffer(body, dtype=np.uint8)
+    return asyncio.ensure_future(endpoint.send(frame))
 
 
 async def recv_header(endpoint, buffer: np.ndarray) -> bytes:  # noqa: ANN001 - ucxx endpoint
-    """Receive one header framed as :func:`send_header` frames it. Both receives are posted at
-    once, the body's into ``buffer`` (``MAX_HEADER_BYTES``, reused): a larger header fails there."""
-    size = np.zeros(1, dtype=np.uint64)
-    size_received = asyncio.ensure_future(endpoint.recv(size))
-    body_received = asyncio.ensure_future(endpoint.recv(buffer))
-    try:
-        await size_received
-        num_bytes = int(size[0])
-        if not 0 < num_bytes <= buffer.nbytes:
-            raise WireError(f"header of {num_bytes} bytes (at most {buffer.nbytes})")
-        await body_received
-    except BaseException:
-        await cancel_tasks([size_received, body_received])
-        raise
-    return buffer[:num_bytes].tobytes()
+    """Receive one header (as :func:`send_header` frames it) into ``buffer`` (from
+    :func:`header_buffer`, reused): a larger message fails in UCX as truncated.
+
+    UCX accepts a message shorter than the buffer without saying how long it was, so the
+    bytes past it are whatever the buffer held. The buffer is zeroed as far as each header
+    reached once it is read, so a message shorter than the size it claims decodes as NUL
+    bytes, which no JSON parser accepts, never as an earlier header."""
+    await endpoint.recv(buffer)
+    num_bytes = int.from_bytes(buffer[:_SIZE_BYTES].tobytes(), "little")
+    if not 0 < num_bytes <= buffer.nbytes - _SIZE_BYTES:
+        buffer[:_SIZE_BYTES] = 0
+        raise WireError(f"header of {num_bytes} bytes (at most {buffer.nbytes - _SIZE_BYTES})")
+    end = _SIZE_BYTES + num_bytes
+    data = buffer[_SIZE_BYTES:end].tobytes()
+    buffer[:end] = 0
+    return data
 
 
 def header_buffer() -> np.ndarray:
-    """A reusable buffer for :func:`recv_header`."""
-    return np.empty(MAX_HEADER_BYTES, dtype=np.uint8)  # pages are touched only as far as headers reach
+    """A reusable buffer for :func:`recv_header`, all zeros (its pages are touched only as far
+    as headers reach)."""
+    return np.zeros(_SIZE_BYTES + MAX_HEADER_BYTES, dtype=np.uint8)
 
 
 async def cancel_tasks(tasks: list[asyncio.Future]) -> None:

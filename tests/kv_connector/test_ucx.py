@@ -22,7 +22,14 @@ pytest.importorskip("ucxx")
 from kv_connector.base import KVSource, KVTransferError  # noqa: E402
 from kv_connector.ucx import SETTLE_S, UCXConnector  # noqa: E402
 from kv_connector.ucx_context import ucxx_for_running_loop  # noqa: E402
-from kv_connector.ucx_messages import consecutive_runs_error, message_spans, plan_messages  # noqa: E402
+from kv_connector.ucx_messages import (  # noqa: E402
+    consecutive_runs_error,
+    header_buffer,
+    message_spans,
+    plan_messages,
+    recv_header,
+    send_header,
+)
 from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_request, encode  # noqa: E402
 from tests.kv_connector.ucx_peer import (  # noqa: E402
     PUBLISHED_BLOCKS,
@@ -122,6 +129,42 @@ def test_prefill_side_checks_the_message_plan() -> None:
     assert not short.ok and "messages of 3 blocks in all for 4 blocks" in short.error
     malformed = UCXConnector(seeded_cache(7), fingerprint())._answer(b'{"version": 2, "request_id": "run"}')[0]  # noqa: SLF001
     assert not malformed.ok and malformed.error.startswith("bad pull request:")
+
+
+class ScriptedEndpoint:
+    """Stands in for a ucxx endpoint in header framing tests: records what is sent, and
+    receives the given messages in order the way UCX does (into the start of the buffer,
+    the rest left as it was)."""
+
+    def __init__(self, *messages: bytes) -> None:
+        self.messages = list(messages)
+        self.sent: list[bytes] = []
+
+    async def send(self, buffer: np.ndarray) -> None:
+        self.sent.append(buffer.tobytes())
+
+    async def recv(self, buffer: np.ndarray) -> None:
+        message = self.messages.pop(0)
+        buffer[: len(message)] = np.frombuffer(message, dtype=np.uint8)
+
+
+def test_a_header_is_one_message_and_a_truncated_one_never_reads_as_an_earlier_one() -> None:
+    request = PullRequest("r", [4, 5], fingerprint(), message_blocks=[2])
+
+    async def scenario() -> None:
+        sender = ScriptedEndpoint()
+        await send_header(sender, request)
+        (frame,) = sender.sent
+        buffer = header_buffer()
+        receiver = ScriptedEndpoint(frame, frame[:-10], (1 << 40).to_bytes(8, "little"))
+        assert decode_pull_request(await recv_header(receiver, buffer)) == request
+        with pytest.raises(WireError, match="not JSON"):  # the tail of the first header was wiped
+            decode_pull_request(await recv_header(receiver, buffer))
+        with pytest.raises(WireError, match="header of 1099511627776 bytes"):
+            await recv_header(receiver, buffer)
+        assert not buffer.any()
+
+    asyncio.run(scenario())
 
 
 def test_wire_refuses_message_plans_that_are_not_positive_counts() -> None:
