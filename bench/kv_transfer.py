@@ -7,8 +7,8 @@ process (``bench.kv_transfer_peer``) holds a block-major KV cache of the model's
 side, times :meth:`UCXConnector.pull` of each into its own cache:
 
 - scattered blocks: shuffled ids on both sides, none followed by its successor, so the
-  connector sends one message per block (the realistic worst case, a long-running
-  engine's fragmented cache);
+  connector sends one message per block (its worst case: a cache so fragmented that no
+  two of the request's blocks are neighbours on both sides);
 - consecutive blocks: ids ``0 .. n-1`` on both sides, as a freshly started engine
   allocates them, so the connector sends messages of up to ``MAX_MESSAGE_BYTES``.
 
