@@ -69,7 +69,7 @@ from bench.kv_transfer_peer import (
     seeded_cache,
     seeded_payload,
 )
-from kv_connector.base import KVSource, gather_blocks
+from kv_connector.base import KVSource
 from kv_connector.ucx import WINDOW, UCXConnector  # imports ucxx only when used, after the UCX environment is set
 from kv_connector.ucx_context import ucxx_for_running_loop
 from kv_connector.ucx_messages import plan_messages
@@ -335,8 +335,8 @@ def timed(run: Callable[[], object], repeats: int) -> Samples:
 
 def check_blocks(local_cache: torch.Tensor, local_ids: list[int], remote_cache: torch.Tensor, remote_ids: list[int]) -> None:
     """Bytewise: the cache holds random bit patterns, NaNs among them."""
-    mine = gather_blocks(local_cache, local_ids).view(torch.uint8)
-    theirs = gather_blocks(remote_cache, remote_ids).view(torch.uint8)
+    mine = local_cache[local_ids].view(torch.uint8)  # block-major: block b is cache[b]
+    theirs = remote_cache[remote_ids].view(torch.uint8)
     if not torch.equal(mine, theirs):
         raise RuntimeError("the connector wrote different bytes than the peer holds (bug in the connector or the bench)")
 

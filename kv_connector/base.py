@@ -130,8 +130,3 @@ async def bounded_transfer(operation: Awaitable[T], timeout_s: float, what: str)
         raise
     except Exception as error:
         raise KVTransferError(f"{what} failed: {type(error).__name__}: {error}") from None
-
-
-def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """The given blocks' KV as one contiguous tensor [n, layers, 2, block_size, kv_heads, head_dim]."""
-    return kv_cache[torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)]
