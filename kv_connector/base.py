@@ -79,6 +79,11 @@ class KVConnector(abc.ABC):
     def block_size(self) -> int:
         return self.kv_cache.shape[3]
 
+    def check_block_ids(self, block_ids: list[int]) -> None:
+        """Refuse ids outside this side's cache (a bug in the caller: ids come from the engine)."""
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            raise RuntimeError(f"block ids {min(block_ids)}..{max(block_ids)} outside a cache of {self.num_blocks} blocks (bug)")
+
     # ------------------------------------------------------------- prefill side
 
     @abc.abstractmethod

@@ -143,7 +143,8 @@ class LMCacheConnector(KVConnector):
         out, and D's pull fails as a miss and recomputes."""
         engine = self._started()
         tokens = [int(token) for token in token_ids]
-        check_blocks(block_ids, len(tokens), self.block_size, self.num_blocks)
+        check_blocks(block_ids, len(tokens), self.block_size)
+        self.check_block_ids(block_ids)
         if not tokens:
             return
         deadline = time.monotonic() + self.publish_timeout_s
@@ -298,12 +299,10 @@ def key_model_name(fingerprint: Fingerprint) -> str:
     return f"{re.sub(r'[^A-Za-z0-9._-]', '_', fingerprint.model)[:64]}~{digest}"
 
 
-def check_blocks(block_ids: list[int], num_tokens: int, block_size: int, num_blocks: int) -> None:
-    """Raise RuntimeError unless ``block_ids`` are exactly the blocks ``num_tokens`` tokens fill."""
+def check_blocks(block_ids: list[int], num_tokens: int, block_size: int) -> None:
+    """Raise RuntimeError unless there are exactly as many ``block_ids`` as ``num_tokens`` tokens fill."""
     if len(block_ids) != math.ceil(num_tokens / block_size):
         raise RuntimeError(f"{num_tokens} tokens fill {math.ceil(num_tokens / block_size)} blocks, got {len(block_ids)} block ids (bug)")
-    if any(not 0 <= block < num_blocks for block in block_ids):
-        raise RuntimeError(f"block ids {list(block_ids)} outside the cache's {num_blocks} blocks (bug)")
 
 
 def probe(url: str, timeout_s: float) -> str | None:

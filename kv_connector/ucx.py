@@ -6,8 +6,8 @@ The cache is block-major (engine/kv_cache_layout.py): block ``b`` is the contigu
 ``kv_cache[b]``, every layer's K and V. One pull, on a connection D keeps open between
 pulls (see :mod:`kv_connector.ucx_context` for why an idle connection costs nothing):
 
-1. D -> P: a :class:`~kv_connector.wire.PullRequest` header (size-prefixed, as ucxx's
-   ``send_obj`` frames it; see :mod:`kv_connector.ucx_messages`): P's block ids and
+1. D -> P: a :class:`~kv_connector.wire.PullRequest` header (one size-prefixed
+   message; see :mod:`kv_connector.ucx_messages`): P's block ids and
    how D cuts them into messages, each a run of blocks consecutive on both sides (so
    one contiguous span of each cache), at most ``MAX_MESSAGE_BYTES`` long.
 2. P -> D: a :class:`~kv_connector.wire.PullReply` header: refused with a reason, or the
@@ -160,11 +160,6 @@ class UCXConnector(KVConnector):
         one per block)."""
         return self._cache_bytes[first * self.bytes_per_block : (first + count) * self.bytes_per_block]
 
-    def _check_local_ids(self, block_ids: list[int]) -> None:
-        """Refuse ids outside the cache (a bug in the caller: ids come from the engine)."""
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
-            raise RuntimeError(f"block ids {min(block_ids)}..{max(block_ids)} outside a cache of {self.num_blocks} blocks (bug)")
-
     # ------------------------------------------------------------ P: serving
 
     async def _serve(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
@@ -256,7 +251,7 @@ class UCXConnector(KVConnector):
             return PullReply(ok=False, error="a pull must name at least one block"), None
         if (error := consecutive_runs_error(request.block_ids, request.message_blocks)) is not None:
             return PullReply(ok=False, error=f"bad message plan: {error}"), None
-        self._check_local_ids(request.block_ids)  # published by the engine: in range unless there is a bug
+        self.check_block_ids(request.block_ids)  # published by the engine: in range unless there is a bug
         reply = PullReply(
             ok=True,
             num_bytes=len(request.block_ids) * self.bytes_per_block,
@@ -278,7 +273,7 @@ class UCXConnector(KVConnector):
         if not remote_blocks:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
         self.check_source(source)
-        self._check_local_ids(local_blocks)
+        self.check_block_ids(local_blocks)
         start = time.perf_counter()
         message_blocks = plan_messages(remote_blocks, local_blocks, self.max_message_blocks)
         await bounded_transfer(

@@ -5,7 +5,8 @@
  *
  * Layout (one layer): key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim],
  * block b starting block_stride elements after block b - 1 (the cache is block-major:
- * a block's span holds every layer, so the stride exceeds one layer's block); query, out: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(len / block_size)]
+ * a block's span holds every layer, so the stride exceeds one layer's block);
+ * query, out: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, >= ceil(len / block_size)]
  * with row stride block_table_stride; seq_lens: [num_seqs].
  *
  * One task per sequence walks its blocks in order, reading each block's K (then V)
