@@ -26,7 +26,7 @@ class Fingerprint(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_instance_id", "connector", "connector_address", "block_ids", "num_tokens", "block_hashes", "fingerprint", "lease_expires_unix_s", "prefill_address", "prompt_token_ids")
+    __slots__ = ("prefill_instance_id", "connector", "connector_address", "block_ids", "num_tokens", "block_hashes", "fingerprint", "lease_expires_unix_s", "prefill_address", "prompt_token_ids", "lease_s")
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class KVHandle(_message.Message):
     LEASE_EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     prefill_instance_id: str
     connector: str
     connector_address: str
@@ -47,21 +48,24 @@ class KVHandle(_message.Message):
     lease_expires_unix_s: float
     prefill_address: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prefill_instance_id: _Optional[str] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_expires_unix_s: _Optional[float] = ..., prefill_address: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, prefill_instance_id: _Optional[str] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_expires_unix_s: _Optional[float] = ..., prefill_address: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "kv_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     priority: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    kv_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_only: bool = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens", "prefill_s")
@@ -82,20 +86,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "priority", "allow_recompute")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _generation_pb2.SamplingParams
     kv: KVHandle
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    allow_recompute: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., priority: _Optional[int] = ..., allow_recompute: bool = ...) -> None: ...
 
 class KVTransfer(_message.Message):
     __slots__ = ("num_pulled_blocks", "num_local_hit_blocks", "num_bytes", "seconds", "recomputed")
@@ -133,6 +139,18 @@ class RequestRef(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class RenewKVRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewKVResponse(_message.Message):
+    __slots__ = ("unknown_request_ids",)
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ReleaseKVResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
@@ -150,7 +168,7 @@ class LoadReportRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "fingerprint", "connector", "connector_address", "prefix_cache_hit_rate", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "max_model_len")
+    __slots__ = ("instance_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "fingerprint", "connector", "connector_address", "prefix_cache_hit_rate", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "max_model_len", "num_pending_prefill_tokens", "prefill_tokens_per_s", "counters")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +183,9 @@ class LoadReport(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     num_waiting: int
@@ -179,7 +200,28 @@ class LoadReport(_message.Message):
     kv_transfer_bytes: int
     kv_transfer_seconds: float
     max_model_len: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    num_pending_prefill_tokens: int
+    prefill_tokens_per_s: float
+    counters: InstanceCounters
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., counters: _Optional[_Union[InstanceCounters, _Mapping]] = ...) -> None: ...
+
+class InstanceCounters(_message.Message):
+    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks")
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASE_RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PULLS_CUT_OFF_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HANDBACKS_FIELD_NUMBER: _ClassVar[int]
+    num_preemptions: int
+    num_lease_renewals: int
+    num_lease_expiries: int
+    num_pulls_cut_off: int
+    num_kv_pull_failures: int
+    num_kv_recomputes: int
+    num_kv_handbacks: int
+    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ...) -> None: ...
 
 class Registration(_message.Message):
     __slots__ = ("grpc_address", "report", "unix_s", "serving")

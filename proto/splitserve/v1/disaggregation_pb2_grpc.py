@@ -44,6 +44,11 @@ class PrefillStub(object):
                 request_serializer=splitserve_dot_v1_dot_disaggregation__pb2.RequestRef.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.RenewKV = channel.unary_unary(
+                '/splitserve.v1.Prefill/RenewKV',
+                request_serializer=splitserve_dot_v1_dot_disaggregation__pb2.RenewKVRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.RenewKVResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Prefill/Abort',
                 request_serializer=splitserve_dot_v1_dot_disaggregation__pb2.RequestRef.SerializeToString,
@@ -61,6 +66,12 @@ class PrefillServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewKV(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +95,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.RequestRef.FromString,
                     response_serializer=splitserve_dot_v1_dot_disaggregation__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'RenewKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewKV,
+                    request_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.RenewKVRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_disaggregation__pb2.RenewKVResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -156,6 +172,33 @@ class Prefill(object):
             _registered_method=True)
 
     @staticmethod
+    def RenewKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Prefill/RenewKV',
+            splitserve_dot_v1_dot_disaggregation__pb2.RenewKVRequest.SerializeToString,
+            splitserve_dot_v1_dot_disaggregation__pb2.RenewKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Abort(request,
             target,
             options=(),
@@ -184,7 +227,10 @@ class Prefill(object):
 
 
 class DecodeStub(object):
-    """Missing associated documentation comment in .proto file."""
+    """Control calls (ReleaseKV, RenewKV, Abort, GetLoadReport) answer at once, whatever the
+    engine is doing: they record the intent, and the engine applies it between steps.
+
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -205,7 +251,10 @@ class DecodeStub(object):
 
 
 class DecodeServicer(object):
-    """Missing associated documentation comment in .proto file."""
+    """Control calls (ReleaseKV, RenewKV, Abort, GetLoadReport) answer at once, whatever the
+    engine is doing: they record the intent, and the engine applies it between steps.
+
+    """
 
     def Decode(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -241,7 +290,10 @@ def add_DecodeServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Decode(object):
-    """Missing associated documentation comment in .proto file."""
+    """Control calls (ReleaseKV, RenewKV, Abort, GetLoadReport) answer at once, whatever the
+    engine is doing: they record the intent, and the engine applies it between steps.
+
+    """
 
     @staticmethod
     def Decode(request,
