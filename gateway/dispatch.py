@@ -49,6 +49,7 @@ class DispatchRequest:
     sampling: generation_pb2.SamplingParams
     priority: int = 0
     deadline: float = float("inf")  # monotonic
+    cache_salt: str = ""  # mixed into prefix-cache hashes on every instance; empty: none
 
 
 @dataclass(slots=True)
@@ -105,6 +106,7 @@ class Dispatcher:
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
@@ -149,6 +151,7 @@ class Dispatcher:
             token_ids=generation_pb2.TokenIds(ids=request.prompt_token_ids),
             sampling=request.sampling,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
         async for event in self._stream_with_failover(
             "colocated",
