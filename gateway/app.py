@@ -1,4 +1,5 @@
-"""The OpenAI-compatible REST app: routes, API-key check, and errors in OpenAI's shape."""
+"""The OpenAI-compatible REST app: routes, API-key check, the body-size limit, and
+errors in OpenAI's shape (a failure nobody expected included: a 500 that says so)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import APIError, bearer_matches, unknown_model
+from gateway.errors import APIError, bearer_matches, internal_error, unknown_model
 from gateway.generation import GenerationService
 from gateway.instances import ROLES
+from gateway.limits import BodySizeLimit
 from gateway.openai_chat import create_chat_completion
 from gateway.openai_completions import create_completion
 from gateway.protocol import (
@@ -51,14 +53,22 @@ def create_app(service: GenerationService, model_name: str, api_key: str | None)
                 return _error_response(error)
         return await call_next(request)
 
+    # Outermost: an oversized body is refused before the key check or any parsing reads it.
+    app.add_middleware(BodySizeLimit, max_bytes=service.limits.max_body_bytes)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return _error_response(error)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        # Starlette sends this, then re-raises the error for the server to log with its traceback.
+        return _error_response(internal_error(f"serving {request.url.path}"))
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        location = _field_path(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             message, location = f"the request body is not valid JSON: {first.get('msg', '')}", []
         else:
@@ -110,22 +120,34 @@ def create_app(service: GenerationService, model_name: str, api_key: str | None)
         check_model(request.model)
         tokenizer = service.tokenizer
         if isinstance(request, TokenizeChatRequest):
-            tokens = tokenizer.encode_chat(request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs)
+            tokens = await tokenizer.encode_chat(
+                request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
+            )
         else:
-            tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            tokens = await tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=service.max_model_len, tokens=tokens)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(request.model)
         service.tokenizer.check_token_ids(request.tokens, param="tokens")
-        return DetokenizeResponse(prompt=service.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await service.tokenizer.decode(request.tokens))
 
     @app.get("/", include_in_schema=False)
     async def root() -> PlainTextResponse:
         return PlainTextResponse(f"splitserve: OpenAI-compatible API for {model_name} at /v1\n")
 
     return app
+
+
+def _field_path(location: tuple[int | str, ...]) -> list[str]:
+    """A pydantic error location as the request's field path: without "body", and without
+    the union members pydantic tries ("str", "list[str]", "function-after[...]")."""
+    return [str(part) for part in location if part != "body" and not (isinstance(part, str) and _is_union_tag(part))]
+
+
+def _is_union_tag(part: str) -> bool:
+    return "[" in part or part in {"str", "int", "float", "bool", "none"}
 
 
 def _error_response(error: APIError) -> JSONResponse:

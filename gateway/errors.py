@@ -20,6 +20,7 @@ _TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
     HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
     HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable_error",
     HTTPStatus.GATEWAY_TIMEOUT: "timeout_error",
@@ -29,6 +30,7 @@ _GRPC_CODES = {
     HTTPStatus.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
     HTTPStatus.UNAUTHORIZED: grpc.StatusCode.UNAUTHENTICATED,
     HTTPStatus.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     HTTPStatus.TOO_MANY_REQUESTS: grpc.StatusCode.RESOURCE_EXHAUSTED,
     HTTPStatus.SERVICE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     HTTPStatus.GATEWAY_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -61,6 +63,15 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, param, code)
+
+
+def internal_error(where: str) -> APIError:
+    """What a client sees of an unexpected failure; the traceback goes to the log."""
+    return APIError(
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        f"internal error {where}; this is a bug in splitserve (the gateway's log has the details)",
+        code="internal_error",
+    )
 
 
 def unknown_model(model: str, served: str) -> APIError:

@@ -3,6 +3,22 @@ context length, dispatch it, turn its tokens into text (stop strings included),
 and account for it in the metrics.
 
 The fronts only translate: OpenAI JSON or protobuf in, ``Generated`` deltas out.
+
+A request's life here, in call order:
+
+1. ``prepare`` (the front's task): every check that needs the model or the flags
+   (empty prompt, vocabulary, context length, stop limits, priority) and the
+   conversion into the protobuf the instances get. Any failure is a 400 and
+   nothing has been taken yet.
+2. ``stream``: refuse with 503 / 429 while nothing is taken; take a pending slot;
+   from that line on everything sits in one ``try`` whose ``finally`` gives the
+   slot back, whatever ends the request (its end, a stop string, an error of any
+   kind, the client leaving and the task being cancelled).
+3. The dispatcher's event stream is closed in the same ``finally``, which aborts
+   the request on its instances if it has not finished.
+
+Instances know a request by the gateway's own id (``GenerationJob.request_id``),
+never by an id a client chose: two clients may pick the same one.
 """
 
 from __future__ import annotations
@@ -14,13 +30,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from http import HTTPStatus
 
+from prometheus_client import Gauge
 from splitserve.v1 import generation_pb2
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from gateway.dispatch import Dispatcher, DispatchRequest
+from gateway.dispatch import Dispatcher, DispatchRequest, TokenEvent
 from gateway.errors import APIError, bad_request
 from gateway.instances import InstancePool
+from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.tokenizer import ModelTokenizer
 from serving.sampling_proto import sampling_params_to_proto
@@ -50,10 +68,12 @@ class Usage:
 class GenerationJob:
     """One admitted request; iterate ``stream()`` once."""
 
-    request_id: str
+    request_id: str  # the gateway's own; instances know the request by it
     prompt_token_ids: list[int]
     params: SamplingParams
+    sampling: generation_pb2.SamplingParams  # params as the instances get them
     priority: int
+    cache_salt: str | None
     usage: Usage
     timer: RequestTimer
     deadline: float
@@ -70,6 +90,7 @@ class GenerationService:
         max_pending_requests: int,
         request_timeout_s: float,
         max_model_len: int | None = None,
+        enable_priority: bool = False,
     ) -> None:
         self.pool = pool
         self.dispatcher = Dispatcher(pool)
@@ -78,7 +99,16 @@ class GenerationService:
         self.max_pending_requests = max_pending_requests
         self.request_timeout_s = request_timeout_s
         self._max_model_len = max_model_len
+        self.enable_priority = enable_priority
         self.num_pending = 0
+        # Here rather than in GatewayMetrics: the count lives in this object.
+        Gauge(
+            "splitserve_num_pending_requests", "Requests holding a pending slot (--max-pending-requests)", registry=metrics.registry
+        ).set_function(lambda: self.num_pending)
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.tokenizer.limits
 
     @property
     def max_model_len(self) -> int:
@@ -92,10 +122,22 @@ class GenerationService:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
         max_tokens_param: str = "max_tokens",
     ) -> GenerationJob:
-        """Check a request against the model. Raises APIError (400); admission happens in ``stream``."""
+        """Check a request against the model and the flags, and convert it for the instances.
+        Raises APIError (400); admission happens in ``stream``.
+
+        ``request_id`` is an id the gateway chose (a completion's id); by default a new one.
+        A client's own id must never be passed: instances key requests by it."""
         timer = RequestTimer(self.metrics)
+        if priority and not self.enable_priority:
+            raise bad_request(
+                f"priority {priority} was requested, but priority scheduling is off on this gateway "
+                "(--enable-priority); send 0 or leave it out",
+                param="priority",
+            )
+        self.limits.check_stop(params.stop, params.stop_token_ids)
         if not prompt_token_ids:
             raise bad_request("the prompt is empty; send at least one token", param="prompt")
         self.tokenizer.check_token_ids(prompt_token_ids, param="prompt")
@@ -118,11 +160,18 @@ class GenerationService:
                 param=max_tokens_param,
                 code="context_length_exceeded",
             )
+        try:
+            sampling = sampling_params_to_proto(params)
+        except (ValueError, TypeError) as error:
+            # Both fronts bound every field to its wire type, so this is ours to fix.
+            raise RuntimeError(f"sampling parameters {params} do not fit the protobuf (bug): {error}") from error
         return GenerationJob(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt_token_ids,
             params=params,
+            sampling=sampling,
             priority=priority,
+            cache_salt=cache_salt,
             usage=Usage(prompt_tokens=num_prompt),
             timer=timer,
             deadline=time.monotonic() + self.request_timeout_s,
@@ -142,21 +191,23 @@ class GenerationService:
                 code="queue_full",
             )
         self.num_pending += 1
-        # Text for every prompt: stop strings match on it even when the caller only wants token ids.
-        detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, job.prompt_token_ids, job.params)
         status = "abort"  # unless it finishes or fails
-        self.metrics.prompt_tokens.inc(job.usage.prompt_tokens)
-        job.dispatched_at = time.monotonic()
-        self.metrics.queue.observe(job.dispatched_at - job.timer.arrival)
-        dispatch = DispatchRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_token_ids,
-            sampling=sampling_params_to_proto(job.params),
-            priority=job.priority,
-            deadline=job.deadline,
-        )
-        events = self.dispatcher.generate(dispatch)
+        events: AsyncIterator[TokenEvent] | None = None
         try:
+            # Text for every prompt: stop strings match on it even when the caller only wants token ids.
+            detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, job.prompt_token_ids, job.params)
+            self.metrics.prompt_tokens.inc(job.usage.prompt_tokens)
+            job.dispatched_at = time.monotonic()
+            self.metrics.queue.observe(job.dispatched_at - job.timer.arrival)
+            dispatch = DispatchRequest(
+                request_id=job.request_id,
+                prompt_token_ids=job.prompt_token_ids,
+                sampling=job.sampling,
+                priority=job.priority,
+                deadline=job.deadline,
+                cache_salt=job.cache_salt or "",
+            )
+            events = self.dispatcher.generate(dispatch)
             async for event in events:
                 if event.num_cached_tokens:
                     job.usage.cached_tokens = event.num_cached_tokens
@@ -180,7 +231,13 @@ class GenerationService:
         except APIError as error:
             status = f"error_{error.status.value}"
             raise
+        except Exception:
+            status = "error_500"
+            raise
         finally:
             self.num_pending -= 1
-            await events.aclose()
-            job.timer.finished(status)
+            try:
+                if events is not None:
+                    await events.aclose()
+            finally:
+                job.timer.finished(status)

@@ -1,19 +1,31 @@
 """The public gRPC ``Generation.Generate`` API, served by the gateway with the same
 semantics as the REST path: text or token-id prompts, tokens streamed as they
-come (text deltas when the prompt was text), usage and timings at the end."""
+come (text deltas when the prompt was text), usage and timings at the end.
+
+The caller's ``request_id`` is only echoed back: the request runs under an id the
+gateway makes, so two callers that pick the same id never meet on an instance.
+A failure nobody expected ends the call with INTERNAL and a message, not a reset.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from http import HTTPStatus
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
-from gateway.errors import APIError, bad_request, bearer_matches, unknown_model
+from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
 from gateway.generation import GenerationJob, GenerationService
+from gateway.protocol import MAX_CACHE_SALT_CHARS
 from serving.sampling_proto import sampling_params_from_proto
+
+logger = logging.getLogger(__name__)
+
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, model_name: str, api_key: str | None) -> None:
@@ -26,16 +38,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._authorize(context)
             if request.model and request.model != self.model_name:
                 raise unknown_model(request.model, self.model_name)
-            job = self._job(request)
+            job = await self._job(request)
+            async for response in self._responses(request, job):
+                yield response
         except APIError as error:
             await context.abort(error.grpc_code, error.message)
+        except Exception:
+            logger.exception("Generate failed")
+            error = internal_error("while generating")
+            await context.abort(error.grpc_code, error.message)
+
+    async def _responses(self, request: generation_pb2.GenerateRequest, job: GenerationJob) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        request_id = request.request_id or job.request_id
         is_text = request.WhichOneof("prompt") == "text"
         first_token_at: float | None = None
-        stream = self.service.stream(job)
-        try:
+        async with aclosing(self.service.stream(job)) as stream:
             async for delta in stream:
                 response = generation_pb2.GenerateResponse(
-                    request_id=job.request_id,
+                    request_id=request_id,
                     token_ids=delta.token_ids,
                     text=delta.text if is_text else "",
                     logprobs=delta.logprobs,
@@ -64,10 +84,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         )
                     )
                 yield response
-        except APIError as error:
-            await context.abort(error.grpc_code, error.message)
-        finally:
-            await stream.aclose()
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self.api_key is None:
@@ -76,21 +92,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not bearer_matches(str(metadata.get("authorization", "")), self.api_key):
             raise APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'")
 
-    def _job(self, request: generation_pb2.GenerateRequest) -> GenerationJob:
+    async def _job(self, request: generation_pb2.GenerateRequest) -> GenerationJob:
         try:
             params = sampling_params_from_proto(request.sampling)
         except ValueError as error:
             raise bad_request(str(error)) from error
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise bad_request(f"cache_salt has {len(request.cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}", "cache_salt")
         if request.WhichOneof("prompt") == "text":
-            token_ids = self.service.tokenizer.encode(request.text)
+            token_ids = await self.service.tokenizer.encode(request.text, param="text")
         else:
             token_ids = list(request.token_ids.ids)
         # Token-id prompts get no text back, but stop strings still need the text to match on.
-        return self.service.prepare(token_ids, params, request_id=request.request_id or None, priority=request.priority)
+        return self.service.prepare(token_ids, params, priority=request.priority, cache_salt=request.cache_salt or None)
 
 
 async def start_grpc_front(service: GenerationService, model_name: str, api_key: str | None, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+    # The REST body limit applies to gRPC messages too (gRPC answers RESOURCE_EXHAUSTED beyond it).
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", service.limits.max_body_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, model_name, api_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -26,9 +26,6 @@ from gateway.protocol import (
 )
 from gateway.tokenizer import ModelTokenizer
 
-MAX_TOP_LOGPROBS = 20
-
-
 def _logprobs(tokenizer: ModelTokenizer, delta: Generated) -> ChatLogprobs:
     content = []
     for entry in delta.logprobs:
@@ -52,10 +49,7 @@ def _num_logprobs(request: ChatCompletionRequest) -> int | None:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if not request.logprobs:
         return None
-    top = request.top_logprobs or 0
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
-    return top
+    return request.top_logprobs or 0  # its range is the request model's
 
 
 async def create_chat_completion(
@@ -65,11 +59,18 @@ async def create_chat_completion(
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(request, max_tokens, _num_logprobs(request))
-    token_ids = service.tokenizer.encode_chat(
+    token_ids = await service.tokenizer.encode_chat(
         request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
     )
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    job = service.prepare(token_ids, params, request_id=completion_id, priority=request.priority, max_tokens_param=max_tokens_param)
+    job = service.prepare(
+        token_ids,
+        params,
+        request_id=completion_id,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        max_tokens_param=max_tokens_param,
+    )
     if request.stream:
         deltas = await first_then_rest(merged(service, [job]))
         return sse_response(_stream(request, completion_id, model_name, service, job, deltas))

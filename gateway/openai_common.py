@@ -1,6 +1,9 @@
 """Pieces both OpenAI endpoints use: sampling parameters from a request, the
 server-sent-events framing, usage objects, and running a request so that a
-client who leaves aborts it."""
+client who leaves aborts it.
+
+Every stream of ``GenerationService.stream`` opened here is closed on every path
+(``aclosing``), so a request's pending slot never waits for the garbage collector."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import TypeVar
 
 from fastapi import Request
@@ -15,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from engine.sampling_params import SamplingParams
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, internal_error
 from gateway.generation import Generated, GenerationJob, GenerationService, Usage
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, UsageInfo
 
@@ -79,15 +83,17 @@ async def merged(service: GenerationService, jobs: list[GenerationJob]) -> Async
     """The deltas of several jobs (one per prompt) as they come, tagged with the job's index.
     Closing this stops every job that is still running."""
     if len(jobs) == 1:
-        async for delta in service.stream(jobs[0]):
-            yield 0, delta
+        async with aclosing(service.stream(jobs[0])) as stream:
+            async for delta in stream:
+                yield 0, delta
         return
     queue: asyncio.Queue[tuple[int, Generated] | tuple[int, BaseException] | tuple[int, None]] = asyncio.Queue()
 
     async def pump(index: int, job: GenerationJob) -> None:
         try:
-            async for delta in service.stream(job):
-                await queue.put((index, delta))
+            async with aclosing(service.stream(job)) as stream:
+                async for delta in stream:
+                    await queue.put((index, delta))
             await queue.put((index, None))
         except Exception as error:  # handed to the consumer, which raises it (APIError included)
             await queue.put((index, error))
@@ -142,6 +148,9 @@ def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
             # Headers are sent: report the failure in the stream, as OpenAI-compatible servers do.
             logger.warning("request failed mid-stream: %s", error)
             yield sse(error.to_response())
+        except Exception:
+            logger.exception("request failed mid-stream")
+            yield sse(internal_error("while streaming").to_response())
         yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -36,17 +36,18 @@ class CompletionLogprobsBuilder:
         return result
 
 
-def _prompts(request: CompletionRequest, tokenizer: ModelTokenizer) -> list[tuple[list[int], str | None]]:
+async def _prompts(request: CompletionRequest, service: GenerationService) -> list[tuple[list[int], str | None]]:
     """Each prompt as token ids, with its text when given as text."""
     prompt = request.prompt
     if isinstance(prompt, str):
-        return [(tokenizer.encode(prompt), prompt)]
+        return [(await service.tokenizer.encode(prompt), prompt)]
     if not prompt:
         raise bad_request("the prompt is empty", param="prompt")
-    if all(isinstance(p, str) for p in prompt):
-        return [(tokenizer.encode(p), p) for p in prompt]  # type: ignore[arg-type]
     if all(isinstance(p, int) for p in prompt):
         return [(list(prompt), None)]  # type: ignore[arg-type]
+    service.limits.check_num_prompts(len(prompt))
+    if all(isinstance(p, str) for p in prompt):
+        return [(await service.tokenizer.encode(p, param=f"prompt.{i}"), p) for i, p in enumerate(prompt)]  # type: ignore[arg-type]
     return [(list(p), None) for p in prompt]  # type: ignore[union-attr]
 
 
@@ -60,14 +61,16 @@ async def create_completion(
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", param="echo")
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = _prompts(request, service.tokenizer)
+    prompts = await _prompts(request, service)
     jobs = []
     params = sampling_params(request, request.max_tokens, request.logprobs)  # validated (and extras logged) once
     for index, (token_ids, _) in enumerate(prompts):
         request_id = completion_id if len(prompts) == 1 else f"{completion_id}-{index}"
         # Each job gets its own copy: prepare fills in max_tokens from its prompt's length.
-        jobs.append(service.prepare(token_ids, replace(params), request_id=request_id, priority=request.priority))
-    echoes = [(text if text is not None else service.tokenizer.decode(ids)) if request.echo else "" for ids, text in prompts]
+        jobs.append(
+            service.prepare(token_ids, replace(params), request_id=request_id, priority=request.priority, cache_salt=request.cache_salt)
+        )
+    echoes = [(text if text is not None else await service.tokenizer.decode(ids)) if request.echo else "" for ids, text in prompts]
     if request.stream:
         deltas = await first_then_rest(merged(service, jobs))
         return sse_response(_stream(request, completion_id, model_name, service, jobs, echoes, deltas))

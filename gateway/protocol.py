@@ -5,6 +5,13 @@ Requests accept unknown fields (clients and benchmark tools send them); the
 gateway logs and ignores them. Pydantic stays at this edge: handlers convert a
 request into ``engine.sampling_params.SamplingParams`` once and pass nothing
 pydantic inward.
+
+Every number is bounded here. Integers travel to the instances in int32 / int64
+protobuf fields, so a value that fits Python but not the wire is refused as a
+400 naming the field, before the request takes a slot; floats must be finite
+(Python's JSON parser accepts ``Infinity`` and ``NaN``). Ranges that depend on
+the model or on flags (context length, vocabulary, stop-string limits) are
+checked where those are known.
 """
 
 from __future__ import annotations
@@ -14,11 +21,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # top-N alternatives per token, as in vLLM
+MAX_N = 128  # OpenAI's bound on n (this server serves n = 1; the bound keeps the error a 400 for any int)
+MAX_CACHE_SALT_CHARS = 1024  # vLLM suggests 43 characters (256 random bits, base64)
+
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+NonNegativeInt32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+PositiveInt32 = Annotated[int, Field(ge=1, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = NonNegativeInt32  # checked against the vocabulary later, where the tokenizer is known
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -33,30 +51,31 @@ class StreamOptions(BaseModel):
 class SamplingExtras(OpenAIRequest):
     """Fields both endpoints share, beyond OpenAI's own (named as in vLLM)."""
 
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # 0 or -1 disables it
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegativeInt = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: NonNegativeInt32 = 0
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0  # lower runs first
+    priority: Int32 = 0  # lower runs first; nonzero only with the gateway's --enable-priority
+    cache_salt: CacheSalt | None = None  # vLLM's: salts the prefix-cache hashes, so only requests with the same salt share blocks
 
 
 class CompletionRequest(SamplingExtras):
     # The order of https://platform.openai.com/docs/api-reference/completions/create
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = None
+    best_of: PositiveInt32 | None = None
     echo: bool = False
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: int | None = None
-    max_tokens: int | None = 16
-    n: int = 1
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: PositiveInt32 | None = 16
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     presence_penalty: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -86,12 +105,12 @@ class ChatCompletionRequest(SamplingExtras):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    n: int = 1
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_completion_tokens: PositiveInt32 | None = None
+    max_tokens: PositiveInt32 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     presence_penalty: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

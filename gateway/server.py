@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+from gateway import limits
 from gateway.app import create_app
 from gateway.discovery import RedisDiscovery, StaticDiscovery
 from gateway.generation import GenerationService
@@ -42,6 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pending-requests", type=int, default=1024, help="requests in flight at once; beyond this the gateway answers 429")
     parser.add_argument("--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take end to end")
+    # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
+    parser.add_argument("--enable-priority", action="store_true",
+                        help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400")
+    parser.add_argument("--max-request-body-bytes", type=int, default=limits.DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body (REST) or message (gRPC); beyond it the gateway answers 413")
+    parser.add_argument("--max-prompts-per-request", type=int, default=limits.DEFAULT_MAX_PROMPTS,
+                        help="prompts in one /v1/completions request")
+    parser.add_argument("--max-prompt-chars", type=int, default=limits.DEFAULT_MAX_PROMPT_CHARS,
+                        help="characters of one prompt (or rendered conversation) before tokenizing")
+    parser.add_argument("--max-stop-sequences", type=int, default=limits.DEFAULT_MAX_STOP,
+                        help="stop strings, and separately stop token ids, in one request")
+    parser.add_argument("--max-stop-chars", type=int, default=limits.DEFAULT_MAX_STOP_CHARS, help="characters of one stop string")
+    parser.add_argument("--chat-template-timeout", type=float, default=limits.DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
+                        help="seconds the chat template may take to render one conversation")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,8 +80,17 @@ async def serve(args: argparse.Namespace) -> None:
     await discovery.poll_once()
     discovery_task = asyncio.create_task(discovery.run())
     metrics = GatewayMetrics(pool)
+    request_limits = limits.RequestLimits(
+        max_body_bytes=args.max_request_body_bytes,
+        max_prompts=args.max_prompts_per_request,
+        max_prompt_chars=args.max_prompt_chars,
+        max_stop=args.max_stop_sequences,
+        max_stop_chars=args.max_stop_chars,
+        chat_template_timeout_s=args.chat_template_timeout,
+    )
+    tokenizer = ModelTokenizer(model_path, request_limits)
     service = GenerationService(
-        pool, ModelTokenizer(model_path), metrics, args.max_pending_requests, args.request_timeout, args.max_model_len
+        pool, tokenizer, metrics, args.max_pending_requests, args.request_timeout, args.max_model_len, args.enable_priority
     )
     grpc_server = None
     if args.grpc_port >= 0:
@@ -86,3 +110,4 @@ async def serve(args: argparse.Namespace) -> None:
         if isinstance(discovery, RedisDiscovery):
             await discovery.close()
         await pool.close()
+        tokenizer.close()

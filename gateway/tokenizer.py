@@ -3,33 +3,57 @@
 Only the gateway (and the offline ``engine.LLM``) hold a tokenizer; prefill and
 decode instances speak token ids. Loaded as ``PreTrainedTokenizerFast`` because
 ``AutoTokenizer`` imports torch, which the gateway never needs.
+
+Tokenizing, rendering a chat template and decoding a whole sequence run in a
+small thread pool, never on the event loop: a long prompt must not stall every
+other request's stream. A prompt's characters are checked against
+``--max-prompt-chars`` before it is tokenized. A chat template that takes longer
+than ``--chat-template-timeout`` fails the request; its thread cannot be stopped
+and finishes in the background, which stays bounded because the template is the
+model's own and its input is size-limited.
+
+Concurrent use from the pool is safe: the gateway never asks for truncation or
+padding, so the Rust tokenizer's settings are never changed while one encodes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerFast
 
+from gateway.chat_template import ChatTemplate
 from gateway.errors import bad_request
+from gateway.limits import RequestLimits
 from gateway.protocol import ChatMessage
+
+T = TypeVar("T")
 
 
 class ModelTokenizer:
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, limits: RequestLimits | None = None) -> None:
         if not (model_path / "tokenizer.json").is_file():
             raise ValueError(f"{model_path} has no tokenizer.json; the gateway needs a fast tokenizer from the model folder")
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_path))
+        self.chat_template = ChatTemplate(self.tokenizer)
+        self.limits = limits or RequestLimits()
         config = json.loads((model_path / "config.json").read_text()) if (model_path / "config.json").is_file() else {}
         # The model's own limit, used until instances report theirs (they may be configured lower).
         self.config_max_model_len: int | None = config.get("max_position_embeddings")
+        self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenizer")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.limits.check_prompt_chars(text, param)
+        return await self._run(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(
+    async def encode_chat(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
@@ -37,25 +61,21 @@ class ModelTokenizer:
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation through the model's chat template, as token ids."""
-        if self.tokenizer.chat_template is None:
-            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-        if continue_final_message and add_generation_prompt:
-            raise bad_request("continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message")
+        render = self.chat_template.render_call(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        timeout_s = self.limits.chat_template_timeout_s
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                [_message_dict(m, i) for i, m in enumerate(messages)],
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=True,
-                return_dict=True,
-                **(template_kwargs or {}),
-            )
-        except ValueError as error:  # transformers' own checks, e.g. continue_final_message without one
-            raise bad_request(f"cannot apply the chat template: {error}", param="messages") from error
-        return list(encoded["input_ids"])
+            text = await asyncio.wait_for(self._run(render), timeout_s)
+        except TimeoutError:
+            raise bad_request(
+                f"rendering the chat template took over {timeout_s} s (--chat-template-timeout); shorten the conversation",
+                param="messages",
+            ) from None
+        self.limits.check_prompt_chars(text, "messages")
+        # The rendered text carries the template's special tokens: add none.
+        return await self._run(partial(self.tokenizer.encode, text, add_special_tokens=False))
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return await self._run(partial(self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (as vLLM shows them: decoded, not the raw vocab entry)."""
@@ -72,21 +92,10 @@ class ModelTokenizer:
         if bad:
             raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
 
+    def close(self) -> None:
+        """Stop the worker threads once the work they hold is done; queued work is dropped."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
-def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
-    """A message as chat templates expect it: content as one string."""
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise bad_request(
-                    f"messages[{index}] has a {part.type!r} content part; this server accepts text parts only",
-                    param=f"messages.{index}.content",
-                )
-            texts.append(part.text)
-        content = "\n".join(texts)
-    result: dict[str, Any] = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
-    return result
+    async def _run(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
+

@@ -3,6 +3,8 @@ ways. Torch-free: the gateway converts requests with it, instances convert back.
 
 from __future__ import annotations
 
+import math
+
 from splitserve.v1 import generation_pb2
 
 from engine.sampling_params import SamplingParams
@@ -23,9 +25,16 @@ _OPTIONAL_FIELDS = (
 )
 
 
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def sampling_params_from_proto(message: generation_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields keep the engine's defaults. Raises ValueError for bad values."""
     kwargs: dict[str, object] = {name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)}
+    for name in _FLOAT_FIELDS:
+        # The engine's range checks let +inf through (temperature >= 0 holds for it).
+        if name in kwargs and not math.isfinite(kwargs[name]):  # type: ignore[arg-type]
+            raise ValueError(f"{name} must be a finite number, got {kwargs[name]}")
     return SamplingParams(
         **kwargs,  # type: ignore[arg-type]
         min_tokens=message.min_tokens,

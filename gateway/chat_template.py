@@ -1,0 +1,139 @@
+"""A conversation through the model's own chat template, and which of a client's
+``chat_template_kwargs`` may reach it.
+
+The template ships with the checkpoint and is trusted; a client never supplies
+one. Of ``chat_template_kwargs`` the gateway passes on:
+
+- ``add_generation_prompt`` and ``continue_final_message`` (booleans; they override
+  the request's fields of the same name, as in vLLM),
+- ``tools`` and ``documents`` (lists of objects; templates with tool use or RAG read them),
+- any other variable the model's template reads (``enable_thinking``,
+  ``reasoning_effort``, ...), found by parsing the template once.
+
+Keywords that steer rendering or tokenizing rather than the template
+(``chat_template``, ``tokenize``, ``return_dict``, ``padding``, ...), and names the
+renderer itself binds (``messages``, ``bos_token``, ``raise_exception``, ...) are
+refused with a 400. Any other key is logged and ignored, as unknown request fields
+are: a template that does not read it would ignore it anyway.
+
+Rendering is plain Python (Jinja); ``gateway.tokenizer`` runs it in a worker thread
+with a time limit so that it never holds the event loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jinja2
+import jinja2.meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from transformers import PreTrainedTokenizerFast
+
+from gateway.errors import bad_request
+from gateway.protocol import ChatMessage
+
+logger = logging.getLogger(__name__)
+
+_FLAGS = ("add_generation_prompt", "continue_final_message")
+_LISTS = ("tools", "documents")
+# Names transformers binds in the template's context besides its keyword arguments.
+_RENDERER_NAMES = frozenset({"messages", "conversation", "raise_exception", "strftime_now", "tojson"})
+# transformers' {% generation %} tag marks assistant spans; a plain parser does not know it.
+_GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+
+
+class ChatTemplate:
+    """The model's template, the variables it reads, and the keywords a client may not set."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.tokenizer = tokenizer
+        templates = tokenizer.chat_template
+        sources = list(templates.values()) if isinstance(templates, dict) else [templates] if templates else []
+        parameters = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"self", "kwargs"}
+        self.reserved = frozenset(
+            (parameters - set(_FLAGS) - set(_LISTS))
+            | _RENDERER_NAMES
+            | set(getattr(tokenizer, "SPECIAL_TOKENS_ATTRIBUTES", ()))
+            | set(tokenizer.special_tokens_map)
+        )
+        self.variables = frozenset(v for source in sources for v in _undeclared_variables(source)) - self.reserved
+        self.available = bool(sources)
+
+    def render_call(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> Callable[[], str]:
+        """Check the request and return the rendering, to run off the event loop.
+        Raises APIError 400 for what the client must change."""
+        if not self.available:
+            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        kwargs: dict[str, Any] = {}
+        ignored = []
+        for key, value in (template_kwargs or {}).items():
+            param = f"chat_template_kwargs.{key}"
+            if key == "chat_template":
+                raise bad_request("custom chat templates are not accepted; the model's own template is used", param=param)
+            if key in self.reserved:
+                raise bad_request(f"chat_template_kwargs may not set {key!r}: the gateway sets it", param=param)
+            if key in _FLAGS:
+                if not isinstance(value, bool):
+                    raise bad_request(f"{key} must be true or false", param=param)
+            elif key in _LISTS:
+                if not (isinstance(value, list) and all(isinstance(item, dict) for item in value)):
+                    raise bad_request(f"{key} must be a list of objects", param=param)
+            elif key not in self.variables:
+                ignored.append(key)
+                continue
+            kwargs[key] = value
+        if ignored:
+            logger.info("ignoring chat_template_kwargs the model's template does not read: %s", ", ".join(sorted(ignored)))
+        kwargs.setdefault("add_generation_prompt", add_generation_prompt)
+        kwargs.setdefault("continue_final_message", continue_final_message)
+        if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message")
+        conversation = [_message_dict(message, index) for index, message in enumerate(messages)]
+        return partial(self._render, conversation, kwargs)
+
+    def _render(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+        except (jinja2.TemplateError, ValueError, TypeError) as error:
+            # The template's own checks (raise_exception: "roles must alternate"), and data of a
+            # shape it cannot use: the client's to fix.
+            raise bad_request(f"cannot apply the chat template: {error}", param="messages") from error
+
+
+def _undeclared_variables(source: str) -> set[str]:
+    environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return jinja2.meta.find_undeclared_variables(environment.parse(_GENERATION_TAG.sub("", source)))
+    except jinja2.TemplateSyntaxError as error:
+        logger.warning("cannot parse the model's chat template (%s); chat_template_kwargs other than %s are ignored", error, _FLAGS + _LISTS)
+        return set()
+
+
+def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as chat templates expect it: content as one string."""
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"messages[{index}] has a {part.type!r} content part; this server accepts text parts only",
+                    param=f"messages.{index}.content",
+                )
+            texts.append(part.text)
+        content = "\n".join(texts)
+    result: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
