@@ -80,6 +80,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             request_id=request.request_id,
             priority=request.priority,
             first_token_id=request.first_token_id,
+            cache_salt=request.cache_salt or None,
         )
         try:
             async for output in stream:

@@ -134,6 +134,7 @@ class Dispatcher:
             sampling=request.sampling,
             kv=prefilled.kv,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
         fingerprint = prefilled.kv.fingerprint
         async for event in self._stream_with_failover(

@@ -36,7 +36,9 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        stream = self.instance.engine.generate(prompt, params, request_id=request.request_id or None, priority=request.priority)
+        stream = self.instance.engine.generate(
+            prompt, params, request_id=request.request_id or None, priority=request.priority, cache_salt=request.cache_salt or None
+        )
         try:
             async for output in stream:
                 num_completion += len(output.new_token_ids)

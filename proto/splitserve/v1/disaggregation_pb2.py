@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import generation_pb2 as splitserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/v1/disaggregation.proto\x12\rsplitserve.v1\x1a\x1esplitserve/v1/generation.proto\"\x99\x01\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\"\xa5\x02\n\x08KVHandle\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x11\n\tconnector\x18\x02 \x01(\t\x12\x19\n\x11\x63onnector_address\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12/\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x1a.splitserve.v1.Fingerprint\x12\x1c\n\x14lease_expires_unix_s\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_address\x18\t \x01(\t\x12\x18\n\x10prompt_token_ids\x18\n \x03(\x05\x12\x0f\n\x07lease_s\x18\x0b \x01(\x01\"\xa6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0f\n\x07kv_only\x18\x06 \x01(\x08\"\xdb\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x32\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\"\xd6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVHandle\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\x0f\x61llow_recompute\x18\x08 \x01(\x08\"}\n\nKVTransfer\x12\x19\n\x11num_pulled_blocks\x18\x01 \x01(\x05\x12\x1c\n\x14num_local_hit_blocks\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x12\n\nrecomputed\x18\x05 \x01(\x08\"\xdb\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12.\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.KVTransferB\x10\n\x0e_stop_token_id\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x0eRenewKVRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\".\n\x0fRenewKVResponse\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11LoadReportRequest\"\xe4\x03\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12/\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x1a.splitserve.v1.Fingerprint\x12\x11\n\tconnector\x18\x08 \x01(\t\x12\x19\n\x11\x63onnector_address\x18\t \x01(\t\x12\x1d\n\x15prefix_cache_hit_rate\x18\n \x01(\x01\x12\x14\n\x0ckv_transfers\x18\x0b \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x12\x15\n\rmax_model_len\x18\x0e \x01(\x05\x12\"\n\x1anum_pending_prefill_tokens\x18\x0f \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x10 \x01(\x01\x12\x31\n\x08\x63ounters\x18\x11 \x01(\x0b\x32\x1f.splitserve.v1.InstanceCounters\"\xd1\x01\n\x10InstanceCounters\x12\x17\n\x0fnum_preemptions\x18\x01 \x01(\x03\x12\x1a\n\x12num_lease_renewals\x18\x02 \x01(\x03\x12\x1a\n\x12num_lease_expiries\x18\x03 \x01(\x03\x12\x19\n\x11num_pulls_cut_off\x18\x04 \x01(\x03\x12\x1c\n\x14num_kv_pull_failures\x18\x05 \x01(\x03\x12\x19\n\x11num_kv_recomputes\x18\x06 \x01(\x03\x12\x18\n\x10num_kv_handbacks\x18\x07 \x01(\x03\"p\n\x0cRegistration\x12\x14\n\x0cgrpc_address\x18\x01 \x01(\t\x12)\n\x06report\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.LoadReport\x12\x0e\n\x06unix_s\x18\x03 \x01(\x01\x12\x0f\n\x07serving\x18\x04 \x01(\x08\x32\xa9\x02\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x19.splitserve.v1.RequestRef\x1a .splitserve.v1.ReleaseKVResponse\x12H\n\x07RenewKV\x12\x1d.splitserve.v1.RenewKVRequest\x1a\x1e.splitserve.v1.RenewKVResponse\x12@\n\x05\x41\x62ort\x12\x19.splitserve.v1.RequestRef\x1a\x1c.splitserve.v1.AbortResponse2\x93\x01\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12@\n\x05\x41\x62ort\x12\x19.splitserve.v1.RequestRef\x1a\x1c.splitserve.v1.AbortResponse2T\n\x04Load\x12L\n\rGetLoadReport\x12 .splitserve.v1.LoadReportRequest\x1a\x19.splitserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/v1/disaggregation.proto\x12\rsplitserve.v1\x1a\x1esplitserve/v1/generation.proto\"\x99\x01\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\"\xa5\x02\n\x08KVHandle\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x11\n\tconnector\x18\x02 \x01(\t\x12\x19\n\x11\x63onnector_address\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12/\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x1a.splitserve.v1.Fingerprint\x12\x1c\n\x14lease_expires_unix_s\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_address\x18\t \x01(\t\x12\x18\n\x10prompt_token_ids\x18\n \x03(\x05\x12\x0f\n\x07lease_s\x18\x0b \x01(\x01\"\xa6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0f\n\x07kv_only\x18\x06 \x01(\x08\"\xdb\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x32\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\"\xea\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVHandle\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x17\n\x0f\x61llow_recompute\x18\x08 \x01(\x08\"}\n\nKVTransfer\x12\x19\n\x11num_pulled_blocks\x18\x01 \x01(\x05\x12\x1c\n\x14num_local_hit_blocks\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x12\n\nrecomputed\x18\x05 \x01(\x08\"\xdb\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12.\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.KVTransferB\x10\n\x0e_stop_token_id\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x0eRenewKVRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\".\n\x0fRenewKVResponse\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11LoadReportRequest\"\xe4\x03\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12/\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x1a.splitserve.v1.Fingerprint\x12\x11\n\tconnector\x18\x08 \x01(\t\x12\x19\n\x11\x63onnector_address\x18\t \x01(\t\x12\x1d\n\x15prefix_cache_hit_rate\x18\n \x01(\x01\x12\x14\n\x0ckv_transfers\x18\x0b \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x12\x15\n\rmax_model_len\x18\x0e \x01(\x05\x12\"\n\x1anum_pending_prefill_tokens\x18\x0f \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x10 \x01(\x01\x12\x31\n\x08\x63ounters\x18\x11 \x01(\x0b\x32\x1f.splitserve.v1.InstanceCounters\"\xd1\x01\n\x10InstanceCounters\x12\x17\n\x0fnum_preemptions\x18\x01 \x01(\x03\x12\x1a\n\x12num_lease_renewals\x18\x02 \x01(\x03\x12\x1a\n\x12num_lease_expiries\x18\x03 \x01(\x03\x12\x19\n\x11num_pulls_cut_off\x18\x04 \x01(\x03\x12\x1c\n\x14num_kv_pull_failures\x18\x05 \x01(\x03\x12\x19\n\x11num_kv_recomputes\x18\x06 \x01(\x03\x12\x18\n\x10num_kv_handbacks\x18\x07 \x01(\x03\"p\n\x0cRegistration\x12\x14\n\x0cgrpc_address\x18\x01 \x01(\t\x12)\n\x06report\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.LoadReport\x12\x0e\n\x06unix_s\x18\x03 \x01(\x01\x12\x0f\n\x07serving\x18\x04 \x01(\x08\x32\xa9\x02\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x19.splitserve.v1.RequestRef\x1a .splitserve.v1.ReleaseKVResponse\x12H\n\x07RenewKV\x12\x1d.splitserve.v1.RenewKVRequest\x1a\x1e.splitserve.v1.RenewKVResponse\x12@\n\x05\x41\x62ort\x12\x19.splitserve.v1.RequestRef\x1a\x1c.splitserve.v1.AbortResponse2\x93\x01\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12@\n\x05\x41\x62ort\x12\x19.splitserve.v1.RequestRef\x1a\x1c.splitserve.v1.AbortResponse2T\n\x04Load\x12L\n\rGetLoadReport\x12 .splitserve.v1.LoadReportRequest\x1a\x19.splitserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,33 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=707
   _globals['_PREFILLRESPONSE']._serialized_end=926
   _globals['_DECODEREQUEST']._serialized_start=929
-  _globals['_DECODEREQUEST']._serialized_end=1143
-  _globals['_KVTRANSFER']._serialized_start=1145
-  _globals['_KVTRANSFER']._serialized_end=1270
-  _globals['_DECODERESPONSE']._serialized_start=1273
-  _globals['_DECODERESPONSE']._serialized_end=1492
-  _globals['_REQUESTREF']._serialized_start=1494
-  _globals['_REQUESTREF']._serialized_end=1526
-  _globals['_RENEWKVREQUEST']._serialized_start=1528
-  _globals['_RENEWKVREQUEST']._serialized_end=1565
-  _globals['_RENEWKVRESPONSE']._serialized_start=1567
-  _globals['_RENEWKVRESPONSE']._serialized_end=1613
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1615
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1652
-  _globals['_ABORTRESPONSE']._serialized_start=1654
-  _globals['_ABORTRESPONSE']._serialized_end=1684
-  _globals['_LOADREPORTREQUEST']._serialized_start=1686
-  _globals['_LOADREPORTREQUEST']._serialized_end=1705
-  _globals['_LOADREPORT']._serialized_start=1708
-  _globals['_LOADREPORT']._serialized_end=2192
-  _globals['_INSTANCECOUNTERS']._serialized_start=2195
-  _globals['_INSTANCECOUNTERS']._serialized_end=2404
-  _globals['_REGISTRATION']._serialized_start=2406
-  _globals['_REGISTRATION']._serialized_end=2518
-  _globals['_PREFILL']._serialized_start=2521
-  _globals['_PREFILL']._serialized_end=2818
-  _globals['_DECODE']._serialized_start=2821
-  _globals['_DECODE']._serialized_end=2968
-  _globals['_LOAD']._serialized_start=2970
-  _globals['_LOAD']._serialized_end=3054
+  _globals['_DECODEREQUEST']._serialized_end=1163
+  _globals['_KVTRANSFER']._serialized_start=1165
+  _globals['_KVTRANSFER']._serialized_end=1290
+  _globals['_DECODERESPONSE']._serialized_start=1293
+  _globals['_DECODERESPONSE']._serialized_end=1512
+  _globals['_REQUESTREF']._serialized_start=1514
+  _globals['_REQUESTREF']._serialized_end=1546
+  _globals['_RENEWKVREQUEST']._serialized_start=1548
+  _globals['_RENEWKVREQUEST']._serialized_end=1585
+  _globals['_RENEWKVRESPONSE']._serialized_start=1587
+  _globals['_RENEWKVRESPONSE']._serialized_end=1633
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1635
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1672
+  _globals['_ABORTRESPONSE']._serialized_start=1674
+  _globals['_ABORTRESPONSE']._serialized_end=1704
+  _globals['_LOADREPORTREQUEST']._serialized_start=1706
+  _globals['_LOADREPORTREQUEST']._serialized_end=1725
+  _globals['_LOADREPORT']._serialized_start=1728
+  _globals['_LOADREPORT']._serialized_end=2212
+  _globals['_INSTANCECOUNTERS']._serialized_start=2215
+  _globals['_INSTANCECOUNTERS']._serialized_end=2424
+  _globals['_REGISTRATION']._serialized_start=2426
+  _globals['_REGISTRATION']._serialized_end=2538
+  _globals['_PREFILL']._serialized_start=2541
+  _globals['_PREFILL']._serialized_end=2838
+  _globals['_DECODE']._serialized_start=2841
+  _globals['_DECODE']._serialized_end=2988
+  _globals['_LOAD']._serialized_start=2990
+  _globals['_LOAD']._serialized_end=3074
 # @@protoc_insertion_point(module_scope)
