@@ -29,6 +29,7 @@ from tests.checkpoints import make_checkpoint
 
 MODEL_NAME = "tiny"
 
+_SLOW_LOOPS = "{%- if slow_loops %}{% for i in range(slow_loops) %}{% for j in range(1000) %}{% set x = i * j %}{% endfor %}{% endfor %}{% endif -%}"
 # Reads enable_thinking (a kwarg clients may set), raises on a misplaced system message
 # (a template error the client caused), and burns time on request (for the time limit).
 CHAT_TEMPLATE = (
@@ -37,15 +38,16 @@ CHAT_TEMPLATE = (
     "{{ message['role'] + ': ' + message['content'] + '\n' }}"
     "{%- endfor -%}"
     "{%- if enable_thinking %}{{ 'think: ' }}{% endif -%}"
-    "{%- if slow_loops %}{% for i in range(slow_loops) %}{% for j in range(1000) %}{% set x = i * j %}{% endfor %}{% endfor %}{% endif -%}"
+    + _SLOW_LOOPS +
     "{%- if add_generation_prompt %}{{ 'assistant:' }}{% endif -%}"
 )
 
 
-def make_chat_checkpoint(directory: Path) -> Path:
+def make_chat_checkpoint(directory: Path, slow_loops: bool = True) -> Path:
+    """``slow_loops=False``: without the loop a client can size (fuzzers would find it)."""
     make_checkpoint(directory)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE if slow_loops else CHAT_TEMPLATE.replace(_SLOW_LOOPS, "")
     tokenizer.save_pretrained(directory)
     return directory
 
