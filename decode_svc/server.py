@@ -3,15 +3,36 @@
 For each request the engine allocates blocks for the prompt, reusing its own
 prefix-cache hits; this service pulls only the missing blocks from the prefill
 instance through the KV connector, tells the prefill instance to release them,
-and streams the tokens of the continuous-batching decode loop. If the pull
-fails or times out, the prompt is recomputed locally (default) or the request
-fails with a clear error; other requests never notice.
+and streams the tokens of the continuous-batching decode loop.
+
+One Decode call, in call order:
+
+1. ``Decode`` (event loop): check the handle (fingerprint, connector, block
+   count), hold it (:class:`~decode_svc.leases.LeaseKeeper` renews P's lease from
+   now on), and add the request to the engine with P's first token.
+2. Engine thread: the scheduler admits the request when it has blocks for the
+   prompt, counts its local prefix-cache hits, and emits a ``KVLoad``; the
+   async engine puts it on ``engine.kv_loads``.
+3. ``_take_kv_loads`` (event loop): starts ``_pull`` for the load.
+4. ``_pull``: ``connector.pull`` copies blocks ``num_local_hit_blocks:`` from P into
+   the request's blocks; then ``engine.finish_kv_load`` (a command: the request
+   joins the decode loop at the next step) and ``leases.release`` (ReleaseKV to P,
+   in the background).
+5. ``Decode`` streams the engine's outputs; the first response carries how the KV came.
+
+When the pull fails (or P says it no longer holds the KV), D does not recompute
+the prompt unless the call allows it (``allow_recompute``, the gateway's last
+resort): it ends the call with ``DATA_LOSS`` before any token, so the gateway can
+prefill again — on the same P, whose prefix cache still has most of the blocks —
+and hand the new KV over. A recompute, when allowed, runs in chunks of at most
+``--decode-recompute-chunk`` tokens per step, so running streams keep their pace.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -19,73 +40,88 @@ from typing import Literal
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from decode_svc.leases import LeaseKeeper
 from engine.scheduler_output import KVLoad
-from kv_connector.base import KVSource, KVTransferError, TransferStats
+from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats
 from kv_connector.fingerprint import FingerprintMismatchError
 from serving.convert import kv_source_from_proto, logprobs_to_proto
-from serving.instance import Instance, add_instance_arguments, serve
+from serving.instance import Instance, add_instance_arguments, engine_config, serve
 from serving.sampling_proto import sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50071
+DEFAULT_RECOMPUTE_CHUNK = 256
 KVFailurePolicy = Literal["recompute", "fail"]
 
 
-@dataclass(slots=True)
-class PendingPull:
-    source: KVSource
-    prefill_address: str
-    task: asyncio.Task[None] | None = None  # the pull, while in flight
-    transfer: disaggregation_pb2.KVTransfer | None = None
-    error: str = ""
+@dataclass(slots=True, eq=False)
+class DecodeCall:
+    """One Decode call in progress, as the pull and the stream share it."""
+
+    source: KVSource  # P's blocks; ``source.request_id`` is P's id for them
+    allow_recompute: bool
+    pull: asyncio.Task[None] | None = None  # while in flight
+    transfer: disaggregation_pb2.KVTransfer | None = None  # how the KV came, once it has
+    # Set when the call must end with an error instead of tokens (the engine request is aborted).
+    end_code: grpc.StatusCode | None = None
+    end_message: str = ""
 
 
 class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
-    def __init__(self, failure_policy: KVFailurePolicy, pull_timeout_s: float) -> None:
+    def __init__(self, instance: Instance, failure_policy: KVFailurePolicy, pull_timeout_s: float) -> None:
+        if instance.connector is None:
+            raise ValueError("a decode instance needs a KV connector")
+        self.instance = instance
+        self.connector: KVConnector = instance.connector
         self.failure_policy = failure_policy
         self.pull_timeout_s = pull_timeout_s
-        self.instance: Instance | None = None  # set once the engine exists (it calls back into us)
-        self._pending: dict[str, PendingPull] = {}
-        # The serving loop, captured by the first Decode call (KV loads only follow Decode calls).
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._background: set[asyncio.Future[None]] = set()  # strong references to release tasks
+        self.leases = LeaseKeeper(on_lost=self._kv_lost)
+        self._calls: dict[str, DecodeCall] = {}
+        self._load_taker: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """On the serving event loop, once the engine runs."""
+        self.leases.start()
+        self._load_taker = asyncio.get_running_loop().create_task(self._take_kv_loads())
+
+    async def close(self) -> None:
+        if self._load_taker is not None:
+            self._load_taker.cancel()
+            await asyncio.gather(self._load_taker, return_exceptions=True)
+        await self.leases.close()
 
     # -------------------------------------------------------------- the RPC
 
     async def Decode(self, request, context):  # noqa: ANN001, N802 - gRPC signature
-        instance = self._instance()
-        self._loop = asyncio.get_running_loop()
-        source = kv_source_from_proto(request.request_id, request.kv)
+        request_id = request.request_id
+        if not request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        handle = request.kv
+        source = kv_source_from_proto(handle.request_id or request_id, handle)
         try:
-            instance.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
             params = sampling_params_from_proto(request.sampling)
+            self._check_handle(handle, source, len(request.prompt_token_ids))
         except FingerprintMismatchError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        num_blocks = -(-len(request.prompt_token_ids) // instance.fingerprint.block_size)
-        if len(source.block_ids) != num_blocks:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the KV handle names {len(source.block_ids)} blocks for a {len(request.prompt_token_ids)}-token prompt ({num_blocks} expected)",
-            )
-        pending = PendingPull(source, request.kv.prefill_address)
-        self._pending[request.request_id] = pending
-        first_response = True
-        stream = instance.engine.generate(
+        if request_id in self._calls:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already decoding here")
+        call = self._calls[request_id] = DecodeCall(source, request.allow_recompute)
+        self.leases.hold(request_id, source.request_id, handle.prefill_address, handle.lease_s)
+        stream = self.instance.engine.generate(
             list(request.prompt_token_ids),
             params,
-            request_id=request.request_id,
+            request_id=request_id,
             priority=request.priority,
             first_token_id=request.first_token_id,
             cache_salt=request.cache_salt or None,
         )
         try:
             async for output in stream:
-                if output.finish_reason == "abort" and pending.error:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, pending.error)
+                if call.end_code is not None:
+                    await context.abort(call.end_code, call.end_message)
                 response = disaggregation_pb2.DecodeResponse(
                     request_id=output.request_id,
                     token_ids=output.new_token_ids,
@@ -94,100 +130,104 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
                 )
                 if isinstance(output.stop_reason, int):
                     response.stop_token_id = output.stop_reason
-                if first_response and pending.transfer is not None:
-                    response.kv_transfer.CopyFrom(pending.transfer)
-                    first_response = False
+                if call.transfer is not None:
+                    response.kv_transfer.CopyFrom(call.transfer)
+                    call.transfer = None  # the first response only
                 yield response
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         finally:
-            self._pending.pop(request.request_id, None)
+            del self._calls[request_id]
             # A pull still in flight writes into this request's blocks when it lands: stop it
             # before the engine may free (and hand out) those blocks.
-            if pending.task is not None and not pending.task.done():
-                pending.task.cancel()
-                await asyncio.gather(pending.task, return_exceptions=True)
+            if call.pull is not None and not call.pull.done():
+                call.pull.cancel()
+                await asyncio.gather(call.pull, return_exceptions=True)
+            self.leases.release(request_id)  # a no-op once the pull released P
             await stream.aclose()  # aborts the request now if it has not finished
 
+    def _check_handle(self, handle: disaggregation_pb2.KVHandle, source: KVSource, num_prompt_tokens: int) -> None:
+        """Raise ValueError (or FingerprintMismatchError) for a handle this instance cannot pull."""
+        self.instance.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
+        if handle.connector and handle.connector != self.connector.name:
+            raise ValueError(f"the KV handle is for the {handle.connector!r} connector; this decode instance uses {self.connector.name!r}")
+        num_blocks = -(-num_prompt_tokens // self.instance.fingerprint.block_size)
+        if len(source.block_ids) != num_blocks:
+            raise ValueError(f"the KV handle names {len(source.block_ids)} blocks for a {num_prompt_tokens}-token prompt ({num_blocks} expected)")
+
     async def Abort(self, request, context):  # noqa: ANN001, N802
-        found = request.request_id in self._pending
-        await self._instance().engine.abort(request.request_id)
+        found = request.request_id in self._calls
+        self.instance.engine.abort(request.request_id)
         return disaggregation_pb2.AbortResponse(found=found)
 
     # ------------------------------------------------------------ KV pulls
 
-    def on_kv_loads(self, loads: list[KVLoad]) -> None:
-        """Engine thread: blocks are allocated for these prompts; start their pulls on the event loop."""
-        if self._loop is None:
-            raise RuntimeError("KV loads before any Decode call (bug)")
-        for load in loads:
-            self._loop.call_soon_threadsafe(self._start_pull, load)
+    async def _take_kv_loads(self) -> None:
+        """Start each pull the engine asks for (blocks are allocated for these prompts)."""
+        while True:
+            load = await self.instance.engine.kv_loads.get()
+            call = self._calls.get(load.request_id)
+            if call is None:
+                continue  # the call ended before its blocks were allocated; the engine frees them
+            if load.request_id not in self.leases:
+                self._pull_failed(load, call, "the prefill instance no longer holds the KV")
+                continue
+            call.pull = asyncio.ensure_future(self._pull(load, call))
 
-    def _start_pull(self, load: KVLoad) -> None:
-        pending = self._pending.get(load.request_id)
-        if pending is None:
-            return  # the client left before the pull started; the engine frees the blocks
-        pending.task = asyncio.ensure_future(self._pull(load, pending))
-
-    async def _pull(self, load: KVLoad, pending: PendingPull) -> None:
-        instance = self._instance()
-        first_block = load.num_local_hit_tokens // instance.fingerprint.block_size
+    async def _pull(self, load: KVLoad, call: DecodeCall) -> None:
+        num_hit_blocks = load.num_local_hit_tokens // self.instance.fingerprint.block_size
         try:
-            stats = await instance.connector.pull(pending.source, load.block_ids, first_block, self.pull_timeout_s)
+            stats = await self.connector.pull(call.source, load.block_ids, num_hit_blocks, self.pull_timeout_s)
         except KVTransferError as error:
-            await self._pull_failed(load, pending, str(error))
+            self._pull_failed(load, call, str(error))
         else:
-            instance.transfers.add(stats)
-            pending.transfer = _transfer_proto(stats, first_block, recomputed=False)
-            instance.engine.finish_kv_load(load.request_id, success=True)
+            self.instance.transfers.add(stats)
+            call.transfer = _transfer_proto(stats, num_hit_blocks, recomputed=False)
+            self.instance.engine.finish_kv_load(load.request_id, success=True)
             logger.info(
                 "pulled %d blocks (%d bytes, %d messages) for %s in %.4f s",
                 stats.num_blocks, stats.num_bytes, stats.num_messages, load.request_id, stats.seconds,
             )
-        # Not awaited: the release must reach P even if this request ends (and cancels its pull) first.
-        release = asyncio.ensure_future(self._release_on_prefill(pending))
-        self._background.add(release)
-        release.add_done_callback(self._background.discard)
+        finally:
+            self.leases.release(load.request_id)
 
-    async def _pull_failed(self, load: KVLoad, pending: PendingPull, reason: str) -> None:
-        instance = self._instance()
-        if self.failure_policy == "fail":
+    def _pull_failed(self, load: KVLoad, call: DecodeCall, reason: str) -> None:
+        """Recompute locally when the call allows it; otherwise end the call before any token."""
+        counters = self.instance.counters
+        counters.num_kv_pull_failures += 1
+        if call.allow_recompute and self.failure_policy == "recompute":
+            logger.warning("KV pull for %s failed, recomputing the prompt here in chunks: %s", load.request_id, reason)
+            counters.num_kv_recomputes += 1
+            num_hit_blocks = load.num_local_hit_tokens // self.instance.fingerprint.block_size
+            call.transfer = _transfer_proto(TransferStats(0, 0, 0.0), num_hit_blocks, recomputed=True)
+            self.instance.engine.finish_kv_load(load.request_id, success=False)
+        elif call.allow_recompute:
             logger.warning("KV pull for %s failed, failing the request: %s", load.request_id, reason)
-            pending.error = f"KV transfer from the prefill instance failed: {reason}"
-            await instance.engine.abort(load.request_id)
-            return
-        logger.warning("KV pull for %s failed, recomputing the prompt locally: %s", load.request_id, reason)
-        first_block = load.num_local_hit_tokens // instance.fingerprint.block_size
-        pending.transfer = _transfer_proto(TransferStats(0, 0, 0.0), first_block, recomputed=True)
-        instance.engine.finish_kv_load(load.request_id, success=False)
+            self._end(load.request_id, call, grpc.StatusCode.UNAVAILABLE, f"KV transfer from the prefill instance failed: {reason}")
+        else:
+            self._hand_back(load.request_id, call, reason)
 
-    async def _release_on_prefill(self, pending: PendingPull) -> None:
-        """Tell P it may free the blocks; P's lease frees them anyway if it never hears."""
-        if not pending.prefill_address:
-            return
-        try:
-            channel = self._channels.get(pending.prefill_address)
-            if channel is None:
-                channel = self._channels[pending.prefill_address] = grpc.aio.insecure_channel(pending.prefill_address)
-            stub = disaggregation_pb2_grpc.PrefillStub(channel)
-            await stub.ReleaseKV(disaggregation_pb2.RequestRef(request_id=pending.source.request_id), timeout=5.0)
-        except grpc.aio.AioRpcError as error:
-            logger.info("ReleaseKV to %s failed (%s); its lease will free the blocks", pending.prefill_address, error.code())
+    def _kv_lost(self, request_id: str, reason: str) -> None:
+        """P no longer holds a handle this instance holds: hand the request back now, unless it
+        may recompute (then its pull fails at once when its blocks are allocated)."""
+        call = self._calls.get(request_id)
+        if call is not None and call.pull is None and not call.allow_recompute:
+            self._hand_back(request_id, call, reason)
 
-    def _instance(self) -> Instance:
-        if self.instance is None:
-            raise RuntimeError("DecodeServicer used before its instance was attached (bug)")
-        return self.instance
+    def _hand_back(self, request_id: str, call: DecodeCall, reason: str) -> None:
+        logger.warning("KV of %s cannot be pulled (%s): handing it back for another prefill", request_id, reason)
+        self.instance.counters.num_kv_handbacks += 1
+        self._end(request_id, call, grpc.StatusCode.DATA_LOSS, f"the prompt's KV could not be pulled ({reason}); prefill it again")
 
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+    def _end(self, request_id: str, call: DecodeCall, code: grpc.StatusCode, message: str) -> None:
+        call.end_code, call.end_message = code, message
+        self.instance.engine.abort(request_id)  # the stream then yields the abort, and the call ends
 
 
-def _transfer_proto(stats: TransferStats, first_block: int, recomputed: bool) -> disaggregation_pb2.KVTransfer:
+def _transfer_proto(stats: TransferStats, num_hit_blocks: int, recomputed: bool) -> disaggregation_pb2.KVTransfer:
     return disaggregation_pb2.KVTransfer(
         num_pulled_blocks=stats.num_blocks,
-        num_local_hit_blocks=first_block,
+        num_local_hit_blocks=num_hit_blocks,
         num_bytes=stats.num_bytes,
         seconds=stats.seconds,
         recomputed=recomputed,
@@ -197,20 +237,25 @@ def _transfer_proto(stats: TransferStats, first_block: int, recomputed: bool) ->
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_instance_arguments(parser, DEFAULT_PORT)
     parser.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
-                        help="when a KV pull fails: recompute the prompt locally, or fail the request")
+                        help="when a pull fails on a call that allows recompute (the gateway's last hand-off attempt): "
+                             "recompute the prompt here, in chunks, or fail the request")
     parser.add_argument("--kv-pull-timeout", type=float, default=10.0, help="seconds before a KV pull counts as failed")
+    parser.add_argument("--decode-recompute-chunk", type=int, default=DEFAULT_RECOMPUTE_CHUNK,
+                        help="prompt tokens a step computes at most beside its decodes (recomputes, preempted requests), "
+                             "so running streams wait at most one chunk per step")
 
 
 def run(args: argparse.Namespace) -> int:
-    servicer = DecodeServicer(args.kv_failure_policy, args.kv_pull_timeout)
-    instance = Instance.create(args, "decode", on_kv_loads=servicer.on_kv_loads)
-    servicer.instance = instance
-
-    async def main() -> None:
-        try:
-            await serve(instance, args, lambda server: disaggregation_pb2_grpc.add_DecodeServicer_to_server(servicer, server))
-        finally:
-            await servicer.close()
-
-    asyncio.run(main())
+    config = dataclasses.replace(engine_config(args, "decode"), max_num_prefill_tokens=args.decode_recompute_chunk)
+    instance = Instance.create(args, "decode", config)
+    servicer = DecodeServicer(instance, args.kv_failure_policy, args.kv_pull_timeout)
+    asyncio.run(
+        serve(
+            instance,
+            args,
+            lambda server: disaggregation_pb2_grpc.add_DecodeServicer_to_server(servicer, server),
+            on_start=servicer.start,
+            on_stop=servicer.close,
+        )
+    )
     return 0

@@ -4,6 +4,26 @@ The step loop runs on a dedicated thread (torch releases the GIL in its kernels,
 so the event loop stays responsive). Every change to engine state — adding,
 aborting, releasing KV, finishing a KV pull — travels to that thread as a
 command and runs between steps, so the engine itself needs no locks.
+
+Nothing on the event loop waits for a step: a prefill step can take seconds, and
+control calls (abort, release, load reports, health) must answer in
+milliseconds whatever the engine is doing. So :meth:`AsyncEngine.abort` and
+:meth:`AsyncEngine.release_kv` only queue their command (it runs at the next
+step boundary, in order with every other command), :meth:`AsyncEngine.generate`
+validates on the caller's thread and queues the request, and load reports come
+from the snapshot the engine thread publishes after each step.
+
+A request's path, in call order:
+
+1. ``generate()`` (event loop): validate, open the request's stream, queue ``add_request``.
+2. Engine thread, between steps: ``add_request``; a refusal goes into the stream.
+3. Engine thread: ``step()``; outputs go to the event loop with ``call_soon_threadsafe``,
+   and so do the KV pulls the step asked for (decode role), onto :attr:`AsyncEngine.kv_loads`.
+4. Event loop: ``_dispatch`` puts each output into its request's stream; ``generate()``
+   yields it. The decode service takes loads off ``kv_loads``, pulls, and reports back
+   with ``finish_kv_load()`` (a command again).
+5. A consumer that stops early, ``abort()`` or ``release_kv()``: a command, applied at the
+   next step boundary, freeing the request's blocks exactly once.
 """
 
 from __future__ import annotations
@@ -35,13 +55,13 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Owns an :class:`EngineCore` and its thread. Use as ``async with AsyncEngine(config) as engine``.
 
-    ``on_kv_loads`` (decode role) is called on the engine thread with the KV pulls
-    each step asks for; whoever performs them reports back through :meth:`finish_kv_load`.
+    Decode role: the KV pulls each step asks for arrive on :attr:`kv_loads` (on the
+    event loop); whoever performs them reports back through :meth:`finish_kv_load`.
     """
 
-    def __init__(self, config: EngineConfig, on_kv_loads: Callable[[list[KVLoad]], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
-        self._on_kv_loads = on_kv_loads
+        self.kv_loads: asyncio.Queue[KVLoad] = asyncio.Queue()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
@@ -91,14 +111,19 @@ class AsyncEngine:
         If the consumer stops iterating early — a client disconnected — the request
         is aborted and its blocks freed."""
         request_id = request_id or uuid.uuid4().hex
-        stream: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        if self._closed or self._thread is None:
+            raise EngineDeadError("the engine step loop is not running") from self._error
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.core.validate(prompt_token_ids, params, first_token_id)
+        stream: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
+        loop = asyncio.get_running_loop()
         finished = False
-        try:
-            await self._call(
-                lambda: self.core.add_request(
+
+        def add() -> None:
+            try:
+                self.core.add_request(
                     prompt_token_ids,
                     params,
                     request_id=request_id,
@@ -106,7 +131,11 @@ class AsyncEngine:
                     cache_salt=cache_salt,
                     first_token_id=first_token_id,
                 )
-            )
+            except ValueError as error:  # e.g. the id is still held by a pinned prefill
+                loop.call_soon_threadsafe(stream.put_nowait, error)
+
+        try:
+            self._submit(add)
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -118,13 +147,15 @@ class AsyncEngine:
             if not finished:
                 self._submit(lambda: self.core.abort([request_id]))
 
-    async def abort(self, request_id: str) -> None:
-        """End a request now; its blocks (pinned prefill KV too) are free when this returns."""
-        await self._call(lambda: self.core.abort([request_id]))
+    def abort(self, request_id: str) -> None:
+        """End a request at the next step boundary, freeing its blocks (pinned prefill KV too).
+        Returns at once; unknown or finished ids are ignored."""
+        self._submit(lambda: self.core.abort([request_id]))
 
-    async def release_kv(self, request_id: str) -> bool:
-        """Prefill role: unpin a handed-off request's blocks. False if nothing was pinned."""
-        return await self._call(lambda: self.core.release_kv(request_id))
+    def release_kv(self, request_id: str) -> None:
+        """Prefill role: unpin a handed-off request's blocks at the next step boundary.
+        Returns at once; a second release of the same id does nothing."""
+        self._submit(lambda: self.core.release_kv(request_id))
 
     def finish_kv_load(self, request_id: str, success: bool) -> None:
         """Decode role: report a KV pull's outcome; callable from any thread."""
@@ -166,21 +197,25 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._drain_commands()
-                self._latest_report = self.core.load_report()  # commands (aborts, releases) change it too
+                if self._drain_commands():
+                    self._latest_report = self.core.load_report()  # commands (aborts, releases) change it too
+                elif self.core.last_step_was_idle:
+                    # Nothing could run (only pulls in flight, or no blocks to admit with): wait for a
+                    # command to change that rather than spin and starve the event loop of the GIL.
+                    self._sleep()
+                    continue
                 if not self.core.has_unfinished_requests():
-                    self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
+                    self._sleep()
                     continue
                 outputs = self.core.step()
                 # Before the outputs go out: a caller who has seen them sees a report at least as new.
                 self._latest_report = self.core.load_report()
+                loop = self._loop  # set by start(), before this thread runs
                 if self.core.pending_kv_loads:
                     loads, self.core.pending_kv_loads = self.core.pending_kv_loads, []
-                    if self._on_kv_loads is not None:
-                        self._on_kv_loads(loads)
-                if outputs and self._loop is not None:  # set by start(), before this thread runs
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                    loop.call_soon_threadsafe(_put_all, self.kv_loads, loads)
+                if outputs:
+                    loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as error:
             logger.exception("engine step loop crashed")
             self._error = error
@@ -188,13 +223,20 @@ class AsyncEngine:
             self._closed = True
             self._fail_all(EngineDeadError("the engine step loop has stopped"))
 
-    def _drain_commands(self) -> None:
+    def _sleep(self) -> None:
+        self._wakeup.wait(timeout=0.5)
+        self._wakeup.clear()
+
+    def _drain_commands(self) -> bool:
+        """Run every queued command; True if there was any."""
+        ran = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
             command()
+            ran = True
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         for output in outputs:
@@ -213,6 +255,11 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(fail)
         # Commands queued after the loop ended would wait forever: run them now.
         self._drain_commands()
+
+
+def _put_all(queue_: asyncio.Queue[T], items: list[T]) -> None:
+    for item in items:
+        queue_.put_nowait(item)
 
 
 def _settle(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:

@@ -32,6 +32,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: from the model config
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Of that budget, the most prompt (or recompute) tokens one step computes beside its
+    # decodes; None: all of it. The decode role caps it so running streams keep their pace.
+    max_num_prefill_tokens: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
@@ -43,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_prefill_tokens is not None and self.max_num_prefill_tokens < 2:
+            raise ValueError(f"max_num_prefill_tokens must be >= 2 (or None for no cap), got {self.max_num_prefill_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.role not in ("colocated", "prefill", "decode"):

@@ -7,13 +7,14 @@ offline :class:`engine.llm.LLM` and the gateway add text on top.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.default_model import default_model_path
 from engine.kv_cache_manager import KVCacheManager
+from engine.load_report import LoadReport, PrefillRate
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
@@ -22,15 +23,6 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import KVLoad
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadReport:
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_hit_rate: float
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -57,7 +49,10 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             role=config.role,
+            max_num_prefill_tokens=config.max_num_prefill_tokens,
         )
+        self.prefill_rate = PrefillRate()
+        self.last_step_was_idle = False  # the last step had nothing to run (e.g. only pulls in flight)
         # Decode role: KV pulls requested by the last steps, for the service to perform.
         self.pending_kv_loads: list[KVLoad] = []
         self._aborted_outputs: list[EngineCoreOutput] = []
@@ -77,7 +72,7 @@ class EngineCore:
         elsewhere: its KV will be pulled, and decoding continues after that token.
         Raises ValueError for input the engine cannot serve."""
         request_id = request_id or uuid.uuid4().hex
-        max_tokens = self._validate(prompt_token_ids, params, first_token_id)
+        max_tokens = self.validate(prompt_token_ids, params, first_token_id)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -93,7 +88,9 @@ class EngineCore:
         self.scheduler.add_request(request)
         return request_id
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int | None) -> int:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int | None = None) -> int:
+        """Raise ValueError for a request this engine cannot serve; return its resolved max_tokens.
+        Reads only the configuration: safe to call from any thread."""
         num_prompt = len(prompt_token_ids)
         if first_token_id is not None and self.config.role != "decode":
             raise ValueError(f"first_token_id continues a remotely prefilled prompt: decode role only, this engine is {self.config.role}")
@@ -128,9 +125,13 @@ class EngineCore:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         scheduler_output = self.scheduler.schedule()
         self.pending_kv_loads.extend(scheduler_output.kv_loads)
+        self.last_step_was_idle = scheduler_output.is_empty and not scheduler_output.kv_loads
         if scheduler_output.is_empty:
             return outputs
+        started = time.perf_counter()
         model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
+        num_prefill_tokens = scheduler_output.num_scheduled_tokens - scheduler_output.num_decodes
+        self.prefill_rate.add(num_prefill_tokens, time.perf_counter() - started)
         for request in self.scheduler.update(scheduler_output, model_output):
             outputs.append(self._output(request, new_token_ids=request.all_token_ids[-1:]))
         return outputs
@@ -183,6 +184,9 @@ class EngineCore:
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.kv_cache_manager.num_total_blocks,
             prefix_cache_hit_rate=self.kv_cache_manager.block_pool.prefix_cache_hit_rate,
+            num_pending_prefill_tokens=self.scheduler.num_pending_prefill_tokens,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
 

@@ -7,6 +7,11 @@ allows — then waiting requests are admitted in priority order (FCFS when no
 priorities are given), with their prompts chunked to fit. When blocks run
 out, the lowest-priority, latest-arrived running request is preempted: its
 blocks are freed and it later recomputes prompt plus output, losing nothing.
+
+``max_num_prefill_tokens`` caps the prompt (and recompute) tokens of one step
+beside its decodes: the decode role sets it so that a prompt it must compute
+itself (a failed pull, a preempted request) costs running streams at most one
+chunk's worth of delay per step, never a whole prompt's.
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         role: EngineRole = "colocated",
+        max_num_prefill_tokens: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_prefill_tokens = max_num_prefill_tokens or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.role = role
         self.requests: dict[str, Request] = {}  # every request that holds or awaits resources
@@ -82,7 +89,10 @@ class Scheduler:
         """Decode role: the prompt KV of a request has arrived (or failed to).
 
         On success the request joins the decode loop; on failure it recomputes
-        the part of its prompt that the local prefix cache did not hold.
+        the part of its prompt that the local prefix cache did not hold, in
+        chunks of at most ``max_num_prefill_tokens`` per step. Either way the KV
+        is local from now on: a later preemption recomputes here and never pulls
+        again from a prefill instance that has released the blocks.
         """
         request = self.waiting_for_kv.pop(request_id, None)
         if request is None:
@@ -90,6 +100,7 @@ class Scheduler:
         if success:
             request.num_computed_tokens = request.num_external_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_external_tokens)
+        request.num_external_tokens = 0
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -101,6 +112,13 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens still to compute, prefix-cache hits not yet known
+        counted in full: what a new prompt would queue behind."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting if not r.num_external_tokens)
+        return waiting + sum(_num_prefill_tokens_left(r) for r in self.running)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
 
@@ -108,6 +126,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        prefill_budget = self.max_num_prefill_tokens  # of ``budget``, for prompt and recompute chunks
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
         kv = self.kv_cache_manager
@@ -117,16 +136,23 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = _chunk(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
+            if num_new_tokens == 0:
+                continue  # a prefill, and this step's prefill budget is spent
             while kv.allocate_slots(request, num_new_tokens) is None:
                 victim = max(self.running, key=_admission_key)
-                budget += self._preempt(victim, scheduled)
+                num_given_back = self._preempt(victim, scheduled)
+                budget += num_given_back
+                if num_given_back > 1:
+                    prefill_budget += num_given_back
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
                 scheduled[request.request_id] = self._scheduled(request, num_new_tokens)
                 budget -= num_new_tokens
+                if num_new_tokens > 1:
+                    prefill_budget -= num_new_tokens
 
         kv_loads: list[KVLoad] = []
         # Admitting more work in a step that had to preempt would only thrash.
@@ -146,8 +172,8 @@ class Scheduler:
                 self.waiting_for_kv[request.request_id] = request
                 kv_loads.append(KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), num_hit_tokens))
                 continue
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
-            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+            num_new_tokens = _chunk(request.num_tokens - num_hit_tokens, budget, prefill_budget)
+            if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
             self.waiting.pop(0)
             request.num_computed_tokens = num_hit_tokens
@@ -157,6 +183,8 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = self._scheduled(request, num_new_tokens)
             budget -= num_new_tokens
+            if num_new_tokens > 1:
+                prefill_budget -= num_new_tokens
 
         # Decodes first: backends batch all single-token queries in one call.
         decodes = [s for s in scheduled.values() if s.num_new_tokens == 1]
@@ -236,7 +264,11 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=_admission_key)
-        logger.debug("preempted %s (preemption #%d)", request.request_id, request.num_preemptions)
+        # Worth seeing in the logs: each one costs a recompute of the request's tokens.
+        logger.info(
+            "preempted %s for lack of KV blocks: %d tokens to recompute (%d preemptions since start)",
+            request.request_id, request.num_tokens, self.num_preemptions,
+        )
         taken_back = scheduled.pop(request.request_id, None)
         return taken_back.num_new_tokens if taken_back else 0
 
@@ -252,3 +284,16 @@ class Scheduler:
                 return
         if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
+
+
+def _chunk(num_tokens_left: int, budget: int, prefill_budget: int) -> int:
+    """How many of a request's ``num_tokens_left`` tokens this step computes: a decode (one
+    token) needs only the step budget; a prefill chunk also comes out of the prefill budget."""
+    if num_tokens_left <= 1:
+        return min(num_tokens_left, budget)
+    return max(0, min(num_tokens_left, budget, prefill_budget))
+
+
+def _num_prefill_tokens_left(request: Request) -> int:
+    num_left = request.num_tokens - request.num_computed_tokens
+    return num_left if num_left > 1 else 0

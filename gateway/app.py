@@ -4,6 +4,7 @@ errors in OpenAI's shape (a failure nobody expected included: a 500 that says so
 from __future__ import annotations
 
 import logging
+import math
 from http import HTTPStatus
 from typing import Any
 
@@ -153,4 +154,5 @@ def _is_union_tag(part: str) -> bool:
 def _error_response(error: APIError) -> JSONResponse:
     if error.status >= 500:
         logger.warning("answering %d: %s", error.status, error.message)
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+    headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if error.retry_after_s is not None else None
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status, headers=headers)

@@ -1,13 +1,21 @@
 """One request's path through the instances: Prefill on a P, the first token back
 at once, then Decode on a D with P's KV handle, streaming tokens.
 
+Admission first: instances over ``--max-queue-delay`` or ``--max-inflight-per-instance``
+take nothing new (``gateway.admission``); when none qualifies the request gets 429
+with ``Retry-After`` before any instance sees it.
+
 Retries follow the ownership rules: a prefill that fails (instance down,
 draining, overloaded) runs again on another P; a hand-off that fails before D
 streamed anything goes to another D while P keeps the blocks pinned under its
-lease. Once D has streamed tokens, its failure fails the request (the tokens
-are out). Ending the stream early — the client left, a stop string matched —
-cancels the Decode call (D aborts and frees at once) and releases P's blocks if
-no D took them.
+lease. A D that could not pull the KV (P released it, died, the transfer broke)
+hands the request back with ``DATA_LOSS``: the gateway prefills the prompt again
+(``kv_only``: the first token is already out), preferring the same P — its prefix
+cache still holds most blocks — and hands the new KV to a D; only the last
+hand-off attempt lets D recompute the prompt itself. Once D has streamed tokens,
+its failure fails the request (the tokens are out). Ending the stream early — the
+client left, a stop string matched — cancels the Decode call (D aborts and frees at
+once) and releases P's blocks if no D took them.
 """
 
 from __future__ import annotations
@@ -15,19 +23,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
+from gateway.admission import Overloaded
 from gateway.errors import APIError, no_instance
 from gateway.instances import InstancePool, InstanceState, Role
+from gateway.metrics import GatewayMetrics
+from serving.background import BackgroundTasks
+from serving.prefill_control import abort_prefill, release_kv
 
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per phase: instances tried before the request fails
+MAX_HANDOFFS = 3  # Decode calls per request that may end in DATA_LOSS and a new prefill
 # An instance answering with these is down, draining or full: another one may serve.
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -39,7 +52,6 @@ _RETRYABLE = {
     grpc.StatusCode.FAILED_PRECONDITION,  # a fingerprint mismatch: another D may match
 }
 _INSTANCE_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
-_RELEASE_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -64,10 +76,27 @@ class TokenEvent:
     kv_transfer: disaggregation_pb2.KVTransfer | None = None  # the hand-off, when D reports it
 
 
+@dataclass(slots=True)
+class _Pinned:
+    """Prompt KV pinned on a P for this request: where, and under which id."""
+
+    prefill: InstanceState
+    handle: disaggregation_pb2.KVHandle
+
+    @property
+    def prefill_request_id(self) -> str:
+        return self.handle.request_id
+
+
+class _KVLost(Exception):
+    """D could not pull the KV (DATA_LOSS) and streamed nothing: prefill again."""
+
+
 class Dispatcher:
-    def __init__(self, pool: InstancePool) -> None:
+    def __init__(self, pool: InstancePool, metrics: GatewayMetrics | None = None) -> None:
         self.pool = pool
-        self._background: set[asyncio.Task[object]] = set()
+        self.metrics = metrics
+        self._background = BackgroundTasks()
 
     async def generate(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Raises APIError (before or between events) on failure."""
@@ -75,7 +104,7 @@ class Dispatcher:
             async for event in self._colocated(request):
                 yield event
             return
-        prefilled, prefill = await self._prefill(request)
+        prefilled, prefill = await self._prefill(request, request.request_id, request.sampling)
         first = TokenEvent(
             token_ids=[prefilled.first_token_id],
             logprobs=[prefilled.first_logprob] if prefilled.HasField("first_logprob") else [],
@@ -87,59 +116,92 @@ class Dispatcher:
         if first.finish_reason is not None:
             yield first
             return
+        pinned = _Pinned(prefill, _with_request_id(prefilled.kv, request.request_id))
         decoding = False  # a D has streamed: it owns the KV now and releases P itself
         try:
             yield first
-            async for event in self._decode(request, prefilled):
-                decoding = True
-                yield event
+            for attempt in range(1, MAX_HANDOFFS + 1):
+                try:
+                    async for event in self._decode(request, prefilled.first_token_id, pinned.handle, allow_recompute=attempt == MAX_HANDOFFS):
+                        decoding = True
+                        yield event
+                    return
+                except _KVLost as lost:
+                    logger.warning("hand-off %d of %s lost its KV (%s); prefilling it again", attempt, request.request_id, lost)
+                    if self.metrics is not None:
+                        self.metrics.kv_reprefills.inc()
+                    self._free_in_background(pinned)  # a no-op if D's release got there first
+                    pinned = await self._reprefill(request, f"{request.request_id}.kv{attempt}", prefer=pinned.prefill)
         finally:
             if not decoding:
-                self._in_background(self._free_on_prefill(prefill, request.request_id, abort=False))
+                self._free_in_background(pinned)
 
     # ---------------------------------------------------------------- prefill
 
-    async def _prefill(self, request: DispatchRequest) -> tuple[disaggregation_pb2.PrefillResponse, InstanceState]:
+    async def _prefill(
+        self,
+        request: DispatchRequest,
+        prefill_request_id: str,
+        sampling: generation_pb2.SamplingParams,
+        kv_only: bool = False,
+        prefer: InstanceState | None = None,
+    ) -> tuple[disaggregation_pb2.PrefillResponse, InstanceState]:
+        """``kv_only``: a re-prefill of an admitted request, which no admission limit refuses."""
         tried: list[InstanceState] = []
         message = disaggregation_pb2.PrefillRequest(
-            request_id=request.request_id,
+            request_id=prefill_request_id,
             prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
+            sampling=sampling,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            kv_only=kv_only,
         )
+        num_prompt_tokens = len(request.prompt_token_ids)
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
-            prefill = self.pool.pick_prefill(exclude=tried)
+            prefill = self._admit(
+                lambda: self.pool.pick_prefill(exclude=tried, num_prompt_tokens=num_prompt_tokens, prefer=prefer, admitted=kv_only)
+            )
             if prefill is None:
                 break
             tried.append(prefill)
             try:
-                return await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(message, timeout=_remaining(request)), prefill
+                with prefill.call():
+                    response = await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(message, timeout=_remaining(request))
+                return response, prefill
             except grpc.aio.AioRpcError as error:
                 last_error = self._failed(prefill, error, "prefill")
             except asyncio.CancelledError:
                 # The client left mid-prefill: P may have pinned blocks just before the cancel reached it.
-                self._in_background(self._free_on_prefill(prefill, request.request_id, abort=True))
+                self._background.spawn(abort_prefill(prefill.channel, prefill_request_id, prefill.address))
                 raise
         raise _exhausted("prefill", last_error)
 
+    async def _reprefill(self, request: DispatchRequest, prefill_request_id: str, prefer: InstanceState) -> _Pinned:
+        """The prompt's KV again, pinned under a new id; the token P samples is not used."""
+        prefilled, prefill = await self._prefill(request, prefill_request_id, request.sampling, kv_only=True, prefer=prefer)
+        if not prefilled.HasField("kv"):
+            raise RuntimeError(f"prefill instance {prefill.address} pinned nothing for a kv_only prefill (bug)")
+        return _Pinned(prefill, _with_request_id(prefilled.kv, prefill_request_id))
+
     # ----------------------------------------------------------------- decode
 
-    async def _decode(self, request: DispatchRequest, prefilled: disaggregation_pb2.PrefillResponse) -> AsyncIterator[TokenEvent]:
+    async def _decode(
+        self, request: DispatchRequest, first_token_id: int, handle: disaggregation_pb2.KVHandle, allow_recompute: bool
+    ) -> AsyncIterator[TokenEvent]:
         message = disaggregation_pb2.DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            first_token_id=prefilled.first_token_id,
+            first_token_id=first_token_id,
             sampling=request.sampling,
-            kv=prefilled.kv,
+            kv=handle,
             priority=request.priority,
+            allow_recompute=allow_recompute,
             cache_salt=request.cache_salt,
         )
-        fingerprint = prefilled.kv.fingerprint
         async for event in self._stream_with_failover(
             "decode",
-            lambda tried: self.pool.pick("decode", exclude=tried, fingerprint=fingerprint),
+            lambda tried: self.pool.pick("decode", exclude=tried, fingerprint=handle.fingerprint),
             lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request)),
         ):
             yield event
@@ -154,9 +216,10 @@ class Dispatcher:
             priority=request.priority,
             cache_salt=request.cache_salt,
         )
+        num_prompt_tokens = len(request.prompt_token_ids)
         async for event in self._stream_with_failover(
             "colocated",
-            lambda tried: self.pool.pick("colocated", exclude=tried),
+            lambda tried: self.pool.pick("colocated", exclude=tried, num_prompt_tokens=num_prompt_tokens),
             lambda instance: generation_pb2_grpc.GenerationStub(instance.channel).Generate(message, timeout=_remaining(request)),
         ):
             yield event
@@ -168,23 +231,27 @@ class Dispatcher:
         open_stream: Callable[[InstanceState], grpc.aio.UnaryStreamCall],
     ) -> AsyncIterator[TokenEvent]:
         """Stream from the first instance that takes the request. Until it has streamed
-        something, a failure moves the request to another instance of the role; after
-        that the request fails (its tokens are out)."""
+        something, a failure moves the request to another instance of the role (or, for
+        DATA_LOSS, back to prefill: :class:`_KVLost`); after that the request fails (its
+        tokens are out)."""
         tried: list[InstanceState] = []
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
-            instance = pick(tried)
+            instance = self._admit(lambda: pick(tried))
             if instance is None:
                 break
             tried.append(instance)
             call = open_stream(instance)
             streamed = False
             try:
-                async for response in call:
-                    first, streamed = not streamed, True
-                    yield _token_event(response, first)
+                with instance.call():
+                    async for response in call:
+                        first, streamed = not streamed, True
+                        yield _token_event(response, first)
                 return
             except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.DATA_LOSS and not streamed:
+                    raise _KVLost(error.details()) from None
                 last_error = self._failed(instance, error, role)
                 if streamed:
                     raise _as_api_error(error, f"{role} instance {instance.instance_id} failed mid-stream") from error
@@ -194,6 +261,17 @@ class Dispatcher:
         raise _exhausted(role, last_error)
 
     # ---------------------------------------------------------------- helpers
+
+    def _admit(self, pick: Callable[[], InstanceState | None]) -> InstanceState | None:
+        """Run a pick; an :class:`Overloaded` pool becomes a 429 with ``Retry-After``."""
+        try:
+            return pick()
+        except Overloaded as overloaded:
+            if self.metrics is not None:
+                self.metrics.rejected.inc()
+            raise APIError(
+                HTTPStatus.TOO_MANY_REQUESTS, f"{overloaded}; retry later", code="overloaded", retry_after_s=overloaded.retry_after_s
+            ) from None
 
     def _failed(self, instance: InstanceState, error: grpc.aio.AioRpcError, phase: str) -> grpc.aio.AioRpcError:
         """Classify a failed call: the client's fault raises now; otherwise try elsewhere."""
@@ -205,27 +283,22 @@ class Dispatcher:
             self.pool.record_failure(instance)
         return error
 
-    async def _free_on_prefill(self, prefill: InstanceState, request_id: str, abort: bool) -> None:
-        """Free P's pinned blocks now rather than at lease expiry: ReleaseKV once nobody will
-        pull them (a no-op if D already did), Abort when the prefill itself may still run."""
-        stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
-        call = stub.Abort if abort else stub.ReleaseKV
-        try:
-            await call(disaggregation_pb2.RequestRef(request_id=request_id), timeout=_RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as error:
-            name = "Abort" if abort else "ReleaseKV"
-            logger.info("%s of %s on %s failed (%s); its lease frees the blocks", name, request_id, prefill.address, error.code().name)
-
-    def _in_background(self, coroutine: Awaitable[object]) -> None:
-        """Run cleanup that must happen even though the request's task is ending."""
-        task = asyncio.ensure_future(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _free_in_background(self, pinned: _Pinned) -> None:
+        """Free P's pinned blocks now rather than at lease expiry, once nobody will pull them
+        (a no-op if D already released them). It must outlive the request's task."""
+        prefill = pinned.prefill
+        self._background.spawn(release_kv(prefill.channel, pinned.prefill_request_id, prefill.address))
 
     async def drain(self) -> None:
         """Wait for background cleanup (releases, aborts) to reach the instances."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._background.wait()
+
+
+def _with_request_id(handle: disaggregation_pb2.KVHandle, prefill_request_id: str) -> disaggregation_pb2.KVHandle:
+    """The handle naming P's id for its blocks (a P that predates the field leaves it empty)."""
+    if not handle.request_id:
+        handle.request_id = prefill_request_id
+    return handle
 
 
 def _token_event(response: disaggregation_pb2.DecodeResponse | generation_pb2.GenerateResponse, first: bool) -> TokenEvent:

@@ -45,6 +45,7 @@ class APIError(Exception):
     message: str
     param: str | None = None
     code: str | None = None
+    retry_after_s: float | None = None  # 429 / 503: sent as ``Retry-After`` (whole seconds)
 
     def __str__(self) -> str:
         return self.message

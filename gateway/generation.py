@@ -93,7 +93,7 @@ class GenerationService:
         enable_priority: bool = False,
     ) -> None:
         self.pool = pool
-        self.dispatcher = Dispatcher(pool)
+        self.dispatcher = Dispatcher(pool, metrics)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests

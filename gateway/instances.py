@@ -1,6 +1,7 @@
 """The instances the gateway knows, their latest load reports, and how it picks
-one: lowest ``4 * waiting + running`` among the healthy ones, never pairing a
-prefill and a decode instance whose KV fingerprints differ.
+one: lowest ``4 * waiting + running`` among the healthy ones within the admission
+limits (``gateway.admission``), never pairing a prefill and a decode instance whose
+KV fingerprints differ.
 
 Discovery (``gateway.discovery``) keeps the reports fresh; the dispatcher
 reports RPC failures here so a dead instance is skipped at once rather than
@@ -12,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
 from splitserve.v1 import disaggregation_pb2
+
+from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,17 @@ class InstanceState:
     # Requests sent since the latest report, which it cannot show yet; without this
     # a burst between two polls would all go to the same instance.
     num_dispatched: int = 0
+    num_dispatched_tokens: int = 0  # their prompt tokens
+    num_inflight: int = 0  # calls from this gateway outstanding on it now
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Count one call from this gateway as outstanding while the block runs."""
+        self.num_inflight += 1
+        try:
+            yield
+        finally:
+            self.num_inflight -= 1
 
     @property
     def instance_id(self) -> str:
@@ -65,6 +80,7 @@ class InstanceState:
 @dataclass
 class InstancePool:
     stale_after_s: float
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     instances: dict[str, InstanceState] = field(default_factory=dict)  # by address
     _closing: set[asyncio.Task[None]] = field(default_factory=set)  # channels of removed instances
 
@@ -88,7 +104,8 @@ class InstancePool:
         if state is None:
             return
         was_healthy = state.is_healthy(time.monotonic(), self.stale_after_s)
-        state.report, state.serving, state.reported_at, state.num_dispatched = report, serving, time.monotonic(), 0
+        state.report, state.serving, state.reported_at = report, serving, time.monotonic()
+        state.num_dispatched = state.num_dispatched_tokens = 0
         if not was_healthy and state.is_healthy(time.monotonic(), self.stale_after_s):
             logger.info("%s instance %s (%s) is healthy", state.role, address, report.instance_id)
 
@@ -112,20 +129,68 @@ class InstancePool:
         role: Role,
         exclude: Iterable[InstanceState] = (),
         fingerprint: disaggregation_pb2.Fingerprint | None = None,
+        num_prompt_tokens: int = 0,
+        prefer: InstanceState | None = None,
     ) -> InstanceState | None:
-        """The least-loaded healthy instance of a role, optionally KV-compatible with a fingerprint."""
+        """The least-loaded healthy instance of a role within the admission limits, optionally
+        KV-compatible with a fingerprint; ``prefer`` wins when it qualifies (its prefix cache
+        holds the prompt). None when there is no candidate at all; :class:`Overloaded` when
+        every candidate is over a limit."""
         excluded = {id(s) for s in exclude}
-        return _take_least_loaded(
+        candidates = [
             s for s in self.healthy(role) if id(s) not in excluded and (fingerprint is None or s.report.fingerprint == fingerprint)
-        )
+        ]
+        return self._admit(role, candidates, num_prompt_tokens, prefer)
 
-    def pick_prefill(self, exclude: Iterable[InstanceState] = ()) -> InstanceState | None:
-        """The least-loaded prefill instance that some healthy decode instance can pair with."""
+    def pick_prefill(
+        self,
+        exclude: Iterable[InstanceState] = (),
+        num_prompt_tokens: int = 0,
+        prefer: InstanceState | None = None,
+        admitted: bool = False,
+    ) -> InstanceState | None:
+        """As :meth:`pick`, among the prefill instances some healthy decode instance can pair with.
+        ``admitted``: the request was admitted before (a re-prefill): no limit refuses it now."""
         decode_fingerprints = [s.report.fingerprint for s in self.healthy("decode")]
         excluded = {id(s) for s in exclude}
-        return _take_least_loaded(
-            s for s in self.healthy("prefill") if id(s) not in excluded and s.report.fingerprint in decode_fingerprints
-        )
+        candidates = [s for s in self.healthy("prefill") if id(s) not in excluded and s.report.fingerprint in decode_fingerprints]
+        return self._admit("prefill", candidates, num_prompt_tokens, prefer, admitted)
+
+    def _admit(
+        self,
+        role: Role,
+        candidates: list[InstanceState],
+        num_prompt_tokens: int,
+        prefer: InstanceState | None,
+        admitted: bool = False,
+    ) -> InstanceState | None:
+        """Limits apply where a request is admitted, at its prefill (P or colocated); a request
+        past that point is served, whatever the decode instances' load."""
+        if not candidates:
+            return None
+        limits = AdmissionLimits() if admitted or role == "decode" else self.limits
+        admissible: list[InstanceState] = []
+        excess_waits: list[float] = []
+        for state in candidates:
+            if limits.max_inflight_per_instance is not None and state.num_inflight >= limits.max_inflight_per_instance:
+                continue
+            if limits.max_queue_delay_s is not None:
+                wait_s = estimated_wait_s(state.report, state.num_dispatched_tokens)
+                if wait_s > limits.max_queue_delay_s:
+                    excess_waits.append(wait_s - limits.max_queue_delay_s)
+                    continue
+            admissible.append(state)
+        if not admissible:
+            if excess_waits:
+                raise Overloaded(
+                    f"every {role} instance has more than --max-queue-delay {limits.max_queue_delay_s:g} s of prompts queued",
+                    retry_after_s(min(excess_waits)),
+                )
+            raise Overloaded(f"every {role} instance has --max-inflight-per-instance {limits.max_inflight_per_instance} calls outstanding", 1)
+        chosen = prefer if prefer in admissible else min(admissible, key=lambda s: s.score)
+        chosen.num_dispatched += 1
+        chosen.num_dispatched_tokens += num_prompt_tokens
+        return chosen
 
     def is_ready(self) -> bool:
         """Requests can be served: a colocated instance, or a compatible prefill + decode pair."""
@@ -149,11 +214,3 @@ class InstancePool:
         task = asyncio.get_running_loop().create_task(state.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
-
-
-def _take_least_loaded(candidates: Iterable[InstanceState]) -> InstanceState | None:
-    """The lowest-scoring candidate, counted as one request busier until its next report."""
-    chosen = min(candidates, key=lambda s: s.score, default=None)
-    if chosen is not None:
-        chosen.num_dispatched += 1
-    return chosen

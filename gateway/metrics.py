@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from splitserve.v1 import disaggregation_pb2
 
@@ -41,6 +41,12 @@ class GatewayMetrics:
             "splitserve_kv_transfer_seconds", "Duration of one request's KV pull", buckets=_TRANSFER_BUCKETS, registry=r
         )
         self.kv_recomputes = Counter("splitserve_kv_recomputes", "Hand-offs where decode recomputed the prompt", registry=r)
+        self.kv_reprefills = Counter(
+            "splitserve_kv_reprefills", "Hand-offs whose KV a decode instance could not pull, prefilled again", registry=r
+        )
+        self.rejected = Counter(
+            "splitserve_requests_rejected", "Requests refused with 429 by admission control (queue delay, in-flight cap)", registry=r
+        )
         r.register(_InstanceCollector(pool))
 
     def render(self) -> bytes:
@@ -102,6 +108,18 @@ class _InstanceCollector(Collector):
             "hit": GaugeMetricFamily("splitserve_instance_prefix_cache_hit_rate", "Prefix-cache hit rate since start", labels=labels),
             "bytes": GaugeMetricFamily("splitserve_instance_kv_transfer_bytes", "KV bytes pulled by this instance since start", labels=labels),
             "seconds": GaugeMetricFamily("splitserve_instance_kv_transfer_seconds", "Seconds spent pulling KV since start", labels=labels),
+            "pending": GaugeMetricFamily(
+                "splitserve_instance_pending_prefill_tokens", "Prompt tokens queued or mid-prefill on the instance", labels=labels
+            ),
+            "rate": GaugeMetricFamily(
+                "splitserve_instance_prefill_tokens_per_second", "Prompt tokens per second over the instance's recent steps", labels=labels
+            ),
+            "inflight": GaugeMetricFamily("splitserve_instance_inflight_calls", "Calls from this gateway outstanding on the instance", labels=labels),
+        }
+        # The instance's own event counts since it started: counters, though they reset with it.
+        counters = {
+            name: CounterMetricFamily(f"splitserve_instance_{name}", help_text, labels=labels)
+            for name, help_text in _INSTANCE_COUNTERS.items()
         }
         healthy = {id(s) for role in ROLES for s in self.pool.healthy(role)}
         for state in list(self.pool.instances.values()):
@@ -117,4 +135,21 @@ class _InstanceCollector(Collector):
             gauges["hit"].add_metric(values, report.prefix_cache_hit_rate)
             gauges["bytes"].add_metric(values, report.kv_transfer_bytes)
             gauges["seconds"].add_metric(values, report.kv_transfer_seconds)
+            gauges["pending"].add_metric(values, report.num_pending_prefill_tokens)
+            gauges["rate"].add_metric(values, report.prefill_tokens_per_s)
+            gauges["inflight"].add_metric(values, state.num_inflight)
+            for name, counter in counters.items():
+                counter.add_metric(values, getattr(report.counters, f"num_{name}"))
         yield from gauges.values()
+        yield from counters.values()
+
+
+_INSTANCE_COUNTERS = {
+    "preemptions": "Running requests sent back to wait for lack of KV blocks (their KV recomputed later)",
+    "lease_renewals": "Prefill: KV leases a decode instance renewed",
+    "lease_expiries": "Prefill: pinned KV freed because nobody released or renewed it",
+    "pulls_cut_off": "Prefill: KV pulls still reading blocks when those were unpinned",
+    "kv_pull_failures": "Decode: KV pulls that failed",
+    "kv_recomputes": "Decode: prompts recomputed locally after a failed pull",
+    "kv_handbacks": "Decode: requests handed back to the gateway to prefill again",
+}

@@ -13,6 +13,7 @@ import uvicorn
 
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from gateway import limits
+from gateway.admission import AdmissionLimits
 from gateway.app import create_app
 from gateway.discovery import RedisDiscovery, StaticDiscovery
 from gateway.generation import GenerationService
@@ -43,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pending-requests", type=int, default=1024, help="requests in flight at once; beyond this the gateway answers 429")
     parser.add_argument("--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take end to end")
+    # Admission control (gateway.admission): refuse at once rather than queue for minutes.
+    parser.add_argument("--max-queue-delay", type=float, default=None, metavar="SECONDS",
+                        help="answer 429 with Retry-After when every prefill instance's queued prompts would delay a new "
+                             "request's prefill by more than this (estimated from their load reports; default: off)")
+    parser.add_argument("--max-inflight-per-instance", type=int, default=None, metavar="N",
+                        help="calls this gateway keeps outstanding on one prefill (or colocated) instance at most; "
+                             "a request finding every instance at the cap gets 429 (default: off)")
     # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
     parser.add_argument("--enable-priority", action="store_true",
                         help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400")
@@ -72,7 +80,8 @@ async def serve(args: argparse.Namespace) -> None:
     """Serve REST and gRPC until SIGTERM/SIGINT, then let in-flight requests finish."""
     model_path = Path(args.model) if args.model else default_model_path()
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    pool = InstancePool(stale_after_s=args.stale_after)
+    admission = AdmissionLimits(max_queue_delay_s=args.max_queue_delay, max_inflight_per_instance=args.max_inflight_per_instance)
+    pool = InstancePool(stale_after_s=args.stale_after, limits=admission)
     if args.registry_url:
         discovery: RedisDiscovery | StaticDiscovery = RedisDiscovery(pool, args.registry_url, args.poll_interval)
     else:

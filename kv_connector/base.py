@@ -70,6 +70,9 @@ class KVConnector(abc.ABC):
         self.fingerprint = fingerprint
         # Bytes of one block across all layers, K and V: one contiguous ``kv_cache[b]``.
         self.bytes_per_block = kv_cache[0].numel() * kv_cache.element_size()
+        # P: pulls still reading a request's blocks when :meth:`unpublish` cut them off. Zero
+        # on a healthy cluster: D releases only after its pull, and renews the lease before.
+        self.num_pulls_cut_off = 0
 
     @property
     def num_blocks(self) -> int:

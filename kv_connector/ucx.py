@@ -192,7 +192,8 @@ class UCXConnector(KVConnector):
                     sending.cancel()
                     raise
                 if sending.cancelled():
-                    logger.info("pull of %s cut off: its KV was released", request.request_id)
+                    self.num_pulls_cut_off += 1
+                    logger.warning("pull of %s cut off: its KV was released while being read", request.request_id)
                     return
                 if sending.exception() is not None:  # a broken peer must never take the listener down
                     logger.warning("serving a KV pull failed; closing its connection", exc_info=sending.exception())

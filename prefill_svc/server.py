@@ -3,7 +3,19 @@
 Prefill runs the prompt (chunked, with prefix caching), samples the first
 token, and leaves the prompt's blocks pinned and published on the KV
 connector under a lease. The blocks are freed exactly once: on ReleaseKV, on
-Abort, or when the lease expires.
+Abort, or when the lease expires; a decode instance holding the handle renews
+the lease (RenewKV) while the request waits there, so the lease only expires
+when that instance is gone or silent.
+
+Control calls never wait for an engine step (a prefill step of a long prompt
+takes seconds on a CPU): ReleaseKV, RenewKV and Abort change the servicer's
+own record of what is pinned and answer at once; freeing runs in the
+background, in this order:
+
+1. ``connector.unpublish``: refuse new pulls, cut off any still reading the
+   blocks, and return once nothing reads them;
+2. ``engine.release_kv``: a command the engine thread runs at its next step
+   boundary, which puts the blocks back in the pool.
 """
 
 from __future__ import annotations
@@ -17,6 +29,8 @@ import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from engine.outputs import EngineCoreOutput, KVHandoff
+from engine.sampling_params import SamplingParams
+from serving.background import BackgroundTasks
 from serving.convert import fingerprint_to_proto, logprobs_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
 from serving.sampling_proto import sampling_params_from_proto
@@ -27,28 +41,48 @@ DEFAULT_PORT = 50061
 DEFAULT_LEASE_S = 30.0
 
 
+def kv_only_params() -> SamplingParams:
+    """A re-prefill (``kv_only``) needs the prompt's KV, not a token: sample greedily and
+    never finish on that token, so the blocks are always pinned and handed off."""
+    return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
 class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
     def __init__(self, instance: Instance, lease_s: float) -> None:
+        if instance.connector is None:
+            raise ValueError("a prefill instance needs a KV connector")
         self.instance = instance
+        self.connector = instance.connector
         self.lease_s = lease_s
-        self._leases: dict[str, asyncio.TimerHandle] = {}
+        self._leases: dict[str, asyncio.TimerHandle] = {}  # pinned request id -> its expiry
+        self._prefilling: dict[str, bool] = {}  # Prefill calls in progress -> aborted meanwhile
+        self._freeing = BackgroundTasks()
 
     async def Prefill(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+        request_id = request.request_id
+        if not request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if request_id in self._prefilling or request_id in self._leases:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already prefilling or pinned here")
+        self._prefilling[request_id] = False
+        started = time.perf_counter()
+        final: EngineCoreOutput | None = None
         try:
-            params = sampling_params_from_proto(request.sampling)
-            final: EngineCoreOutput | None = None
-            started = time.perf_counter()
+            params = kv_only_params() if request.kv_only else sampling_params_from_proto(request.sampling)
             async for output in self.instance.engine.generate(
                 list(request.prompt_token_ids),
                 params,
-                request_id=request.request_id or None,
+                request_id=request_id,
                 priority=request.priority,
                 cache_salt=request.cache_salt or None,
             ):
                 final = output
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if final is None or not final.new_token_ids:
+        finally:
+            aborted = self._prefilling.pop(request_id)
+        if final is None or not final.new_token_ids or aborted:
+            # Aborted while prefilling: the engine frees whatever the request held.
             await context.abort(grpc.StatusCode.ABORTED, "the request was aborted during prefill")
         response = disaggregation_pb2.PrefillResponse(
             request_id=final.request_id,
@@ -60,55 +94,92 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         if final.new_logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
         if final.kv_handoff is not None:
-            response.kv.CopyFrom(self._pin(final.request_id, final.kv_handoff, list(request.prompt_token_ids)))
+            response.kv.CopyFrom(self._pin(request_id, final.kv_handoff, list(request.prompt_token_ids)))
         return response
+
+    # ------------------------------------------------------------ the lease
 
     def _pin(self, request_id: str, handoff: KVHandoff, prompt_token_ids: list[int]) -> disaggregation_pb2.KVHandle:
         """Publish the pinned blocks on the connector and start the lease that frees them."""
-        self.instance.connector.publish(request_id, handoff.block_ids, prompt_token_ids)
-        loop = asyncio.get_running_loop()
-        self._leases[request_id] = loop.call_later(self.lease_s, lambda: asyncio.ensure_future(self._expire(request_id)))
+        self.connector.publish(request_id, handoff.block_ids, prompt_token_ids)
+        self._leases[request_id] = self._arm_lease(request_id)
         return disaggregation_pb2.KVHandle(
+            request_id=request_id,
             prefill_instance_id=self.instance.instance_id,
-            connector=self.instance.connector.name,
+            connector=self.connector.name,
             connector_address=self.instance.connector_address,
             block_ids=handoff.block_ids,
             num_tokens=handoff.num_tokens,
             block_hashes=[h.to_bytes(16, "little") for h in handoff.block_hashes],
             fingerprint=fingerprint_to_proto(self.instance.fingerprint),
             lease_expires_unix_s=time.time() + self.lease_s,
+            lease_s=self.lease_s,
             prefill_address=self.instance.grpc_address,
             prompt_token_ids=prompt_token_ids,
         )
 
-    async def _unpin(self, request_id: str) -> bool:
-        lease = self._leases.pop(request_id, None)
-        if lease is not None:
-            lease.cancel()
-        await self.instance.connector.unpublish(request_id)  # returns once no pull reads the blocks
-        return await self.instance.engine.release_kv(request_id)
+    def _arm_lease(self, request_id: str) -> asyncio.TimerHandle:
+        return asyncio.get_running_loop().call_later(self.lease_s, self._expire, request_id)
 
-    async def _expire(self, request_id: str) -> None:
-        self._leases.pop(request_id, None)
-        if await self._unpin(request_id):
-            logger.warning("KV lease of %s expired after %.0f s without a release: blocks freed", request_id, self.lease_s)
+    def _expire(self, request_id: str) -> None:
+        if self._unpin(request_id):
+            self.instance.counters.num_lease_expiries += 1
+            logger.warning("KV lease of %s expired after %.0f s without a release or renewal: blocks freed", request_id, self.lease_s)
+
+    def _unpin(self, request_id: str) -> bool:
+        """Stop the lease and free the blocks in the background. False if nothing was pinned."""
+        lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return False
+        lease.cancel()
+        self._freeing.spawn(self._free(request_id))
+        return True
+
+    async def _free(self, request_id: str) -> None:
+        await self.connector.unpublish(request_id)  # returns once no pull reads the blocks
+        self.instance.engine.release_kv(request_id)
+
+    # ------------------------------------------------------ control calls
 
     async def ReleaseKV(self, request, context):  # noqa: ANN001, N802
-        return disaggregation_pb2.ReleaseKVResponse(released=await self._unpin(request.request_id))
+        return disaggregation_pb2.ReleaseKVResponse(released=self._unpin(request.request_id))
+
+    async def RenewKV(self, request, context):  # noqa: ANN001, N802
+        unknown = []
+        for request_id in request.request_ids:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                unknown.append(request_id)
+                continue
+            lease.cancel()
+            self._leases[request_id] = self._arm_lease(request_id)
+            self.instance.counters.num_lease_renewals += 1
+        return disaggregation_pb2.RenewKVResponse(unknown_request_ids=unknown)
 
     async def Abort(self, request, context):  # noqa: ANN001, N802
-        pinned = await self._unpin(request.request_id)
-        await self.instance.engine.abort(request.request_id)  # a prefill still running
-        return disaggregation_pb2.AbortResponse(found=pinned)
+        request_id = request.request_id
+        prefilling = request_id in self._prefilling
+        if prefilling:
+            self._prefilling[request_id] = True  # its Prefill call must not pin what the engine frees
+            self.instance.engine.abort(request_id)
+        pinned = self._unpin(request_id)
+        return disaggregation_pb2.AbortResponse(found=prefilling or pinned)
+
+    async def close(self) -> None:
+        """At shutdown: free what is still pinned, and wait for frees under way."""
+        for request_id in list(self._leases):
+            self._unpin(request_id)
+        await self._freeing.wait()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_instance_arguments(parser, DEFAULT_PORT)
-    parser.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_S, help="free pinned KV after this long without a release")
+    parser.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_S,
+                        help="free pinned KV after this long without a release or a renewal from the decode instance")
 
 
 def run(args: argparse.Namespace) -> int:
     instance = Instance.create(args, "prefill")
     servicer = PrefillServicer(instance, args.lease_seconds)
-    asyncio.run(serve(instance, args, lambda server: disaggregation_pb2_grpc.add_PrefillServicer_to_server(servicer, server)))
+    asyncio.run(serve(instance, args, lambda server: disaggregation_pb2_grpc.add_PrefillServicer_to_server(servicer, server), on_stop=servicer.close))
     return 0

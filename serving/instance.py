@@ -10,7 +10,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,7 +20,6 @@ from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from engine.async_engine import AsyncEngine
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineRole
 from engine.engine_core import EngineCore
-from engine.scheduler_output import KVLoad
 from kv_connector.base import KVConnector, TransferStats
 from kv_connector.fingerprint import Fingerprint, model_identity
 from kv_connector.registry import BACKENDS, make_connector
@@ -101,6 +100,17 @@ class TransferCounters:
         self.seconds += stats.seconds
 
 
+@dataclass(slots=True)
+class ServiceCounters:
+    """What the role's servicer counts since start (the engine counts its preemptions itself)."""
+
+    num_lease_renewals: int = 0  # P
+    num_lease_expiries: int = 0  # P
+    num_kv_pull_failures: int = 0  # D
+    num_kv_recomputes: int = 0  # D
+    num_kv_handbacks: int = 0  # D
+
+
 @dataclass
 class Instance:
     """One prefill, decode or colocated instance: engine, connector (none when colocated) and identity."""
@@ -113,13 +123,13 @@ class Instance:
     grpc_address: str = ""
     connector_address: str = ""
     transfers: TransferCounters = field(default_factory=TransferCounters)
+    counters: ServiceCounters = field(default_factory=ServiceCounters)
 
     @classmethod
-    def create(
-        cls, args: argparse.Namespace, role: EngineRole, on_kv_loads: Callable[[list[KVLoad]], None] | None = None
-    ) -> Instance:
-        """Load the model and size the KV cache (blocking); log capacity and fingerprint."""
-        engine = AsyncEngine(engine_config(args, role), on_kv_loads=on_kv_loads)
+    def create(cls, args: argparse.Namespace, role: EngineRole, config: EngineConfig | None = None) -> Instance:
+        """Load the model and size the KV cache (blocking); log capacity and fingerprint.
+        ``config`` replaces the one built from ``args`` (a role may adjust it first)."""
+        engine = AsyncEngine(config or engine_config(args, role))
         fingerprint = fingerprint_of(engine.core)
         connector = None
         if role != "colocated":
@@ -155,6 +165,17 @@ class Instance:
             kv_transfer_bytes=self.transfers.num_bytes,
             kv_transfer_seconds=self.transfers.seconds,
             max_model_len=self.engine.core.max_model_len,
+            num_pending_prefill_tokens=report.num_pending_prefill_tokens,
+            prefill_tokens_per_s=report.prefill_tokens_per_s,
+            counters=disaggregation_pb2.InstanceCounters(
+                num_preemptions=report.num_preemptions,
+                num_lease_renewals=self.counters.num_lease_renewals,
+                num_lease_expiries=self.counters.num_lease_expiries,
+                num_pulls_cut_off=self.connector.num_pulls_cut_off if self.connector is not None else 0,
+                num_kv_pull_failures=self.counters.num_kv_pull_failures,
+                num_kv_recomputes=self.counters.num_kv_recomputes,
+                num_kv_handbacks=self.counters.num_kv_handbacks,
+            ),
         )
 
 
@@ -167,14 +188,23 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
 
 
 async def serve(
-    instance: Instance, args: argparse.Namespace, add_servicer: Callable[[grpc.aio.Server], None], ready: Callable[[str], None] | None = None
+    instance: Instance,
+    args: argparse.Namespace,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    ready: Callable[[str], None] | None = None,
+    on_start: Callable[[], Awaitable[None]] | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Start engine, connector and gRPC server; run until SIGTERM/SIGINT, then drain and stop."""
+    """Start engine, connector and gRPC server; run until SIGTERM/SIGINT, then drain and stop.
+    ``on_start`` runs once the engine runs, before the server takes calls; ``on_stop`` once the
+    server has drained, before the connector and engine stop."""
     await instance.engine.start()
     advertise = args.advertise_host or args.host
     if instance.connector is not None:
         connector_address = await instance.connector.start(args.host, args.kv_port)
         instance.connector_address = connector_address.replace(args.host, advertise, 1) if connector_address else ""
+    if on_start is not None:
+        await on_start()
     server = grpc.aio.server()
     add_servicer(server)
     disaggregation_pb2_grpc.add_LoadServicer_to_server(LoadServicer(instance), server)
@@ -205,6 +235,8 @@ async def serve(
     await health_servicer.enter_graceful_shutdown()
     started = time.monotonic()
     await server.stop(grace=DRAIN_GRACE_S)
+    if on_stop is not None:
+        await on_stop()
     if instance.connector is not None:
         await instance.connector.close()
     await instance.engine.stop()

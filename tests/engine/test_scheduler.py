@@ -231,3 +231,70 @@ def test_decode_role_abort_while_pulling_frees_blocks() -> None:
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     scheduler.finish_kv_load("a", success=True)  # the pull finishing late changes nothing
     assert_all_free(scheduler)
+
+
+def test_prefill_cap_leaves_decodes_their_step_and_chunks_the_rest() -> None:
+    """A decode instance recomputing a prompt (a failed pull) computes at most one chunk per
+    step beside its running decodes, however large the step budget."""
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_model_len=128, role="decode", max_num_prefill_tokens=8)
+    for index in range(2):
+        scheduler.add_request(make_request(f"stream-{index}", 5, first_token_id=50, max_tokens=40))
+    scheduler.add_request(make_request("recompute", 30, first_token_id=51, max_tokens=40))
+    loads = scheduler.schedule().kv_loads
+    assert [load.request_id for load in loads] == ["stream-0", "stream-1", "recompute"]
+    scheduler.finish_kv_load("stream-0", success=True)
+    scheduler.finish_kv_load("stream-1", success=True)
+    scheduler.finish_kv_load("recompute", success=False)  # 31 tokens to compute here
+    chunks = []
+    while scheduler.requests["recompute"].num_output_tokens == 1:
+        output = run_step(scheduler)
+        assert [s.request.request_id for s in output.scheduled[:2]] == ["stream-0", "stream-1"]
+        assert output.num_decodes == 2  # every stream advances in every step
+        chunks += [s.num_new_tokens for s in output.scheduled[2:]]
+    assert chunks == [8, 8, 8, 7] and sum(chunks) == 31
+
+
+def test_prefill_cap_spans_requests_and_admissions() -> None:
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_prefill_tokens=10)
+    scheduler.add_request(make_request("a", list(range(10, 17)), max_tokens=2))
+    scheduler.add_request(make_request("b", list(range(20, 27)), max_tokens=2))
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 7), ("b", 3)]
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 1), ("b", 4)]
+
+
+def test_a_pulled_request_preempted_on_decode_recomputes_and_never_pulls_again() -> None:
+    """After its pull, a request's KV is local: P has released it, so a preemption must
+    recompute here (prefix-cache hits first) rather than ask P for the blocks again."""
+    scheduler = make_scheduler(num_blocks=5, block_size=4, role="decode", max_model_len=64)
+    scheduler.add_request(make_request("old", 8, first_token_id=50, max_tokens=8))
+    scheduler.schedule()
+    scheduler.finish_kv_load("old", success=True)
+    scheduler.add_request(make_request("new", list(range(30, 38)), first_token_id=51, max_tokens=8))
+    scheduler.schedule()
+    scheduler.finish_kv_load("new", success=True)
+    output = run_step(scheduler)  # two blocks each, and both need a third: the later one yields
+    assert output.preempted_request_ids == ["new"] and scheduler.num_preemptions == 1
+    new = scheduler.requests["new"]
+    assert new.status is RequestStatus.PREEMPTED and new.num_external_tokens == 0
+    outputs = []
+    while scheduler.requests:
+        outputs.append(run_step(scheduler))
+    assert all(not output.kv_loads for output in outputs)
+    recompute = [s.num_new_tokens for output in outputs for s in output.scheduled if s.request is new and s.num_new_tokens > 1]
+    assert recompute == [5]  # 9 tokens, the first block a prefix-cache hit
+    assert new.output_token_ids == [51] + [7] * 7
+    assert_all_free(scheduler)
+
+
+def test_pending_prefill_tokens_count_queued_and_unfinished_prompts() -> None:
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=6)
+    scheduler.add_request(make_request("a", list(range(10, 20)), max_tokens=2))
+    scheduler.add_request(make_request("b", list(range(20, 25)), max_tokens=2))
+    scheduler.add_request(make_request("pulled", list(range(30, 39)), first_token_id=50))  # a decode-role style hand-off: not prefill work
+    assert scheduler.num_pending_prefill_tokens == 15
+    run_step(scheduler)  # 6 of a's 10
+    assert scheduler.num_pending_prefill_tokens == 4 + 5
+    run_step(scheduler)  # a finishes its prompt and samples; b gets 2
+    assert scheduler.num_pending_prefill_tokens == 3

@@ -6,8 +6,10 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 from splitserve.v1 import disaggregation_pb2
 
+from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s
 from gateway.instances import InstancePool
 
 FINGERPRINT = disaggregation_pb2.Fingerprint(model="m", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16)
@@ -21,11 +23,11 @@ def report(role: str, waiting: int = 0, running: int = 0, fingerprint: disaggreg
     )
 
 
-def with_pool(test: Callable[[InstancePool], None], stale_after_s: float = 5.0) -> None:
+def with_pool(test: Callable[[InstancePool], None], stale_after_s: float = 5.0, limits: AdmissionLimits | None = None) -> None:
     """grpc.aio channels need a running loop; the pool itself is synchronous."""
 
     async def body() -> None:
-        pool = InstancePool(stale_after_s=stale_after_s)
+        pool = InstancePool(stale_after_s=stale_after_s, limits=limits or AdmissionLimits())
         try:
             test(pool)
         finally:
@@ -106,3 +108,73 @@ def test_removed_instances_are_forgotten() -> None:
         assert pool.healthy("decode") == [] and "d:1" not in pool.instances
 
     with_pool(check)
+
+
+def queued(role: str, pending_tokens: int, tokens_per_s: float, waiting: int = 0) -> disaggregation_pb2.LoadReport:
+    message = report(role, waiting=waiting)
+    message.num_pending_prefill_tokens, message.prefill_tokens_per_s = pending_tokens, tokens_per_s
+    return message
+
+
+def add_pair(pool: InstancePool, prefills: dict[str, disaggregation_pb2.LoadReport]) -> None:
+    pool.add("d:1", "decode")
+    pool.record_report("d:1", report("decode"), serving=True)
+    for address, message in prefills.items():
+        pool.add(address, "prefill")
+        pool.record_report(address, message, serving=True)
+
+
+def test_estimated_wait_is_queued_prompt_tokens_over_the_measured_rate() -> None:
+    assert estimated_wait_s(queued("prefill", 3000, 1000.0), num_dispatched_tokens=1000) == 4.0
+    assert estimated_wait_s(queued("prefill", 3000, 0.0), num_dispatched_tokens=1000) == 0.0  # not measured yet
+    assert estimated_wait_s(None, 0) == 0.0
+
+
+def test_queue_delay_limit_skips_long_queues_and_refuses_when_all_are_long() -> None:
+    def check(pool: InstancePool) -> None:
+        # p:1 ranks first (no waiting requests) but holds 5 s of prompts; p:2 holds 1 s.
+        add_pair(pool, {"p:1": queued("prefill", 5000, 1000.0), "p:2": queued("prefill", 1000, 1000.0, waiting=3)})
+        assert pool.pick_prefill(num_prompt_tokens=500).address == "p:2"  # 1 s of wait: admitted
+        assert pool.pick_prefill(num_prompt_tokens=500).address == "p:2"  # 1.5 s: the dispatched tokens count
+        with pytest.raises(Overloaded) as raised:
+            pool.pick_prefill(num_prompt_tokens=500)  # p:2 now 2 s, p:1 5 s: both over
+        assert raised.value.retry_after_s == 1  # p:2 is 0.5 s over: rounded up to whole seconds
+        assert "--max-queue-delay 1.5 s" in str(raised.value)
+        # Re-prefills of admitted requests are not refused, and go to the preferred instance.
+        preferred = pool.instances["p:1"]
+        assert pool.pick_prefill(num_prompt_tokens=500, prefer=preferred, admitted=True) is preferred
+        # Decode instances take any admitted request.
+        assert pool.pick("decode").address == "d:1"
+
+    with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.5))
+
+
+def test_retry_after_says_when_the_shortest_queue_is_short_enough() -> None:
+    def check(pool: InstancePool) -> None:
+        add_pair(pool, {"p:1": queued("prefill", 9000, 1000.0), "p:2": queued("prefill", 6200, 1000.0)})
+        with pytest.raises(Overloaded) as raised:
+            pool.pick_prefill(num_prompt_tokens=100)
+        assert raised.value.retry_after_s == 5  # p:2: 6.2 s queued, 1.5 s allowed: 4.7 s over
+
+    with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.5))
+
+
+def test_inflight_cap_spreads_requests_and_refuses_past_it() -> None:
+    def check(pool: InstancePool) -> None:
+        add_pair(pool, {"p:1": queued("prefill", 0, 0.0), "p:2": queued("prefill", 0, 0.0, waiting=5)})
+        p1, p2 = pool.instances["p:1"], pool.instances["p:2"]
+        with p1.call():
+            assert pool.pick_prefill() is p2  # p:1 ranks first but is at its cap
+            with p2.call(), pytest.raises(Overloaded) as raised:
+                pool.pick_prefill()
+            assert "--max-inflight-per-instance 1" in str(raised.value)
+        assert p1.num_inflight == 0 and pool.pick_prefill() is p1
+
+    with_pool(check, limits=AdmissionLimits(max_inflight_per_instance=1))
+
+
+def test_admission_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="--max-queue-delay"):
+        AdmissionLimits(max_queue_delay_s=0)
+    with pytest.raises(ValueError, match="--max-inflight-per-instance"):
+        AdmissionLimits(max_inflight_per_instance=0)

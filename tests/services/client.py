@@ -21,11 +21,13 @@ def run_prefill(prefill: Service, request_id: str, prompt: list[int]) -> disaggr
     return stub.Prefill(disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=GREEDY), timeout=30)
 
 
-def run_decode(decode: Service, request_id: str, prompt: list[int], prefilled: disaggregation_pb2.PrefillResponse) -> tuple[list[int], list[disaggregation_pb2.DecodeResponse]]:
+def run_decode(
+    decode: Service, request_id: str, prompt: list[int], prefilled: disaggregation_pb2.PrefillResponse, allow_recompute: bool = False
+) -> tuple[list[int], list[disaggregation_pb2.DecodeResponse]]:
     stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
     responses = list(stub.Decode(disaggregation_pb2.DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt, first_token_id=prefilled.first_token_id,
-        sampling=GREEDY, kv=prefilled.kv), timeout=60))
+        sampling=GREEDY, kv=prefilled.kv, allow_recompute=allow_recompute), timeout=60))
     tokens = [prefilled.first_token_id] + [t for r in responses for t in r.token_ids]
     return tokens, responses
 

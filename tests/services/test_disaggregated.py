@@ -106,14 +106,32 @@ def test_client_leaving_mid_decode_frees_both_sides(prefill: Service, decode: Se
     assert_all_free(prefill, decode)
 
 
-def test_dead_prefill_instance_means_local_recompute(model: Path, decode: Service, colocated: LLM) -> None:
+def test_dead_prefill_instance_hands_the_request_back(model: Path, decode: Service) -> None:
+    """Without leave to recompute, a pull that cannot happen ends the call before any token
+    with DATA_LOSS: the gateway then prefills again elsewhere."""
     prompt = random_prompts([45], seed=27)[0]
     with running("prefill", model) as doomed:
         prefilled = run_prefill(doomed, "orphan", prompt)
         doomed.stop(signal.SIGKILL)
-    tokens, responses = run_decode(decode, "orphan", prompt, prefilled)
+    before = decode.load().counters
+    with pytest.raises(grpc.RpcError) as raised:
+        run_decode(decode, "orphan", prompt, prefilled)
+    assert raised.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "prefill it again" in raised.value.details()
+    after = decode.load().counters
+    assert after.num_kv_handbacks == before.num_kv_handbacks + 1 and after.num_kv_recomputes == before.num_kv_recomputes
+    assert_all_free(decode)
+
+
+def test_dead_prefill_instance_with_recompute_allowed_recomputes(model: Path, decode: Service, colocated: LLM) -> None:
+    prompt = random_prompts([45], seed=31)[0]
+    with running("prefill", model) as doomed:
+        prefilled = run_prefill(doomed, "orphan-recompute", prompt)
+        doomed.stop(signal.SIGKILL)
+    tokens, responses = run_decode(decode, "orphan-recompute", prompt, prefilled, allow_recompute=True)
     assert tokens == expected_tokens(colocated, prompt)
     assert responses[0].kv_transfer.recomputed
+    assert decode.load().counters.num_kv_recomputes >= 1
     assert_all_free(decode)
 
 
@@ -124,7 +142,7 @@ def test_unreachable_peer_with_fail_policy_is_a_clear_error(model: Path, prefill
     with running("decode", model, "--kv-failure-policy", "fail", "--kv-pull-timeout", "3") as strict:
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as raised:
-            run_decode(strict, "unreachable", prompt, prefilled)
+            run_decode(strict, "unreachable", prompt, prefilled, allow_recompute=True)
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "KV transfer from the prefill instance failed" in raised.value.details()
         assert time.monotonic() - started < 10
@@ -149,9 +167,9 @@ def test_mismatched_fingerprints_refuse_to_pair(other_model: Path, prefill: Serv
 
 def test_sigterm_drains_in_flight_requests(model: Path, prefill: Service) -> None:
     prompt = random_prompts([30], seed=30)[0]
-    prefilled = run_prefill(prefill, "drain", prompt)
     service = Service("decode", model)
     try:
+        prefilled = run_prefill(prefill, "drain", prompt)  # once D is up: starting it may take longer than the lease
         stub = disaggregation_pb2_grpc.DecodeStub(service.channel)
         longer = generation_pb2.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         call = stub.Decode(disaggregation_pb2.DecodeRequest(
