@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-cpus", default=None, help="CPU list for prefill instances, e.g. '0' or '0-3' (taskset)")
     parser.add_argument("--decode-cpus", default=None, help="CPU list for decode instances")
     parser.add_argument("--colocated-cpus", default=None, help="CPU list for the colocated instance")
+    parser.add_argument("--max-queue-delay", type=float, default=None, metavar="SECONDS",
+                        help="gateway: answer 429 with Retry-After when a new request would queue longer than this for "
+                             "its prefill (default: off)")
+    parser.add_argument("--max-inflight-per-instance", type=int, default=None, metavar="N",
+                        help="gateway: calls outstanding on one prefill or colocated instance at most (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
             gateway_argv += ["--served-model-name", model.name]
         if args.max_model_len:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
+        if args.max_queue_delay is not None:
+            gateway_argv += ["--max-queue-delay", str(args.max_queue_delay)]
+        if args.max_inflight_per_instance is not None:
+            gateway_argv += ["--max-inflight-per-instance", str(args.max_inflight_per_instance)]
         # The key travels in the environment, not argv, where any local user could read it.
         children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or ""}, stop_stage=0))
         url = f"http://{_dial_host(args.host)}:{args.port}"
