@@ -1,0 +1,171 @@
+"""The disaggregated stack past saturation, measured from the client side.
+
+``splitserve up`` with prefill pinned to one core and decode to another serves two
+independent load generators at once: chatty requests (128 prompt tokens -> 128 output
+tokens, Poisson) and long prompts (2048 -> 16) that together ask more prefill than one
+core can do. Before that, the chatty stream runs alone on the same server for the
+baseline. Then the server's logs and metrics say what the hand-off did: pulls cut off,
+failed ReleaseKV calls, lease expiries, prompts recomputed or prefilled again on decode,
+preemptions::
+
+    python -m bench.overload --output-dir results/overload --label after
+    python -m bench.overload --output-dir results/overload --label before --source-dir ../before
+    python -m bench.overload --output-dir results/overload --label after-admission --max-queue-delay 20
+
+``--source-dir`` serves from another checkout (``git worktree add``), so that two commits
+are measured side by side on one machine. Figures are latencies: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from launcher.processes import free_port
+
+READY_TIMEOUT_S = 600.0
+# What the server logs when the hand-off goes wrong (the wording of both commits measured).
+LOG_EVENTS = {
+    "pulls cut off": r"pull of \S+ cut off",
+    "failed ReleaseKV calls": r"ReleaseKV (of \S+ )?(to|on) \S+ failed",
+    "lease expiries": r"KV lease of \S+ expired",
+    "recomputes on decode": r"KV pull for \S+ failed, recomputing",
+    "hand-backs to prefill": r"handing it back for another prefill",
+    "preemptions": r"preempted \S+",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--label", default="run")
+    parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout")
+    parser.add_argument("--chatty-rate", type=float, default=1.0)
+    parser.add_argument("--long-rate", type=float, default=0.25)
+    parser.add_argument("--num-chatty", type=int, default=60, help="chatty requests per phase")
+    parser.add_argument("--long-input-len", type=int, default=2048)
+    parser.add_argument("--prefill-cpus", default="0")
+    parser.add_argument("--decode-cpus", default="1")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-queue-delay", type=float, default=None, help="gateway admission control (seconds)")
+    parser.add_argument("--skip-alone", action="store_true", help="no chatty-alone baseline")
+    return parser.parse_args(argv)
+
+
+def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "engine.cli", "--log-level", "INFO", "up", "--port", str(port), "--grpc-port", str(free_port()),
+               "--dtype", args.dtype, "--prefill-cpus", args.prefill_cpus, "--decode-cpus", args.decode_cpus]
+    if args.max_queue_delay is not None:
+        command += ["--max-queue-delay", str(args.max_queue_delay)]
+    env = {**os.environ, "SPLITSERVE_API_KEY": ""}
+    cwd = None
+    if args.source_dir is not None:
+        source = args.source_dir.resolve()
+        env["PYTHONPATH"] = f"{source}{os.pathsep}{source / 'proto'}"
+        cwd = source
+    log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+
+
+def wait_ready(url: str, server: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError("the server did not become ready")
+
+
+def bench_command(url: str, args: argparse.Namespace, name: str, input_len: int, output_len: int, rate: float, num: int, seed: int) -> list[str]:
+    return [sys.executable, "-m", "engine.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
+            "--input-len", str(input_len), "--output-len", str(output_len), "--request-rate", str(rate),
+            "--num-prompts", str(num), "--num-warmups", "0", "--seed", str(seed), "--label", f"{args.label}-{name}",
+            "--metric-percentiles", "50,99,99.9", "--save-result", "--result-dir", str(args.output_dir),
+            "--result-filename", f"{args.label}-{name}.json", "--disable-tqdm", "--request-timeout", "900"]
+
+
+def summarize(path: Path) -> dict[str, float]:
+    result = json.loads(path.read_text())
+    gaps_ms = np.array([gap * 1000 for itl in result["itls"] for gap in itl])
+    ok = [not error for error in result["errors"]]
+    ttfts_ms = np.array([t * 1000 for t, good in zip(result["ttfts"], ok) if good])
+    rejected = sum(1 for error in result["errors"] if error.startswith("HTTP 429"))
+    row = {"completed": result["completed"], "failed": result["failed"], "rejected_429": rejected}
+    if gaps_ms.size:
+        row.update({f"itl_{name}_ms": float(np.percentile(gaps_ms, p)) for name, p in (("p50", 50), ("p99", 99), ("p99.9", 99.9))})
+        row.update(itl_max_ms=float(gaps_ms.max()), gaps_over_200ms=int((gaps_ms > 200).sum()), num_gaps=int(gaps_ms.size))
+        # Where long gaps sit: the first gap of a stream spans the hand-off (the first token
+        # comes from prefill, the second from decode after the KV pull); later ones are decode steps.
+        first_ms = np.array([itl[0] * 1000 for itl in result["itls"] if itl])
+        later_ms = np.array([gap * 1000 for itl in result["itls"] for gap in itl[1:]])
+        row.update(handoff_gap_p50_ms=float(np.percentile(first_ms, 50)), handoff_gap_max_ms=float(first_ms.max()))
+        if later_ms.size:
+            row.update(decode_gap_p99_ms=float(np.percentile(later_ms, 99)), decode_gap_max_ms=float(later_ms.max()),
+                       decode_gaps_over_200ms=int((later_ms > 200).sum()))
+    if ttfts_ms.size:
+        row.update(ttft_p50_ms=float(np.percentile(ttfts_ms, 50)), ttft_p99_ms=float(np.percentile(ttfts_ms, 99)), ttft_max_ms=float(ttfts_ms.max()))
+    return row
+
+
+def log_events(log_path: Path) -> dict[str, int]:
+    text = log_path.read_text(errors="replace")
+    return {name: len(re.findall(pattern, text)) for name, pattern in LOG_EVENTS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = args.output_dir / f"{args.label}-server.log"
+    server = start_server(args, port, log_path)
+    summary: dict[str, object] = {"label": args.label, "source": str(args.source_dir or "."), "max_queue_delay": args.max_queue_delay}
+    num_long = max(1, round(args.num_chatty * args.long_rate / args.chatty_rate))
+    try:
+        wait_ready(url, server)
+        if not args.skip_alone:
+            subprocess.run(bench_command(url, args, "chatty-alone", 128, 128, args.chatty_rate, args.num_chatty, seed=1), check=True)
+        # The two generators run at once, on their own arrival processes.
+        loads = [
+            subprocess.Popen(bench_command(url, args, "chatty", 128, 128, args.chatty_rate, args.num_chatty, seed=2)),
+            subprocess.Popen(bench_command(url, args, "long", args.long_input_len, 16, args.long_rate, num_long, seed=3)),
+        ]
+        for load in loads:
+            if load.wait() != 0:
+                raise RuntimeError("a load generator failed")
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+                (args.output_dir / f"{args.label}-metrics.txt").write_bytes(response.read())
+        except OSError:
+            pass
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=180)
+    for name in ("chatty-alone", "chatty", "long"):
+        path = args.output_dir / f"{args.label}-{name}.json"
+        if path.exists():
+            summary[name] = summarize(path)
+    summary["server_log"] = log_events(log_path)
+    (args.output_dir / f"{args.label}-summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))  # noqa: T201 - the bench's output
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
