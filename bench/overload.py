@@ -25,15 +25,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from bench.study import wait_ready
 from launcher.processes import free_port
 
-READY_TIMEOUT_S = 600.0
 # What the server logs when the hand-off goes wrong (the wording of both commits measured).
 LOG_EVENTS = {
     "pulls cut off": r"pull of \S+ cut off",
@@ -75,21 +74,6 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
         cwd = source
     log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-
-
-def wait_ready(url: str, server: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError("the server did not become ready")
 
 
 def bench_command(url: str, args: argparse.Namespace, name: str, input_len: int, output_len: int, rate: float, num: int, seed: int) -> list[str]:

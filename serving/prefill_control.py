@@ -20,24 +20,19 @@ CONTROL_TIMEOUT_S = 5.0
 
 async def release_kv(channel: grpc.aio.Channel, request_id: str, address: str) -> bool:
     """Unpin ``request_id``'s blocks on P; a no-op if they are already free. True if P answered."""
-    try:
-        await disaggregation_pb2_grpc.PrefillStub(channel).ReleaseKV(
-            disaggregation_pb2.RequestRef(request_id=request_id), timeout=CONTROL_TIMEOUT_S
-        )
-    except grpc.aio.AioRpcError as error:
-        logger.warning("ReleaseKV of %s on %s failed (%s); its lease frees the blocks", request_id, address, error.code().name)
-        return False
-    return True
+    return await _call_by_id(disaggregation_pb2_grpc.PrefillStub(channel).ReleaseKV, "ReleaseKV", request_id, address)
 
 
 async def abort_prefill(channel: grpc.aio.Channel, request_id: str, address: str) -> bool:
     """Stop a prefill still running on P, or unpin what it pinned. True if P answered."""
+    return await _call_by_id(disaggregation_pb2_grpc.PrefillStub(channel).Abort, "Abort", request_id, address)
+
+
+async def _call_by_id(method: grpc.aio.UnaryUnaryMultiCallable, name: str, request_id: str, address: str) -> bool:
     try:
-        await disaggregation_pb2_grpc.PrefillStub(channel).Abort(
-            disaggregation_pb2.RequestRef(request_id=request_id), timeout=CONTROL_TIMEOUT_S
-        )
+        await method(disaggregation_pb2.RequestRef(request_id=request_id), timeout=CONTROL_TIMEOUT_S)
     except grpc.aio.AioRpcError as error:
-        logger.warning("Abort of %s on %s failed (%s); its lease frees the blocks", request_id, address, error.code().name)
+        logger.warning("%s of %s on %s failed (%s); its lease frees the blocks", name, request_id, address, error.code().name)
         return False
     return True
 
