@@ -1,11 +1,22 @@
-"""Native CPU kernels (paged decode attention, fused elementwise ops), compiled on
-first use with the system C compiler and loaded with ctypes.
+"""Native CPU kernels (paged decode attention and its KV store, fused elementwise ops, a
+bf16 linear layer for a few rows), compiled on first use with the system C compiler and
+loaded with ctypes.
 
-Plain C needs no torch headers, so the library builds in about a second; it is
-cached per sources, flags and CPU (``-march=native``). Where no compiler is
-available, or ``SPLITSERVE_CPU_KERNELS=0``, :func:`load` returns None and every
-caller keeps its pure-PyTorch path. Kernels run on torch's own OpenMP thread
-pool: the library links the same ``libgomp.so.1`` soname torch has loaded.
+One library is built per instruction set, with explicit flags (``ISA_FLAGS``), and
+the best one this CPU runs is loaded (:mod:`engine.cpu_features`; a build that fails
+falls back to the next weaker ISA). Explicit flags rather than ``-march=native``
+make every build testable on any CPU that runs it: the test suite builds the AVX2
+library on an AVX-512 machine and checks it too. Plain C needs no torch headers, so
+a library builds in about a second; it is cached per sources, compiler, flags and
+ISA. Where no compiler is available, or ``SPLITSERVE_CPU_KERNELS=0``, :func:`load`
+returns None and every caller keeps its pure-PyTorch path. Kernels run on torch's
+own OpenMP thread pool: the library links the same ``libgomp.so.1`` soname torch has
+loaded.
+
+The wrappers are on the per-token path (five calls per layer per step), so they do
+no more than allocate the output and pass pointers: argument types are declared
+once, and a kernel that gets one decode token runs on the calling thread (the C
+side decides, by size) instead of waking the thread team.
 """
 
 from __future__ import annotations
@@ -23,12 +34,21 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_features import KERNEL_ISAS, KernelISA, cpu_features
+
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("csrc")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
+ISA_FLAGS: dict[KernelISA, list[str]] = {
+    "generic": [],  # the compiler's baseline for the machine: SSE2 on x86-64, NEON on aarch64
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_bf16": [*_AVX512, "-mavx512bf16"],
+}
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
-
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -40,13 +60,20 @@ def _bind(library: ctypes.CDLL, name: str, restype: object, argtypes: list[objec
 
 
 class CPUKernels:
-    """Typed wrappers; each takes contiguous CPU tensors of a :meth:`supports`-ed dtype."""
+    """Typed wrappers over one ISA's library; each takes CPU tensors of a :meth:`supports`-ed dtype."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, isa: KernelISA) -> None:
+        built_for = _bind(library, "simd_isa", ctypes.c_char_p, [])().decode()
+        if built_for != isa:
+            raise RuntimeError(f"the {isa} kernel library reports {built_for}: its build flags did not take (bug)")
+        self.isa = isa
+        self._library = library  # keeps the handle alive as long as the bound functions
         self._decode = _bind(library, "paged_decode_attention", _INT, [_P] * 6 + [_I64] * 7 + [_F32, _INT])
         self._add_rms_norm = _bind(library, "add_rms_norm", None, [_P] * 4 + [_I64, _I64, _F32, _INT])
         self._silu_and_mul = _bind(library, "silu_and_mul", None, [_P, _P, _I64, _I64, _INT])
-        self._rotary = _bind(library, "rotary_embedding", None, [_P, _I64, _P, _I64, _P, _P, _P] + [_I64] * 3 + [_INT])
+        self._rotary = _bind(library, "rotary_embedding", None, [_P, _I64, _P, _I64] + [_P] * 5 + [_I64] * 4 + [_INT])
+        self._store_kv = _bind(library, "store_kv", None, [_P, _I64, _P, _I64, _P, _P, _P] + [_I64] * 5)
+        self._linear_bf16 = _bind(library, "linear_bf16", _INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64])
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -70,10 +97,11 @@ class CPUKernels:
             raise RuntimeError("paged_decode_attention needs contiguous cache blocks, block tables rows and seq_lens (bug)")
         query = query.contiguous()
         out = torch.empty_like(query)
+        key_ptr = layer_cache.data_ptr()
         status = self._decode(
             query.data_ptr(),
-            layer_cache[0].data_ptr(),
-            layer_cache[1].data_ptr(),
+            key_ptr,
+            key_ptr + layer_cache.stride(0) * layer_cache.element_size(),
             block_tables.data_ptr(),
             seq_lens.data_ptr(),
             out.data_ptr(),
@@ -89,11 +117,44 @@ class CPUKernels:
         )
         return out if status == 0 else None
 
+    def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        """Write key, value: [T, H_kv, D] (rows may be strided) into their slots of layer_cache:
+        [2, num_blocks, block_size, H_kv, D]; slot_mapping: [T] int64. Returns False, having
+        written nothing, for layouts the kernel does not take (the caller writes them itself)."""
+        num_tokens, num_kv_heads, head_dim = key.shape
+        row_elements = num_kv_heads * head_dim
+        if not (
+            key.stride(2) == value.stride(2) == 1
+            and key.stride(1) == value.stride(1) == head_dim
+            and key.dtype == value.dtype == layer_cache.dtype
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()
+            and layer_cache[0, 0].is_contiguous()
+        ):
+            return False
+        element_size = layer_cache.element_size()
+        key_ptr = layer_cache.data_ptr()
+        self._store_kv(
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            key_ptr,
+            key_ptr + layer_cache.stride(0) * element_size,
+            slot_mapping.data_ptr(),
+            num_tokens,
+            row_elements,
+            layer_cache.shape[2],
+            layer_cache.stride(1),
+            element_size,
+        )
+        return True
+
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
-        """x, residual: [T, hidden]; with a residual, it becomes ``residual + x`` in place and is what
-        gets normalised. Returns ``weight * rms_norm(...)`` [T, hidden]."""
+        """x, residual: [T, hidden], contiguous; with a residual, it becomes ``residual + x`` in place
+        and is what gets normalised. Returns ``weight * rms_norm(...)`` [T, hidden]."""
         out = torch.empty_like(x)
         num_rows, hidden = x.shape
         self._add_rms_norm(
@@ -109,75 +170,125 @@ class CPUKernels:
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: [T, 2 * I] (gate, then up) -> silu(gate) * up: [T, I]."""
+        """gate_up: [T, 2 * I] (gate, then up), contiguous -> silu(gate) * up: [T, I]."""
         num_rows, width = gate_up.shape
-        out = gate_up.new_empty((num_rows, width // 2))
+        out = torch.empty(num_rows, width // 2, dtype=gate_up.dtype)
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, _DTYPES[gate_up.dtype])
         return out
 
-    def rotary_embedding(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """Rotate x: [T, heads, D] (rows may be strided; heads and D contiguous), neox style, into a new
-        contiguous tensor; cos, sin: [max_positions, D / 2] in x's dtype; positions: [T] int64."""
-        num_tokens, num_heads, head_dim = x.shape
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
-        self._rotary(
+    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [T, in] bf16 with contiguous rows; weight: [out, in] and bias: [out], bf16, contiguous.
+        Returns ``x @ weight.T + bias``: [T, out] bf16, accumulated in float32 and rounded once."""
+        num_rows, in_features = x.shape
+        out_features = weight.shape[0]
+        out = torch.empty((num_rows, out_features), dtype=torch.bfloat16)
+        status = self._linear_bf16(
             x.data_ptr(),
             x.stride(0),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
             out.data_ptr(),
-            out.stride(0),
+            num_rows,
+            in_features,
+            out_features,
+        )
+        if status != 0:
+            raise MemoryError(f"linear_bf16: no memory for a float32 copy of a {num_rows} x {in_features} input")
+        return out
+
+    def rotary_embedding(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q: [T, H, D] and k: [T, H_kv, D] (rows may be strided; heads and D contiguous),
+        neox style, in one call, into new contiguous tensors; cos, sin: [max_positions, D / 2] in
+        q's dtype; positions: [T] int64."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        # empty_like: building a tensor from a torch.Size costs twice as much, per call.
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+        self._rotary(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            q_out.data_ptr(),
+            k_out.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
             positions.data_ptr(),
             num_tokens,
             num_heads,
+            num_kv_heads,
             head_dim,
-            _DTYPES[x.dtype],
+            _DTYPES[q.dtype],
         )
-        return out
+        return q_out, k_out
+
+
+def load(isa: KernelISA | None = None) -> CPUKernels | None:
+    """The compiled kernels for ``isa`` (default: the best this CPU runs, falling back to weaker
+    builds if that one fails), or None when none can be built here (logged once)."""
+    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    if isa is not None:
+        return _load_isa(isa)
+    return _load_best()
 
 
 @functools.cache
-def load() -> CPUKernels | None:
-    """The compiled kernels, or None when they cannot be built here (logged once)."""
-    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") == "0":
-        return None
+def _load_best() -> CPUKernels | None:
+    best = cpu_features().kernel_isa
+    for isa in reversed(KERNEL_ISAS[: KERNEL_ISAS.index(best) + 1]):
+        kernels = _load_isa(isa)
+        if kernels is not None:
+            logger.info("CPU kernels: the %s build", isa)
+            return kernels
+    return None
+
+
+@functools.cache
+def _load_isa(isa: KernelISA) -> CPUKernels | None:
+    features = cpu_features()
+    if isa not in features.supported_isas:
+        raise ValueError(
+            f"CPU kernels for {isa} would not run on this CPU ({features.describe()}); "
+            f"use one of {', '.join(features.supported_isas)}"
+        )
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: CPU decode attention uses the slower pure-PyTorch path")
         return None
     try:
-        return CPUKernels(ctypes.CDLL(str(_build(compiler))))
+        return CPUKernels(ctypes.CDLL(str(_build(compiler, isa))), isa)
     except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("building CPU kernels failed (%s): using the pure-PyTorch path", error)
+        stderr = getattr(error, "stderr", b"") or b""
+        logger.warning("building the %s CPU kernels failed (%s %s)", isa, error, stderr.decode(errors="replace")[-500:])
         return None
 
 
-def _build(compiler: str) -> Path:
+def clear_cache() -> None:
+    """Forget the loaded libraries (tests that change the environment)."""
+    _load_best.cache_clear()
+    _load_isa.cache_clear()
+
+
+def _build(compiler: str, isa: KernelISA) -> Path:
     sources = sorted(_SOURCE_DIR.glob("*.c"))
+    flags = [*_FLAGS, *ISA_FLAGS[isa]]
     key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(_SOURCE_DIR.iterdir())))
-    key.update(" ".join([compiler, *_FLAGS, platform.machine(), _cpu_flags()]).encode())
+    key.update(" ".join([compiler, *flags, platform.machine()]).encode())
     from engine.default_model import cache_dir
 
-    target = cache_dir() / "kernels" / f"splitserve_cpu-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / "kernels" / f"splitserve_cpu-{isa}-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *_FLAGS, *map(str, sources), "-o", str(built), "-lm"]
+        command = [compiler, *flags, *map(str, sources), "-o", str(built), "-lm"]
         subprocess.run(command, check=True, capture_output=True)
         built.replace(target)
-    logger.info("built CPU attention kernels: %s", target)
+    logger.info("built CPU kernels for %s: %s", isa, target)
     return target
-
-
-def _cpu_flags() -> str:
-    """What -march=native compiles for: a cache built on another CPU must not be reused."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()

@@ -135,9 +135,10 @@ def prefill_runs(metadata: AttentionMetadata) -> list[tuple[int, int, int, int]]
 class TorchAttentionBackend:
     """Paged attention: one batched call for all decodes, one per run of alike prefills.
 
-    On CPU, decodes go through the native kernel of :mod:`engine.attention.cpu_kernels`
-    when it could be built (it reads the paged cache in place); otherwise, and on
-    other devices, through :func:`paged_decode_attention`.
+    On CPU, the new K/V rows are stored and decodes attend through the native kernels of
+    :mod:`engine.cpu_kernels` when they could be built (they read and write the paged
+    cache in place, one call each per layer); otherwise, and on other devices, through
+    :func:`write_kv` and :func:`paged_decode_attention`.
     """
 
     name = "torch"
@@ -155,7 +156,9 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         """query: [T, H, D]; key, value: [T, H_kv, D] (this step's new tokens). Returns [T, H, D]."""
-        write_kv(layer_cache, key, value, metadata.slot_mapping)
+        if not (self.cpu_kernels is not None and key.device.type == "cpu"
+                and self.cpu_kernels.store_kv(layer_cache, key, value, metadata.slot_mapping)):
+            write_kv(layer_cache, key, value, metadata.slot_mapping)
         num_decodes = metadata.num_decodes
         decode_output = self._decode(query[:num_decodes], layer_cache, metadata, scale) if num_decodes else None
         if num_decodes == metadata.num_seqs:

@@ -15,17 +15,20 @@
  * DRAM and the walk is latency-bound without it. Softmax is computed online
  * (flash-decoding style), one block at a time, in float32. Built with -fopenmp
  * against the same libgomp soname torch loads, so it shares torch's thread pool.
+ *
+ * With SIMD (simd.h: 16 lanes on AVX-512, 8 on AVX2) and head_dim and block_size
+ * multiples of the width, scores and values run on explicit vectors; otherwise, and
+ * in the generic build, on scalar loops the compiler vectorizes as it can.
  */
-#include "common.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 64
 #define CACHE_LINE 64
+/* Below this much work (context tokens x heads x head_dim, summed over sequences) a call runs
+   on the calling thread alone: a thread team's wake-up would cost more than it saves. */
+#define PARALLEL_MIN_WORK (1 << 18)
 
 static inline void load_row(const void *base, int64_t offset, int is_bf16, int64_t n, float *restrict dst) {
     if (is_bf16) {
@@ -56,8 +59,8 @@ static inline void prefetch_rest(PrefetchStream *stream) {
     while (stream->next < stream->end) prefetch_step(stream);
 }
 
-#if defined(__AVX512F__)
-/* Permutation indices for reduce_16x16: round r halves the partial sums per token. */
+#if SIMD_WIDTH == 16
+/* Permutation indices for reduce_lanes: round r halves the partial sums per token. */
 typedef struct {
     __m512i lo[4], hi[4];
 } ReduceIndices;
@@ -78,65 +81,75 @@ static void make_reduce_indices(ReduceIndices *indices) {
 
 /* Lane t of the result is the sum of v[t]'s 16 lanes: four rounds of pairwise
    permute-and-add (45 instructions) instead of 16 separate horizontal sums. */
-static inline __m512 reduce_16x16(__m512 v[16], const ReduceIndices *indices) {
+static inline vfloat reduce_lanes(vfloat v[16], const ReduceIndices *indices) {
     for (int round = 0, count = 16; count > 1; ++round, count /= 2)
         for (int i = 0; i < count / 2; ++i)
             v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], indices->lo[round], v[2 * i + 1]),
                                  _mm512_permutex2var_ps(v[2 * i], indices->hi[round], v[2 * i + 1]));
     return v[0];
 }
+#elif SIMD_WIDTH == 8
+typedef int ReduceIndices; /* AVX2's horizontal adds need no table */
 
-static inline __m512 load16(const void *base, int64_t offset, const int is_bf16) {
-    if (is_bf16) {
-        const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
-    return _mm512_loadu_ps((const float *)base + offset);
+static void make_reduce_indices(ReduceIndices *indices) { *indices = 0; }
+
+/* Lane t of the result is the sum of v[t]'s 8 lanes: three rounds of horizontal adds
+   (each within 128-bit halves), then the two halves added across. */
+static inline vfloat reduce_lanes(vfloat v[8], const ReduceIndices *indices) {
+    (void)indices;
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d); /* [t0..t3 low | t0..t3 high], t4..t7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
+#endif
 
-/* Scores of every head against one block of up to 16 tokens, vectorized along
-   head_dim with one transpose-reduction per head (head_dim % 16 == 0). */
-static inline void block_scores_avx512(const void *key_cache, int64_t base, int64_t token_stride, int64_t n,
-                                       int64_t num_kv_heads, int64_t group, const int64_t head_dim,
-                                       const int is_bf16, float q[][MAX_HEAD_DIM],
-                                       float scores[][MAX_BLOCK_SIZE], const ReduceIndices *indices,
-                                       PrefetchStream *next_keys) {
+#if SIMD_WIDTH > 1
+/* Scores of every head against one block of up to block_size tokens, SIMD_WIDTH tokens at a
+   time, vectorized along head_dim with one transpose-reduction per group of tokens
+   (head_dim % SIMD_WIDTH == 0, block_size % SIMD_WIDTH == 0). */
+static inline void block_scores_simd(const void *key_cache, int64_t base, int64_t token_stride, int64_t n,
+                                     int64_t num_kv_heads, int64_t group, const int64_t head_dim, const int is_bf16,
+                                     float q[][MAX_HEAD_DIM], float scores[][MAX_BLOCK_SIZE],
+                                     const ReduceIndices *indices, PrefetchStream *next_keys) {
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-            __m512 partial[16];
-            for (int64_t t = 0; t < 16; ++t) {
-                prefetch_step(next_keys);
-                __m512 sum = _mm512_setzero_ps();
-                if (t < n) {
-                    const int64_t row = base + t * token_stride + kv_head * head_dim;
-                    for (int64_t d = 0; d < head_dim; d += 16)
-                        sum = _mm512_fmadd_ps(_mm512_loadu_ps(&q[head][d]), load16(key_cache, row + d, is_bf16), sum);
+            for (int64_t first = 0; first < n; first += SIMD_WIDTH) {
+                vfloat partial[SIMD_WIDTH];
+                for (int64_t t = 0; t < SIMD_WIDTH; ++t) {
+                    prefetch_step(next_keys);
+                    vfloat sum = vf_zero();
+                    if (first + t < n) {
+                        const int64_t row = base + (first + t) * token_stride + kv_head * head_dim;
+                        for (int64_t d = 0; d < head_dim; d += SIMD_WIDTH)
+                            sum = vf_fmadd(vf_load(&q[head][d]), vload(key_cache, row + d, is_bf16), sum);
+                    }
+                    partial[t] = sum;
                 }
-                partial[t] = sum;
+                vf_store(&scores[head][first], reduce_lanes(partial, indices));
             }
-            _mm512_storeu_ps(scores[head], reduce_16x16(partial, indices));
         }
     }
 }
 
 /* acc[head] += sum over the block's tokens of p[head][t] * V[t], with each head's
-   accumulator held in registers across the block (head_dim % 16 == 0, <= 256). */
-static inline void block_values_avx512(const void *value_cache, int64_t base, int64_t token_stride, int64_t n,
-                                       int64_t num_kv_heads, int64_t group, const int64_t head_dim,
-                                       const int is_bf16, float scores[][MAX_BLOCK_SIZE],
-                                       float acc[][MAX_HEAD_DIM], PrefetchStream *next_values) {
+   accumulator held in registers across the block (head_dim % SIMD_WIDTH == 0). */
+static inline void block_values_simd(const void *value_cache, int64_t base, int64_t token_stride, int64_t n,
+                                     int64_t num_kv_heads, int64_t group, const int64_t head_dim, const int is_bf16,
+                                     float scores[][MAX_BLOCK_SIZE], float acc[][MAX_HEAD_DIM],
+                                     PrefetchStream *next_values) {
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-            __m512 sum[MAX_HEAD_DIM / 16];
-            for (int64_t c = 0; c < head_dim / 16; ++c) sum[c] = _mm512_loadu_ps(&acc[head][16 * c]);
+            vfloat sum[MAX_HEAD_DIM / SIMD_WIDTH];
+            for (int64_t c = 0; c < head_dim / SIMD_WIDTH; ++c) sum[c] = vf_load(&acc[head][SIMD_WIDTH * c]);
             for (int64_t t = 0; t < n; ++t) {
                 prefetch_step(next_values);
-                const __m512 p = _mm512_set1_ps(scores[head][t]);
+                const vfloat p = vf_set1(scores[head][t]);
                 const int64_t row = base + t * token_stride + kv_head * head_dim;
-                for (int64_t c = 0; c < head_dim / 16; ++c)
-                    sum[c] = _mm512_fmadd_ps(p, load16(value_cache, row + 16 * c, is_bf16), sum[c]);
+                for (int64_t c = 0; c < head_dim / SIMD_WIDTH; ++c)
+                    sum[c] = vf_fmadd(p, vload(value_cache, row + SIMD_WIDTH * c, is_bf16), sum[c]);
             }
-            for (int64_t c = 0; c < head_dim / 16; ++c) _mm512_storeu_ps(&acc[head][16 * c], sum[c]);
+            for (int64_t c = 0; c < head_dim / SIMD_WIDTH; ++c) vf_store(&acc[head][SIMD_WIDTH * c], sum[c]);
         }
     }
 }
@@ -150,8 +163,11 @@ static inline __attribute__((always_inline)) void decode_sequence(
     const int32_t *seq_lens, void *out, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
     int64_t block_size, int64_t block_table_stride, int64_t block_stride, float scale, const int is_bf16,
     const void *reduce_indices) {
-#if defined(__AVX512F__)
+#if SIMD_WIDTH > 1
     const ReduceIndices *indices = (const ReduceIndices *)reduce_indices;
+    /* Scores go SIMD_WIDTH tokens at a time, values one token at a time. */
+    const int values_vectorized = head_dim % SIMD_WIDTH == 0;
+    const int scores_vectorized = values_vectorized && block_size % SIMD_WIDTH == 0;
 #else
     (void)reduce_indices;
 #endif
@@ -188,9 +204,9 @@ static inline __attribute__((always_inline)) void decode_sequence(
             next_keys = (PrefetchStream){key_bytes + next, key_bytes + next + block_bytes};
             next_values = (PrefetchStream){value_bytes + next, value_bytes + next + block_bytes};
         }
-#if defined(__AVX512F__)
-        if (block_size == 16 && head_dim % 16 == 0) {
-            block_scores_avx512(key_cache, base, token_stride, n, num_kv_heads, group, head_dim, is_bf16, q, scores,
+#if SIMD_WIDTH > 1
+        if (scores_vectorized) {
+            block_scores_simd(key_cache, base, token_stride, n, num_kv_heads, group, head_dim, is_bf16, q, scores,
                                 indices, &next_keys);
         } else
 #endif
@@ -222,9 +238,9 @@ static inline __attribute__((always_inline)) void decode_sequence(
             running_sum[head] += block_sum;
             running_max[head] = new_max;
         }
-#if defined(__AVX512F__)
-        if (head_dim % 16 == 0) {
-            block_values_avx512(value_cache, base, token_stride, n, num_kv_heads, group, head_dim, is_bf16, scores,
+#if SIMD_WIDTH > 1
+        if (values_vectorized) {
+            block_values_simd(value_cache, base, token_stride, n, num_kv_heads, group, head_dim, is_bf16, scores,
                                 acc, &next_values);
         } else
 #endif
@@ -262,7 +278,7 @@ int paged_decode_attention(const void *query, const void *key_cache, const void 
                            int64_t block_table_stride, int64_t block_stride, float scale, int is_bf16) {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
     const void *reduce_indices = NULL;
-#if defined(__AVX512F__)
+#if SIMD_WIDTH > 1
     ReduceIndices indices;
     make_reduce_indices(&indices);
     reduce_indices = &indices;
@@ -270,7 +286,10 @@ int paged_decode_attention(const void *query, const void *key_cache, const void 
 #define DECODE(HEAD_DIM, IS_BF16)                                                                       \
     decode_sequence(seq, query, key_cache, value_cache, block_tables, seq_lens, out, num_heads, num_kv_heads, \
                     HEAD_DIM, block_size, block_table_stride, block_stride, scale, IS_BF16, reduce_indices)
-#pragma omp parallel for schedule(dynamic, 1)
+    int64_t total_context = 0;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) total_context += seq_lens[seq];
+    const int parallel = num_seqs > 1 && total_context * num_heads * head_dim >= PARALLEL_MIN_WORK;
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
         /* The branch sits inside the parallel loop: OpenMP outlines the loop body
            into its own function, so a head_dim fixed outside it would not propagate. */

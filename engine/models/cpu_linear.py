@@ -1,20 +1,47 @@
-"""Linear layers with weights pre-packed for oneDNN, for bfloat16 on CPU.
+"""Linear layers for the CPU at hand: which path each dtype takes, chosen once at load time.
 
-``F.linear`` in bf16 on CPU goes through oneDNN and reorders the weight into
-oneDNN's blocked layout on every call; packing once at load time removes that
-(~30% faster per matmul here, with bit-identical results). float32 stays on the
-default BLAS path: oneDNN's float32 kernels accumulate in another order, and
-float32 is what parity against transformers is checked in.
+- ``onednn-packed`` (bf16 where oneDNN has a bf16 matmul: AVX-512 BW/VL/DQ or
+  AVX-NE-CONVERT): weights reordered once into oneDNN's blocked layout. ``F.linear``
+  in bf16 reorders them on every call; packing removes that (~30% faster per
+  matmul, bit-identical results).
+- ``bf16-weights`` (bf16 anywhere else, e.g. an AVX2-only CPU): packing a bf16
+  weight there raises in torch, and ``F.linear`` in bf16 falls back to a generic
+  GEMM that is ~4x slower than float32 once more than one row comes in. Weights stay
+  bf16 (half the bytes to read per token). Up to ``_MAX_KERNEL_ROWS`` rows (decode
+  steps) go through the native ``linear_bf16`` kernel (engine/csrc/linear_bf16.c),
+  which converts each weight row in registers as it streams by; more rows (prefill)
+  upcast the weight to float32 a slice at a time and run the float32 GEMM. Products of
+  two bf16 values are exact in float32 and the result is rounded to bf16 once, as
+  oneDNN's bf16 kernels do: only the summation order differs. Without the native
+  kernels, one row takes torch's bf16 GEMV (which also converts in registers).
+- ``torch`` (float32, float16, other devices): ``F.linear`` as is. float32 stays on
+  the default BLAS path because it is what parity against transformers is checked
+  in, and transformers runs it there.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
+from engine.cpu_features import CPUFeatures, cpu_features
+
 logger = logging.getLogger(__name__)
+
+LinearPath = Literal["onednn-packed", "bf16-weights", "torch"]
+
+# Float32 elements of one upcast weight slice: large enough for the GEMM to run at speed,
+# small enough to stay in cache between the conversion and the GEMM (16 MiB).
+_UPCAST_SLICE_ELEMENTS = 1 << 22
+# Rows up to which the native kernel beats the float32 GEMM on an upcast weight (bench/cpu_ops.py
+# on an AVX2-capped Zen 4: 3-4x at 1 row, 1.4x at 8; level by 16, since it reads its input
+# rows again for every weight row).
+_MAX_KERNEL_ROWS = 8
 
 
 class PackedLinear(nn.Module):
@@ -30,16 +57,56 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+class BF16WeightLinear(nn.Module):
+    """bf16 weights where oneDNN has no bf16 matmul (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear, kernels: cpu_kernels.CPUKernels | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.kernels = kernels
+        self.slice_rows = max(1, _UPCAST_SLICE_ELEMENTS // self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features]
+        num_rows = x.shape[0]
+        if self.kernels is not None and num_rows <= _MAX_KERNEL_ROWS and x.stride(1) == 1:
+            return self.kernels.linear_bf16(x, self.weight, self.bias)
+        if num_rows == 1:
+            return F.linear(x, self.weight, self.bias)
+        x32 = x.float()
+        out = torch.empty((num_rows, self.out_features), dtype=x.dtype)
+        for start in range(0, self.out_features, self.slice_rows):
+            end = min(start + self.slice_rows, self.out_features)
+            bias = None if self.bias is None else self.bias[start:end].float()
+            out[:, start:end] = F.linear(x32, self.weight[start:end].float(), bias)
+        return out
+
+
+def linear_path(device: torch.device, dtype: torch.dtype, features: CPUFeatures | None = None) -> LinearPath:
+    """The path linear layers of ``dtype`` take on ``device`` (``features``: this CPU's by default)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return "torch"
+    features = features or cpu_features()
+    # torch's own check is the one that raises; ours can only narrow it (SPLITSERVE_CPU_ISA).
+    if features.onednn_bf16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "onednn-packed"
+    return "bf16-weights"
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return linear_path(device, dtype) == "onednn-packed"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; returns how many."""
+def prepare_linears(model: nn.Module, path: LinearPath) -> int:
+    """Replace every ``nn.Linear`` in ``model`` by the module of ``path``; returns how many."""
+    if path == "torch":
+        return 0
+    kernels = cpu_kernels.load() if path == "bf16-weights" else None
     targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module))
-    logger.info("packed %d linear layers for oneDNN", len(targets))
+        replacement = PackedLinear(module) if path == "onednn-packed" else BF16WeightLinear(module, kernels)
+        setattr(parent, child, replacement)
     return len(targets)

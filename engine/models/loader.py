@@ -13,9 +13,10 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.attention.backend import AttentionBackend
-from engine.models.cpu_linear import can_pack, pack_linears
+from engine.cpu_features import CPUFeatures, cpu_features
+from engine.models.cpu_linear import linear_path, prepare_linears
 from engine.models.llama import LlamaFamilyForCausalLM
-from engine.models.ops import select_ops
+from engine.models.ops import NativeCPUOps, select_ops
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +34,34 @@ class LoadedModel:
     max_model_len: int
 
 
-def resolve_dtype(name: str, config: PretrainedConfig) -> torch.dtype:
-    if name == "auto":
-        configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(configured, str):
-            configured = _DTYPES.get(configured)
-        return configured if configured in _DTYPES.values() else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
-    return _DTYPES[name]
+def resolve_dtype(
+    name: str, config: PretrainedConfig, device: torch.device, features: CPUFeatures | None = None
+) -> torch.dtype:
+    """The dtype to run in. ``auto`` is the checkpoint's own dtype (float32 if it names none),
+    except on CPU, where it is what runs fast there without changing the weights:
+
+    - a bfloat16 checkpoint runs in bfloat16 on x86 CPUs with AVX2 or better (oneDNN's
+      packed kernels where it has them, engine/models/cpu_linear.py's bf16-weight path
+      elsewhere: both read half the bytes of float32 per token), and in float32 on
+      others (aarch64, pre-AVX2 x86), where no bf16 path has been measured;
+    - a float16 checkpoint runs in float32 (exact: CPUs without AVX512-FP16 have no
+      fast float16 matmul, and bfloat16 would round its weights);
+    - a float32 checkpoint runs in float32.
+    """
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+        return _DTYPES[name]
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(configured, str):
+        configured = _DTYPES.get(configured)
+    checkpoint_dtype = configured if configured in _DTYPES.values() else torch.float32
+    if device.type != "cpu":
+        return checkpoint_dtype
+    features = features or cpu_features()
+    if checkpoint_dtype == torch.bfloat16 and features.arch == "x86_64" and features.kernel_isa != "generic":
+        return torch.bfloat16
+    return torch.float32
 
 
 def model_max_len(config: PretrainedConfig) -> int:
@@ -87,7 +107,7 @@ def load_model(
         raise ValueError(
             f"model at {path} has architectures {architectures}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    dtype = resolve_dtype(dtype_name, config)
+    dtype = resolve_dtype(dtype_name, config, device)
     supported_len = model_max_len(config)
     if max_model_len is None:
         max_model_len = supported_len
@@ -98,7 +118,10 @@ def load_model(
         model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops).to(dtype)
     model.load_weights(iter_safetensors(path))
     model.eval()
-    if can_pack(device, dtype):
-        pack_linears(model)
+    path_name = linear_path(device, dtype)
+    prepare_linears(model, path_name)
     logger.info("loaded %s (%s) from %s in %s on %s", architecture, config.model_type, path, dtype, device)
+    if device.type == "cpu":
+        kernel_isa = ops.kernels.isa if isinstance(ops, NativeCPUOps) else "none (pure PyTorch)"
+        logger.info("CPU %s: linear path %s, kernel ISA %s", cpu_features().describe(), path_name, kernel_isa)
     return LoadedModel(model, config, architecture, dtype, max_model_len)

@@ -76,8 +76,7 @@ class NativeCPUOps:
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rotate = self.kernels.rotary_embedding
-        return rotate(q, cos, sin, positions), rotate(k, cos, sin, positions)
+        return self.kernels.rotary_embedding(q, k, cos, sin, positions)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
