@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -55,6 +56,10 @@ class EngineCore:
         self.last_step_was_idle = False  # the last step had nothing to run (e.g. only pulls in flight)
         # Decode role: KV pulls requested by the last steps, for the service to perform.
         self.pending_kv_loads: list[KVLoad] = []
+        # Called on the engine thread with each step's KV pulls right after scheduling, before
+        # the forward pass, so the pulls run while the step computes (None: collect them in
+        # ``pending_kv_loads`` for the caller to take after the step).
+        self.on_kv_loads: Callable[[list[KVLoad]], None] | None = None
         self._aborted_outputs: list[EngineCoreOutput] = []
 
     # ----------------------------------------------------------------- intake
@@ -124,7 +129,11 @@ class EngineCore:
         """Schedule, run the model once, and report every request that advanced or ended."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         scheduler_output = self.scheduler.schedule()
-        self.pending_kv_loads.extend(scheduler_output.kv_loads)
+        if scheduler_output.kv_loads:
+            if self.on_kv_loads is not None:
+                self.on_kv_loads(scheduler_output.kv_loads)
+            else:
+                self.pending_kv_loads.extend(scheduler_output.kv_loads)
         self.last_step_was_idle = scheduler_output.is_empty and not scheduler_output.kv_loads
         if scheduler_output.is_empty:
             return outputs

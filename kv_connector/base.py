@@ -100,10 +100,11 @@ class KVConnector(abc.ABC):
         prompt KV they hold (``token_ids``' KV) available to pulls for ``request_id``."""
 
     @abc.abstractmethod
-    async def unpublish(self, request_id: str) -> None:
+    async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         """P, before the engine unpins the request's blocks (release, abort or lease expiry):
-        refuse further pulls of them, and return once no transfer reads them any more (a
-        pull in progress is cut off, not waited for). Idempotent."""
+        refuse further pulls of them, and return once no transfer reads them any more. A pull
+        in progress gets ``grace_s`` to finish, then is cut off. A release passes a grace: D
+        releases once its pull is over, which P may not have seen yet. Idempotent."""
 
     # -------------------------------------------------------------- decode side
 

@@ -161,7 +161,7 @@ class LMCacheConnector(KVConnector):
                 num_stored, len(tokens), request_id, self.remote_url, reason,
             )
 
-    async def unpublish(self, request_id: str) -> None:
+    async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         """A no-op: stored chunks belong to a token prefix, not to a request — another
         request with the same prefix may be reading them — and P's blocks were copied at
         publish. The store reclaims space by its own eviction (Redis ``maxmemory-policy``)."""

@@ -136,9 +136,11 @@ class UCXConnector(KVConnector):
     def publish(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> None:
         self._published[request_id] = frozenset(block_ids)
 
-    async def unpublish(self, request_id: str) -> None:
+    async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         self._published.pop(request_id, None)
         readers = self._readers.pop(request_id, set())
+        if readers and grace_s > 0:
+            _, readers = await asyncio.wait(readers, timeout=grace_s)
         for reader in readers:
             reader.cancel()
         if readers:

@@ -13,7 +13,8 @@ own record of what is pinned and answer at once; freeing runs in the
 background, in this order:
 
 1. ``connector.unpublish``: refuse new pulls, cut off any still reading the
-   blocks, and return once nothing reads them;
+   blocks (after a grace for a release: D releases once its pull is over, and P
+   may not have seen its last sends complete yet), and return once nothing reads them;
 2. ``engine.release_kv``: a command the engine thread runs at its next step
    boundary, which puts the blocks back in the pool.
 """
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50061
 DEFAULT_LEASE_S = 30.0
+RELEASE_GRACE_S = 5.0  # how long a released request's pull may still take to finish sending
 
 
 def kv_only_params() -> SamplingParams:
@@ -122,27 +124,29 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         return asyncio.get_running_loop().call_later(self.lease_s, self._expire, request_id)
 
     def _expire(self, request_id: str) -> None:
-        if self._unpin(request_id):
+        if self._unpin(request_id, grace_s=0.0):
             self.instance.counters.num_lease_expiries += 1
             logger.warning("KV lease of %s expired after %.0f s without a release or renewal: blocks freed", request_id, self.lease_s)
 
-    def _unpin(self, request_id: str) -> bool:
-        """Stop the lease and free the blocks in the background. False if nothing was pinned."""
+    def _unpin(self, request_id: str, grace_s: float) -> bool:
+        """Stop the lease and free the blocks in the background, giving a pull still reading
+        them ``grace_s`` to finish. False if nothing was pinned."""
         lease = self._leases.pop(request_id, None)
         if lease is None:
             return False
         lease.cancel()
-        self._freeing.spawn(self._free(request_id))
+        self._freeing.spawn(self._free(request_id, grace_s))
         return True
 
-    async def _free(self, request_id: str) -> None:
-        await self.connector.unpublish(request_id)  # returns once no pull reads the blocks
+    async def _free(self, request_id: str, grace_s: float) -> None:
+        await self.connector.unpublish(request_id, grace_s)  # returns once no pull reads the blocks
         self.instance.engine.release_kv(request_id)
 
     # ------------------------------------------------------ control calls
 
     async def ReleaseKV(self, request, context):  # noqa: ANN001, N802
-        return disaggregation_pb2.ReleaseKVResponse(released=self._unpin(request.request_id))
+        # D releases once its pull is over: a send P has not yet seen complete is finishing.
+        return disaggregation_pb2.ReleaseKVResponse(released=self._unpin(request.request_id, RELEASE_GRACE_S))
 
     async def RenewKV(self, request, context):  # noqa: ANN001, N802
         unknown = []
@@ -162,13 +166,13 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         if prefilling:
             self._prefilling[request_id] = True  # its Prefill call must not pin what the engine frees
             self.instance.engine.abort(request_id)
-        pinned = self._unpin(request_id)
+        pinned = self._unpin(request_id, grace_s=0.0)
         return disaggregation_pb2.AbortResponse(found=prefilling or pinned)
 
     async def close(self) -> None:
         """At shutdown: free what is still pinned, and wait for frees under way."""
         for request_id in list(self._leases):
-            self._unpin(request_id)
+            self._unpin(request_id, grace_s=0.0)
         await self._freeing.wait()
 
 
