@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import uuid
@@ -47,7 +46,6 @@ from engine.scheduler_output import KVLoad
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-ENGINE_THREAD_NICE = 10  # added to the engine thread's nice value (see _lower_this_thread_priority)
 _Command = Callable[[], None]
 
 
@@ -200,7 +198,6 @@ class AsyncEngine:
         return await future
 
     def _run(self) -> None:
-        _lower_this_thread_priority()
         try:
             while not self._stopping:
                 if self._drain_commands():
@@ -257,20 +254,6 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(fail)
         # Commands queued after the loop ended would wait forever: run them now.
         self._drain_commands()
-
-
-def _lower_this_thread_priority() -> None:
-    """The engine thread computes flat out; the event loop, UCX and gRPC threads of the same
-    process wake for short bursts (a KV pull to serve, a control call to answer, tokens to
-    send). At a lower scheduling priority the engine thread yields the core as soon as one of
-    them wakes, so on a core the engine saturates they run within a scheduler tick rather
-    than after the engine's time slice. Threads torch starts from this one (its OpenMP pool)
-    inherit the priority. Linux sets it per thread; elsewhere, or if refused, nothing changes."""
-    try:
-        thread_id = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + ENGINE_THREAD_NICE))
-    except (AttributeError, OSError) as error:
-        logger.debug("could not lower the engine thread's priority: %s", error)
 
 
 def _put_all(queue_: asyncio.Queue[T], items: list[T]) -> None:
