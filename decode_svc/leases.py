@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from serving.background import BackgroundTasks
+from serving.internal_grpc import InternalPlane
 from serving.prefill_control import release_kv, renew_kv
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,10 @@ class LeaseKeeper:
     no longer holds a handle's blocks; the handle is dropped by then.
     """
 
-    def __init__(self, on_lost: Callable[[str, str], None]) -> None:
+    def __init__(self, on_lost: Callable[[str, str], None], plane: InternalPlane | None = None) -> None:
+        """``plane``: how channels to prefill instances are secured (default: open)."""
         self._on_lost = on_lost
+        self._plane = plane or InternalPlane()
         self._held: dict[str, HeldKV] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background = BackgroundTasks()
@@ -108,5 +111,5 @@ class LeaseKeeper:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self._plane.channel(address)
         return channel

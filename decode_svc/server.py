@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +46,7 @@ from engine.scheduler_output import KVLoad
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats
 from kv_connector.fingerprint import FingerprintMismatchError
 from serving.convert import kv_source_from_proto, logprobs_to_proto
+from serving.handle_signing import HandleRejected, verify_handle
 from serving.instance import Instance, add_instance_arguments, engine_config, serve
 from serving.sampling_proto import sampling_params_from_proto
 
@@ -76,7 +78,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         self.connector: KVConnector = instance.connector
         self.failure_policy = failure_policy
         self.pull_timeout_s = pull_timeout_s
-        self.leases = LeaseKeeper(on_lost=self._kv_lost)
+        self.leases = LeaseKeeper(on_lost=self._kv_lost, plane=instance.plane)
         self._calls: dict[str, DecodeCall] = {}
         self._load_taker: asyncio.Task[None] | None = None
 
@@ -101,7 +103,11 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         source = kv_source_from_proto(handle.request_id or request_id, handle)
         try:
             params = sampling_params_from_proto(request.sampling)
-            self._check_handle(handle, source, len(request.prompt_token_ids))
+            self._check_handle(handle, source, request.prompt_token_ids)
+        except HandleRejected as error:
+            self.instance.counters.num_kv_handles_refused += 1
+            logger.warning("refused the KV handle of %s (from %r): %s", request_id, handle.connector_address, error)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
         except FingerprintMismatchError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ValueError as error:
@@ -146,8 +152,16 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             self.leases.release(request_id)  # a no-op once the pull released P
             await stream.aclose()  # aborts the request now if it has not finished
 
-    def _check_handle(self, handle: disaggregation_pb2.KVHandle, source: KVSource, num_prompt_tokens: int) -> None:
-        """Raise ValueError (or FingerprintMismatchError) for a handle this instance cannot pull."""
+    def _check_handle(self, handle: disaggregation_pb2.KVHandle, source: KVSource, prompt_token_ids: Sequence[int]) -> None:
+        """Raise HandleRejected (the handle is not one a prefill instance of this cluster issued),
+        FingerprintMismatchError or ValueError for a handle this instance cannot pull. Runs
+        before anything is allocated: what a refused handle names is never pulled nor cached."""
+        if self.instance.plane.secret is not None:
+            verify_handle(handle, self.instance.plane.secret.handle_key)
+        if list(handle.prompt_token_ids) != list(prompt_token_ids):
+            # The pulled KV goes into the prefix cache under this call's prompt: it must be that prompt's.
+            raise ValueError("the KV handle holds the KV of another prompt than this call's prompt_token_ids")
+        num_prompt_tokens = len(prompt_token_ids)
         self.instance.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
         if handle.connector and handle.connector != self.connector.name:
             raise ValueError(f"the KV handle is for the {handle.connector!r} connector; this decode instance uses {self.connector.name!r}")

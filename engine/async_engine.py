@@ -90,6 +90,16 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
+    @property
+    def is_alive(self) -> bool:
+        """The step loop runs: started, and neither stopped nor crashed."""
+        return self._thread is not None and not self._closed
+
+    @property
+    def error(self) -> BaseException | None:
+        """What crashed the step loop, once it has."""
+        return self._error
+
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
         return self

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -39,7 +40,11 @@ logger = logging.getLogger(__name__)
 _OPEN_PATHS = {"/health", "/ready", "/metrics"}
 
 
-def create_app(service: GenerationService, model_name: str, api_key: str | None) -> FastAPI:
+def create_app(
+    service: GenerationService, model_name: str, api_key: str | None, discovery_alive: Callable[[], bool] = lambda: True
+) -> FastAPI:
+    """``discovery_alive``: whether the loop that keeps the instance pool current still runs;
+    without it the gateway routes on reports that only age, so ``/health`` answers 503."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None)
 
     def check_model(model: str | None) -> None:
@@ -82,13 +87,15 @@ def create_app(service: GenerationService, model_name: str, api_key: str | None)
 
     @app.get("/health")
     async def health() -> Response:
+        if not discovery_alive():
+            return PlainTextResponse("instance discovery has stopped: restart the gateway\n", status_code=503)
         return Response(status_code=200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         pool = service.pool
         body = {
-            "ready": pool.is_ready(),
+            "ready": discovery_alive() and pool.is_ready(),
             "instances": {role: len(pool.healthy(role)) for role in ROLES},
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)

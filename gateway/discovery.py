@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from gateway.instances import ROLES, InstancePool, Role
-from serving.registration import scan_registrations
+from serving.registration import registry_client, registry_error, scan_registrations
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ class StaticDiscovery:
     def __init__(self, pool: InstancePool, addresses: dict[Role, list[str]], interval_s: float) -> None:
         self.pool = pool
         self.interval_s = interval_s
+        self._refused_by: set[str] = set()  # instances that answered UNAUTHENTICATED
         for role, role_addresses in addresses.items():
             for address in role_addresses:
                 pool.add(address, role)
@@ -45,6 +46,9 @@ class StaticDiscovery:
                 disaggregation_pb2_grpc.LoadStub(state.channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=timeout),
             )
         except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED and address not in self._refused_by:
+                self._refused_by.add(address)  # said once, not at every poll
+                logger.error("%s instance %s refused the gateway: %s", state.role, address, error.details())
             # A slow answer is not a dead instance: its report goes stale if it stays slow.
             if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.pool.record_unreachable(address)
@@ -53,6 +57,7 @@ class StaticDiscovery:
             logger.error("%s was given as a %s instance but reports role %r; not using it", address, state.role, report.role)
             self.pool.record_unreachable(address)
             return
+        self._refused_by.discard(address)
         self.pool.record_report(address, report, health.status == health_pb2.HealthCheckResponse.SERVING)
 
 
@@ -62,7 +67,8 @@ class RedisDiscovery:
     def __init__(self, pool: InstancePool, url: str, interval_s: float) -> None:
         self.pool = pool
         self.interval_s = interval_s
-        self.client = redis.from_url(url)
+        self.url = url
+        self.client = registry_client(url)
         self._heartbeat_unix_s: dict[str, float] = {}  # by address: the newest heartbeat seen
 
     async def run(self) -> None:
@@ -71,8 +77,16 @@ class RedisDiscovery:
                 await self.poll_once()
             except (redis.RedisError, OSError) as error:
                 # Keep routing on what we know; reports go stale if the outage lasts.
-                logger.warning("registry scan failed: %s", error)
+                logger.warning("registry scan failed: %s", registry_error(error, self.url))
             await asyncio.sleep(self.interval_s)
+
+    async def first_poll(self) -> None:
+        """The poll before the gateway serves: raises ValueError with the fix when the registry
+        refuses the gateway (a wrong or missing password)."""
+        try:
+            await self.poll_once()
+        except (redis.RedisError, OSError) as error:
+            raise ValueError(registry_error(error, self.url)) from None
 
     async def poll_once(self) -> None:
         seen = set()

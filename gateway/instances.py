@@ -22,6 +22,7 @@ import grpc
 from splitserve.v1 import disaggregation_pb2
 
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
+from serving.internal_grpc import InternalPlane
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class InstanceState:
 class InstancePool:
     stale_after_s: float
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of every channel
     instances: dict[str, InstanceState] = field(default_factory=dict)  # by address
     _closing: set[asyncio.Task[None]] = field(default_factory=set)  # channels of removed instances
 
@@ -89,7 +91,7 @@ class InstancePool:
         if state is None or state.role != role:
             if state is not None:
                 self._close(state)
-            state = self.instances[address] = InstanceState(address, role, grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS))
+            state = self.instances[address] = InstanceState(address, role, self.plane.channel(address, options=_CHANNEL_OPTIONS))
             logger.info("%s instance %s added", role, address)
         return state
 
@@ -100,9 +102,15 @@ class InstancePool:
             self._close(state)
 
     def record_report(self, address: str, report: disaggregation_pb2.LoadReport, serving: bool) -> None:
+        """``serving``: the instance's health (or registration) says so. An instance whose engine
+        has died is not serving whatever its health says."""
         state = self.instances.get(address)
         if state is None:
             return
+        if report.engine_error:
+            if state.report is None or not state.report.engine_error:  # said once, not at every poll
+                logger.error("%s instance %s (%s) has lost its engine (%s); routing nothing to it", state.role, address, report.instance_id, report.engine_error)
+            serving = False
         was_healthy = state.is_healthy(time.monotonic(), self.stale_after_s)
         state.report, state.serving, state.reported_at = report, serving, time.monotonic()
         state.num_dispatched = state.num_dispatched_tokens = 0

@@ -152,4 +152,5 @@ _INSTANCE_COUNTERS = {
     "kv_pull_failures": "Decode: KV pulls that failed",
     "kv_recomputes": "Decode: prompts recomputed locally after a failed pull",
     "kv_handbacks": "Decode: requests handed back to the gateway to prefill again",
+    "kv_handles_refused": "Decode: calls refused for a KV handle that is unsigned or altered (docs/security.md)",
 }

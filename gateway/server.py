@@ -21,6 +21,7 @@ from gateway.grpc_front import start_grpc_front
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
+from serving.internal_grpc import InternalPlane, add_internal_plane_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill instance (repeatable); static routing")
     parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode instance (repeatable); static routing")
     parser.add_argument("--colocated", action="append", default=[], metavar="HOST:PORT", help="an instance doing both phases (repeatable)")
-    parser.add_argument("--registry-url", default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""), help="redis://HOST:PORT where instances register (instead of static lists)")
+    parser.add_argument("--registry-url", default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""),
+                        help="redis://[USER:PASSWORD@]HOST:PORT (or rediss:// for TLS) where instances register, instead of static lists "
+                             "(env SPLITSERVE_REGISTRY_URL, which keeps a password off the command line)")
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between load polls of each instance")
     parser.add_argument("--stale-after", type=float, default=3.0, help="seconds without a fresh load report before an instance is skipped")
     parser.add_argument("--max-pending-requests", type=int, default=1024, help="requests in flight at once; beyond this the gateway answers 429")
@@ -65,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop-chars", type=int, default=limits.DEFAULT_MAX_STOP_CHARS, help="characters of one stop string")
     parser.add_argument("--chat-template-timeout", type=float, default=limits.DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
                         help="seconds the chat template may take to render one conversation")
+    # The internal plane: the cluster secret and TLS of the gateway's calls to instances.
+    add_internal_plane_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,13 +86,17 @@ async def serve(args: argparse.Namespace) -> None:
     model_path = Path(args.model) if args.model else default_model_path()
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     admission = AdmissionLimits(max_queue_delay_s=args.max_queue_delay, max_inflight_per_instance=args.max_inflight_per_instance)
-    pool = InstancePool(stale_after_s=args.stale_after, limits=admission)
+    plane = InternalPlane.from_args(args)
+    plane.warn_if_open("gateway")
+    pool = InstancePool(stale_after_s=args.stale_after, limits=admission, plane=plane)
     if args.registry_url:
         discovery: RedisDiscovery | StaticDiscovery = RedisDiscovery(pool, args.registry_url, args.poll_interval)
+        await discovery.first_poll()
     else:
         discovery = StaticDiscovery(pool, {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}, args.poll_interval)
-    await discovery.poll_once()
+        await discovery.poll_once()
     discovery_task = asyncio.create_task(discovery.run())
+    discovery_task.add_done_callback(_log_discovery_end)
     metrics = GatewayMetrics(pool)
     request_limits = limits.RequestLimits(
         max_body_bytes=args.max_request_body_bytes,
@@ -105,7 +114,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.grpc_port >= 0:
         grpc_server, grpc_port = await start_grpc_front(service, model_name, args.api_key, args.host, args.grpc_port)
         logger.info("gRPC Generation API on %s:%d", args.host, grpc_port)
-    app = create_app(service, model_name, args.api_key)
+    app = create_app(service, model_name, args.api_key, discovery_alive=lambda: not discovery_task.done())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
     try:
@@ -120,3 +129,9 @@ async def serve(args: argparse.Namespace) -> None:
             await discovery.close()
         await pool.close()
         tokenizer.close()
+
+
+def _log_discovery_end(task: asyncio.Task[None]) -> None:
+    """The discovery loop runs until shutdown; ending before is a bug, which /health reports."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("instance discovery stopped: the gateway no longer learns of instances; /health answers 503", exc_info=task.exception())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -46,6 +46,8 @@ class KVSource:
     fingerprint: Fingerprint
     # The prompt's token ids, for backends that find KV by content (LMCache) rather than by P's block ids.
     token_ids: tuple[int, ...] = ()
+    # What P asked pulls of these blocks to present (its ``publish(pull_token=...)``); empty: none.
+    pull_token: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +97,14 @@ class KVConnector(abc.ABC):
         Returns the address peers should use (P) or an empty string (D)."""
 
     @abc.abstractmethod
-    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> None:
+    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None) -> None:
         """P, right after prefill, while the engine keeps ``block_ids`` pinned: make the
-        prompt KV they hold (``token_ids``' KV) available to pulls for ``request_id``."""
+        prompt KV they hold (``token_ids``' KV) available to pulls for ``request_id``.
+
+        ``pull_token``: random bytes a pull must present (backends whose peers reach P:
+        compared in constant time). The prefill service makes one per request and puts it in
+        the signed KV handle; None lets any pull that names the request through, for tools
+        that publish in-process (benchmarks, connector tests)."""
 
     @abc.abstractmethod
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:

@@ -20,6 +20,14 @@ How the pieces fit:
 
 The store is configured with ``SPLITSERVE_LMCACHE_URL`` (or ``remote_url=``), the
 same on P and D. lmcache's usage telemetry is switched off before it is imported.
+
+Store access: a Redis store takes a password or an ACL user in the URL
+(``redis://[USER:]PASSWORD@HOST:PORT``) and TLS with ``rediss://``; :meth:`start` checks
+the store accepts them. The URL is shown only redacted (``store_urls.redact_url``): in
+logs, errors, load reports and KV handles. lmcache logs the URLs it connects to at INFO,
+so its log level defaults to WARNING here (``LMCACHE_LOG_LEVEL``). P and D never talk to
+each other: pull tokens (``publish(pull_token=...)``) have no use here, and who may read or
+write the KV is the store's to decide.
 """
 
 from __future__ import annotations
@@ -43,7 +51,10 @@ from urllib.parse import urlsplit
 
 # lmcache reports usage to its authors unless told not to; a server must not phone home.
 os.environ["LMCACHE_TRACK_USAGE"] = "false"
+# lmcache logs store URLs, passwords included, at INFO (module docstring).
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
+import redis  # noqa: E402
 import torch  # noqa: E402
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
@@ -52,6 +63,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, bounded_transfer  # noqa: E402
 from kv_connector.fingerprint import Fingerprint  # noqa: E402
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks  # noqa: E402
+from kv_connector.store_urls import redact_url  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +100,11 @@ class LMCacheConnector(KVConnector):
         if fingerprint.block_size != block_size:
             raise ValueError(f"fingerprint block_size {fingerprint.block_size} does not match the KV cache's {block_size}")
         self.remote_url = remote_url or os.environ.get(URL_ENV, "")
+        self.shown_url = redact_url(self.remote_url)  # what logs, errors and handles may show
         if urlsplit(self.remote_url).scheme not in SUPPORTED_SCHEMES:
             raise ValueError(
-                f"the lmcache KV connector needs the store P and D share, got {self.remote_url!r}: "
-                f"set {URL_ENV}=redis://HOST:PORT or lm://HOST:PORT on both"
+                f"the lmcache KV connector needs the store P and D share, got {self.shown_url!r}: "
+                f"set {URL_ENV}=redis://[USER:PASSWORD@]HOST:PORT, rediss://... or lm://HOST:PORT on both"
             )
         self.chunk_size = chunk_size or block_size * max(1, _DEFAULT_CHUNK_TOKENS // block_size)
         if self.chunk_size % block_size != 0:
@@ -109,15 +122,17 @@ class LMCacheConnector(KVConnector):
     # ------------------------------------------------------------------ both
 
     async def start(self, host: str, port: int) -> str:
-        """Build the LMCache engine and check the store answers. Returns the store's URL
-        (host and port are unused: nothing listens here). Raises :class:`KVTransferError`
-        if the store is unreachable."""
+        """Build the LMCache engine and check the store answers (and, for Redis, accepts our
+        credentials). Returns the store's URL, redacted (host and port are unused: nothing
+        listens here). Raises :class:`KVTransferError` if the store is unreachable or refuses us."""
         error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
+        if error is None:
+            error = await asyncio.to_thread(check_credentials, self.remote_url, _PROBE_TIMEOUT_S)
         if error is not None:
-            raise KVTransferError(f"LMCache store {self.remote_url} is unreachable: {error}")
+            raise KVTransferError(f"LMCache store {self.shown_url} is unreachable: {error}")
         self._engine = await asyncio.to_thread(run_on_daemon_thread, self._build_engine, None)
-        logger.info("LMCache KV connector on %s, chunks of %d tokens, keys for %s", self.remote_url, self.chunk_size, key_model_name(self.fingerprint))
-        return self.remote_url
+        logger.info("LMCache KV connector on %s, chunks of %d tokens, keys for %s", self.shown_url, self.chunk_size, key_model_name(self.fingerprint))
+        return self.shown_url
 
     async def close(self) -> None:
         """Tear the engine down; with a Redis store it is only dropped (see below)."""
@@ -135,7 +150,7 @@ class LMCacheConnector(KVConnector):
 
     # ------------------------------------------------------------- prefill side
 
-    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> None:
+    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None) -> None:
         """P, right after prefill: store the KV of ``token_ids`` (held in ``block_ids``, the
         last block possibly partial) and wait until the store confirms every chunk, so a
         pull that follows finds it. Blocks the caller for that round trip (bounded by
@@ -153,12 +168,12 @@ class LMCacheConnector(KVConnector):
                 engine.store(tokens, block_ids=list(block_ids), req_id=request_id)
                 num_stored, reason = self._wait_until_stored(engine, tokens, deadline)
         except Exception:  # the request must still get its handle and lease (see the docstring)
-            logger.exception("storing the KV of %s in LMCache at %s failed", request_id, self.remote_url)
+            logger.exception("storing the KV of %s in LMCache at %s failed", request_id, self.shown_url)
             return
         if num_stored < len(tokens):
             logger.error(
                 "LMCache stored the KV of %d of %d prompt tokens of %s in %s (%s); decode instances will miss it",
-                num_stored, len(tokens), request_id, self.remote_url, reason,
+                num_stored, len(tokens), request_id, self.shown_url, reason,
             )
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
@@ -199,7 +214,7 @@ class LMCacheConnector(KVConnector):
         retrieved = await bounded_transfer(
             asyncio.to_thread(self._retrieve, engine, tokens, fetch_start, staging, source.request_id),
             timeout_s,
-            f"retrieving {source.request_id!r} from LMCache at {self.remote_url}",
+            f"retrieving {source.request_id!r} from LMCache at {self.shown_url}",
         )
         missing = (~retrieved[fetch_start:]).nonzero()
         if len(missing):
@@ -280,8 +295,8 @@ class LMCacheConnector(KVConnector):
     async def _miss(self, source: KVSource, first_missing: int, num_tokens: int) -> KVTransferError:
         error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
         if error is not None:
-            return KVTransferError(f"LMCache store {self.remote_url} is unreachable: {error}")
-        where = self.remote_url if source.address in ("", self.remote_url) else f"{self.remote_url} (prefill stored to {source.address})"
+            return KVTransferError(f"LMCache store {self.shown_url} is unreachable: {error}")
+        where = self.shown_url if source.address in ("", self.shown_url) else f"{self.shown_url} (prefill stored to {source.address})"
         return KVTransferError(
             f"LMCache at {where} has no KV for tokens {first_missing}..{num_tokens - 1} of {source.request_id!r} "
             f"under {key_model_name(self.fingerprint)}: not stored, evicted, or stored for another fingerprint"
@@ -311,11 +326,28 @@ def probe(url: str, timeout_s: float) -> str | None:
     try:
         port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
         if parts.hostname is None or port is None:
-            return f"{url!r} names no host and port"
+            return f"{redact_url(url)!r} names no host and port"
         with socket.create_connection((parts.hostname, port), timeout=timeout_s):
             return None
     except (OSError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
+
+
+def check_credentials(url: str, timeout_s: float) -> str | None:
+    """For a Redis store: PING with the URL's credentials (and TLS for ``rediss://``). Returns
+    None if the store accepts them, else why not, with the fix for a refused password."""
+    if urlsplit(url).scheme not in ("redis", "rediss"):
+        return None  # lm:// has no credentials
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as error:
+        return f"it refused our credentials ({error}): put the store's password in the URL, redis://:PASSWORD@HOST:PORT (or USER:PASSWORD for an ACL user)"
+    except (redis.RedisError, OSError) as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        client.close()
+    return None
 
 
 def run_on_daemon_thread(function: Callable[[], _T], timeout_s: float | None) -> _T:

@@ -36,13 +36,21 @@ On CPU, UCX moves host memory over TCP or shared memory; on GPU hosts the same c
 sends device buffers and UCX picks cuda_ipc, NVLink or RDMA (P's KV is complete before
 it is published: the engine reads the sampled token back, which waits for the forward
 pass). For speed on one host set ``UCX_TLS=tcp,sm,self UCX_RNDV_SCHEME=put_zcopy`` (see
-docs/benchmarks.md). ucxx listeners bind every address (ucxx 0.52 takes no bind
-address), so firewall the KV port.
+docs/benchmarks.md).
+
+Who may pull: P serves a pull only for a request it published, only of that request's
+blocks, and, when it published with a pull token (the prefill service always does; the
+token travels in the signed KV handle), only to a pull presenting that token, compared in
+constant time. ucxx 0.52's listener binds every address (it takes none); on a loopback
+host the connector limits UCX's data lanes to ``lo`` (:mod:`kv_connector.ucx_context`),
+elsewhere firewall the KV port (docs/security.md). P closes a connection idle for
+``IDLE_TIMEOUT_S``; D reuses one only while it has been idle for less than half that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections import deque
@@ -53,7 +61,7 @@ import torch
 
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, bounded_transfer
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
-from kv_connector.ucx_context import ucxx_for_running_loop
+from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop
 from kv_connector.ucx_messages import (
     abandon,
     consecutive_runs_error,
@@ -78,6 +86,10 @@ MAX_MESSAGE_BYTES = 4 << 20
 WINDOW = 32  # messages in flight per pull and side
 SETTLE_S = 1.0  # how long a failed pull waits for writes P may have started (module docstring)
 MAX_IDLE_CONNECTIONS_PER_PEER = 4
+# P closes a connection no pull has used for this long, so connections nobody uses (a
+# decode instance gone quiet, or someone who connected and never asked) do not pile up.
+# D reuses a connection only while it has been idle for less than half of this.
+IDLE_TIMEOUT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -87,6 +99,15 @@ class _Connection:
     endpoint: object  # ucxx Endpoint
     num_pulls: int = 0
     header_buffer: np.ndarray = field(default_factory=header_buffer)
+    idle_since: float = 0.0  # monotonic; set when the connection goes back to the idle pool
+
+
+@dataclass(frozen=True, slots=True)
+class _Published:
+    """P: a request's blocks, and the token a pull of them must present (None: any pull)."""
+
+    block_ids: frozenset[int]
+    pull_token: bytes | None
 
 
 class _StaleConnection(Exception):
@@ -96,15 +117,25 @@ class _StaleConnection(Exception):
 class UCXConnector(KVConnector):
     name = "ucx"
 
-    def __init__(self, kv_cache: torch.Tensor, fingerprint: Fingerprint, max_message_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        fingerprint: Fingerprint,
+        max_message_blocks: int | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> None:
         """``max_message_blocks``: the most blocks D puts in one message (default: ``MAX_MESSAGE_BYTES``
-        worth, at least one). Only the pulling side's value matters: it names the messages."""
+        worth, at least one). Only the pulling side's value matters: it names the messages.
+        ``idle_timeout_s``: P closes a connection that has carried no pull for this long."""
         super().__init__(kv_cache, fingerprint)
         if max_message_blocks is not None and max_message_blocks < 1:
             raise ValueError(f"max_message_blocks must be >= 1, got {max_message_blocks}")
+        if idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
         self.max_message_blocks = max_message_blocks or max(1, MAX_MESSAGE_BYTES // self.bytes_per_block)
+        self.idle_timeout_s = idle_timeout_s
         self._cache_bytes = wire_buffer(kv_cache)
-        self._published: dict[str, frozenset[int]] = {}
+        self._published: dict[str, _Published] = {}
         self._readers: dict[str, set[asyncio.Task]] = {}  # P: the pulls reading a request's blocks
         self._listener = None
         self._serving: set[object] = set()  # P: endpoints a serving loop runs on
@@ -127,14 +158,16 @@ class UCXConnector(KVConnector):
         return sum(len(connections) for connections in self._idle.values())
 
     async def start(self, host: str, port: int) -> str:
+        if limit_to_loopback(host):
+            logger.info("UCX data lanes limited to the loopback device (UCX_NET_DEVICES=lo): %s is a loopback address", host)
         ucxx = ucxx_for_running_loop()
         self._listener = ucxx.create_listener(self._serve, port=port or None)
         address = f"{host}:{self._listener.port}"
         logger.info("UCX KV connector listening on %s", address)
         return address
 
-    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> None:
-        self._published[request_id] = frozenset(block_ids)
+    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None) -> None:
+        self._published[request_id] = _Published(frozenset(block_ids), pull_token)
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         self._published.pop(request_id, None)
@@ -172,7 +205,10 @@ class UCXConnector(KVConnector):
             request_buffer = header_buffer()
             while True:
                 try:
-                    data = await recv_header(endpoint, request_buffer)
+                    data = await asyncio.wait_for(recv_header(endpoint, request_buffer), self.idle_timeout_s)
+                except TimeoutError:
+                    logger.debug("closing a KV connection idle for %.0f s", self.idle_timeout_s)
+                    return
                 except WireError as error:
                     logger.warning("closing a KV connection that sent %s", error)
                     return
@@ -248,8 +284,11 @@ class UCXConnector(KVConnector):
         published = self._published.get(request.request_id)
         if published is None:
             return PullReply(ok=False, error=f"no KV published for request {request.request_id!r} (released or expired)"), None
-        if not published.issuperset(request.block_ids):
-            return PullReply(ok=False, error=f"blocks {sorted(set(request.block_ids) - published)} are not the request's"), None
+        if published.pull_token is not None and not _token_matches(request.pull_token, published.pull_token):
+            logger.warning("refused a pull of %s that did not present its pull token", request.request_id)
+            return PullReply(ok=False, error=f"the pull token for request {request.request_id!r} does not match the KV handle's"), None
+        if not published.block_ids.issuperset(request.block_ids):
+            return PullReply(ok=False, error=f"blocks {sorted(set(request.block_ids) - published.block_ids)} are not the request's"), None
         if not request.block_ids:
             return PullReply(ok=False, error="a pull must name at least one block"), None
         if (error := consecutive_runs_error(request.block_ids, request.message_blocks)) is not None:
@@ -293,7 +332,7 @@ class UCXConnector(KVConnector):
         """On an idle connection if there is one; if that one turns out stale, once more on a new one."""
         self._num_transfers += 1
         try:
-            connection = self._take_idle(source.address)
+            connection = await self._take_idle(source.address)
             if connection is not None:
                 try:
                     await self._pull_on(connection, source, remote_blocks, local_blocks, message_blocks, reused=True)
@@ -333,7 +372,7 @@ class UCXConnector(KVConnector):
             receives.append(asyncio.ensure_future(endpoint.recv(buffer, tag=message_tag(pull_number, num_posted))))
             num_posted += 1
 
-        request = PullRequest(source.request_id, remote_blocks, self.fingerprint, message_blocks)
+        request = PullRequest(source.request_id, remote_blocks, self.fingerprint, message_blocks, source.pull_token.hex())
         try:
             try:
                 # Posted together, in order, when this task next yields: request, reply, first messages.
@@ -388,17 +427,34 @@ class UCXConnector(KVConnector):
         host, _, port = address.rpartition(":")
         return _Connection(await ucxx.create_endpoint(host, int(port)))
 
-    def _take_idle(self, address: str) -> _Connection | None:
+    async def _take_idle(self, address: str) -> _Connection | None:
+        """The most recently used idle connection to ``address`` that P has not closed, nor
+        is about to close for idleness; older ones are closed here."""
         connections = self._idle.get(address)
+        fresh_after = time.monotonic() - self.idle_timeout_s / 2
         while connections:
             connection = connections.pop()
-            if not connection.endpoint.closed:
-                return connection
+            if connection.endpoint.closed:
+                continue
+            if connection.idle_since < fresh_after:
+                await abandon(connection.endpoint, [])
+                continue
+            return connection
         return None
 
     async def _put_idle(self, address: str, connection: _Connection) -> None:
         connections = self._idle.setdefault(address, [])
         if len(connections) < MAX_IDLE_CONNECTIONS_PER_PEER:
+            connection.idle_since = time.monotonic()
             connections.append(connection)
         else:
             await abandon(connection.endpoint, [])
+
+
+def _token_matches(presented_hex: str, expected: bytes) -> bool:
+    """Constant-time comparison of a pull's token (hex, from the wire) with the published one."""
+    try:
+        presented = bytes.fromhex(presented_hex)
+    except ValueError:
+        return False
+    return hmac.compare_digest(presented, expected)

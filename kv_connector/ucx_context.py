@@ -12,6 +12,13 @@ the context was created in, so the context is made again when a new loop (a test
 
 The notifier thread is stopped when the interpreter exits.
 
+Where UCX listens: ucxx 0.52's listener takes no address (it binds its connection
+manager's socket to every address, whatever ``UCX_NET_DEVICES`` says), but UCX's TCP
+transport listens, and moves data, only on the network devices ``UCX_NET_DEVICES``
+names. :func:`limit_to_loopback` sets that to ``lo`` for a connector on a loopback
+address, so a peer on another host can connect but cannot set up a data lane. On any
+other address, firewall the KV port and set ``UCX_NET_DEVICES`` yourself (docs/security.md).
+
 Everything in the process that speaks ucxx (the connector, and the KV benchmark's raw
 UCX baseline) must get it from :func:`ucxx_for_running_loop`, before any other ucxx
 call: ucxx cannot switch a context it created on its own to these settings.
@@ -20,9 +27,14 @@ call: ucxx cannot switch a context it created on its own to these settings.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import logging
+import os
 import threading
 import weakref
 from types import ModuleType
+
+logger = logging.getLogger(__name__)
 
 _loop_ref: weakref.ReferenceType[asyncio.AbstractEventLoop] | None = None
 _exit_hook_registered = False
@@ -61,3 +73,19 @@ def ucxx_for_running_loop() -> ModuleType:
         threading._register_atexit(ucxx.stop_notifier_thread)  # noqa: SLF001
         _exit_hook_registered = True
     return ucxx
+
+
+def limit_to_loopback(host: str) -> bool:
+    """Before the first ucxx call of a connector bound to ``host``: when ``host`` is a
+    loopback address and ``UCX_NET_DEVICES`` is unset, set it to ``lo``. Returns whether it
+    did. Devices that are not network devices (shared memory, cuda_ipc) are unaffected."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback or "UCX_NET_DEVICES" in os.environ:
+        return False
+    if _loop_ref is not None:
+        logger.warning("ucxx is already initialised; UCX_NET_DEVICES=lo will apply from the next event loop only")
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    return True

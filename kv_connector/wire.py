@@ -8,12 +8,13 @@ shape the receiver computes itself and compares.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from kv_connector.fingerprint import Fingerprint
 
-PROTOCOL_VERSION = 2  # 2: zero-copy messages of whole blocks (message_blocks); 1 sent gathered chunks
+PROTOCOL_VERSION = 3  # 3: pulls present P's pull token; 2: zero-copy messages of whole blocks; 1 sent gathered chunks
 MAX_HEADER_BYTES = 1 << 20
+_MAX_PULL_TOKEN_CHARS = 128
 
 
 class WireError(ValueError):
@@ -30,6 +31,8 @@ class PullRequest:
     # How D cuts the pull into messages: block counts, in order, summing to len(block_ids);
     # each message's blocks are consecutive on both sides (D knows both, so D decides).
     message_blocks: list[int]
+    # The pull token from the KV handle, hex: P serves only pulls presenting the one it made.
+    pull_token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +48,7 @@ class PullReply:
 
 def encode(message: PullRequest | PullReply) -> bytes:
     # Field by field: ``asdict`` deep-copies every block id (a millisecond for a long prompt).
-    body: dict[str, object] = {field.name: getattr(message, field.name) for field in fields(message)}
+    body: dict[str, object] = {item.name: getattr(message, item.name) for item in fields(message)}
     if isinstance(message, PullRequest):
         body["fingerprint"] = asdict(message.fingerprint)
     body["version"] = PROTOCOL_VERSION
@@ -72,7 +75,12 @@ def decode_pull_request(data: bytes) -> PullRequest:
     message_blocks = _require(body.get("message_blocks"), list, "message_blocks")
     if not all(_is_int(n) and n > 0 for n in message_blocks):
         raise WireError("message_blocks must be positive integers")
-    return PullRequest(request_id=request_id, block_ids=block_ids, fingerprint=parsed_fingerprint, message_blocks=message_blocks)
+    pull_token = _require(body.get("pull_token"), str, "pull_token")
+    if len(pull_token) > _MAX_PULL_TOKEN_CHARS:
+        raise WireError(f"pull_token of {len(pull_token)} characters (at most {_MAX_PULL_TOKEN_CHARS})")
+    return PullRequest(
+        request_id=request_id, block_ids=block_ids, fingerprint=parsed_fingerprint, message_blocks=message_blocks, pull_token=pull_token
+    )
 
 
 def decode_pull_reply(data: bytes) -> PullReply:

@@ -1,5 +1,9 @@
 """``splitserve up``: start a gateway with its prefill and decode instances (or one
-colocated instance) as local processes, wait until ready, stop all on Ctrl-C / SIGTERM."""
+colocated instance) as local processes, wait until ready, stop all on Ctrl-C / SIGTERM.
+
+The internal plane is closed: a cluster secret is made for each run (or taken from
+``SPLITSERVE_CLUSTER_SECRET``) and handed to every child through its environment, never
+its command line, which other local users can read."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -34,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' on the API (env SPLITSERVE_API_KEY)")
     parser.add_argument("--kv-connector", default="ucx", choices=["ucx", "lmcache"], help="how KV moves from prefill to decode")
-    parser.add_argument("--lmcache-url", default="", help="lmcache store (redis://, lm://); default: a local redis-server started here")
+    parser.add_argument("--lmcache-url", default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
+                        help="lmcache store (redis://[USER:PASSWORD@]HOST:PORT, rediss://, lm://; env SPLITSERVE_LMCACHE_URL); default: a local redis-server started here")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill instances")
     parser.add_argument("--num-decode", type=int, default=1, help="decode instances")
     parser.add_argument("--colocated", action="store_true", help="one instance doing both phases instead of prefill + decode")
@@ -63,9 +69,11 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
 
+    # One secret per run unless the user gave one: only this run's processes get in.
+    cluster_env = {"SPLITSERVE_CLUSTER_SECRET": os.environ.get("SPLITSERVE_CLUSTER_SECRET") or secrets.token_urlsafe(32)}
     children: list[Child] = []
     try:
-        routes = _start_instances(args, model, cpus, children)
+        routes = _start_instances(args, model, cpus, children, cluster_env)
         gateway_argv = splitserve_command("--log-level", args.log_level, "gateway", "--model", str(model), "--host", args.host,
                         "--port", str(args.port), "--grpc-port", str(args.grpc_port), *routes)
         if args.model is None:
@@ -77,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         if args.max_inflight_per_instance is not None:
             gateway_argv += ["--max-inflight-per-instance", str(args.max_inflight_per_instance)]
         # The key travels in the environment, not argv, where any local user could read it.
-        children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or ""}, stop_stage=0))
+        children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or "", **cluster_env}, stop_stage=0))
         url = f"http://{_dial_host(args.host)}:{args.port}"
         if not _wait_ready(url, children, stop):
             return 0 if stop.is_set() else 1  # stopped by the user before it was ready: not a failure
@@ -99,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
         logger.info("stopped")
 
 
-def _start_instances(args: argparse.Namespace, model: Path, cpus: dict[str, set[int] | None], children: list[Child]) -> list[str]:
-    """Start the engines; return the gateway's routing flags for them."""
+def _start_instances(
+    args: argparse.Namespace, model: Path, cpus: dict[str, set[int] | None], children: list[Child], cluster_env: dict[str, str]
+) -> list[str]:
+    """Start the engines, each with ``cluster_env``; return the gateway's routing flags for them."""
     common = ["--model", str(model), "--dtype", args.dtype]
     if args.kv_cache_memory:
         common += ["--kv-cache-memory", str(args.kv_cache_memory)]
@@ -109,12 +119,13 @@ def _start_instances(args: argparse.Namespace, model: Path, cpus: dict[str, set[
     if args.colocated:
         port = free_port()
         argv = splitserve_command("--log-level", args.log_level, "colocated", *common, "--port", str(port))
-        children.append(Child("colocated", argv, cpus=cpus["colocated"]))
+        children.append(Child("colocated", argv, env=cluster_env, cpus=cpus["colocated"]))
         return ["--colocated", f"127.0.0.1:{port}"]
     connector = ["--kv-connector", args.kv_connector]
-    env = {k: v for k, v in LOCAL_UCX_ENV.items() if k not in os.environ}
+    env = {**{k: v for k, v in LOCAL_UCX_ENV.items() if k not in os.environ}, **cluster_env}
     if args.kv_connector == "lmcache":
-        connector += ["--lmcache-url", args.lmcache_url or _start_redis(children)]
+        # In the environment: the URL may hold the store's password.
+        env["SPLITSERVE_LMCACHE_URL"] = args.lmcache_url or _start_redis(children)
     routes = []
     gpus = _visible_gpus()
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):

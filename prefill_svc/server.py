@@ -33,6 +33,7 @@ from engine.outputs import EngineCoreOutput, KVHandoff
 from engine.sampling_params import SamplingParams
 from serving.background import BackgroundTasks
 from serving.convert import fingerprint_to_proto, logprobs_to_proto
+from serving.handle_signing import new_pull_token, sign_handle
 from serving.instance import Instance, add_instance_arguments, serve
 from serving.sampling_proto import sampling_params_from_proto
 
@@ -102,10 +103,12 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
     # ------------------------------------------------------------ the lease
 
     def _pin(self, request_id: str, handoff: KVHandoff, prompt_token_ids: list[int]) -> disaggregation_pb2.KVHandle:
-        """Publish the pinned blocks on the connector and start the lease that frees them."""
-        self.connector.publish(request_id, handoff.block_ids, prompt_token_ids)
+        """Publish the pinned blocks on the connector under a fresh pull token, start the lease
+        that frees them, and return the handle, signed when the instance has a cluster secret."""
+        pull_token = new_pull_token()
+        self.connector.publish(request_id, handoff.block_ids, prompt_token_ids, pull_token=pull_token)
         self._leases[request_id] = self._arm_lease(request_id)
-        return disaggregation_pb2.KVHandle(
+        handle = disaggregation_pb2.KVHandle(
             request_id=request_id,
             prefill_instance_id=self.instance.instance_id,
             connector=self.connector.name,
@@ -118,7 +121,11 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             lease_s=self.lease_s,
             prefill_address=self.instance.grpc_address,
             prompt_token_ids=prompt_token_ids,
+            pull_token=pull_token,
         )
+        if self.instance.plane.secret is not None:
+            sign_handle(handle, self.instance.plane.secret.handle_key)
+        return handle
 
     def _arm_lease(self, request_id: str) -> asyncio.TimerHandle:
         return asyncio.get_running_loop().call_later(self.lease_s, self._expire, request_id)

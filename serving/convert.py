@@ -50,4 +50,5 @@ def kv_source_from_proto(request_id: str, handle: disaggregation_pb2.KVHandle) -
         num_tokens=handle.num_tokens,
         fingerprint=fingerprint_from_proto(handle.fingerprint),
         token_ids=tuple(handle.prompt_token_ids),
+        pull_token=handle.pull_token,
     )

@@ -1,5 +1,10 @@
 """An engine instance served over gRPC: the engine on its thread, the KV connector,
-standard health, the load report, and a drain on SIGTERM. Each role adds its servicer."""
+standard health, the load report, and a drain on SIGTERM. Each role adds its servicer.
+
+The server is the internal plane's (``serving/internal_grpc.py``): with a cluster secret,
+every call but health checks must carry it; with TLS flags, it serves TLS. Health turns
+NOT_SERVING, and load reports carry ``engine_error``, once the engine's step loop has
+died: the instance stays up so that its state can be read, but takes no new work."""
 
 from __future__ import annotations
 
@@ -23,12 +28,15 @@ from engine.engine_core import EngineCore
 from kv_connector.base import KVConnector, TransferStats
 from kv_connector.fingerprint import Fingerprint, model_identity
 from kv_connector.registry import BACKENDS, make_connector
+from kv_connector.store_urls import redact_url
 from serving.convert import fingerprint_to_proto
+from serving.internal_grpc import InternalPlane, add_internal_plane_arguments
 from serving.registration import RegistryHeartbeat
 
 logger = logging.getLogger(__name__)
 
 DRAIN_GRACE_S = 30.0
+ENGINE_WATCH_S = 0.5  # how often the server checks that the engine's step loop still runs
 
 
 def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -57,6 +65,7 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
                         help="redis://HOST:PORT to register in (with a heartbeat) so gateways find this instance")
     parser.add_argument("--heartbeat-seconds", type=float, default=1.0,
                         help="seconds between registry heartbeats; an entry expires after three missed ones")
+    add_internal_plane_arguments(parser)
 
 
 def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
@@ -109,6 +118,7 @@ class ServiceCounters:
     num_kv_pull_failures: int = 0  # D
     num_kv_recomputes: int = 0  # D
     num_kv_handbacks: int = 0  # D
+    num_kv_handles_refused: int = 0  # D: unsigned or altered handles (serving/handle_signing.py)
 
 
 @dataclass
@@ -124,11 +134,14 @@ class Instance:
     connector_address: str = ""
     transfers: TransferCounters = field(default_factory=TransferCounters)
     counters: ServiceCounters = field(default_factory=ServiceCounters)
+    plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of its gRPC
 
     @classmethod
     def create(cls, args: argparse.Namespace, role: EngineRole, config: EngineConfig | None = None) -> Instance:
         """Load the model and size the KV cache (blocking); log capacity and fingerprint.
-        ``config`` replaces the one built from ``args`` (a role may adjust it first)."""
+        ``config`` replaces the one built from ``args`` (a role may adjust it first).
+        Raises ValueError for a bad cluster secret or TLS flag before loading anything."""
+        plane = InternalPlane.from_args(args)
         engine = AsyncEngine(config or engine_config(args, role))
         fingerprint = fingerprint_of(engine.core)
         connector = None
@@ -146,7 +159,14 @@ class Instance:
             report.num_total_blocks * fingerprint.block_size,
             fingerprint,
         )
-        return cls(role, engine, connector, fingerprint, instance_id)
+        return cls(role, engine, connector, fingerprint, instance_id, plane=plane)
+
+    @property
+    def engine_error(self) -> str:
+        """Why the engine's step loop has died; empty while it runs (or before it started)."""
+        if self.engine.is_alive or self.engine.error is None:
+            return ""
+        return f"{type(self.engine.error).__name__}: {self.engine.error}"
 
     async def load_report(self) -> disaggregation_pb2.LoadReport:
         report = self.engine.latest_load_report()
@@ -175,7 +195,9 @@ class Instance:
                 num_kv_pull_failures=self.counters.num_kv_pull_failures,
                 num_kv_recomputes=self.counters.num_kv_recomputes,
                 num_kv_handbacks=self.counters.num_kv_handbacks,
+                num_kv_handles_refused=self.counters.num_kv_handles_refused,
             ),
+            engine_error=self.engine_error,
         )
 
 
@@ -194,10 +216,13 @@ async def serve(
     ready: Callable[[str], None] | None = None,
     on_start: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Start engine, connector and gRPC server; run until SIGTERM/SIGINT, then drain and stop.
+    """Start engine, connector and gRPC server; run until SIGTERM/SIGINT (or ``stop`` is set,
+    for a caller that runs the instance in its own event loop), then drain and stop.
     ``on_start`` runs once the engine runs, before the server takes calls; ``on_stop`` once the
     server has drained, before the connector and engine stop."""
+    instance.plane.warn_if_open(f"{instance.role} {instance.instance_id}")
     await instance.engine.start()
     advertise = args.advertise_host or args.host
     if instance.connector is not None:
@@ -205,12 +230,12 @@ async def serve(
         instance.connector_address = connector_address.replace(args.host, advertise, 1) if connector_address else ""
     if on_start is not None:
         await on_start()
-    server = grpc.aio.server()
+    server = instance.plane.server()
     add_servicer(server)
     disaggregation_pb2_grpc.add_LoadServicer_to_server(LoadServicer(instance), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = instance.plane.add_port(server, f"{args.host}:{args.port}")
     await server.start()
     instance.grpc_address = f"{advertise}:{port}"
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -218,18 +243,22 @@ async def serve(
     heartbeat = None
     if args.registry_url:
         heartbeat = RegistryHeartbeat(args.registry_url, instance.instance_id, instance.grpc_address, instance.load_report, args.heartbeat_seconds)
-        await heartbeat.beat()  # registered before we say we are up
+        await heartbeat.register()  # registered before we say we are up
         heartbeat.start()
-        logger.info("registered as %s in %s", instance.instance_id, args.registry_url)
+        logger.info("registered as %s in %s", instance.instance_id, redact_url(args.registry_url))
+    watch = asyncio.create_task(_watch_engine(instance, health_servicer, heartbeat))
     if ready is not None:
         ready(instance.grpc_address)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     logger.info("draining: no new requests, waiting up to %.0f s for in-flight ones", DRAIN_GRACE_S)
+    watch.cancel()
+    await asyncio.gather(watch, return_exceptions=True)
     if heartbeat is not None:
         await heartbeat.stop()
     await health_servicer.enter_graceful_shutdown()
@@ -241,3 +270,15 @@ async def serve(
         await instance.connector.close()
     await instance.engine.stop()
     logger.info("stopped after draining for %.1f s", time.monotonic() - started)
+
+
+async def _watch_engine(instance: Instance, health_servicer: health.aio.HealthServicer, heartbeat: RegistryHeartbeat | None) -> None:
+    """Until the engine's step loop dies; then say NOT_SERVING (health and registry), so that
+    gateways stop routing here and an orchestrator can restart the instance."""
+    while instance.engine.is_alive:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    logger.error("%s %s: the engine's step loop has died (%s); answering NOT_SERVING from now on: restart this instance",
+                 instance.role, instance.instance_id, instance.engine_error or "stopped")
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    if heartbeat is not None:
+        heartbeat.set_serving(False)  # sent with the next heartbeat

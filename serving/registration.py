@@ -5,6 +5,10 @@ renewing its key, which Redis expires after three missed heartbeats.
 
 The gateway imports this module, so it must stay free of engine (torch) imports.
 Values are protobuf bytes, parsed with ``ParseFromString``, never unpickled.
+
+The URL may carry credentials and ask for TLS: ``redis://:PASSWORD@HOST:PORT``, an ACL
+user ``redis://USER:PASSWORD@HOST:PORT``, ``rediss://`` (TLS; redis-py's query options such
+as ``ssl_ca_certs=/path/ca.pem`` apply). It is shown only as :func:`redact_url` makes it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as redis
+from redis.exceptions import AuthenticationError, NoPermissionError
 from splitserve.v1 import disaggregation_pb2
+
+from kv_connector.store_urls import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +32,23 @@ MISSED_HEARTBEATS_BEFORE_EXPIRY = 3
 
 def registry_key(instance_id: str) -> str:
     return REGISTRY_KEY_PREFIX + instance_id
+
+
+def registry_client(url: str) -> redis.Redis:
+    """A client for the registry at ``url``; raises ValueError for a URL that is not Redis."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"--registry-url must be redis://[USER:PASSWORD@]HOST:PORT or rediss://..., got {redact_url(url)!r}")
+    return redis.from_url(url)
+
+
+def registry_error(error: Exception, url: str) -> str:
+    """What went wrong talking to the registry, and for a refused password, the fix."""
+    if isinstance(error, AuthenticationError | NoPermissionError):
+        return (
+            f"the registry at {redact_url(url)} refused us ({error}): put its password in the URL, "
+            "redis://:PASSWORD@HOST:PORT, or an ACL user allowed GET, SET, DEL, SCAN and MGET, redis://USER:PASSWORD@HOST:PORT"
+        )
+    return f"the registry at {redact_url(url)} failed: {type(error).__name__}: {error}"
 
 
 class RegistryHeartbeat:
@@ -38,9 +62,8 @@ class RegistryHeartbeat:
         load_report: Callable[[], Awaitable[disaggregation_pb2.LoadReport]],
         interval_s: float,
     ) -> None:
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--registry-url must be redis://HOST:PORT, got {url!r}")
-        self._client = redis.from_url(url)
+        self._client = registry_client(url)
+        self._url = url
         self._key = registry_key(instance_id)
         self._grpc_address = grpc_address
         self._load_report = load_report
@@ -51,13 +74,25 @@ class RegistryHeartbeat:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
+    async def register(self) -> None:
+        """The first heartbeat, before the instance says it is up. Raises ValueError with the
+        fix when the registry refuses us (a wrong or missing password)."""
+        try:
+            await self.beat()
+        except (redis.RedisError, OSError) as error:
+            raise ValueError(registry_error(error, self._url)) from None
+
+    def set_serving(self, serving: bool) -> None:
+        """From the next heartbeat on, tell gateways whether to route here (false: the engine died)."""
+        self._serving = serving
+
     async def _run(self) -> None:
         while True:
             try:
                 await self.beat()
             except (redis.RedisError, OSError) as error:
                 # Keep serving: a registry outage only hides this instance from new gateways.
-                logger.warning("registry heartbeat to %s failed: %s", self._key, error)
+                logger.warning("registry heartbeat of %s failed: %s", self._key, registry_error(error, self._url))
             await asyncio.sleep(self._interval_s)
 
     async def beat(self) -> None:
@@ -78,7 +113,7 @@ class RegistryHeartbeat:
         try:
             await self._client.delete(self._key)
         except (redis.RedisError, OSError) as error:
-            logger.warning("could not deregister %s (its key expires by itself): %s", self._key, error)
+            logger.warning("could not deregister %s (its key expires by itself): %s", self._key, registry_error(error, self._url))
         await self._client.aclose()
 
 

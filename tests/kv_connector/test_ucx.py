@@ -32,6 +32,8 @@ from kv_connector.ucx_messages import (  # noqa: E402
 )
 from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_request, encode  # noqa: E402
 from tests.kv_connector.ucx_peer import (  # noqa: E402
+    GUARDED_BLOCKS,
+    GUARDED_TOKEN,
     PUBLISHED_BLOCKS,
     RUN_BLOCKS,
     SHAPE,
@@ -177,8 +179,12 @@ def test_wire_refuses_message_plans_that_are_not_positive_counts() -> None:
 # ------------------------------------------------------------- two processes
 
 
-def source(address: str, request_id: str = "r", blocks: list[int] = PUBLISHED_BLOCKS, model: str = "tiny-0123") -> KVSource:
-    return KVSource(request_id=request_id, address=address, block_ids=tuple(blocks), num_tokens=60, fingerprint=fingerprint(model))
+def source(
+    address: str, request_id: str = "r", blocks: list[int] = PUBLISHED_BLOCKS, model: str = "tiny-0123", pull_token: bytes = b""
+) -> KVSource:
+    return KVSource(
+        request_id=request_id, address=address, block_ids=tuple(blocks), num_tokens=60, fingerprint=fingerprint(model), pull_token=pull_token
+    )
 
 
 def decode_connector(cache: torch.Tensor, model: str = "tiny-0123", max_message_blocks: int | None = None) -> UCXConnector:
@@ -273,6 +279,53 @@ def test_pulls_reuse_one_connection_and_refusals_drop_it(peer: str) -> None:
             await connector.close()
 
     run(scenario)
+
+
+def test_a_pull_must_present_the_token_the_request_was_published_with(peer: str) -> None:
+    remote = seeded_cache(7)
+    wrong = bytes(16)
+    for token in (b"", wrong, GUARDED_TOKEN[:-1]):
+        local = empty_cache()
+        with pytest.raises(KVTransferError, match="the pull token for request 'guarded' does not match"):
+            pull(local, source(peer, "guarded", GUARDED_BLOCKS, pull_token=token), [1, 2])
+        assert not local.any(), "nothing was sent"
+    local = empty_cache()
+    pull(local, source(peer, "guarded", GUARDED_BLOCKS, pull_token=GUARDED_TOKEN), [1, 2])
+    assert torch.equal(local[[1, 2]], remote[GUARDED_BLOCKS])
+
+
+def test_wire_refuses_a_pull_token_that_is_not_a_short_string() -> None:
+    body = json.loads(encode(PullRequest("r", [1, 2], fingerprint(), message_blocks=[2], pull_token="ab")))
+    assert decode_pull_request(json.dumps(body).encode()).pull_token == "ab"
+    for bad in (None, 12, "a" * 129):
+        with pytest.raises(WireError, match="pull_token"):
+            decode_pull_request(json.dumps({**body, "pull_token": bad}).encode())
+
+
+def test_idle_connections_are_closed_by_the_prefill_side() -> None:
+    """Nobody keeps a connection to P open for nothing: P closes one idle past its timeout,
+    and D's next pull opens a new one."""
+    remote = seeded_cache(7)
+    local = empty_cache()
+    with running_peer("--idle-timeout", "0.5") as running:
+
+        async def scenario() -> None:
+            connector = UCXConnector(local, fingerprint(), idle_timeout_s=0.5)
+            try:
+                await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
+                assert running.state().serving_connections == 1
+                deadline = time.monotonic() + 10
+                while running.state().serving_connections and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert running.state().serving_connections == 0
+                local.zero_()
+                await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
+                assert torch.equal(local[[0, 1, 2, 3]], remote[PUBLISHED_BLOCKS])
+            finally:
+                await connector.close()
+
+        run(scenario)
+        assert running.stop().serving_connections == 0
 
 
 def test_unknown_request_is_refused(peer: str) -> None:

@@ -1,5 +1,6 @@
 """A prefill-side UCX connector in its own process, for tests: fills a KV cache with
-seeded random data, publishes blocks for requests "r", "slow" and "run", prints its
+seeded random data, publishes blocks for requests "r", "slow" and "run" (any pull may
+read them) and "guarded" (only a pull presenting ``GUARDED_TOKEN``), prints its
 address, and serves until stdin closes; then it waits up to ``--drain-seconds`` for
 connections to close and prints its connector's state as one JSON line
 (:class:`PeerState`). Run as ``python -m tests.kv_connector.ucx_peer``.
@@ -31,6 +32,8 @@ SHAPE = (12, 2, 2, 16, 2, 8)  # blocks, layers, K/V, block_size, kv_heads, head_
 PUBLISHED_BLOCKS = [5, 2, 9, 7]
 SLOW_BLOCKS = [1, 10, 3, 11]  # request "slow", for stalls
 RUN_BLOCKS = [6, 7, 8, 9]  # request "run": consecutive ids
+GUARDED_BLOCKS = [0, 4]  # request "guarded", published with a pull token
+GUARDED_TOKEN = bytes(range(16))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +82,13 @@ class StallingConnector(UCXConnector):
 
 async def serve(args: argparse.Namespace) -> None:
     cache = seeded_cache(args.seed)
-    connector = StallingConnector(cache, fingerprint(args.model), stall_at=args.stall_at_send, stall_s=args.stall_seconds)
+    connector = StallingConnector(
+        cache, fingerprint(args.model), stall_at=args.stall_at_send, stall_s=args.stall_seconds, idle_timeout_s=args.idle_timeout
+    )
     address = await connector.start("127.0.0.1", args.port)
     for name, blocks in (("r", PUBLISHED_BLOCKS), ("slow", SLOW_BLOCKS), ("run", RUN_BLOCKS)):
         connector.publish(name, blocks, token_ids=list(range(60)))
+    connector.publish("guarded", GUARDED_BLOCKS, token_ids=list(range(30)), pull_token=GUARDED_TOKEN)
     print(address, flush=True)
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):  # "" once the test closes stdin
@@ -114,4 +120,5 @@ if __name__ == "__main__":
     parser.add_argument("--stall-at-send", type=int, default=0, help="0: never stall")
     parser.add_argument("--stall-seconds", type=float, default=0.0)
     parser.add_argument("--drain-seconds", type=float, default=0.0, help="wait up to this long for open connections to end before reporting")
+    parser.add_argument("--idle-timeout", type=float, default=60.0, help="close connections that carried no pull for this long")
     asyncio.run(serve(parser.parse_args()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
@@ -15,23 +16,61 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from serving.auth import METADATA_KEY, ClusterSecret
 from tests.stores import free_port, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
 
 
+class _CallToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """The test's side of the cluster secret on a synchronous channel: its call token on every call."""
+
+    def __init__(self, secret: str) -> None:
+        self._metadata = (METADATA_KEY, ClusterSecret.from_text(secret).call_token)
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _Details(details.method, details.timeout, [*(details.metadata or ()), self._metadata], details.credentials,
+                        details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(client_call_details), request)
+
+
+class _Details(
+    collections.namedtuple("_Details", ["method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"]),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+def open_channel(address: str, secret: str | None = None, tls: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A synchronous channel to an instance, as a member of its cluster when given its secret / TLS."""
+    channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
+    return grpc.intercept_channel(channel, _CallToken(secret)) if secret is not None else channel
+
+
 class Service:
-    def __init__(self, role: str, model: Path, *extra: str) -> None:
+    def __init__(
+        self, role: str, model: Path, *extra: str, secret: str | None = None, tls: grpc.ChannelCredentials | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``secret``: the instance's cluster secret (passed in its environment, as ``splitserve up``
+        does); the test's channel carries it too. ``tls``: the test's channel credentials, for an
+        instance started with TLS flags in ``extra``."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = open(f"/tmp/splitserve-test-{role}-{self.port}.log", "w")  # noqa: SIM115 - closed in stop()
+        secret_env = {"SPLITSERVE_CLUSTER_SECRET": secret} if secret is not None else {}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "engine.cli", role, "--model", str(model), "--port", str(self.port),
              "--kv-cache-memory", str(1 << 22), *extra],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **SERVICE_ENV},
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **SERVICE_ENV, **secret_env, **(env or {})},
         )
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = open_channel(self.address, secret, tls)
         self._wait_until_serving()
 
     def _wait_until_serving(self, timeout_s: float = 90.0) -> None:
@@ -67,8 +106,11 @@ class Service:
 
 
 @contextmanager
-def running(role: str, model: Path, *extra: str) -> Iterator[Service]:
-    service = Service(role, model, *extra)
+def running(
+    role: str, model: Path, *extra: str, secret: str | None = None, tls: grpc.ChannelCredentials | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Service]:
+    service = Service(role, model, *extra, secret=secret, tls=tls, env=env)
     try:
         yield service
     finally:

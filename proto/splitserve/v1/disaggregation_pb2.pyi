@@ -26,7 +26,7 @@ class Fingerprint(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_instance_id", "connector", "connector_address", "block_ids", "num_tokens", "block_hashes", "fingerprint", "lease_expires_unix_s", "prefill_address", "prompt_token_ids", "lease_s", "request_id")
+    __slots__ = ("prefill_instance_id", "connector", "connector_address", "block_ids", "num_tokens", "block_hashes", "fingerprint", "lease_expires_unix_s", "prefill_address", "prompt_token_ids", "lease_s", "request_id", "pull_token", "signature")
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class KVHandle(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PULL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     prefill_instance_id: str
     connector: str
     connector_address: str
@@ -51,7 +53,9 @@ class KVHandle(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
     request_id: str
-    def __init__(self, prefill_instance_id: _Optional[str] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_expires_unix_s: _Optional[float] = ..., prefill_address: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    pull_token: bytes
+    signature: bytes
+    def __init__(self, prefill_instance_id: _Optional[str] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_expires_unix_s: _Optional[float] = ..., prefill_address: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., request_id: _Optional[str] = ..., pull_token: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "kv_only")
@@ -172,7 +176,7 @@ class LoadReportRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "fingerprint", "connector", "connector_address", "prefix_cache_hit_rate", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "max_model_len", "num_pending_prefill_tokens", "prefill_tokens_per_s", "counters")
+    __slots__ = ("instance_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "fingerprint", "connector", "connector_address", "prefix_cache_hit_rate", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "max_model_len", "num_pending_prefill_tokens", "prefill_tokens_per_s", "counters", "engine_error")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +194,7 @@ class LoadReport(_message.Message):
     NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ERROR_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     num_waiting: int
@@ -207,10 +212,11 @@ class LoadReport(_message.Message):
     num_pending_prefill_tokens: int
     prefill_tokens_per_s: float
     counters: InstanceCounters
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., counters: _Optional[_Union[InstanceCounters, _Mapping]] = ...) -> None: ...
+    engine_error: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., counters: _Optional[_Union[InstanceCounters, _Mapping]] = ..., engine_error: _Optional[str] = ...) -> None: ...
 
 class InstanceCounters(_message.Message):
-    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks")
+    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks", "num_kv_handles_refused")
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_RENEWALS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +224,7 @@ class InstanceCounters(_message.Message):
     NUM_KV_PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HANDBACKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HANDLES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     num_preemptions: int
     num_lease_renewals: int
     num_lease_expiries: int
@@ -225,7 +232,8 @@ class InstanceCounters(_message.Message):
     num_kv_pull_failures: int
     num_kv_recomputes: int
     num_kv_handbacks: int
-    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ...) -> None: ...
+    num_kv_handles_refused: int
+    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ...) -> None: ...
 
 class Registration(_message.Message):
     __slots__ = ("grpc_address", "report", "unix_s", "serving")

@@ -1,0 +1,93 @@
+"""The internal plane's gRPC, secured one way everywhere: the servers instances run and
+every channel to an instance (the gateway's, and D's to P for leases) come from an
+:class:`InternalPlane`, which adds the cluster secret's call token
+(``serving/auth.py``) and TLS (``serving/tls.py``) when they are configured.
+
+Flags (every instance and the gateway take them; the environment variables are the
+defaults, so that ``splitserve up`` and compose pass secrets without putting them on a
+command line other local users can read):
+
+- ``--cluster-secret`` (``SPLITSERVE_CLUSTER_SECRET``) or ``--cluster-secret-file``
+  (``SPLITSERVE_CLUSTER_SECRET_FILE``, e.g. a compose secret under /run/secrets);
+- ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (``SPLITSERVE_TLS_CERT``, ``_KEY``, ``_CA``).
+
+Without a secret the plane is open: anyone who reaches an instance's port may release
+or abort any request's KV, or hand D a KV handle of their own. Instances and the
+gateway then log a warning at start (:meth:`InternalPlane.warn_if_open`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from serving.auth import ClusterSecret, ClusterTokenCheck, cluster_token_interceptors, load_cluster_secret
+from serving.tls import TLSFiles
+
+logger = logging.getLogger(__name__)
+
+
+def add_internal_plane_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--cluster-secret", default=env("SPLITSERVE_CLUSTER_SECRET") or None,
+                        help="shared secret every internal gRPC call carries and KV handles are signed with; the same on "
+                             "gateway, prefill and decode (env SPLITSERVE_CLUSTER_SECRET; prefer it, or the file, to this flag)")
+    parser.add_argument("--cluster-secret-file", default=env("SPLITSERVE_CLUSTER_SECRET_FILE") or None,
+                        help="read the cluster secret from this file, e.g. /run/secrets/cluster_secret (env SPLITSERVE_CLUSTER_SECRET_FILE)")
+    parser.add_argument("--tls-cert", default=env("SPLITSERVE_TLS_CERT") or None,
+                        help="PEM certificate for internal gRPC: served by instances, presented as client certificate by all (env SPLITSERVE_TLS_CERT)")
+    parser.add_argument("--tls-key", default=env("SPLITSERVE_TLS_KEY") or None, help="PEM private key of --tls-cert (env SPLITSERVE_TLS_KEY)")
+    parser.add_argument("--tls-ca", default=env("SPLITSERVE_TLS_CA") or None,
+                        help="PEM CA certificates peers are checked against; on an instance it also requires client "
+                             "certificates (mutual TLS) (env SPLITSERVE_TLS_CA)")
+
+
+@dataclass(frozen=True, slots=True)
+class InternalPlane:
+    """How this process's internal gRPC is secured. The default is open (no secret, no TLS)."""
+
+    secret: ClusterSecret | None = None
+    tls: TLSFiles | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> InternalPlane:
+        """Raises ValueError (naming the flag) for a secret too short or a file it cannot read."""
+        return cls(
+            secret=load_cluster_secret(args.cluster_secret, args.cluster_secret_file),
+            tls=TLSFiles.load(args.tls_cert, args.tls_key, args.tls_ca),
+        )
+
+    def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+        """A channel to an instance: TLS when configured, the call token on every call."""
+        interceptors = cluster_token_interceptors(self.secret) if self.secret is not None else None
+        if self.tls is not None:
+            return grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=list(options), interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+
+    def server(self, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
+        """An instance's server: calls without the call token are refused (health checks excepted)."""
+        interceptors = [ClusterTokenCheck(self.secret)] if self.secret is not None else None
+        return grpc.aio.server(interceptors=interceptors, options=list(options))
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        if self.tls is not None:
+            return server.add_secure_port(address, self.tls.server_credentials())
+        return server.add_insecure_port(address)
+
+    def warn_if_open(self, who: str) -> None:
+        """Say loudly, at start, what an unsecured plane lets others do."""
+        if self.secret is None:
+            logger.warning(
+                "%s: NO CLUSTER SECRET: the internal plane is open. Anyone who reaches this process's ports can release "
+                "or abort any request's KV, and hand decode instances KV of their own. Set SPLITSERVE_CLUSTER_SECRET "
+                "(the same on gateway, prefill and decode) everywhere but on a single trusted host; see docs/security.md",
+                who,
+            )
+        if self.tls is None:
+            logger.info("%s: internal gRPC is not encrypted (no --tls-cert / --tls-ca)", who)
