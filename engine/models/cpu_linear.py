@@ -1,9 +1,12 @@
 """Linear layers for the CPU at hand: which path each dtype takes, chosen once at load time.
 
-- ``onednn-packed`` (bf16 where oneDNN has a bf16 matmul: AVX-512 BW/VL/DQ or
-  AVX-NE-CONVERT): weights reordered once into oneDNN's blocked layout. ``F.linear``
-  in bf16 reorders them on every call; packing removes that (~30% faster per
-  matmul, bit-identical results).
+- ``onednn-packed`` (float32 on x86; bf16 where oneDNN has a bf16 matmul: AVX-512
+  BW/VL/DQ or AVX-NE-CONVERT): weights reordered once into oneDNN's blocked layout.
+  ``F.linear`` in bf16 reorders them on every call; packing removes that (~30% faster
+  per matmul, bit-identical results). In float32 the packed oneDNN kernels beat the
+  default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, issue 11);
+  they sum in another order than MKL, which transformers uses, and greedy parity
+  against transformers (tests/engine/test_parity.py) holds.
 - ``bf16-weights`` (bf16 anywhere else, e.g. an AVX2-only CPU): packing a bf16
   weight there raises in torch, and ``F.linear`` in bf16 falls back to a generic
   GEMM that is ~4x slower than float32 once more than one row comes in. Weights stay
@@ -14,9 +17,7 @@
   two bf16 values are exact in float32 and the result is rounded to bf16 once, as
   oneDNN's bf16 kernels do: only the summation order differs. Without the native
   kernels, one row takes torch's bf16 GEMV (which also converts in registers).
-- ``torch`` (float32, float16, other devices): ``F.linear`` as is. float32 stays on
-  the default BLAS path because it is what parity against transformers is checked
-  in, and transformers runs it there.
+- ``torch`` (float16, float32 off x86, other devices): ``F.linear`` as is.
 """
 
 from __future__ import annotations
@@ -85,9 +86,12 @@ class BF16WeightLinear(nn.Module):
 
 def linear_path(device: torch.device, dtype: torch.dtype, features: CPUFeatures | None = None) -> LinearPath:
     """The path linear layers of ``dtype`` take on ``device`` (``features``: this CPU's by default)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return "torch"
     features = features or cpu_features()
+    if dtype == torch.float32:
+        # oneDNN's float32 kernels are only measured on x86 (AVX-512, and capped at AVX2).
+        return "onednn-packed" if features.arch == "x86_64" and torch.backends.mkldnn.is_available() else "torch"
     # torch's own check is the one that raises; ours can only narrow it (SPLITSERVE_CPU_ISA).
     if features.onednn_bf16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "onednn-packed"

@@ -50,6 +50,7 @@ def test_an_avx2_only_cpu_takes_the_avx2_kernels_and_no_onednn_bf16() -> None:
     assert features.supported_isas == ("generic", "avx2")
     assert not features.onednn_bf16 and not features.native_bf16
     assert linear_path(CPU, torch.bfloat16, features) == "bf16-weights"
+    assert linear_path(CPU, torch.float32, features) == "onednn-packed"  # oneDNN's float32 kernels run anywhere on x86
     assert resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), CPU, features) == torch.bfloat16
 
 
@@ -65,6 +66,7 @@ def test_aarch64_takes_the_generic_build_and_float32_by_default() -> None:
     assert features.neon and features.kernel_isa == "generic" and features.supported_isas == ("generic",)
     assert not features.onednn_bf16
     assert linear_path(CPU, torch.bfloat16, features) == "bf16-weights"
+    assert linear_path(CPU, torch.float32, features) == "torch"
     assert resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), CPU, features) == torch.float32
 
 
@@ -150,6 +152,13 @@ def test_prepare_linears_replaces_every_linear_by_the_path_module() -> None:
     assert prepare_linears(model, "bf16-weights") == 2
     assert [type(m) for m in (model[0], model[2][0])] == [BF16WeightLinear, BF16WeightLinear]
     assert prepare_linears(model, "torch") == 0
+
+
+@pytest.mark.skipif(linear_path(CPU, torch.float32) != "onednn-packed", reason="float32 is not packed here")
+def test_packed_float32_matches_the_default_matmul() -> None:
+    linear = nn.Linear(96, 80)
+    x = torch.randn(7, 96)
+    torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_linear.can_pack(CPU, torch.bfloat16), reason="oneDNN has no bf16 matmul on this CPU")
