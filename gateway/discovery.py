@@ -17,6 +17,29 @@ from serving.registration import registry_client, registry_error, scan_registrat
 logger = logging.getLogger(__name__)
 
 
+class DiscoveryLoop:
+    """A discovery's poll loop as a task. It runs until shutdown; one that ended before (a bug)
+    leaves the gateway routing on reports that only age, so :attr:`alive` turns false and
+    ``/health`` answers 503."""
+
+    def __init__(self, discovery: StaticDiscovery | RedisDiscovery) -> None:
+        self.task = asyncio.create_task(discovery.run())
+        self.task.add_done_callback(self._ended)
+
+    @property
+    def alive(self) -> bool:
+        return not self.task.done()
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    @staticmethod
+    def _ended(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("instance discovery stopped: the gateway no longer learns of instances; /health answers 503", exc_info=task.exception())
+
+
 class StaticDiscovery:
     """Fixed addresses (``--prefill/--decode/--colocated HOST:PORT``), each polled for
     health and load every ``interval_s``."""

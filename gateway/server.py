@@ -15,7 +15,7 @@ from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from gateway import limits
 from gateway.admission import AdmissionLimits
 from gateway.app import create_app
-from gateway.discovery import RedisDiscovery, StaticDiscovery
+from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instances import InstancePool
@@ -95,8 +95,7 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         discovery = StaticDiscovery(pool, {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}, args.poll_interval)
         await discovery.poll_once()
-    discovery_task = asyncio.create_task(discovery.run())
-    discovery_task.add_done_callback(_log_discovery_end)
+    discovery_loop = DiscoveryLoop(discovery)
     metrics = GatewayMetrics(pool)
     request_limits = limits.RequestLimits(
         max_body_bytes=args.max_request_body_bytes,
@@ -114,7 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.grpc_port >= 0:
         grpc_server, grpc_port = await start_grpc_front(service, model_name, args.api_key, args.host, args.grpc_port)
         logger.info("gRPC Generation API on %s:%d", args.host, grpc_port)
-    app = create_app(service, model_name, args.api_key, discovery_alive=lambda: not discovery_task.done())
+    app = create_app(service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
     try:
@@ -122,16 +121,9 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         if grpc_server is not None:
             await grpc_server.stop(grace=30)
-        discovery_task.cancel()
-        await asyncio.gather(discovery_task, return_exceptions=True)
+        await discovery_loop.stop()
         await service.dispatcher.drain()
         if isinstance(discovery, RedisDiscovery):
             await discovery.close()
         await pool.close()
         tokenizer.close()
-
-
-def _log_discovery_end(task: asyncio.Task[None]) -> None:
-    """The discovery loop runs until shutdown; ending before is a bug, which /health reports."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("instance discovery stopped: the gateway no longer learns of instances; /health answers 503", exc_info=task.exception())

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,17 +35,30 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float) -> Non
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
+def start_redis(password: str | None = None, tls: tuple[Path, Path, Path] | None = None) -> tuple[subprocess.Popen, str]:
+    """A Redis server on a free loopback port and its URL; with ``password`` it requires it
+    (``--requirepass``) and the URL carries it; with ``tls`` (certificate, key, CA) it speaks
+    only TLS, and the URL is ``rediss://`` trusting that CA."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     port = free_port()
+    options = ["--requirepass", password] if password else []
+    if tls is not None:
+        cert, key, ca = tls
+        options += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                    "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+    else:
+        options += ["--port", str(port)]
     process = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     wait_for_port(port, process, 10.0)
-    return process, f"redis://127.0.0.1:{port}"
+    credentials = f":{password}@" if password else ""
+    if tls is not None:
+        return process, f"rediss://{credentials}127.0.0.1:{port}?ssl_ca_certs={tls[2]}"
+    return process, f"redis://{credentials}127.0.0.1:{port}"
 
 
 def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:

@@ -397,3 +397,23 @@ def test_dockerignore_keeps_what_pip_install_needs() -> None:
     needed = ["pyproject.toml", "README.md", "proto", *(name.rstrip("*") for name in packages if (ROOT / name.rstrip("*")).is_dir())]
     for name in needed:
         assert not any(Path(name).match(pattern) for pattern in patterns), f".dockerignore drops {name}"
+
+
+# ------------------------------------------------------------------- the cluster secret
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_splitserve_service_reads_the_cluster_secret_from_a_compose_secret(variant: str) -> None:
+    config = compose_config(variant)
+    assert config["secrets"]["cluster_secret"]["file"].endswith("/cluster-secret")
+    for role in ("prefill", "decode", "gateway"):
+        service = config["services"][role]
+        assert [secret["source"] if isinstance(secret, dict) else secret for secret in service["secrets"]] == ["cluster_secret"], role
+        assert service["environment"]["SPLITSERVE_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", role
+        assert not any("secret" in str(token) for token in service["command"]), f"{role}: secrets never go on a command line"
+    assert "secrets" not in config["services"]["redis"]
+
+
+def test_the_cluster_secret_file_stays_out_of_git_and_the_image() -> None:
+    for ignore in (".gitignore", ".dockerignore"):
+        patterns = [line.strip() for line in (ROOT / ignore).read_text().splitlines() if line.strip() and not line.startswith("#")]
+        assert "compose/cluster-secret" in patterns, ignore

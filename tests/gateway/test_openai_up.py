@@ -241,3 +241,30 @@ def test_several_prompts_in_one_request(client: openai.OpenAI, offline: LLM) -> 
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == [c.text for c in response.choices]
+
+
+def test_instances_only_answer_this_runs_secret(stack: HTTPProcess) -> None:
+    """``splitserve up`` made a cluster secret for this run and gave it to every child through
+    its environment, never its command line (which other local users can read): the instances
+    refuse calls without it."""
+    from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
+
+    from serving.auth import METADATA_KEY, ClusterSecret
+
+    secrets = set()
+    for pid in child_pids(stack.process.pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+        secret = environ[b"SPLITSERVE_CLUSTER_SECRET"].decode()
+        secrets.add(secret)
+        assert not any(secret in arg.decode() for arg in argv) and b"--cluster-secret" not in argv
+        if b"gateway" in argv:
+            continue
+        port = argv[argv.index(b"--port") + 1].decode()
+        stub = disaggregation_pb2_grpc.LoadStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        token = ClusterSecret.from_text(secret).call_token
+        assert stub.GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=10, metadata=[(METADATA_KEY, token)]).num_total_blocks > 0
+    assert len(secrets) == 1 and len(next(iter(secrets))) >= 32, "one strong secret, the same for the whole run"

@@ -190,10 +190,33 @@ def test_store_that_goes_away(caplog: pytest.LogCaptureFixture) -> None:
             stop(process)
 
 
+def test_a_password_protected_store_serves_members_and_refuses_others(capfd: pytest.CaptureFixture[str]) -> None:
+    """``redis://:PASSWORD@HOST:PORT`` on both sides moves the KV; a wrong or missing password is
+    refused at start with the fix; the password appears in no error and no log line."""
+    password = "store-password-5f3a9"
+    process, url = start_redis(password)
+    try:
+        with prefill_peer(url):
+            remote, local = seeded_cache(7), torch.zeros(SHAPE, dtype=torch.bfloat16)
+            pull(local, url, source(), [0, 3, 11, 6])
+            assert torch.equal(local[[0, 3, 11]], remote[PUBLISHED_BLOCKS[:3]])
+            assert torch.equal(local[6, :, :, :TAIL], remote[PUBLISHED_BLOCKS[3], :, :, :TAIL])
+        for wrong in (url.replace(password, "guess"), url.replace(f":{password}@", "")):
+            connector = LMCacheConnector(torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=wrong)
+            with pytest.raises(KVTransferError, match="refused our credentials.*redis://:PASSWORD@HOST:PORT") as raised:
+                asyncio.run(connector.start("127.0.0.1", 0))
+            assert "guess" not in str(raised.value)
+        assert LMCacheConnector(torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=url).shown_url == url.replace(password, "***")
+        output = capfd.readouterr()
+        assert password not in output.out + output.err
+    finally:
+        stop(process)
+
+
 def test_configuration_errors_say_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
     monkeypatch.delenv("SPLITSERVE_LMCACHE_URL", raising=False)
-    with pytest.raises(ValueError, match="set SPLITSERVE_LMCACHE_URL=redis://HOST:PORT or lm://HOST:PORT"):
+    with pytest.raises(ValueError, match=r"set SPLITSERVE_LMCACHE_URL=redis://\[USER:PASSWORD@\]HOST:PORT, rediss://\.\.\. or lm://HOST:PORT"):
         LMCacheConnector(cache, fingerprint())
     with pytest.raises(ValueError, match="chunk_size 24 must be a multiple of the block size 16"):
         LMCacheConnector(cache, fingerprint(), remote_url="redis://127.0.0.1:6379", chunk_size=24)

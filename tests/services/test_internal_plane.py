@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
@@ -208,6 +209,22 @@ def test_a_handle_is_good_only_for_its_own_prompt(prefill: Service, decode: Serv
     assert_all_free(decode)
     disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="replayed"), timeout=10)
     assert_all_free(prefill)
+
+
+def test_the_gateway_routes_only_with_the_secret(model: Path, prefill: Service, decode: Service) -> None:
+    from tests.gateway.processes import running_gateway
+
+    routes = ["--prefill", prefill.address, "--decode", decode.address]
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    with running_gateway(model, *routes, env={"SPLITSERVE_CLUSTER_SECRET": SECRET}) as member:
+        response = httpx.post(f"{member.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    with running_gateway(model, *routes, ready_path="/health") as outsider:
+        assert httpx.get(f"{outsider.url}/ready", timeout=10).status_code == 503
+        assert httpx.post(f"{outsider.url}/v1/completions", json=body, timeout=60).status_code == 503
+        log = outsider.log_text()
+        assert "NO CLUSTER SECRET" in log and "refused the gateway" in log and "needs the cluster secret" in log
+    assert_all_free(prefill, decode)
 
 
 def test_mutual_tls_between_members(model: Path, tmp_path: Path, colocated: LLM) -> None:
