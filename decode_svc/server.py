@@ -7,9 +7,10 @@ and streams the tokens of the continuous-batching decode loop.
 
 One Decode call, in call order:
 
-1. ``Decode`` (event loop): check the handle (fingerprint, connector, block
-   count), hold it (:class:`~decode_svc.leases.LeaseKeeper` renews P's lease from
-   now on), and add the request to the engine with P's first token.
+1. ``Decode`` (event loop): check the handle (P's signature when this instance has
+   a cluster secret, its prompt, fingerprint, connector, block count; nothing is
+   allocated for a handle refused here), hold it (:class:`~decode_svc.leases.LeaseKeeper`
+   renews P's lease from now on), and add the request to the engine with P's first token.
 2. Engine thread: the scheduler admits the request when it has blocks for the
    prompt, counts its local prefix-cache hits, and emits a ``KVLoad``; the
    async engine puts it on ``engine.kv_loads``.

@@ -2,7 +2,9 @@
 
 Prefill runs the prompt (chunked, with prefix caching), samples the first
 token, and leaves the prompt's blocks pinned and published on the KV
-connector under a lease. The blocks are freed exactly once: on ReleaseKV, on
+connector under a lease. The KV handle it returns carries a fresh pull token
+(pulls must present it) and, with a cluster secret, P's signature
+(``serving/handle_signing.py``). The blocks are freed exactly once: on ReleaseKV, on
 Abort, or when the lease expires; a decode instance holding the handle renews
 the lease (RenewKV) while the request waits there, so the lease only expires
 when that instance is gone or silent.
