@@ -153,8 +153,19 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                # A consumer that fell behind (a slow client, a busy event loop) gets every
+                # output waiting as one: one message downstream instead of one per token.
+                failure: BaseException | None = None
+                while not item.finished and not stream.empty():
+                    later = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        failure = later
+                        break
+                    item = merge_outputs(item, later)
                 finished = item.finished
                 yield item
+                if failure is not None:
+                    raise failure
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -264,6 +275,20 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(fail)
         # Commands queued after the loop ended would wait forever: run them now.
         self._drain_commands()
+
+
+def merge_outputs(earlier: EngineCoreOutput, later: EngineCoreOutput) -> EngineCoreOutput:
+    """Two successive outputs of one request as one: tokens and logprobs in order, the
+    later one's finish (and hand-off), the first one's prefix-cache count."""
+    return EngineCoreOutput(
+        request_id=earlier.request_id,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        new_logprobs=earlier.new_logprobs + later.new_logprobs,
+        finish_reason=later.finish_reason,
+        stop_reason=later.stop_reason,
+        num_cached_tokens=earlier.num_cached_tokens,
+        kv_handoff=later.kv_handoff,
+    )
 
 
 def _put_all(queue_: asyncio.Queue[T], items: list[T]) -> None:
