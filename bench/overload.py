@@ -1,19 +1,23 @@
-"""The disaggregated stack past saturation, measured from the client side.
+"""Chatty streams beside long prompts, measured from the client side.
 
-``splitserve up`` with prefill pinned to one core and decode to another serves two
-independent load generators at once: chatty requests (128 prompt tokens -> 128 output
-tokens, Poisson) and long prompts (2048 -> 16) that together ask more prefill than one
-core can do. Before that, the chatty stream runs alone on the same server for the
-baseline. Then the server's logs and metrics say what the hand-off did: pulls cut off,
-failed ReleaseKV calls, lease expiries, prompts recomputed or prefilled again on decode,
-preemptions::
+A server serves two independent load generators at once: chatty requests (128 prompt
+tokens -> 128 output tokens, Poisson) and long prompts (2048 -> 16 by default) that
+together ask more prefill than one core can do. Before that, the chatty stream runs
+alone on the same server for the baseline (and, with ``--single-stream N``, N requests
+one after another). Then the server's logs say what the hand-off did: pulls cut off,
+failed ReleaseKV calls, lease expiries, prompts recomputed or prefilled again on
+decode, preemptions::
 
     python -m bench.overload --output-dir results/overload --label after
     python -m bench.overload --output-dir results/overload --label before --source-dir ../before
     python -m bench.overload --output-dir results/overload --label after-admission --max-queue-delay 20
 
-``--source-dir`` serves from another checkout (``git worktree add``), so that two commits
-are measured side by side on one machine. Figures are latencies: run it on a quiet machine.
+The server is ``splitserve up`` with prefill pinned to one core and decode to the other
+(``--server pd``), ``splitserve up --colocated`` (``colocated``), or vLLM's OpenAI server
+from another Python environment (``vllm --vllm-python VENV/bin/python``), each on the
+same model (the embedded one by default) and dtype, so they compare in one run.
+``--source-dir`` serves splitserve from another checkout (``git worktree add``), so that
+two commits are measured side by side. Figures are latencies: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -58,12 +63,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-queue-delay", type=float, default=None, help="gateway admission control (seconds)")
     parser.add_argument("--skip-alone", action="store_true", help="no chatty-alone baseline")
+    parser.add_argument("--single-stream", type=int, default=0, metavar="N", help="first, N chatty requests one at a time")
+    parser.add_argument("--server", choices=["pd", "colocated", "vllm"], default="pd")
+    parser.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (--server vllm)")
+    parser.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     return parser.parse_args(argv)
 
 
 def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
+    if args.server == "vllm":
+        return start_vllm(args, port, log)
     command = [sys.executable, "-m", "engine.cli", "--log-level", "INFO", "up", "--port", str(port), "--grpc-port", str(free_port()),
-               "--dtype", args.dtype, "--prefill-cpus", args.prefill_cpus, "--decode-cpus", args.decode_cpus]
+               "--dtype", args.dtype]
+    if args.server == "colocated":
+        command += ["--colocated"]
+    else:
+        command += ["--prefill-cpus", args.prefill_cpus, "--decode-cpus", args.decode_cpus]
     if args.max_queue_delay is not None:
         command += ["--max-queue-delay", str(args.max_queue_delay)]
     env = {**os.environ, "SPLITSERVE_API_KEY": ""}
@@ -72,12 +88,27 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
         source = args.source_dir.resolve()
         env["PYTHONPATH"] = f"{source}{os.pathsep}{source / 'proto'}"
         cwd = source
-    log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
 
-def bench_command(url: str, args: argparse.Namespace, name: str, input_len: int, output_len: int, rate: float, num: int, seed: int) -> list[str]:
-    return [sys.executable, "-m", "engine.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
+def start_vllm(args: argparse.Namespace, port: int, log: IO[str]) -> subprocess.Popen[bytes]:
+    """vLLM's CPU server on the embedded model's converted folder, as its docs run it."""
+    if args.vllm_python is None:
+        raise ValueError("--server vllm needs --vllm-python (an environment with vllm-cpu installed)")
+    from engine.default_model import default_model_path
+
+    command = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(default_model_path()), "--port", str(port),
+               "--dtype", args.dtype, "--served-model-name", "SmolLM2-135M-Instruct"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def bench_command(
+    url: str, args: argparse.Namespace, name: str, input_len: int, output_len: int, rate: float, num: int, seed: int,
+    max_concurrency: int | None = None,
+) -> list[str]:
+    concurrency = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
+    return [sys.executable, "-m", "engine.cli", "bench", "serve", "--base-url", url, "--dataset", "random", *concurrency,
             "--input-len", str(input_len), "--output-len", str(output_len), "--request-rate", str(rate),
             "--num-prompts", str(num), "--num-warmups", "0", "--seed", str(seed), "--label", f"{args.label}-{name}",
             "--metric-percentiles", "50,99,99.9", "--save-result", "--result-dir", str(args.output_dir),
@@ -90,7 +121,7 @@ def summarize(path: Path) -> dict[str, float]:
     ok = [not error for error in result["errors"]]
     ttfts_ms = np.array([t * 1000 for t, good in zip(result["ttfts"], ok) if good])
     rejected = sum(1 for error in result["errors"] if error.startswith("HTTP 429"))
-    row = {"completed": result["completed"], "failed": result["failed"], "rejected_429": rejected}
+    row = {"completed": result["completed"], "failed": result["failed"], "rejected_429": rejected, "tpot_p50_ms": result["median_tpot_ms"]}
     if gaps_ms.size:
         row.update({f"itl_{name}_ms": float(np.percentile(gaps_ms, p)) for name, p in (("p50", 50), ("p99", 99), ("p99.9", 99.9))})
         row.update(itl_max_ms=float(gaps_ms.max()), gaps_over_200ms=int((gaps_ms > 200).sum()), num_gaps=int(gaps_ms.size))
@@ -122,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, object] = {"label": args.label, "source": str(args.source_dir or "."), "max_queue_delay": args.max_queue_delay}
     num_long = max(1, round(args.num_chatty * args.long_rate / args.chatty_rate))
     try:
-        wait_ready(url, server)
+        wait_ready(url, server, "/health" if args.server == "vllm" else "/ready")
+        if args.single_stream:
+            subprocess.run(bench_command(url, args, "single", 128, 128, float("inf"), args.single_stream, seed=4, max_concurrency=1), check=True)
         if not args.skip_alone:
             subprocess.run(bench_command(url, args, "chatty-alone", 128, 128, args.chatty_rate, args.num_chatty, seed=1), check=True)
         # The two generators run at once, on their own arrival processes.
@@ -141,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=180)
-    for name in ("chatty-alone", "chatty", "long"):
+    for name in ("single", "chatty-alone", "chatty", "long"):
         path = args.output_dir / f"{args.label}-{name}.json"
         if path.exists():
             summary[name] = summarize(path)

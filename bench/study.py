@@ -76,19 +76,20 @@ def run_mode(mode: str, args: argparse.Namespace) -> None:
         log.close()
 
 
-def wait_ready(url: str, server: subprocess.Popen[bytes]) -> None:
+def wait_ready(url: str, server: subprocess.Popen[bytes], path: str = "/ready") -> None:
+    """Until ``url + path`` answers 200 (splitserve's /ready; another server's health path)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"splitserve up exited with {server.returncode}")
+            raise RuntimeError(f"the server exited with {server.returncode}")
         try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+            with urllib.request.urlopen(f"{url}{path}", timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
         time.sleep(1.0)
-    raise TimeoutError("splitserve up was not ready in time")
+    raise TimeoutError(f"{url}{path} did not answer 200 in time")
 
 
 def summary(args: argparse.Namespace, modes: list[str]) -> str:
