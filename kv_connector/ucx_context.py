@@ -85,7 +85,11 @@ def limit_to_loopback(host: str) -> bool:
         loopback = host == "localhost"
     if not loopback or "UCX_NET_DEVICES" in os.environ:
         return False
-    if _loop_ref is not None:
-        logger.warning("ucxx is already initialised; UCX_NET_DEVICES=lo will apply from the next event loop only")
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if _loop_ref is not None and running is not None and _loop_ref() is running:
+        logger.warning("ucxx is already initialised for this event loop; UCX_NET_DEVICES=lo applies from the next one only")
     os.environ["UCX_NET_DEVICES"] = "lo"
     return True

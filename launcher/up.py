@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
 
-    # One secret per run unless the user gave one: only this run's processes get in.
-    cluster_env = {"SPLITSERVE_CLUSTER_SECRET": os.environ.get("SPLITSERVE_CLUSTER_SECRET") or secrets.token_urlsafe(32)}
+    cluster_env = _cluster_secret_env()
     children: list[Child] = []
     try:
         routes = _start_instances(args, model, cpus, children, cluster_env)
@@ -139,6 +138,14 @@ def _start_instances(
             children.append(Child(f"{role}-{index}", argv, env=child_env, cpus=cpus[role]))
             routes += [f"--{role}", f"127.0.0.1:{port}"]
     return routes
+
+
+def _cluster_secret_env() -> dict[str, str]:
+    """The environment that gives every child the cluster secret: one made for this run, so
+    that only this run's processes get in, unless the user gave one (a file they then all read)."""
+    if os.environ.get("SPLITSERVE_CLUSTER_SECRET_FILE"):
+        return {}
+    return {"SPLITSERVE_CLUSTER_SECRET": os.environ.get("SPLITSERVE_CLUSTER_SECRET") or secrets.token_urlsafe(32)}
 
 
 def _visible_gpus() -> list[str]:

@@ -46,7 +46,8 @@ def registry_error(error: Exception, url: str) -> str:
     if isinstance(error, AuthenticationError | NoPermissionError):
         return (
             f"the registry at {redact_url(url)} refused us ({error}): put its password in the URL, "
-            "redis://:PASSWORD@HOST:PORT, or an ACL user allowed GET, SET, DEL, SCAN and MGET, redis://USER:PASSWORD@HOST:PORT"
+            "redis://:PASSWORD@HOST:PORT, or an ACL user's, redis://USER:PASSWORD@HOST:PORT, allowed "
+            "+@connection +get +set +del +scan +mget on splitserve:instance:*"
         )
     return f"the registry at {redact_url(url)} failed: {type(error).__name__}: {error}"
 

@@ -268,3 +268,16 @@ def test_instances_only_answer_this_runs_secret(stack: HTTPProcess) -> None:
         token = ClusterSecret.from_text(secret).call_token
         assert stub.GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=10, metadata=[(METADATA_KEY, token)]).num_total_blocks > 0
     assert len(secrets) == 1 and len(next(iter(secrets))) >= 32, "one strong secret, the same for the whole run"
+
+
+def test_each_run_gets_its_own_secret_unless_the_user_gave_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher.up import _cluster_secret_env
+
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET_FILE", raising=False)
+    first, second = _cluster_secret_env(), _cluster_secret_env()
+    assert first["SPLITSERVE_CLUSTER_SECRET"] != second["SPLITSERVE_CLUSTER_SECRET"]
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET", "the-users-own-cluster-secret")
+    assert _cluster_secret_env() == {"SPLITSERVE_CLUSTER_SECRET": "the-users-own-cluster-secret"}
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET_FILE", "/run/secrets/cluster_secret")
+    assert _cluster_secret_env() == {}, "the children read the user's file (they inherit the variable)"

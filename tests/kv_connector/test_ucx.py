@@ -21,7 +21,7 @@ pytest.importorskip("ucxx")
 
 from kv_connector.base import KVSource, KVTransferError  # noqa: E402
 from kv_connector.ucx import SETTLE_S, UCXConnector  # noqa: E402
-from kv_connector.ucx_context import ucxx_for_running_loop  # noqa: E402
+from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop  # noqa: E402
 from kv_connector.ucx_messages import (  # noqa: E402
     consecutive_runs_error,
     header_buffer,
@@ -120,6 +120,17 @@ def answer(request: PullRequest) -> PullReply:
     connector.publish("run", RUN_BLOCKS, token_ids=[])
     reply, _ = connector._answer(encode(request))  # noqa: SLF001 - the validation on its own
     return reply
+
+
+def test_a_connector_on_a_loopback_host_keeps_ucx_data_lanes_on_lo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    assert not limit_to_loopback("10.1.2.3") and "UCX_NET_DEVICES" not in os.environ
+    assert not limit_to_loopback("0.0.0.0") and "UCX_NET_DEVICES" not in os.environ
+    for host in ("127.0.0.1", "::1", "localhost"):
+        monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+        assert limit_to_loopback(host) and os.environ["UCX_NET_DEVICES"] == "lo"
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth0")  # the operator's choice wins
+    assert not limit_to_loopback("127.0.0.1") and os.environ["UCX_NET_DEVICES"] == "eth0"
 
 
 def test_prefill_side_checks_the_message_plan() -> None:
