@@ -22,8 +22,9 @@ class EngineConfig:
     """
 
     model: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
-    # auto: the checkpoint's dtype, except on CPU: bfloat16 checkpoints run in bf16 on x86 with
-    # AVX2 or better, everything else in float32 (engine/models/loader.py: resolve_dtype).
+    # auto: the checkpoint's dtype, except on CPU: bfloat16 checkpoints run in bf16 where the CPU
+    # has bf16 dot products (AVX512_BF16, AMX), everything else in float32
+    # (engine/models/loader.py: resolve_dtype).
     dtype: DTypeName = "auto"
     device: str = "auto"  # "auto": cuda when available, else cpu
     role: EngineRole = "colocated"

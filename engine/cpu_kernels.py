@@ -1,5 +1,5 @@
 """Native CPU kernels (paged decode attention and its KV store, fused elementwise ops, a
-bf16 linear layer for a few rows), compiled on first use with the system C compiler and
+linear layer for a few rows), compiled on first use with the system C compiler and
 loaded with ctypes.
 
 One library is built per instruction set, with explicit flags (``ISA_FLAGS``), and
@@ -73,7 +73,7 @@ class CPUKernels:
         self._silu_and_mul = _bind(library, "silu_and_mul", None, [_P, _P, _I64, _I64, _INT])
         self._rotary = _bind(library, "rotary_embedding", None, [_P, _I64, _P, _I64] + [_P] * 5 + [_I64] * 4 + [_INT])
         self._store_kv = _bind(library, "store_kv", None, [_P, _I64, _P, _I64, _P, _P, _P] + [_I64] * 5)
-        self._linear_bf16 = _bind(library, "linear_bf16", _INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64])
+        self._linear = _bind(library, "linear_rows", _INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT])
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -176,13 +176,14 @@ class CPUKernels:
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, _DTYPES[gate_up.dtype])
         return out
 
-    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: [T, in] bf16 with contiguous rows; weight: [out, in] and bias: [out], bf16, contiguous.
-        Returns ``x @ weight.T + bias``: [T, out] bf16, accumulated in float32 and rounded once."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """For a few rows: x: [T, in] with contiguous rows; weight: [out, in] and bias: [out],
+        contiguous, all of one dtype. Returns ``x @ weight.T + bias``: [T, out], accumulated in
+        float32 (and rounded once in bf16)."""
         num_rows, in_features = x.shape
         out_features = weight.shape[0]
-        out = torch.empty((num_rows, out_features), dtype=torch.bfloat16)
-        status = self._linear_bf16(
+        out = torch.empty(num_rows, out_features, dtype=x.dtype)
+        status = self._linear(
             x.data_ptr(),
             x.stride(0),
             weight.data_ptr(),
@@ -191,9 +192,10 @@ class CPUKernels:
             num_rows,
             in_features,
             out_features,
+            _DTYPES[x.dtype],
         )
         if status != 0:
-            raise MemoryError(f"linear_bf16: no memory for a float32 copy of a {num_rows} x {in_features} input")
+            raise MemoryError(f"linear: no memory for a float32 copy of a {num_rows} x {in_features} input")
         return out
 
     def rotary_embedding(

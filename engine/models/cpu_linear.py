@@ -6,17 +6,22 @@
   per matmul, bit-identical results). In float32 the packed oneDNN kernels beat the
   default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, issue 11);
   they sum in another order than MKL, which transformers uses, and greedy parity
-  against transformers (tests/engine/test_parity.py) holds.
+  against transformers (tests/engine/test_parity.py) holds. One or two rows (decoding
+  one or two sequences) go to the native few-row kernel instead
+  (engine/csrc/linear.c), which streams the weights at close to the memory's read
+  bandwidth where oneDNN reaches about half of it: ~30% less time per decode token.
+  That kernel reads the plain weight, so on this path the weights are held twice
+  (plain and packed).
 - ``bf16-weights`` (bf16 anywhere else, e.g. an AVX2-only CPU): packing a bf16
   weight there raises in torch, and ``F.linear`` in bf16 falls back to a generic
   GEMM that is ~4x slower than float32 once more than one row comes in. Weights stay
   bf16 (half the bytes to read per token). Up to ``_MAX_KERNEL_ROWS`` rows (decode
-  steps) go through the native ``linear_bf16`` kernel (engine/csrc/linear_bf16.c),
-  which converts each weight row in registers as it streams by; more rows (prefill)
-  upcast the weight to float32 a slice at a time and run the float32 GEMM. Products of
-  two bf16 values are exact in float32 and the result is rounded to bf16 once, as
-  oneDNN's bf16 kernels do: only the summation order differs. Without the native
-  kernels, one row takes torch's bf16 GEMV (which also converts in registers).
+  steps) go through the native few-row kernel, which converts each weight row in
+  registers as it streams by; more rows (prefill, large decode batches) upcast the
+  weight to float32 a slice at a time and run the float32 GEMM. Products of two bf16
+  values are exact in float32 and the result is rounded to bf16 once, as oneDNN's
+  bf16 kernels do: only the summation order differs. Without the native kernels, one
+  row takes torch's bf16 GEMV (which also converts in registers).
 - ``torch`` (float16, float32 off x86, other devices): ``F.linear`` as is.
 """
 
@@ -41,22 +46,30 @@ LinearPath = Literal["onednn-packed", "bf16-weights", "torch"]
 # AVX2-capped Zen 4 at 16 to 512 rows: 2^20 is within 10% of float32 weights, 2^16 and 2^22
 # up to 60% slower.
 _UPCAST_SLICE_ELEMENTS = 1 << 20
-# Rows up to which the native kernel beats the float32 GEMM on an upcast weight (bench/cpu_ops.py
-# on an AVX2-capped Zen 4: 3-4x at 1 row, 1.4x at 8; level by 16, since it reads its input
-# rows again for every weight row).
+# Rows up to which the native kernel beats the float32 GEMM on an upcast weight (an AVX2-capped
+# Zen 4: 3-4x at 1 row, 1.4x at 8; level by 16, since it reads its input rows again for every
+# weight row).
 _MAX_KERNEL_ROWS = 8
+# Rows up to which it beats oneDNN's packed kernels (Zen 4, bf16 and float32: 1.3-1.5x at 1 and
+# 2 rows, 0.5-0.8x at 4).
+_MAX_KERNEL_ROWS_BESIDE_PACKED = 2
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernels: cpu_kernels.CPUKernels | None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # An opaque oneDNN tensor: not a parameter, and never saved.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self.bias = linear.bias
+        # The plain weight, for the few-row kernel (None: every call is packed).
+        self.kernels = kernels
+        self.weight = None if kernels is None else linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
+        if self.kernels is not None and x.shape[0] <= _MAX_KERNEL_ROWS_BESIDE_PACKED and x.stride(1) == 1:
+            return self.kernels.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -74,7 +87,7 @@ class BF16WeightLinear(nn.Module):
         # x: [T, in_features] -> [T, out_features]
         num_rows = x.shape[0]
         if self.kernels is not None and num_rows <= _MAX_KERNEL_ROWS and x.stride(1) == 1:
-            return self.kernels.linear_bf16(x, self.weight, self.bias)
+            return self.kernels.linear(x, self.weight, self.bias)
         if num_rows == 1:
             return F.linear(x, self.weight, self.bias)
         x32 = x.float()
@@ -108,11 +121,11 @@ def prepare_linears(model: nn.Module, path: LinearPath) -> int:
     """Replace every ``nn.Linear`` in ``model`` by the module of ``path``; returns how many."""
     if path == "torch":
         return 0
-    kernels = cpu_kernels.load() if path == "bf16-weights" else None
+    kernels = cpu_kernels.load()
     targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        replacement = PackedLinear(module) if path == "onednn-packed" else BF16WeightLinear(module, kernels)
+        replacement = PackedLinear(module, kernels) if path == "onednn-packed" else BF16WeightLinear(module, kernels)
         setattr(parent, child, replacement)
     return len(targets)

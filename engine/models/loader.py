@@ -38,12 +38,15 @@ def resolve_dtype(
     name: str, config: PretrainedConfig, device: torch.device, features: CPUFeatures | None = None
 ) -> torch.dtype:
     """The dtype to run in. ``auto`` is the checkpoint's own dtype (float32 if it names none),
-    except on CPU, where it is what runs fast there without changing the weights:
+    except on CPU, where it is what is fast there and exact:
 
-    - a bfloat16 checkpoint runs in bfloat16 on x86 CPUs with AVX2 or better (oneDNN's
-      packed kernels where it has them, engine/models/cpu_linear.py's bf16-weight path
-      elsewhere: both read half the bytes of float32 per token), and in float32 on
-      others (aarch64, pre-AVX2 x86), where no bf16 path has been measured;
+    - a bfloat16 checkpoint runs in bfloat16 where the CPU has bf16 dot products
+      (AVX512_BF16 or AMX): there bf16 is faster than float32 both decoding one stream and
+      in batches. Elsewhere it runs in float32, which holds its weights exactly: on an
+      AVX2-only CPU bf16 (engine/models/cpu_linear.py's bf16-weights path) decodes one
+      stream ~2x faster but batches ~1.4x slower than float32 (docs/benchmarks.md,
+      issue 11), and on aarch64 no bf16 path has been measured. ``dtype="bfloat16"`` runs
+      on any CPU.
     - a float16 checkpoint runs in float32 (exact: CPUs without AVX512-FP16 have no
       fast float16 matmul, and bfloat16 would round its weights);
     - a float32 checkpoint runs in float32.
@@ -59,7 +62,7 @@ def resolve_dtype(
     if device.type != "cpu":
         return checkpoint_dtype
     features = features or cpu_features()
-    if checkpoint_dtype == torch.bfloat16 and features.arch == "x86_64" and features.kernel_isa != "generic":
+    if checkpoint_dtype == torch.bfloat16 and features.native_bf16:
         return torch.bfloat16
     return torch.float32
 

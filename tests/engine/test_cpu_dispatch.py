@@ -9,6 +9,7 @@ weight exactly as it does on that host).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -51,7 +52,8 @@ def test_an_avx2_only_cpu_takes_the_avx2_kernels_and_no_onednn_bf16() -> None:
     assert not features.onednn_bf16 and not features.native_bf16
     assert linear_path(CPU, torch.bfloat16, features) == "bf16-weights"
     assert linear_path(CPU, torch.float32, features) == "onednn-packed"  # oneDNN's float32 kernels run anywhere on x86
-    assert resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), CPU, features) == torch.bfloat16
+    # No bf16 dot products: float32 is exact, and faster in batches.
+    assert resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), CPU, features) == torch.float32
 
 
 def test_amx_cpu_takes_the_avx512_bf16_kernels() -> None:
@@ -59,6 +61,8 @@ def test_amx_cpu_takes_the_avx512_bf16_kernels() -> None:
     assert features.amx_bf16 and features.amx_tile and features.native_bf16 and features.onednn_bf16
     assert features.kernel_isa == "avx512_bf16"
     assert features.supported_isas == ("generic", "avx2", "avx512", "avx512_bf16")
+    assert resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), CPU, features) == torch.bfloat16
+    assert resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), torch.device("cuda"), features) == torch.bfloat16
 
 
 def test_aarch64_takes_the_generic_build_and_float32_by_default() -> None:
@@ -154,34 +158,42 @@ def test_prepare_linears_replaces_every_linear_by_the_path_module() -> None:
     assert prepare_linears(model, "torch") == 0
 
 
-@pytest.mark.skipif(linear_path(CPU, torch.float32) != "onednn-packed", reason="float32 is not packed here")
-def test_packed_float32_matches_the_default_matmul() -> None:
-    linear = nn.Linear(96, 80)
-    x = torch.randn(7, 96)
-    torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+PACKED_DTYPES = [dtype for dtype in (torch.float32, torch.bfloat16) if linear_path(CPU, dtype) == "onednn-packed"]
 
 
-@pytest.mark.skipif(not cpu_linear.can_pack(CPU, torch.bfloat16), reason="oneDNN has no bf16 matmul on this CPU")
-def test_packed_and_bf16_weight_paths_agree() -> None:
-    linear = nn.Linear(64, 48).to(torch.bfloat16)
-    x = torch.randn(6, 64).to(torch.bfloat16)
-    torch.testing.assert_close(PackedLinear(linear)(x), BF16WeightLinear(linear, cpu_kernels.load())(x), atol=1e-2, rtol=8e-3)
+@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=str)
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 40])
+@pytest.mark.parametrize("with_kernels", [False, True], ids=["packed-only", "few-row-kernel"])
+def test_packed_linear_matches_a_plain_matmul(dtype: torch.dtype, num_rows: int, with_kernels: bool) -> None:
+    """One and two rows go to the few-row kernel when there is one; the rest to oneDNN."""
+    kernels = cpu_kernels.load() if with_kernels else None
+    if with_kernels and kernels is None:
+        pytest.skip("no C compiler")
+    linear = nn.Linear(96, 80).to(dtype)
+    module = PackedLinear(linear, kernels)
+    assert (module.weight is None) == (kernels is None)  # the plain weight is kept only for the kernel
+    x = torch.randn(num_rows, 96).to(dtype)
+    expected = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(module(x).float(), expected, atol=tolerance, rtol=tolerance)
 
 
 _GENERATE = """
 import json, sys, torch
 from engine import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], kv_cache_memory=1 << 22)
+llm = LLM(model=sys.argv[1], dtype=sys.argv[2], kv_cache_memory=1 << 22)
 qkv = llm.engine.runner.model.layers[0].qkv_proj
 out = llm.generate([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 print(json.dumps({"dtype": str(llm.engine.runner.dtype), "linear": type(qkv).__name__,
                   "tokens": [o.outputs[0].token_ids for o in out]}))
 """
+# What an AVX2-only CPU looks like to torch (oneDNN refuses bf16) and to splitserve.
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", CAP_ENV: "avx2"}
 
 
-def generate_in_subprocess(checkpoint: Path, env: dict[str, str]) -> dict[str, object]:
+def generate_in_subprocess(checkpoint: Path, dtype: str, env: dict[str, str]) -> dict[str, object]:
     result = subprocess.run(
-        [sys.executable, "-c", _GENERATE, str(checkpoint)],
+        [sys.executable, "-c", _GENERATE, str(checkpoint), dtype],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -193,14 +205,42 @@ def generate_in_subprocess(checkpoint: Path, env: dict[str, str]) -> dict[str, o
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(cpu_features().arch != "x86_64" or cpu_features().kernel_isa == "generic", reason="needs AVX2")
-def test_default_bf16_runs_where_onednn_has_no_bf16_path(tmp_path: Path) -> None:
-    """Issue 11: on an AVX2-only CPU ``LLM()`` on a bf16 checkpoint died packing weights.
-    oneDNN capped at AVX2 refuses bf16 exactly as it does there; the engine must fall back,
-    and generate what the same engine does on the full CPU."""
+needs_avx2 = pytest.mark.skipif(
+    cpu_features().arch != "x86_64" or cpu_features().kernel_isa == "generic", reason="needs AVX2"
+)
+
+
+@needs_avx2
+def test_bf16_runs_where_onednn_has_no_bf16_path(tmp_path: Path) -> None:
+    """Issue 11: on an AVX2-only CPU bf16 died packing weights. oneDNN capped at AVX2 refuses
+    bf16 exactly as it does there; the engine must keep bf16 weights instead, and generate
+    what the same engine does on the full CPU."""
     checkpoint = make_checkpoint(tmp_path / "bf16", dtype=torch.bfloat16)
-    capped = generate_in_subprocess(checkpoint, {"ONEDNN_MAX_CPU_ISA": "AVX2", CAP_ENV: "avx2"})
+    capped = generate_in_subprocess(checkpoint, "bfloat16", AVX2_ONLY)
     assert capped["dtype"] == "torch.bfloat16" and capped["linear"] == "BF16WeightLinear"
-    full = generate_in_subprocess(checkpoint, {})
+    full = generate_in_subprocess(checkpoint, "bfloat16", {})
     assert full["dtype"] == "torch.bfloat16"
     assert capped["tokens"] == full["tokens"]
+
+
+@needs_avx2
+def test_the_default_dtype_runs_on_an_avx2_only_cpu(tmp_path: Path) -> None:
+    """``LLM()`` on a bf16 checkpoint (the README's example) picks float32 there."""
+    checkpoint = make_checkpoint(tmp_path / "bf16", dtype=torch.bfloat16)
+    capped = generate_in_subprocess(checkpoint, "auto", AVX2_ONLY)
+    assert capped["dtype"] == "torch.float32" and capped["linear"] == "PackedLinear"
+    assert len(capped["tokens"]) == 2 and all(len(tokens) == 4 for tokens in capped["tokens"])
+
+
+def test_the_engine_logs_the_paths_it_chose(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from engine import LLM
+
+    checkpoint = make_checkpoint(tmp_path / "bf16", dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="engine.models.loader"):
+        LLM(model=str(checkpoint), dtype="bfloat16", kv_cache_memory=1 << 22)
+    lines = [r.getMessage() for r in caplog.records if "linear path" in r.getMessage()]
+    features = cpu_features()
+    assert len(lines) == 1 and lines[0].startswith(f"CPU {features.describe()}: ")
+    assert f"linear path {linear_path(CPU, torch.bfloat16)}" in lines[0]
+    kernels = cpu_kernels.load()
+    assert f"kernel ISA {kernels.isa if kernels else 'none (pure PyTorch)'}" in lines[0]

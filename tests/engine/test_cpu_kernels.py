@@ -225,21 +225,23 @@ def test_fused_rotary_matches_reference_on_strided_rows(
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_rows", [1, 3, 4, 7])
 @pytest.mark.parametrize(("in_features", "out_features"), [(100, 37), (576, 960)], ids=["small", "threaded"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_bf16_linear_matches_a_float32_matmul_rounded_once(
-    kernels: cpu_kernels.CPUKernels, num_rows: int, in_features: int, out_features: int, with_bias: bool
+def test_few_row_linear_matches_a_float32_matmul(
+    kernels: cpu_kernels.CPUKernels, dtype: torch.dtype, num_rows: int, in_features: int, out_features: int, with_bias: bool
 ) -> None:
     """576 x 960 is past the kernel's threshold for threads; 100 leaves a tail after the last vector.
     The input rows are strided, as a slice of a wider activation would be."""
     generator = torch.Generator().manual_seed(num_rows + in_features)
-    wide = torch.randn(num_rows, in_features + 12, generator=generator).to(torch.bfloat16)
+    wide = torch.randn(num_rows, in_features + 12, generator=generator).to(dtype)
     x = wide[:, 5 : 5 + in_features]
-    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(torch.bfloat16)
-    bias = torch.randn(out_features, generator=generator).to(torch.bfloat16) if with_bias else None
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
     expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    out = kernels.linear_bf16(x, weight, bias)
-    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, out_features)
-    # Rounded once from a float32 sum in another order: within one bf16 step of the exact result.
-    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=8e-3)
+    out = kernels.linear(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (num_rows, out_features)
+    # float32: another summation order. bf16: rounded once from that float32 sum, within one step.
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.float(), expected, atol=max(tolerance, 1e-2 if dtype == torch.bfloat16 else 0), rtol=tolerance)
