@@ -30,6 +30,7 @@ A request's path, in call order:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -73,6 +74,11 @@ class AsyncEngine:
         self._error: BaseException | None = None
         # Replaced (never mutated) by the engine thread after each step and command batch.
         self._latest_report: LoadReport = self.core.load_report()
+        # Requests handed to the engine thread whose add has not run yet (it runs between
+        # steps, which can be seconds apart): the load report counts them as waiting.
+        self._adds_lock = threading.Lock()
+        self._num_adds_queued = 0
+        self._num_prompt_tokens_queued = 0  # of those, prompt tokens to prefill here
 
     # ------------------------------------------------------------ lifecycle
 
@@ -133,8 +139,12 @@ class AsyncEngine:
         self._streams[request_id] = stream
         loop = asyncio.get_running_loop()
         finished = False
+        # A hand-off's prompt (decode role) is pulled, not prefilled here.
+        num_prefill_tokens = len(prompt_token_ids) if first_token_id is None else 0
+        self._count_queued_add(1, num_prefill_tokens)
 
         def add() -> None:
+            self._count_queued_add(-1, -num_prefill_tokens)
             try:
                 self.core.add_request(
                     prompt_token_ids,
@@ -190,11 +200,26 @@ class AsyncEngine:
         return await self._call(self.core.load_report)
 
     def latest_load_report(self) -> LoadReport:
-        """The load as of the latest step, at once. Health and routing polls use this: a
-        long prefill step takes seconds, and an instance busy with one is not unhealthy."""
-        return self._latest_report
+        """The load as of the latest step, at once, plus the requests queued for the engine
+        thread since. Health and routing polls use this: a long prefill step takes seconds,
+        an instance busy with one is not unhealthy, and what arrived during it is queued."""
+        report = self._latest_report
+        with self._adds_lock:
+            num_adds, num_tokens = self._num_adds_queued, self._num_prompt_tokens_queued
+        if not num_adds:
+            return report
+        return dataclasses.replace(
+            report,
+            num_waiting=report.num_waiting + num_adds,
+            num_pending_prefill_tokens=report.num_pending_prefill_tokens + num_tokens,
+        )
 
     # ------------------------------------------------------------ internals
+
+    def _count_queued_add(self, num_adds: int, num_prompt_tokens: int) -> None:
+        with self._adds_lock:
+            self._num_adds_queued += num_adds
+            self._num_prompt_tokens_queued += num_prompt_tokens
 
     def _submit(self, command: _Command) -> None:
         self._commands.put(command)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,27 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_tokens_at_once(model_path
     assert [t for batch in batches for t in batch] == expected
     # The first batch went out at once; nearly everything after it came in one or two more.
     assert len(batches) <= 3 and max(len(batch) for batch in batches) >= 20, [len(batch) for batch in batches]
+
+
+def test_requests_queued_during_a_step_count_in_the_load_report_at_once(model_path: Path) -> None:
+    """A request's add runs between steps, which can be seconds apart on a long prefill;
+    the load report must count it from the moment it arrives, or the gateway's admission
+    control would see an empty queue behind every long step."""
+    prompts = random_prompts([40, 24], seed=15)
+
+    async def main() -> None:
+        async with AsyncEngine(config(model_path, role="prefill")) as engine:
+            engine._submit(lambda: time.sleep(0.5))  # noqa: SLF001 - holds the engine thread as a long step would
+            streams = [engine.generate(prompt, GREEDY) for prompt in prompts]
+            tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
+            await asyncio.sleep(0.05)
+            queued = engine.latest_load_report()
+            assert (queued.num_waiting, queued.num_pending_prefill_tokens) == (2, 64)
+            for task in tasks:
+                await task
+            prefilled = engine.latest_load_report()
+            assert (prefilled.num_waiting, prefilled.num_pending_prefill_tokens) == (0, 0)
+            for stream in streams:
+                await stream.aclose()
+
+    asyncio.run(main())
