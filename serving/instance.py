@@ -32,6 +32,7 @@ from kv_connector.store_urls import redact_url
 from serving.convert import fingerprint_to_proto
 from serving.internal_grpc import InternalPlane, add_internal_plane_arguments
 from serving.registration import RegistryHeartbeat
+from serving.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,8 @@ async def serve(
     server has drained, before the connector and engine stop."""
     instance.plane.warn_if_open(f"{instance.role} {instance.instance_id}")
     await instance.engine.start()
+    if instance.role != "decode":  # decode never prefills a prompt of its own in the normal case
+        await warm_up(instance.engine)
     advertise = args.advertise_host or args.host
     if instance.connector is not None:
         connector_address = await instance.connector.start(args.host, args.kv_port)

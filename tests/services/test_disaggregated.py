@@ -203,3 +203,12 @@ def test_bad_sampling_parameters_are_invalid_argument(prefill: Service) -> None:
         stub.Prefill(disaggregation_pb2.PrefillRequest(request_id="empty", prompt_token_ids=[], sampling=GREEDY))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in raised.value.details()
     assert_all_free(prefill)
+
+
+def test_a_fresh_prefill_instance_reports_its_prefill_rate(model: Path) -> None:
+    """A warm-up prefill at start measures the rate admission control divides queues by, so
+    the gateway can estimate waits before the first real prefill ends; it leaves nothing held."""
+    with running("prefill", model) as fresh:
+        report = fresh.load()
+        assert report.prefill_tokens_per_s > 0
+        assert report.num_free_blocks == report.num_total_blocks and report.num_waiting == report.num_running == 0
