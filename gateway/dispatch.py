@@ -166,7 +166,7 @@ class Dispatcher:
                 break
             tried.append(prefill)
             try:
-                with prefill.call():
+                with prefill.call(num_prompt_tokens):
                     response = await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(message, timeout=_remaining(request))
                 return response, prefill
             except grpc.aio.AioRpcError as error:
@@ -221,6 +221,7 @@ class Dispatcher:
             "colocated",
             lambda tried: self.pool.pick("colocated", exclude=tried, num_prompt_tokens=num_prompt_tokens),
             lambda instance: generation_pb2_grpc.GenerationStub(instance.channel).Generate(message, timeout=_remaining(request)),
+            num_prompt_tokens,
         ):
             yield event
 
@@ -229,6 +230,7 @@ class Dispatcher:
         role: Role,
         pick: Callable[[list[InstanceState]], InstanceState | None],
         open_stream: Callable[[InstanceState], grpc.aio.UnaryStreamCall],
+        num_prompt_tokens: int = 0,
     ) -> AsyncIterator[TokenEvent]:
         """Stream from the first instance that takes the request. Until it has streamed
         something, a failure moves the request to another instance of the role (or, for
@@ -244,9 +246,10 @@ class Dispatcher:
             call = open_stream(instance)
             streamed = False
             try:
-                with instance.call():
+                with instance.call(num_prompt_tokens) as prefilled:
                     async for response in call:
                         first, streamed = not streamed, True
+                        prefilled()
                         yield _token_event(response, first)
                 return
             except grpc.aio.AioRpcError as error:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -51,15 +51,34 @@ class InstanceState:
     num_dispatched: int = 0
     num_dispatched_tokens: int = 0  # their prompt tokens
     num_inflight: int = 0  # calls from this gateway outstanding on it now
+    num_reports: int = 0  # reports recorded so far: which dispatches the latest one can show
 
     @contextmanager
-    def call(self) -> Iterator[None]:
-        """Count one call from this gateway as outstanding while the block runs."""
+    def call(self, num_prompt_tokens: int = 0) -> Iterator[Callable[[], None]]:
+        """Count one call from this gateway as outstanding while the block runs; enter it right
+        after the pick that dispatched it. The block gets ``prefilled``, to call once the
+        instance has computed the prompt (a streamed call's first token); from then on, or from
+        the block's end, the dispatch no longer counts as queued work. Without this a finished
+        prompt would count as queued until the next report (a poll interval) and hold off
+        admission and routing for nothing."""
+        num_reports = self.num_reports
+        settled = False
+
+        def prefilled() -> None:
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            if self.num_reports == num_reports:  # no report since has taken the dispatch over
+                self.num_dispatched = max(0, self.num_dispatched - 1)
+                self.num_dispatched_tokens = max(0, self.num_dispatched_tokens - num_prompt_tokens)
+
         self.num_inflight += 1
         try:
-            yield
+            yield prefilled
         finally:
             self.num_inflight -= 1
+            prefilled()
 
     @property
     def instance_id(self) -> str:
@@ -114,6 +133,7 @@ class InstancePool:
         was_healthy = state.is_healthy(time.monotonic(), self.stale_after_s)
         state.report, state.serving, state.reported_at = report, serving, time.monotonic()
         state.num_dispatched = state.num_dispatched_tokens = 0
+        state.num_reports += 1
         if not was_healthy and state.is_healthy(time.monotonic(), self.stale_after_s):
             logger.info("%s instance %s (%s) is healthy", state.role, address, report.instance_id)
 

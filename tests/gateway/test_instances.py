@@ -149,6 +149,26 @@ def test_queue_delay_limit_skips_long_queues_and_refuses_when_all_are_long() -> 
     with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.5))
 
 
+def test_a_prompt_stops_counting_as_queued_once_computed_or_reported() -> None:
+    def check(pool: InstancePool) -> None:
+        add_pair(pool, {"p:1": queued("prefill", 0, 1000.0)})
+        p1 = pool.instances["p:1"]
+        assert pool.pick_prefill(num_prompt_tokens=1400) is p1
+        with p1.call(1400) as prefilled:
+            with pytest.raises(Overloaded):  # 1.4 s queued behind it
+                pool.pick_prefill(num_prompt_tokens=100)
+            prefilled()  # P has computed it: no wait left, without waiting for the next poll
+            assert (p1.num_dispatched, p1.num_dispatched_tokens) == (0, 0)
+            assert pool.pick_prefill(num_prompt_tokens=100) is p1
+        assert (p1.num_dispatched, p1.num_dispatched_tokens) == (1, 100)  # settled once, not again at the block's end
+        with p1.call(100):
+            pool.record_report("p:1", queued("prefill", 100, 1000.0), serving=True)  # the report shows it queued
+            assert pool.pick_prefill(num_prompt_tokens=1400) is p1
+        assert (p1.num_dispatched, p1.num_dispatched_tokens) == (1, 1400)  # the report's dispatch count was not touched
+
+    with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.5))
+
+
 def test_retry_after_says_when_the_shortest_queue_is_short_enough() -> None:
     def check(pool: InstancePool) -> None:
         add_pair(pool, {"p:1": queued("prefill", 9000, 1000.0), "p:2": queued("prefill", 6200, 1000.0)})

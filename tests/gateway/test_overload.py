@@ -106,10 +106,11 @@ def test_kv_lost_on_prefill_is_prefilled_again_and_the_stream_is_unchanged(
 def test_max_queue_delay_refuses_at_once_with_retry_after(long_model: Path, prefill: Service, decode: Service) -> None:
     prompts = token_prompts([LONG_PROMPT_TOKENS] * 5, seed=51)
     with running_gateway(long_model, "--prefill", prefill.address, "--decode", decode.address, "--max-queue-delay", "0.5") as gateway:
-        # One long prefill measures P's rate; then each long prompt is seconds of P's time.
+        # P's warm-up and one long prefill measure its rate; then each long prompt is seconds of P's time.
+        assert metric(gateway.url, "splitserve_instance_prefill_tokens_per_second") > 0
         assert httpx.post(f"{gateway.url}/v1/completions", json=completion(prompts[0], 1), timeout=120).status_code == 200
         deadline = time.monotonic() + 10
-        while metric(gateway.url, "splitserve_instance_prefill_tokens_per_second") <= 0:
+        while metric(gateway.url, "splitserve_instance_pending_prefill_tokens") > 0:  # a report taken mid-prefill says so
             assert time.monotonic() < deadline
             time.sleep(0.1)
         with ThreadPoolExecutor(4) as pool:

@@ -325,18 +325,23 @@ def test_idle_connections_are_closed_by_the_prefill_side() -> None:
             try:
                 await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
                 assert running.state().serving_connections == 1
-                deadline = time.monotonic() + 10
-                while running.state().serving_connections and time.monotonic() < deadline:
-                    await asyncio.sleep(0.1)
-                assert running.state().serving_connections == 0
+                await until_no_serving_connections(running)
                 local.zero_()
                 await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
                 assert torch.equal(local[[0, 1, 2, 3]], remote[PUBLISHED_BLOCKS])
+                await until_no_serving_connections(running)  # the new one is closed for idleness too
             finally:
                 await connector.close()
 
         run(scenario)
         assert running.stop().serving_connections == 0
+
+
+async def until_no_serving_connections(running: Peer) -> None:
+    deadline = time.monotonic() + 10
+    while running.state().serving_connections and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert running.state().serving_connections == 0
 
 
 def test_unknown_request_is_refused(peer: str) -> None:

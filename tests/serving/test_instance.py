@@ -30,7 +30,6 @@ def test_an_instance_whose_engine_died_answers_not_serving_and_gets_no_requests(
     def broken_step(self: EngineCore) -> None:  # as a kernel that raises would
         raise RuntimeError("injected failure in the step")
 
-    monkeypatch.setattr(EngineCore, "step", broken_step)
     servicer = colocated.ColocatedServicer(instance)
 
     async def scenario() -> None:
@@ -41,6 +40,7 @@ def test_an_instance_whose_engine_died_answers_not_serving_and_gets_no_requests(
             ready=ready.set_result, stop=stop,
         ))
         address = await ready
+        monkeypatch.setattr(EngineCore, "step", broken_step)  # after the warm-up prefill, which would die of it
         pool = InstancePool(stale_after_s=30.0)
         discovery = StaticDiscovery(pool, {"colocated": [address]}, interval_s=0.2)
         channel = grpc.aio.insecure_channel(address)
