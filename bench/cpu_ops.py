@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"dtype": dtype_name, "threads": num_threads, "rows": num_rows, "op": name, "us_per_call": us})
                     sys.stdout.write(f"{dtype_name:<9} threads={num_threads} rows={num_rows:<4} {name:<28} {us:9.1f} us\n")
             if not args.skip_decode:
-                ms = decode_ms_per_token(llm, max(3, args.repeats // 2))
+                ms = decode_ms_per_token(llm, args.repeats)
                 floor_ms = weight_bytes_per_token(llm) / read_bandwidth(3) * 1e3
                 rows.append(
                     {"dtype": dtype_name, "threads": num_threads, "rows": 1, "op": "decode ms/token", "ms": ms, "floor_ms": floor_ms}
