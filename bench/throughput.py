@@ -1,10 +1,12 @@
-"""Offline throughput: splitserve's ``LLM.generate`` against transformers' ``generate``.
+"""Offline throughput: splitserve's ``LLM.generate`` against transformers' ``generate``
+and, with ``--vllm-python``, vLLM's ``LLM.generate`` (run in that Python's environment).
 
-Both engines get the same N random-token prompts, decode greedily and ignore EOS,
+Every engine gets the same N random-token prompts, decodes greedily and ignores EOS,
 so every request yields exactly ``--output-len`` tokens. Model loading and the
 optional warm-up are outside the timed region::
 
     python -m bench.throughput --num-prompts 64 --input-len 128 --output-len 64
+    python -m bench.throughput --dtype float32 --warmup --vllm-python /tmp/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import argparse
 import gc
 import json
 import logging
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -147,6 +152,30 @@ def run_transformers(
     return elapsed, num_output_tokens
 
 
+def run_vllm(
+    args: argparse.Namespace, model_path: Path, prompts: list[list[int]], warmup_prompts: list[list[int]]
+) -> tuple[float, int]:
+    """Returns (elapsed seconds, output tokens) of vLLM's timed run, from its own process
+    (``bench/vllm_offline.py`` under ``--vllm-python``), bound to ``--vllm-cpus``."""
+    request = {
+        "model": str(model_path),
+        "dtype": args.dtype,
+        "max_model_len": args.input_len + args.output_len,
+        "prompts": prompts,
+        "warmup_prompts": warmup_prompts,
+        "output_len": args.output_len,
+        "warmup_output_len": _WARMUP_OUTPUT_LEN,
+    }
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump(request, file)
+        file.flush()
+        script = Path(__file__).with_name("vllm_offline.py")
+        completed = subprocess.run([args.vllm_python, str(script), file.name], env=env, stdout=subprocess.PIPE, check=True, text=True)
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    return float(result["elapsed_s"]), int(result["num_output_tokens"])
+
+
 def format_table(results: list[RunResult]) -> str:
     header = f"{'engine':<14}{'elapsed s':>11}{'req/s':>10}{'output tok/s':>14}{'total tok/s':>13}"
     rows = []
@@ -174,6 +203,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     parser.add_argument("--baseline-batch-size", type=int, default=None, help="transformers batch (default: all prompts)")
     parser.add_argument("--warmup", action="store_true", help="run a small untimed warm-up through each engine first")
+    parser.add_argument("--vllm-python", default=None, help="also run vLLM, with the Python of an environment that has it")
+    parser.add_argument("--vllm-cpus", default="0-1", help="vLLM's VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--output-json", type=Path, default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "input_len", "output_len", "baseline_batch_size"):
@@ -202,14 +233,19 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("transformers: batch size %d", args.baseline_batch_size or args.num_prompts)
         elapsed, num_output_tokens = run_transformers(args, model_path, prompts, warmup_prompts)
         results.append(make_result("transformers", elapsed, prompts, num_output_tokens, args.output_len))
+    if args.vllm_python is not None:
+        logger.info("vLLM: %s", args.vllm_python)
+        elapsed, num_output_tokens = run_vllm(args, model_path, prompts, warmup_prompts)
+        results.append(make_result("vllm", elapsed, prompts, num_output_tokens, args.output_len))
 
     report: dict[str, object] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     report.update({r.engine: {**asdict(r), **r.rates()} for r in results})
     table = format_table(results)
-    if len(results) == 2:
-        ratio = results[0].rates()["output_tokens_per_s"] / results[1].rates()["output_tokens_per_s"]
-        report["output_tokens_per_s_ratio"] = ratio
-        table += f"\nsplitserve / transformers output tok/s: {ratio:.2f}x"
+    ours = results[0].rates()["output_tokens_per_s"]
+    for baseline in results[1:]:
+        ratio = ours / baseline.rates()["output_tokens_per_s"]
+        report["output_tokens_per_s_ratio" if baseline.engine == "transformers" else f"output_tokens_per_s_ratio_{baseline.engine}"] = ratio
+        table += f"\nsplitserve / {baseline.engine} output tok/s: {ratio:.2f}x"
     sys.stdout.write(table + "\n")
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
