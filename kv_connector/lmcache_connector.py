@@ -63,7 +63,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, bounded_transfer  # noqa: E402
 from kv_connector.fingerprint import Fingerprint  # noqa: E402
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks  # noqa: E402
-from kv_connector.store_urls import redact_url  # noqa: E402
+from kv_connector.store_urls import redact_url, with_password_file  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class LMCacheConnector(KVConnector):
         block_size = self.block_size
         if fingerprint.block_size != block_size:
             raise ValueError(f"fingerprint block_size {fingerprint.block_size} does not match the KV cache's {block_size}")
-        self.remote_url = remote_url or os.environ.get(URL_ENV, "")
+        self.remote_url = with_password_file(remote_url or os.environ.get(URL_ENV, ""))
         self.shown_url = redact_url(self.remote_url)  # what logs, errors and handles may show
         if urlsplit(self.remote_url).scheme not in SUPPORTED_SCHEMES:
             raise ValueError(

@@ -22,7 +22,7 @@ import redis.asyncio as redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 from splitserve.v1 import disaggregation_pb2
 
-from kv_connector.store_urls import redact_url
+from kv_connector.store_urls import redact_url, with_password_file
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,11 @@ def registry_key(instance_id: str) -> str:
 
 
 def registry_client(url: str) -> redis.Redis:
-    """A client for the registry at ``url``; raises ValueError for a URL that is not Redis."""
+    """A client for the registry at ``url`` (its password may come from a file:
+    :func:`with_password_file`); raises ValueError for a URL that is not Redis."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"--registry-url must be redis://[USER:PASSWORD@]HOST:PORT or rediss://..., got {redact_url(url)!r}")
-    return redis.from_url(url)
+    return redis.from_url(with_password_file(url))
 
 
 def registry_error(error: Exception, url: str) -> str:

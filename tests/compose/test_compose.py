@@ -28,6 +28,8 @@ import pytest
 import yaml
 
 from engine import cli
+from launcher.processes import free_port
+from tests.stores import stop, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
@@ -405,15 +407,54 @@ def test_dockerignore_keeps_what_pip_install_needs() -> None:
 def test_every_splitserve_service_reads_the_cluster_secret_from_a_compose_secret(variant: str) -> None:
     config = compose_config(variant)
     assert config["secrets"]["cluster_secret"]["file"].endswith("/cluster-secret")
+    assert config["secrets"]["redis_password"]["file"].endswith("/redis-password")
     for role in ("prefill", "decode", "gateway"):
         service = config["services"][role]
-        assert [secret["source"] if isinstance(secret, dict) else secret for secret in service["secrets"]] == ["cluster_secret"], role
+        assert secret_names(service) == ["cluster_secret", "redis_password"], role
         assert service["environment"]["SPLITSERVE_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", role
-        assert not any("secret" in str(token) for token in service["command"]), f"{role}: secrets never go on a command line"
-    assert "secrets" not in config["services"]["redis"]
+        assert service["environment"]["SPLITSERVE_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password", role
+        assert not any("secret" in str(token) or "password" in str(token) for token in service["command"]), (
+            f"{role}: secrets never go on a command line"
+        )
+        assert all("@" not in str(token) for token in service["command"]), f"{role}: no credentials in a URL on the command line"
+    assert secret_names(config["services"]["redis"]) == ["redis_password"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_redis_requires_the_password_and_its_healthcheck_gives_it(variant: str, tmp_path: Path) -> None:
+    """Redis's command and health check as the container runs them (compose turns ``$$`` into
+    ``$``; the secret is a file here), with the real redis-server and redis-cli."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    redis_service = compose_config(variant)["services"]["redis"]
+    secret = tmp_path / "redis_password"
+    secret.write_text("compose-redis-password\n")
+
+    def as_run(text: str) -> str:
+        return text.replace("$$", "$").replace("/run/secrets/redis_password", str(secret))
+
+    assert redis_service["command"][:2] == ["sh", "-c"]
+    port = free_port()
+    server = subprocess.Popen(
+        ["sh", "-c", f"{as_run(redis_service['command'][2])} --port {port} --bind 127.0.0.1"], stdout=subprocess.DEVNULL
+    )
+    try:
+        wait_for_port(port, server, 10.0)
+        unauthenticated = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, timeout=10)
+        assert "NOAUTH" in unauthenticated.stdout + unauthenticated.stderr
+        check = redis_service["healthcheck"]["test"]
+        assert check[:3] == ["CMD", "sh", "-c"]
+        healthy = subprocess.run(["sh", "-c", as_run(check[3]).replace("redis-cli ", f"redis-cli -p {port} ")], timeout=10)
+        assert healthy.returncode == 0
+    finally:
+        stop(server)
+
+
+def secret_names(service: dict[str, Any]) -> list[str]:
+    return [secret["source"] if isinstance(secret, dict) else secret for secret in service.get("secrets", [])]
 
 
 def test_the_cluster_secret_file_stays_out_of_git_and_the_image() -> None:
     for ignore in (".gitignore", ".dockerignore"):
         patterns = [line.strip() for line in (ROOT / ignore).read_text().splitlines() if line.strip() and not line.startswith("#")]
-        assert "compose/cluster-secret" in patterns, ignore
+        assert "compose/cluster-secret" in patterns and "compose/redis-password" in patterns, ignore

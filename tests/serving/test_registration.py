@@ -14,7 +14,7 @@ from splitserve.v1 import disaggregation_pb2
 
 from gateway.discovery import RedisDiscovery
 from gateway.instances import InstancePool
-from kv_connector.store_urls import redact_url
+from kv_connector.store_urls import PASSWORD_FILE_ENV, redact_url, with_password_file
 from serving.registration import RegistryHeartbeat, scan_registrations
 from tests.stores import start_redis, stop
 
@@ -84,6 +84,46 @@ def test_urls_are_shown_without_their_password() -> None:
     with pytest.raises(ValueError, match="--registry-url must be") as raised:
         RegistryHeartbeat("http://:s3cret@redis:6379", "p", "a:1", report, 1.0)
     assert "s3cret" not in str(raised.value)
+
+
+def test_the_password_can_come_from_a_file(protected_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As compose hands it over: a secret file named by SPLITSERVE_REDIS_PASSWORD_FILE, the URL without it."""
+    secret = tmp_path / "redis-password"
+    secret.write_text(PASSWORD + "\n")
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))
+    url = protected_url.replace(f":{PASSWORD}@", "")
+
+    async def scenario() -> None:
+        heartbeat = RegistryHeartbeat(url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0)
+        await heartbeat.register()
+        pool = InstancePool(stale_after_s=5.0)
+        discovery = RedisDiscovery(pool, url, interval_s=0.2)
+        try:
+            await discovery.first_poll()
+            assert [s.address for s in pool.healthy("decode")] == ["127.0.0.1:50071"]
+        finally:
+            await heartbeat.stop()
+            await discovery.close()
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_password_file_fills_only_urls_without_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = tmp_path / "redis-password"
+    secret.write_text("p@ss/word\n")
+    assert with_password_file("redis://redis:6379") == "redis://redis:6379"  # no file named: unchanged
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))
+    assert with_password_file("redis://redis:6379/0") == "redis://:p%40ss%2Fword@redis:6379/0"
+    assert with_password_file("rediss://splitserve@redis:6380?ssl_ca_certs=/ca.pem") == "rediss://splitserve:p%40ss%2Fword@redis:6380?ssl_ca_certs=/ca.pem"
+    assert with_password_file("redis://:inline@redis:6379") == "redis://:inline@redis:6379"  # the URL's own wins
+    assert with_password_file("lm://cache:65432") == "lm://cache:65432"
+    secret.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        with_password_file("redis://redis:6379")
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read the Redis password"):
+        with_password_file("redis://redis:6379")
 
 
 def test_registration_over_tls(tmp_path: Path) -> None:
