@@ -34,23 +34,25 @@ async def report() -> disaggregation_pb2.LoadReport:
     return disaggregation_pb2.LoadReport(instance_id="decode-0", role="decode", num_total_blocks=8, num_free_blocks=8)
 
 
-def test_registration_with_the_password_is_found_by_the_gateway(protected_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    async def scenario() -> None:
-        heartbeat = RegistryHeartbeat(protected_url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0)
-        await heartbeat.register()
-        pool = InstancePool(stale_after_s=5.0)
-        discovery = RedisDiscovery(pool, protected_url, interval_s=0.2)
-        try:
-            await discovery.first_poll()
-            assert [s.address for s in pool.healthy("decode")] == ["127.0.0.1:50071"]
-            assert [r.grpc_address for r in await scan_registrations(discovery.client)] == ["127.0.0.1:50071"]
-        finally:
-            await heartbeat.stop()
-            await discovery.close()
-            await pool.close()
+async def register_and_discover(url: str) -> None:
+    """An instance registers at ``url``; a gateway polling it finds the instance."""
+    heartbeat = RegistryHeartbeat(url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0)
+    await heartbeat.register()
+    pool = InstancePool(stale_after_s=5.0)
+    discovery = RedisDiscovery(pool, url, interval_s=0.2)
+    try:
+        await discovery.first_poll()
+        assert [s.address for s in pool.healthy("decode")] == ["127.0.0.1:50071"]
+        assert [r.grpc_address for r in await scan_registrations(discovery.client)] == ["127.0.0.1:50071"]
+    finally:
+        await heartbeat.stop()
+        await discovery.close()
+        await pool.close()
 
+
+def test_registration_with_the_password_is_found_by_the_gateway(protected_url: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG):
-        asyncio.run(scenario())
+        asyncio.run(register_and_discover(protected_url))
     assert PASSWORD not in caplog.text
 
 
@@ -91,22 +93,7 @@ def test_the_password_can_come_from_a_file(protected_url: str, tmp_path: Path, m
     secret = tmp_path / "redis-password"
     secret.write_text(PASSWORD + "\n")
     monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))
-    url = protected_url.replace(f":{PASSWORD}@", "")
-
-    async def scenario() -> None:
-        heartbeat = RegistryHeartbeat(url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0)
-        await heartbeat.register()
-        pool = InstancePool(stale_after_s=5.0)
-        discovery = RedisDiscovery(pool, url, interval_s=0.2)
-        try:
-            await discovery.first_poll()
-            assert [s.address for s in pool.healthy("decode")] == ["127.0.0.1:50071"]
-        finally:
-            await heartbeat.stop()
-            await discovery.close()
-            await pool.close()
-
-    asyncio.run(scenario())
+    asyncio.run(register_and_discover(protected_url.replace(f":{PASSWORD}@", "")))
 
 
 def test_a_password_file_fills_only_urls_without_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
