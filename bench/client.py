@@ -188,7 +188,16 @@ async def send_request(session: aiohttp.ClientSession, url: str, headers: dict[s
     return stream.finish()
 
 
-async def fetch_model_id(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """A model ``GET /v1/models`` lists: its id, and its ``root`` where the server says it (vLLM
+    and splitserve give the folder they loaded it from there)."""
+
+    model_id: str
+    root: str | None
+
+
+async def fetch_model(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> ServedModel:
     """The first model ``GET /v1/models`` lists."""
     url = f"{base_url}/v1/models"
     try:
@@ -204,4 +213,5 @@ async def fetch_model_id(session: aiohttp.ClientSession, base_url: str, headers:
     models = listing.get("data") if isinstance(listing, dict) else None
     if not models or not isinstance(models[0], dict) or "id" not in models[0]:
         raise ValueError(f"{url} lists no models; pass --model NAME")
-    return str(models[0]["id"])
+    root = models[0].get("root")
+    return ServedModel(str(models[0]["id"]), str(root) if root else None)

@@ -24,6 +24,10 @@ transfer in each process; unless ``--skip-prefill``, the engine's prefill of the
 prompt puts the transfer in proportion::
 
     python -m bench.kv_transfer --prompt-tokens 512 2048 8192 --output-json kv_transfer.json
+
+This module measures; the prefill side runs :mod:`bench.kv_transfer_peer`, this side talks
+to it through :mod:`bench.kv_transfer_client`, and :mod:`bench.kv_transfer_report` holds
+the records and prints them.
 """
 
 from __future__ import annotations
@@ -36,122 +40,42 @@ import json
 import logging
 import os
 import random
-import select
-import statistics
-import subprocess
 import sys
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 
+from bench.kv_transfer_client import Peer, RawClient, peer_process
 from bench.kv_transfer_peer import (
     BLOCK_LAYOUTS,
-    OP_CPU,
-    OP_MESSAGES,
-    OP_PING,
-    OP_SEND,
     BlockLayout,
-    PeerReady,
     PeerSpec,
     empty_cache,
-    message_slices,
     process_cpu_s,
-    raw_command,
     request_block_ids,
     request_id,
     seeded_cache,
     seeded_payload,
 )
+from bench.kv_transfer_report import EnvSetting, LengthResult, PrefillResult, Samples, format_report, path_name, report_json
 from kv_connector.base import KVSource
-from kv_connector.ucx import WINDOW, UCXConnector  # imports ucxx only when used, after the UCX environment is set
+from kv_connector.ucx import UCXConnector  # imports ucxx only when used, after the UCX environment is set
 from kv_connector.ucx_context import ucxx_for_running_loop
 from kv_connector.ucx_messages import plan_messages
 from kv_connector.wire import PullReply, PullRequest, encode
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
 # Fast settings for UCX between two processes on one host (ucxx moved 64 MiB at 0.7 GiB/s
 # with UCX's defaults and 1.9 GiB/s with these on the 2-core development VM), and UCX's
 # TCP transport kept on loopback (by default it listens on, and stripes over, every
 # interface). ucxx listeners themselves bind every address: ucxx takes no bind address.
 UCX_DEFAULTS = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_NET_DEVICES": "lo"}
-_PEER_START_TIMEOUT_S = 120.0
-_PEER_STOP_TIMEOUT_S = 30.0
-_GIB = 1 << 30
 _MIB = 1 << 20
-
-
-# ----------------------------------------------------------------- records
-
-
-@dataclass(frozen=True, slots=True)
-class EnvSetting:
-    name: str
-    value: str | None  # None: unset, UCX picks its own default
-    source: Literal["flag", "environment", "bench default"]
-
-    def describe(self) -> str:
-        return f"{self.name}={self.value if self.value is not None else '(unset: UCX default)'} ({self.source})"
-
-
-@dataclass(slots=True)
-class Samples:
-    """Seconds of the timed runs of one measurement (the warm-up is not among them)."""
-
-    seconds: list[float]
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def best_s(self) -> float:
-        return min(self.seconds)
-
-    def summary(self, num_bytes: int | None = None) -> dict[str, float]:
-        figures = {"median_ms": self.median_s * 1e3, "best_ms": self.best_s * 1e3}
-        if num_bytes:
-            figures |= {"median_gib_per_s": num_bytes / _GIB / self.median_s, "best_gib_per_s": num_bytes / _GIB / self.best_s}
-        return figures
-
-
-@dataclass(slots=True)
-class LengthResult:
-    """Every measurement for one prompt length."""
-
-    num_tokens: int
-    num_blocks: int
-    num_bytes: int
-    connector: dict[BlockLayout, Samples]
-    num_messages: dict[BlockLayout, int]  # per pull, as the connector plans it
-    raw_ucx: Samples
-    memcpy: Samples
-    # Parts of a pull, each measured on its own (see measure_breakdown).
-    breakdown: dict[str, Samples] = field(default_factory=dict)
-    # CPU milliseconds per transfer, by path (path_name) and process ("decode", "prefill").
-    cpu_ms: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    def overhead_vs_raw(self, layout: BlockLayout) -> float:
-        """The connector's median time over raw UCX's, minus one (0.2 = 20% slower)."""
-        return self.connector[layout].median_s / self.raw_ucx.median_s - 1.0
-
-
-def path_name(layout: BlockLayout) -> str:
-    return f"connector, {layout} blocks"
-
-
-@dataclass(slots=True)
-class PrefillResult:
-    num_tokens: int
-    samples: Samples
 
 
 # --------------------------------------------------------------- environment
@@ -192,107 +116,6 @@ def kv_layout(model: str | None) -> tuple[str, tuple[int, int, int]]:
     config = AutoConfig.from_pretrained(path)
     shape = ModelShape.from_config(config, (config.architectures or ["LlamaForCausalLM"])[0])
     return model_identity(path), (shape.num_layers, shape.num_kv_heads, shape.head_dim)
-
-
-# ----------------------------------------------------------------- the peer
-
-
-class Peer:
-    """The running prefill-side process and its addresses."""
-
-    def __init__(self, process: subprocess.Popen, ready: PeerReady) -> None:
-        self._process = process
-        self.ready = ready
-
-
-@contextmanager
-def peer_process(spec: PeerSpec) -> Iterator[Peer]:
-    """Start the prefill-side process, yield it once it serves, and always stop it."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.kv_transfer_peer", "--spec", spec.to_json(), "--host", "127.0.0.1"],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ),
-    )
-    try:
-        readable, _, _ = select.select([process.stdout], [], [], _PEER_START_TIMEOUT_S)
-        if not readable:
-            raise RuntimeError(f"the peer process was not ready within {_PEER_START_TIMEOUT_S:.0f} s; see its stderr above")
-        line = process.stdout.readline()  # its one line; the peer writes nothing else to stdout
-        if not line:
-            raise RuntimeError(f"the peer process exited (code {process.wait(timeout=_PEER_STOP_TIMEOUT_S)}) before it was ready; see its stderr above")
-        try:
-            ready = PeerReady.from_json(line)
-        except (ValueError, TypeError):
-            raise RuntimeError(f"the peer process wrote {line!r} instead of its ready line (bug)") from None
-        yield Peer(process, ready)
-    finally:
-        try:
-            process.stdin.close()
-            process.wait(timeout=_PEER_STOP_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired):
-            logger.warning("peer %d did not stop within %.0f s of stdin closing; killing it", process.pid, _PEER_STOP_TIMEOUT_S)
-            process.kill()
-            process.wait()
-        process.stdout.close()
-
-
-class RawClient:
-    """This side of the peer's raw mode: plain ucxx endpoint send/recv on one client-server
-    endpoint kept open across transfers (protocol in :mod:`bench.kv_transfer_peer`)."""
-
-    def __init__(self, endpoint, timeout_s: float) -> None:  # noqa: ANN001 - ucxx endpoint
-        self._endpoint = endpoint
-        self._timeout_s = timeout_s  # per transfer, like the connector's pulls: a dead peer must not hang the bench
-
-    @classmethod
-    async def connect(cls, peer: Peer, timeout_s: float) -> RawClient:
-        # The connector's ucxx runtime (asyncio futures, no spinning waits): both paths run on it.
-        ucxx = ucxx_for_running_loop()
-        host, _, port = peer.ready.raw_address.rpartition(":")
-        return cls(await ucxx.create_endpoint(host, int(port)), timeout_s)
-
-    async def fetch(self, buffer: np.ndarray) -> None:
-        """Receive the first ``buffer.nbytes`` bytes of the peer's payload into ``buffer``:
-        one ``send_obj`` request, one payload, as a pull minus its reply header."""
-        async def exchange() -> None:
-            await self._endpoint.send_obj(raw_command(OP_SEND, buffer.nbytes))
-            await self._endpoint.recv(buffer)
-
-        await asyncio.wait_for(exchange(), self._timeout_s)
-
-    async def fetch_messages(self, buffer: np.ndarray, message_bytes: int) -> None:
-        """Like :meth:`fetch`, the payload in tagged messages of ``message_bytes`` with at most
-        ``WINDOW`` receives posted, as the connector receives a pull: its wire pattern with
-        no connector logic."""
-        async def exchange() -> None:
-            await self._endpoint.send_obj(raw_command(OP_MESSAGES, buffer.nbytes, message_bytes))
-            receives: deque[asyncio.Future] = deque()
-            for index, span in enumerate(message_slices(buffer.nbytes, message_bytes)):
-                if len(receives) >= WINDOW:
-                    await receives.popleft()
-                receives.append(asyncio.ensure_future(self._endpoint.recv(buffer[span], tag=index)))
-            await asyncio.gather(*receives)
-
-        await asyncio.wait_for(exchange(), self._timeout_s)
-
-    async def ping(self, request_bytes: int, reply_bytes: int) -> None:
-        """The connector's header exchange without the connector: ``send_obj`` of a
-        ``request_bytes`` body, ``recv_obj`` of a ``reply_bytes`` one."""
-        async def exchange() -> None:
-            await self._endpoint.send_obj(raw_command(OP_PING, reply_bytes, size=request_bytes))
-            await self._endpoint.recv_obj()
-
-        await asyncio.wait_for(exchange(), self._timeout_s)
-
-    async def peer_cpu_s(self) -> float:
-        """The peer process's CPU seconds so far."""
-        async def exchange() -> float:
-            await self._endpoint.send_obj(raw_command(OP_CPU))
-            return float(json.loads(bytes(await self._endpoint.recv_obj())))
-
-        return await asyncio.wait_for(exchange(), self._timeout_s)
-
-    async def close(self) -> None:
-        await self._endpoint.close()
 
 
 # ------------------------------------------------------------- measurements
@@ -517,113 +340,6 @@ def measure_prefill(model: str | None, dtype: str, block_size: int, num_tokens: 
         if len(outputs[0].outputs[0].token_ids) != 1:
             raise RuntimeError(f"prefill produced {len(outputs[0].outputs[0].token_ids)} tokens with max_tokens=1 (bug)")
     return PrefillResult(num_tokens, Samples(seconds))
-
-
-# ------------------------------------------------------------------ report
-
-
-def format_report(
-    env: list[EnvSetting], spec: PeerSpec, repeats: int, results: list[LengthResult], prefill: PrefillResult | None
-) -> str:
-    lines = [
-        "UCX: " + "  ".join(setting.describe() for setting in env),
-        f"KV: {spec.model_id}, {spec.dtype}, {spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} head_dim, "
-        f"{spec.block_size}-token blocks = {spec.bytes_per_block:,} bytes/block; "
-        f"median and best of {repeats} runs after 1 warm-up",
-        "",
-        f"{'tokens':>6} {'blocks':>6} {'MiB':>8}  {'path':<29} {'messages':>8} {'median ms':>10} {'best ms':>9} "
-        f"{'med GiB/s':>10} {'best GiB/s':>11} {'vs raw UCX':>11}",
-    ]
-    for r in results:
-        rows = [(path_name(layout), r.connector[layout], str(r.num_messages[layout])) for layout in BLOCK_LAYOUTS]
-        rows += [("raw UCX", r.raw_ucx, "1"), ("memcpy", r.memcpy, "")]
-        for index, (name, samples, num_messages) in enumerate(rows):
-            figures = samples.summary(r.num_bytes)
-            versus = f"{samples.median_s / r.raw_ucx.median_s - 1:+.1%}" if samples is not r.raw_ucx else ""
-            head = f"{r.num_tokens:>6} {r.num_blocks:>6} {r.num_bytes / _MIB:>8.2f}" if index == 0 else " " * 22
-            lines.append(
-                f"{head}  {name:<29} {num_messages:>8} {figures['median_ms']:>10.2f} {figures['best_ms']:>9.2f} "
-                f"{figures['median_gib_per_s']:>10.2f} {figures['best_gib_per_s']:>11.2f} {versus:>11}"
-            )
-    lines += [
-        "",
-        "breakdown, median ms, parts timed on their own: connect = a new connection (made once per prefill instance,",
-        "then kept); headers = the pull's request and reply headers over raw UCX; raw = raw UCX in one message; raw in",
-        "scattered / consecutive messages = raw UCX of the same bytes cut as the connector cuts that pull, at most",
-        f"{WINDOW} in flight (its wire pattern with no connector logic); pull = the connector's pull, from the table above.",
-        f"{'tokens':>6} {'connect':>8} {'headers':>8} {'raw':>8} {'raw in scattered':>17} {'pull scattered':>15} "
-        f"{'raw in consecutive':>19} {'pull consecutive':>17}",
-    ]
-    for r in results:
-        b = {name: samples.median_s * 1e3 for name, samples in r.breakdown.items()}
-        lines.append(
-            f"{r.num_tokens:>6} {b['connect']:>8.2f} {b['header_round_trip']:>8.2f} {r.raw_ucx.median_s * 1e3:>8.2f} "
-            f"{b['raw_scattered_messages']:>17.2f} {r.connector['scattered'].median_s * 1e3:>15.2f} "
-            f"{b['raw_consecutive_messages']:>19.2f} {r.connector['consecutive'].median_s * 1e3:>17.2f}"
-        )
-    paths = [path_name(layout) for layout in BLOCK_LAYOUTS] + ["raw UCX"]
-    lines += [
-        "",
-        "CPU ms per transfer, decode process + prefill process, all threads:",
-        f"{'tokens':>6} " + " ".join(f"{path:>30}" for path in paths),
-    ]
-    for r in results:
-        cells = (f"{r.cpu_ms[path]['decode']:.1f} + {r.cpu_ms[path]['prefill']:.1f}" for path in paths)
-        lines.append(f"{r.num_tokens:>6} " + " ".join(f"{cell:>30}" for cell in cells))
-    if prefill is not None:
-        transfer = next(r for r in results if r.num_tokens == prefill.num_tokens)
-        prefill_ms = prefill.samples.median_s * 1e3
-        ratios = ", ".join(
-            f"{layout} {transfer.connector[layout].median_s * 1e3:.2f} ms = {transfer.connector[layout].median_s / prefill.samples.median_s:.1%}"
-            for layout in BLOCK_LAYOUTS
-        )
-        lines += [
-            "",
-            f"prefill of {prefill.num_tokens} tokens: median {prefill_ms:.1f} ms, best {prefill.samples.best_s * 1e3:.1f} ms "
-            f"({len(prefill.samples.seconds)} runs after 1 warm-up)",
-            f"connector pull / prefill: {ratios} (target < 10%)",
-        ]
-    return "\n".join(lines)
-
-
-def report_json(
-    args: argparse.Namespace, env: list[EnvSetting], spec: PeerSpec, results: list[LengthResult], prefill: PrefillResult | None
-) -> dict[str, object]:
-    report: dict[str, object] = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "ucx_env": [asdict(setting) for setting in env],
-        "kv": {**asdict(spec), "bytes_per_block": spec.bytes_per_block},
-        "lengths": [
-            {
-                "num_tokens": r.num_tokens,
-                "num_blocks": r.num_blocks,
-                "num_bytes": r.num_bytes,
-                "connector": {
-                    layout: {
-                        **r.connector[layout].summary(r.num_bytes),
-                        "seconds": r.connector[layout].seconds,
-                        "num_messages": r.num_messages[layout],
-                        "overhead_vs_raw_pct": r.overhead_vs_raw(layout) * 100,
-                    }
-                    for layout in BLOCK_LAYOUTS
-                },
-                "raw_ucx": {**r.raw_ucx.summary(r.num_bytes), "seconds": r.raw_ucx.seconds},
-                "memcpy": {**r.memcpy.summary(r.num_bytes), "seconds": r.memcpy.seconds},
-                "breakdown": {name: {**s.summary(), "seconds": s.seconds} for name, s in r.breakdown.items()},
-                "cpu_ms_per_transfer": r.cpu_ms,
-            }
-            for r in results
-        ],
-    }
-    if prefill is not None:
-        transfer = next(r for r in results if r.num_tokens == prefill.num_tokens)
-        report["prefill"] = {
-            "num_tokens": prefill.num_tokens,
-            **prefill.samples.summary(),
-            "seconds": prefill.samples.seconds,
-            "transfer_over_prefill": {layout: transfer.connector[layout].median_s / prefill.samples.median_s for layout in BLOCK_LAYOUTS},
-        }
-    return report
 
 
 # ---------------------------------------------------------------------- main

@@ -24,7 +24,7 @@ import aiohttp
 from tqdm import tqdm
 
 from bench.arrivals import arrival_offsets
-from bench.client import Endpoint, RequestRecord, auth_headers, build_payload, fetch_model_id, send_request
+from bench.client import Endpoint, RequestRecord, ServedModel, auth_headers, build_payload, fetch_model, send_request
 from bench.datasets import SampleRequest, WorkloadSpec, sample_workload
 from bench.metrics import DEFAULT_PERCENTILES, RunInfo, compute_metrics, result_json
 from bench.prompt_text import load_tokenizer
@@ -80,24 +80,29 @@ def validate(config: ServeConfig) -> None:
 
 
 def resolve_target(config: ServeConfig) -> Target:
-    model_id = config.model or asyncio.run(_first_model(config))
+    """The model to ask for and the tokenizer that measures prompt lengths: ``--tokenizer``,
+    else the model id when it is a folder here, else the folder the server says it loaded
+    the model from (``root`` in ``/v1/models``: right when client and server share a host)."""
+    served = None if config.model is not None and config.tokenizer is not None else asyncio.run(_first_model(config))
+    model_id = config.model or served.model_id
     if config.model is None:
         logger.info("benchmarking model %r (the first /v1/models lists)", model_id)
     tokenizer_id = config.tokenizer
-    if tokenizer_id is None and (Path(model_id) / "tokenizer.json").is_file():
-        tokenizer_id = model_id
     if tokenizer_id is None:
-        # The gateway's own default model; torch-free once it has been converted.
-        from engine.default_model import default_model_path
-
-        tokenizer_id = str(default_model_path())
-        logger.info("measuring prompt lengths with %s; pass --tokenizer for another model", tokenizer_id)
+        candidates = [model_id] + ([served.root] if served is not None and served.root and served.model_id == model_id else [])
+        tokenizer_id = next((c for c in candidates if (Path(c) / "tokenizer.json").is_file()), None)
+        if tokenizer_id is None:
+            raise ValueError(
+                f"cannot measure prompt lengths: the server's model {model_id!r} is no folder with a tokenizer.json here; "
+                "pass --tokenizer PATH (a local folder, or a Hugging Face name this host can load)"
+            )
+        logger.info("measuring prompt lengths with %s; pass --tokenizer for another", tokenizer_id)
     return Target(model_id, tokenizer_id, load_tokenizer(tokenizer_id))
 
 
-async def _first_model(config: ServeConfig) -> str:
+async def _first_model(config: ServeConfig) -> ServedModel:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        return await fetch_model_id(session, config.base_url.rstrip("/"), auth_headers(config.api_key))
+        return await fetch_model(session, config.base_url.rstrip("/"), auth_headers(config.api_key))
 
 
 def benchmark(config: ServeConfig, target: Target | None = None) -> dict[str, Any]:

@@ -41,10 +41,16 @@ _OPEN_PATHS = {"/health", "/ready", "/metrics"}
 
 
 def create_app(
-    service: GenerationService, model_name: str, api_key: str | None, discovery_alive: Callable[[], bool] = lambda: True
+    service: GenerationService,
+    model_name: str,
+    api_key: str | None,
+    discovery_alive: Callable[[], bool] = lambda: True,
+    model_root: str | None = None,
 ) -> FastAPI:
     """``discovery_alive``: whether the loop that keeps the instance pool current still runs;
-    without it the gateway routes on reports that only age, so ``/health`` answers 503."""
+    without it the gateway routes on reports that only age, so ``/health`` answers 503.
+    ``model_root``: the folder the model (its tokenizer) was loaded from, shown as ``root`` in
+    ``/v1/models`` as vLLM does, so that a client on the same host can tokenize alike."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None)
 
     def check_model(model: str | None) -> None:
@@ -106,7 +112,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=model_name, max_model_len=service.max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name, root=model_root or model_name, max_model_len=service.max_model_len)])
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:

@@ -113,7 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.grpc_port >= 0:
         grpc_server, grpc_port = await start_grpc_front(service, model_name, args.api_key, args.host, args.grpc_port)
         logger.info("gRPC Generation API on %s:%d", args.host, grpc_port)
-    app = create_app(service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive)
+    app = create_app(service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive, model_root=str(model_path))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
     try:

@@ -28,6 +28,7 @@ class FakeServerConfig:
     ttft_s: float = 0.05
     itl_s: float = 0.02
     model: str = "fake-model"
+    root: str | None = None  # the model's folder, as /v1/models shows it (vLLM and splitserve do)
     api_key: str | None = None
     send_usage: bool = True
     http_error_at: set[int] = field(default_factory=set)  # arrival indices answered with HTTP 500
@@ -79,7 +80,8 @@ class FakeOpenAIServer:
     async def _models(self, request: web.Request) -> web.Response:
         if denied := self._unauthorized(request):
             return denied
-        return web.json_response({"object": "list", "data": [{"id": self.config.model, "object": "model"}]})
+        card = {"id": self.config.model, "object": "model"} | ({"root": self.config.root} if self.config.root else {})
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         if denied := self._unauthorized(request):

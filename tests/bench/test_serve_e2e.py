@@ -162,3 +162,15 @@ def test_bench_serve_against_splitserve_up(tmp_path: Path) -> None:
         assert result["input_lens"] == [32] * 4
     finally:
         assert up.stop() == 0
+
+
+def test_without_tokenizer_the_servers_model_folder_measures_prompts(tokenizer_dir: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """No --tokenizer: the folder /v1/models gives as the model's root (a server on this host)."""
+    with FakeOpenAIServer(FakeServerConfig(root=str(tokenizer_dir))) as server:
+        main(["bench", "serve", "--base-url", server.base_url, "--disable-tqdm", "--num-prompts", "2", "--input-len", "12",
+              "--output-len", "2", "--num-warmups", "0", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+    assert json.loads((tmp_path / "r.json").read_text())["input_lens"] == [12, 12]
+    with FakeOpenAIServer(FakeServerConfig()) as server, pytest.raises(SystemExit):  # no root: no way to tokenize alike
+        main(["bench", "serve", "--base-url", server.base_url, "--disable-tqdm", "--num-prompts", "2"])
+    assert "'fake-model' is no folder with a tokenizer.json here; pass --tokenizer PATH" in capsys.readouterr().err

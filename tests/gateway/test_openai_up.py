@@ -15,7 +15,7 @@ import pytest
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 from engine import LLM, SamplingParams
-from engine.default_model import DEFAULT_MODEL_NAME
+from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tests.gateway.processes import HTTPProcess
 from tests.stores import free_port
 
@@ -75,6 +75,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [DEFAULT_MODEL_NAME]
+    assert models[0].root == str(default_model_path())  # the folder it was loaded from, as vLLM shows it
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
