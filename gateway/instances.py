@@ -51,6 +51,9 @@ class InstanceState:
     num_dispatched: int = 0
     num_dispatched_tokens: int = 0  # their prompt tokens
     num_inflight: int = 0  # calls from this gateway outstanding on it now
+    # Dispatches whose first token came back since the latest report: running there now (a
+    # stream still decodes), which that report cannot show either.
+    num_started: int = 0
     num_reports: int = 0  # reports recorded so far: which dispatches the latest one can show
 
     @contextmanager
@@ -58,27 +61,33 @@ class InstanceState:
         """Count one call from this gateway as outstanding while the block runs; enter it right
         after the pick that dispatched it. The block gets ``prefilled``, to call once the
         instance has computed the prompt (a streamed call's first token); from then on, or from
-        the block's end, the dispatch no longer counts as queued work. Without this a finished
-        prompt would count as queued until the next report (a poll interval) and hold off
-        admission and routing for nothing."""
+        the block's end, the dispatch no longer counts as queued work but as running (until the
+        block's end or the next report). Without this a finished prompt would count as queued
+        until the next report (a poll interval) and hold off admission and routing for nothing,
+        and a stream that started would count as nothing at all."""
         num_reports = self.num_reports
-        settled = False
+        settled = started = False
 
         def prefilled() -> None:
-            nonlocal settled
+            nonlocal settled, started
             if settled:
                 return
             settled = True
             if self.num_reports == num_reports:  # no report since has taken the dispatch over
                 self.num_dispatched = max(0, self.num_dispatched - 1)
                 self.num_dispatched_tokens = max(0, self.num_dispatched_tokens - num_prompt_tokens)
+                self.num_started += 1
+                started = True
 
         self.num_inflight += 1
         try:
             yield prefilled
         finally:
             self.num_inflight -= 1
-            prefilled()
+            if not settled:
+                prefilled()
+            if started and self.num_reports == num_reports:  # over before a report could show it running
+                self.num_started = max(0, self.num_started - 1)
 
     @property
     def instance_id(self) -> str:
@@ -88,7 +97,7 @@ class InstanceState:
     def score(self) -> int:
         if self.report is None:
             return WAITING_WEIGHT * self.num_dispatched
-        return WAITING_WEIGHT * (self.report.num_waiting + self.num_dispatched) + self.report.num_running
+        return WAITING_WEIGHT * (self.report.num_waiting + self.num_dispatched) + self.report.num_running + self.num_started
 
     def is_healthy(self, now: float, stale_after_s: float) -> bool:
         if not self.serving or self.report is None or now - self.reported_at > stale_after_s:
@@ -132,7 +141,7 @@ class InstancePool:
             serving = False
         was_healthy = state.is_healthy(time.monotonic(), self.stale_after_s)
         state.report, state.serving, state.reported_at = report, serving, time.monotonic()
-        state.num_dispatched = state.num_dispatched_tokens = 0
+        state.num_dispatched = state.num_dispatched_tokens = state.num_started = 0
         state.num_reports += 1
         if not was_healthy and state.is_healthy(time.monotonic(), self.stale_after_s):
             logger.info("%s instance %s (%s) is healthy", state.role, address, report.instance_id)

