@@ -132,9 +132,13 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if self._closed or self._thread is None:
             raise EngineDeadError("the engine step loop is not running") from self._error
+        self.core.validate(prompt_token_ids, params, first_token_id)
+        if params.structured is not None:
+            # Compiling can take a while for a large schema: not on the event loop, not on
+            # the engine thread (every running stream would wait); add_request hits the cache.
+            await asyncio.to_thread(self.core.structured_output.compile, params.structured)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.validate(prompt_token_ids, params, first_token_id)
         stream: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         loop = asyncio.get_running_loop()

@@ -22,6 +22,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import KVLoad
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.shape.vocab_size
         self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.model_path)
+        self.structured_output = StructuredOutputManager(self.model_path, self.eos_token_ids)
+        self.runner.structured_output = self.structured_output
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -78,6 +81,8 @@ class EngineCore:
         Raises ValueError for input the engine cannot serve."""
         request_id = request_id or uuid.uuid4().hex
         max_tokens = self.validate(prompt_token_ids, params, first_token_id)
+        # A cache hit when the caller compiled ahead (AsyncEngine does, off this thread).
+        grammar = self.structured_output.new_state(params.structured, request_id) if params.structured else None
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -86,8 +91,10 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
             cache_salt=cache_salt.encode() if cache_salt else b"",
+            grammar=grammar,
         )
         if first_token_id is not None:
+            # Advances the grammar too: P sampled this token under the same grammar.
             request.append_token(first_token_id)
             request.num_external_tokens = len(prompt_token_ids)
         self.scheduler.add_request(request)

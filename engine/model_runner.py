@@ -18,8 +18,11 @@ from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.kv_cache_utils import kv_cache_bytes_per_block, num_blocks_for_budget
 from engine.models import load_model
+from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, SchedulerOutput
+from engine.structured_output.bitmask import PendingBitmask
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,7 @@ class ModelRunner:
             backend.name,
         )
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.structured_output: StructuredOutputManager | None = None  # set by the engine core
 
     # ------------------------------------------------------------------ sizing
 
@@ -125,8 +129,10 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, eos_token_ids: frozenset[int]) -> ModelOutput:
         """Run one scheduled step; returns a sampled token per request that samples."""
         input_ids, positions, metadata, logits_indices = self._prepare_inputs(output)
-        logits = self.model(input_ids, positions, self.layer_caches, metadata, logits_indices)
         sampling = [s.request for s in output.scheduled if s.samples]
+        # Grammar masks for this step's tokens are computed while the forward pass runs.
+        bitmask = self._start_bitmask(sampling)
+        logits = self.model(input_ids, positions, self.layer_caches, metadata, logits_indices)
         if not sampling:
             return ModelOutput(sampled_token_ids=[], logprobs=[])
         sampler_output = self.sampler(
@@ -137,9 +143,18 @@ class ModelRunner:
                 output_token_ids=[r.output_token_ids for r in sampling],
                 generators=[r.generator for r in sampling],
                 eos_token_ids=eos_token_ids,
+                grammar_rows=bitmask.rows if bitmask else [],
+                grammar_bitmask=bitmask.result() if bitmask else None,
             ),
         )
         return ModelOutput(sampled_token_ids=sampler_output.token_ids, logprobs=sampler_output.logprobs)
+
+    def _start_bitmask(self, sampling: list[Request]) -> PendingBitmask | None:
+        """None (and no cost beyond one pass over the rows) when no row samples under a grammar."""
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        if not rows or self.structured_output is None:
+            return None
+        return self.structured_output.worker.start(rows, [sampling[i].grammar for i in rows])
 
     def _prepare_inputs(
         self, output: SchedulerOutput

@@ -11,6 +11,7 @@ import torch
 from engine.kv_cache_utils import BlockHash, extend_block_hashes
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output.grammar_state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -62,12 +63,16 @@ class Request:
     generator: torch.Generator | None = None
     # Decode role: how many prompt tokens arrive from a prefill instance instead of being computed.
     num_external_tokens: int = 0
+    # Set when sampling_params.structured is: the grammar, advanced over every output token.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        if self.grammar is not None:
+            self.grammar.sync(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,6 +92,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def update_block_hashes(self, block_size: int) -> None:
         """Hash every newly full block of known tokens (prefix caching works on full blocks only)."""

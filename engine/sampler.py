@@ -7,11 +7,12 @@ logprobs describe the model's raw distribution, before any of that processing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output.bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -33,6 +34,9 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # tokens generated so far, before this step
     generators: list[torch.Generator | None]  # a seeded generator owned by the request; None: the sampler's own
     eos_token_ids: frozenset[int]  # min_tokens masks these as well as params.stop_token_ids
+    # Rows that sample under a grammar, and their allowed tokens: [len(grammar_rows), words] int32.
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -86,6 +90,8 @@ class Sampler:
 
         apply_penalties(logits, params, metadata.prompt_token_ids, metadata.output_token_ids)
         apply_min_tokens(logits, params, metadata.output_token_ids, metadata.eos_token_ids)
+        if metadata.grammar_bitmask is not None:
+            apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
 
         token_ids = logits.argmax(-1)  # [num_rows]; final for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -160,6 +166,8 @@ class Sampler:
 
 def _needs_processing(metadata: SamplingMetadata) -> bool:
     """False when every row is plain greedy: argmax of the raw logits is the whole answer."""
+    if metadata.grammar_rows:
+        return True
     for p, output in zip(metadata.params, metadata.output_token_ids):
         if not p.is_greedy or p.logprobs is not None or p.uses_penalties or len(output) < p.min_tokens:
             return True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output.spec import StructuredOutputSpec
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 only
 # produces inf/nan, and every serving stack users compare us with does the same.
 _GREEDY_EPSILON = 1e-5
@@ -33,6 +35,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Guided decoding: every output token must keep the output inside this grammar.
+    # Speculative decoding must not draft for such a request (its drafts are not
+    # masked): check ``structured is not None`` before proposing tokens.
+    structured: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -282,6 +282,11 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
                 return
+        if request.grammar is not None and request.grammar.is_finished:
+            # The grammar is complete and allows nothing more (not even EOS sampled yet).
+            request.status = RequestStatus.FINISHED_STOPPED
+            return
+        # An incomplete grammar cut short by the budget ends here too, as "length".
         if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
 

@@ -40,6 +40,7 @@ from gateway.errors import APIError, bad_request
 from gateway.instances import InstancePool
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.structured_request import GrammarValidator
 from gateway.tokenizer import ModelTokenizer
 from serving.sampling_proto import sampling_params_to_proto
 
@@ -95,6 +96,7 @@ class GenerationService:
         self.pool = pool
         self.dispatcher = Dispatcher(pool, metrics)
         self.tokenizer = tokenizer
+        self.grammars = GrammarValidator(tokenizer)  # fronts check a structured output with it before prepare
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests
         self.request_timeout_s = request_timeout_s

@@ -97,6 +97,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling)
         except ValueError as error:
             raise bad_request(str(error)) from error
+        if params.structured is not None:
+            await self.service.grammars.check(params.structured, f"sampling.{request.sampling.WhichOneof('structured')}")
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise bad_request(f"cache_salt has {len(request.cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}", "cache_salt")
         if request.WhichOneof("prompt") == "text":

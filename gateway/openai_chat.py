@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import bad_request
 from gateway.generation import Generated, GenerationJob, GenerationService
-from gateway.openai_common import cancel_on_disconnect, first_then_rest, merged, sampling_params, sse, sse_response, usage_info
+from gateway.openai_common import cancel_on_disconnect, checked_sampling_params, first_then_rest, merged, sse, sse_response, usage_info
 from gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -58,7 +58,7 @@ async def create_chat_completion(
     # OpenAI's default is "as long as the context allows" (max_tokens None).
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    params = sampling_params(request, max_tokens, _num_logprobs(request))
+    params = await checked_sampling_params(request, service, max_tokens, _num_logprobs(request))
     token_ids = await service.tokenizer.encode_chat(
         request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
     )

@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, bad_request, internal_error
 from gateway.generation import Generated, GenerationJob, GenerationService, Usage
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, UsageInfo
+from gateway.structured_request import structured_request
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,19 @@ def sampling_params(
     except ValueError as error:
         # SamplingParams names the field first: "top_p must be in (0, 1], got 2.0".
         raise bad_request(str(error), param=str(error).split(" ", 1)[0]) from error
+
+
+async def checked_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, service: GenerationService, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """:func:`sampling_params`, plus the structured output the request asks for, compiled
+    here first. Raises APIError 400 for bad values, an invalid schema, regex or grammar."""
+    params = sampling_params(request, max_tokens, logprobs)
+    structured = structured_request(request)
+    if structured is not None:
+        await service.grammars.check(structured.spec, structured.param)
+        params.structured = structured.spec
+    return params
 
 
 def usage_info(usages: list[Usage]) -> UsageInfo:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import bad_request
 from gateway.generation import Generated, GenerationJob, GenerationService
-from gateway.openai_common import cancel_on_disconnect, first_then_rest, merged, sampling_params, sse, sse_response, usage_info
+from gateway.openai_common import cancel_on_disconnect, checked_sampling_params, first_then_rest, merged, sse, sse_response, usage_info
 from gateway.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from gateway.tokenizer import ModelTokenizer
 
@@ -63,7 +63,7 @@ async def create_completion(
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await _prompts(request, service)
     jobs = []
-    params = sampling_params(request, request.max_tokens, request.logprobs)  # validated (and extras logged) once
+    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs)  # validated (and extras logged) once
     for index, (token_ids, _) in enumerate(prompts):
         request_id = completion_id if len(prompts) == 1 else f"{completion_id}-{index}"
         # Each job gets its own copy: prepare fills in max_tokens from its prompt's length.

@@ -48,6 +48,34 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's shape."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None  # OpenAI requires it; this server only logs it
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of these. Fields this server does not
+    support (``structural_tag``, ...) are refused rather than ignored: ignoring one
+    would return unconstrained output to a client that asked for a format."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingExtras(OpenAIRequest):
     """Fields both endpoints share, beyond OpenAI's own (named as in vLLM)."""
 
@@ -61,6 +89,15 @@ class SamplingExtras(OpenAIRequest):
     include_stop_str_in_output: bool = False
     priority: Int32 = 0  # lower runs first; nonzero only with the gateway's --enable-priority
     cache_salt: CacheSalt | None = None  # vLLM's: salts the prefix-cache hashes, so only requests with the same salt share blocks
+    # Structured outputs (gateway/structured_request.py turns these into one spec). OpenAI's
+    # response_format (vLLM takes it on completions too), vLLM's structured_outputs, and
+    # vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingExtras):

@@ -51,7 +51,7 @@ class ModelTokenizer:
 
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self.limits.check_prompt_chars(text, param)
-        return await self._run(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+        return await self.run(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
     async def encode_chat(
         self,
@@ -64,7 +64,7 @@ class ModelTokenizer:
         render = self.chat_template.render_call(messages, add_generation_prompt, continue_final_message, template_kwargs)
         timeout_s = self.limits.chat_template_timeout_s
         try:
-            text = await asyncio.wait_for(self._run(render), timeout_s)
+            text = await asyncio.wait_for(self.run(render), timeout_s)
         except TimeoutError:
             raise bad_request(
                 f"rendering the chat template took over {timeout_s} s (--chat-template-timeout); shorten the conversation",
@@ -72,10 +72,10 @@ class ModelTokenizer:
             ) from None
         self.limits.check_prompt_chars(text, "messages")
         # The rendered text carries the template's special tokens: add none.
-        return await self._run(partial(self.tokenizer.encode, text, add_special_tokens=False))
+        return await self.run(partial(self.tokenizer.encode, text, add_special_tokens=False))
 
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return await self._run(partial(self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens))
+        return await self.run(partial(self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (as vLLM shows them: decoded, not the raw vocab entry)."""
@@ -96,6 +96,6 @@ class ModelTokenizer:
         """Stop the worker threads once the work they hold is done; queued work is dropped."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, work: Callable[[], T]) -> T:
+    async def run(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 

@@ -8,6 +8,7 @@ import math
 from splitserve.v1 import generation_pb2
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output.spec import StructuredOutputSpec
 
 # proto3 ``optional`` fields: unset keeps the engine's default.
 _OPTIONAL_FIELDS = (
@@ -42,12 +43,40 @@ def sampling_params_from_proto(message: generation_pb2.SamplingParams) -> Sampli
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         include_stop_str_in_output=message.include_stop_str_in_output,
+        structured=_structured_from_proto(message),
     )
+
+
+def _structured_from_proto(message: generation_pb2.SamplingParams) -> StructuredOutputSpec | None:
+    """The spec as sent; whether it compiles is the compiler's to say."""
+    kind = message.WhichOneof("structured")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return StructuredOutputSpec("json", message.json_schema)
+    if kind == "json_object":
+        if not message.json_object:
+            raise ValueError("json_object must be true when set; leave the structured oneof unset for free output")
+        return StructuredOutputSpec("json_object")
+    if kind == "choice":
+        return StructuredOutputSpec.from_choices(list(message.choice.choices))
+    return StructuredOutputSpec(kind, getattr(message, kind))  # regex, grammar
+
+
+def _structured_to_proto(spec: StructuredOutputSpec, message: generation_pb2.SamplingParams) -> None:
+    if spec.kind == "json":
+        message.json_schema = spec.spec
+    elif spec.kind == "json_object":
+        message.json_object = True
+    elif spec.kind == "choice":
+        message.choice.choices.extend(spec.choices)
+    else:
+        setattr(message, spec.kind, spec.spec)
 
 
 def sampling_params_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
     """Everything an instance needs. Stop strings stay with the caller: instances see no text."""
-    return generation_pb2.SamplingParams(
+    message = generation_pb2.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
@@ -63,3 +92,6 @@ def sampling_params_to_proto(params: SamplingParams) -> generation_pb2.SamplingP
         frequency_penalty=params.frequency_penalty,
         skip_special_tokens=params.skip_special_tokens,
     )
+    if params.structured is not None:
+        _structured_to_proto(params.structured, message)
+    return message
