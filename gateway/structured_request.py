@@ -40,7 +40,7 @@ def structured_request(request: CompletionRequest | ChatCompletionRequest) -> St
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             value = getattr(request, name)
             if value is not None:
-                found.append(StructuredRequest(_spec(kind, value), name))
+                found.append(_spec(kind, value, name))
     except ValueError as error:
         raise bad_request(str(error), param=_param_of(error)) from None
     if len(found) > 1:
@@ -73,11 +73,11 @@ def _from_structured_outputs(options: StructuredOutputsParams) -> list[Structure
         )
     found = []
     if options.json_ is not None:
-        found.append(StructuredRequest(_spec("json", options.json_), "structured_outputs.json"))
+        found.append(_spec("json", options.json_, "structured_outputs.json"))
     for kind in ("regex", "choice", "grammar"):
         value = getattr(options, kind)
         if value is not None:
-            found.append(StructuredRequest(_spec(kind, value), f"structured_outputs.{kind}"))
+            found.append(_spec(kind, value, f"structured_outputs.{kind}"))
     if options.json_object:
         found.append(StructuredRequest(StructuredOutputSpec("json_object"), "structured_outputs.json_object"))
     if not found:
@@ -85,12 +85,17 @@ def _from_structured_outputs(options: StructuredOutputsParams) -> list[Structure
     return found
 
 
-def _spec(kind: str, value: object) -> StructuredOutputSpec:
-    if kind == "json":
-        return StructuredOutputSpec.from_json_schema(value)  # type: ignore[arg-type]
-    if kind == "choice":
-        return StructuredOutputSpec.from_choices(value)  # type: ignore[arg-type]
-    return StructuredOutputSpec(kind, value)  # type: ignore[arg-type]
+def _spec(kind: str, value: object, param: str) -> StructuredRequest:
+    try:
+        if kind == "json":
+            spec = StructuredOutputSpec.from_json_schema(value)  # type: ignore[arg-type]
+        elif kind == "choice":
+            spec = StructuredOutputSpec.from_choices(value)  # type: ignore[arg-type]
+        else:
+            spec = StructuredOutputSpec(kind, value)  # type: ignore[arg-type]
+    except ValueError as error:
+        raise _ParamError(f"{param}: {error}", param) from None
+    return StructuredRequest(spec, param)
 
 
 class _ParamError(ValueError):
