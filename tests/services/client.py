@@ -16,18 +16,25 @@ def expected_tokens(colocated: LLM, prompt: list[int]) -> list[int]:
     return colocated.generate([prompt], params)[0].outputs[0].token_ids
 
 
-def run_prefill(prefill: Service, request_id: str, prompt: list[int]) -> disaggregation_pb2.PrefillResponse:
+def run_prefill(
+    prefill: Service, request_id: str, prompt: list[int], sampling: generation_pb2.SamplingParams = GREEDY
+) -> disaggregation_pb2.PrefillResponse:
     stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
-    return stub.Prefill(disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=GREEDY), timeout=30)
+    return stub.Prefill(disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=30)
 
 
 def run_decode(
-    decode: Service, request_id: str, prompt: list[int], prefilled: disaggregation_pb2.PrefillResponse, allow_recompute: bool = False
+    decode: Service,
+    request_id: str,
+    prompt: list[int],
+    prefilled: disaggregation_pb2.PrefillResponse,
+    allow_recompute: bool = False,
+    sampling: generation_pb2.SamplingParams = GREEDY,
 ) -> tuple[list[int], list[disaggregation_pb2.DecodeResponse]]:
     stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
     responses = list(stub.Decode(disaggregation_pb2.DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt, first_token_id=prefilled.first_token_id,
-        sampling=GREEDY, kv=prefilled.kv, allow_recompute=allow_recompute), timeout=60))
+        sampling=sampling, kv=prefilled.kv, allow_recompute=allow_recompute), timeout=60))
     tokens = [prefilled.first_token_id] + [t for r in responses for t in r.token_ids]
     return tokens, responses
 

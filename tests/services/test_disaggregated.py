@@ -3,6 +3,7 @@ gives the colocated engine's greedy tokens, and no KV block leaks on any path.""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -61,6 +62,33 @@ def test_disaggregated_output_equals_colocated(prefill: Service, decode: Service
     assert_all_free(prefill, decode)
     report = decode.load()
     assert report.kv_transfers >= 5 and report.kv_transfer_bytes > 0
+
+
+def test_structured_output_equals_colocated_token_for_token(model: Path, prefill: Service, decode: Service, colocated: LLM) -> None:
+    """P samples the first token under the grammar, D rebuilds the matcher over it and goes on:
+    greedy, the tokens are the colocated engine's, and the text parses or matches."""
+    from transformers import PreTrainedTokenizerFast
+
+    from serving.sampling_proto import sampling_params_from_proto
+    from tests.engine.test_structured_output import PERSON, REGEX, check_output
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model))
+    formats = [
+        generation_pb2.SamplingParams(temperature=0.0, max_tokens=100, json_schema=json.dumps(PERSON)),
+        generation_pb2.SamplingParams(temperature=0.0, max_tokens=100, regex=REGEX),
+        generation_pb2.SamplingParams(temperature=0.0, max_tokens=100, json_schema=json.dumps({"type": "array", "items": {"enum": [1, 22, 333]}, "minItems": 2, "maxItems": 4})),
+    ]
+    for index, prompt in enumerate(random_prompts([5, 17, 30, 9, 40, 12], seed=24)):
+        sampling = formats[index % len(formats)]
+        request_id = f"structured-{index}"
+        prefilled = run_prefill(prefill, request_id, prompt, sampling)
+        tokens, responses = run_decode(decode, request_id, prompt, prefilled, sampling=sampling)
+        params = sampling_params_from_proto(sampling)
+        expected = colocated.generate([prompt], params)[0].outputs[0]
+        assert tokens == expected.token_ids
+        assert responses[-1].finish_reason == expected.finish_reason == "stop"
+        check_output(params.structured, tokenizer.decode(tokens))
+    assert_all_free(prefill, decode)
 
 
 def test_decode_prefix_hit_pulls_only_new_blocks(prefill: Service, decode: Service, colocated: LLM) -> None:
