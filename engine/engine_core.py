@@ -44,7 +44,7 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.shape.vocab_size
         self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.model_path)
-        self.structured_output = StructuredOutputManager(self.model_path, self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.model_path, self.eos_token_ids, self.vocab_size)
         self.runner.structured_output = self.structured_output
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

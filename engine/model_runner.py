@@ -144,7 +144,7 @@ class ModelRunner:
                 generators=[r.generator for r in sampling],
                 eos_token_ids=eos_token_ids,
                 grammar_rows=bitmask.rows if bitmask else [],
-                grammar_bitmask=bitmask.result() if bitmask else None,
+                grammar_bias=bitmask.result() if bitmask else None,
             ),
         )
         return ModelOutput(sampled_token_ids=sampler_output.token_ids, logprobs=sampler_output.logprobs)

@@ -34,9 +34,10 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # tokens generated so far, before this step
     generators: list[torch.Generator | None]  # a seeded generator owned by the request; None: the sampler's own
     eos_token_ids: frozenset[int]  # min_tokens masks these as well as params.stop_token_ids
-    # Rows that sample under a grammar, and their allowed tokens: [len(grammar_rows), words] int32.
+    # Rows that sample under a grammar (ascending), and their grammar's additive bias:
+    # [len(grammar_rows), vocab] float32, 0 where a token is allowed, -inf where forbidden.
     grammar_rows: list[int] = field(default_factory=list)
-    grammar_bitmask: torch.Tensor | None = None
+    grammar_bias: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -90,8 +91,8 @@ class Sampler:
 
         apply_penalties(logits, params, metadata.prompt_token_ids, metadata.output_token_ids)
         apply_min_tokens(logits, params, metadata.output_token_ids, metadata.eos_token_ids)
-        if metadata.grammar_bitmask is not None:
-            apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
+        if metadata.grammar_bias is not None:
+            apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bias)
 
         token_ids = logits.argmax(-1)  # [num_rows]; final for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]

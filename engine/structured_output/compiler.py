@@ -113,15 +113,16 @@ _NAMES = {
 
 def to_llguidance_grammar(spec: StructuredOutputSpec) -> str:
     """The llguidance grammar text of a spec. Raises ValueError for a spec that is not even
-    well-formed (a schema that is not JSON, a grammar llguidance cannot read)."""
+    well-formed (a schema that is not a JSON object, a grammar llguidance cannot read)."""
+    if spec.kind == "json":
+        try:
+            schema = json.loads(spec.spec)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"the JSON schema is not valid JSON: {error}") from None
+        if not isinstance(schema, dict | bool):
+            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
     try:
         if spec.kind == "json":
-            try:
-                schema = json.loads(spec.spec)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"the JSON schema is not valid JSON: {error}") from None
-            if not isinstance(schema, dict | bool):
-                raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
             return LLMatcher.grammar_from_json_schema(spec.spec, defaults=_JSON_OPTIONS)
         if spec.kind == "json_object":
             return LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_JSON_OPTIONS)
@@ -132,10 +133,7 @@ def to_llguidance_grammar(spec: StructuredOutputSpec) -> str:
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choices))
         return llguidance.grammar_from("grammar", spec.spec)  # EBNF (GBNF) converted to Lark, or Lark
     except ValueError as error:
-        message = str(error)
-        if message.startswith(("the ", "a JSON")):
-            raise
-        raise ValueError(f"the {_NAMES[spec.kind]} is not valid: {_first_lines(message)}") from None
+        raise ValueError(f"the {_NAMES[spec.kind]} is not valid: {_first_lines(str(error))}") from None
 
 
 def _first_lines(message: str, max_lines: int = 6) -> str:

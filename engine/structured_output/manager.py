@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, model_path: Path, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, model_path: Path, eos_token_ids: frozenset[int], vocab_size: int) -> None:
         self.model_path = model_path
+        self.vocab_size = vocab_size  # the model's (logits width)
         self.eos_token_ids = eos_token_ids
         self._compiler: GrammarCompiler | None = None
         self._worker: BitmaskWorker | None = None
@@ -48,7 +49,7 @@ class StructuredOutputManager:
     def worker(self) -> BitmaskWorker:
         """Made on the engine thread only (the first step with a constrained row)."""
         if self._worker is None:
-            self._worker = BitmaskWorker(self.compiler.vocab_size)
+            self._worker = BitmaskWorker(self.compiler.vocab_size, self.vocab_size)
         return self._worker
 
     def compile(self, spec: StructuredOutputSpec) -> None:

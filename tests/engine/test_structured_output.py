@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -15,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplingMetadata
 from engine.structured_output import StructuredOutputSpec
-from engine.structured_output.bitmask import BitmaskWorker, apply_token_bitmask
+from engine.structured_output.bitmask import BitmaskWorker, apply_token_bitmask, token_bias
 from engine.structured_output.compiler import GrammarCompiler
 from engine.structured_output.grammar_state import GrammarState
 from tests.checkpoints import make_checkpoint
@@ -144,11 +145,10 @@ def test_a_rebuilt_state_allows_what_the_live_one_allows(compiler: GrammarCompil
     """What the decode side does with P's first token, and a retry with all tokens so far."""
     compiled = compiler.compile(json_spec())
     live = GrammarState(compiled.new_matcher(), "live")
-    worker = BitmaskWorker(compiler.vocab_size)
+    worker = BitmaskWorker(compiler.vocab_size, compiler.vocab_size)
     tokens: list[int] = []
     for _ in range(12):
-        mask = worker.start([0], [live]).result()
-        allowed = [t for t in range(compiler.vocab_size) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+        allowed = (worker.start([0], [live]).result()[0] == 0).nonzero().flatten().tolist()
         token = allowed[len(tokens) * 7 % len(allowed)]
         tokens.append(token)
         live.accept(token)
@@ -200,24 +200,34 @@ def test_bad_specs_are_refused_before_any_work(llm: LLM) -> None:
 
 
 def test_the_bitmask_masks_only_its_rows_and_ids_beyond_the_grammar_vocabulary() -> None:
-    logits = torch.zeros(3, 70)
-    bitmask = torch.zeros(1, 2, dtype=torch.int32)  # a 64-token grammar vocabulary
+    bitmask = np.zeros((2, 2), dtype=np.int32)  # a 64-token grammar vocabulary
     bitmask[0, 0] = 1 << 5
-    bitmask[0, 1] = 1 << 3  # token 35
-    apply_token_bitmask(logits, [1], bitmask)
+    bitmask[0, 1] = (1 << 3) - (1 << 31)  # tokens 35 and 63 (bit 31 is the sign bit)
+    bitmask[1, 0] = -1  # tokens 0..31
+    wide = token_bias(bitmask, 70)  # the model's embedding is padded past the tokenizer
+    assert set(wide.flatten().tolist()) == {0.0, float("-inf")}
+    assert (wide[0] == 0).nonzero().flatten().tolist() == [5, 35, 63]
+    assert (wide[1] == 0).nonzero().flatten().tolist() == list(range(32))
+    assert (token_bias(bitmask, 40)[0] == 0).nonzero().flatten().tolist() == [5, 35]  # a narrower model
+
+    logits = torch.zeros(3, 70)
+    apply_token_bitmask(logits, [1], wide[:1])
     assert torch.equal(logits[0], torch.zeros(70)) and torch.equal(logits[2], torch.zeros(70))
-    assert (logits[1] == 0).nonzero().flatten().tolist() == [5, 35]
+    assert (logits[1] == 0).nonzero().flatten().tolist() == [5, 35, 63]
+    every_row = torch.zeros(2, 70)
+    apply_token_bitmask(every_row, [0, 1], wide)
+    assert torch.equal(every_row, wide)
 
 
 def test_the_sampler_picks_only_allowed_tokens_greedy_or_sampled() -> None:
     logits = torch.randn(4, 64) * 5
-    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask = np.zeros((2, 2), dtype=np.int32)
     bitmask[0, 1] = 1 << 7  # row 1: only token 39
     bitmask[1, 0] = 0b1010  # row 3: tokens 1 or 3
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
     metadata = SamplingMetadata(
         params=params, prompt_token_ids=[[]] * 4, output_token_ids=[[]] * 4, generators=[None] * 4,
-        eos_token_ids=frozenset(), grammar_rows=[1, 3], grammar_bitmask=bitmask,
+        eos_token_ids=frozenset(), grammar_rows=[1, 3], grammar_bias=token_bias(bitmask, 64),
     )
     tokens = Sampler(seed=0)(logits, metadata).token_ids
     assert tokens[0] == int(logits[0].argmax()) and tokens[1] == 39 and tokens[3] in (1, 3)

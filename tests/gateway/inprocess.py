@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+from fastapi import FastAPI
 from transformers import PreTrainedTokenizerFast
 
 from gateway.app import create_app
@@ -57,6 +58,7 @@ class InProcessGateway:
     client: httpx.AsyncClient
     service: GenerationService
     grpc_channel: grpc.aio.Channel
+    app: FastAPI | None = None  # what ``client`` talks to, for other clients (the openai one)
 
 
 @asynccontextmanager
@@ -77,10 +79,11 @@ async def inprocess_gateway(
     grpc_server, grpc_port = await start_grpc_front(service, MODEL_NAME, None, "127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
     # A server logs what the app raises after its 500 went out; here the response is what counts.
-    transport = httpx.ASGITransport(app=create_app(service, MODEL_NAME, None), raise_app_exceptions=False)
+    app = create_app(service, MODEL_NAME, None)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as client:
-            yield InProcessGateway(client, service, channel)
+            yield InProcessGateway(client, service, channel, app)
     finally:
         await channel.close()
         await grpc_server.stop(grace=None)

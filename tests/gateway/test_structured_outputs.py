@@ -50,7 +50,7 @@ def run(instances: tuple[Service, Service], model: Path, scenario) -> None:  # n
 
 
 def openai_client(gateway: InProcessGateway) -> openai.AsyncOpenAI:
-    transport = httpx.ASGITransport(app=gateway.client._transport.app)  # type: ignore[attr-defined]
+    transport = httpx.ASGITransport(app=gateway.app)
     http_client = httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60)
     return openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http_client, max_retries=0)
 

@@ -1,0 +1,166 @@
+"""What a JSON schema costs: one batch of N requests decoded with and without it.
+
+    python -m bench.structured_output --batch-size 32 --output-len 64 --runs 3
+
+Same N random-token prompts, greedy, ``ignore_eos``, ``max_tokens`` = ``--output-len``
+in both phases. The schema (an array of at least 20 objects) never completes
+within the budget, so every constrained row runs to ``--output-len`` too and both
+phases generate exactly N x output-len tokens: the throughput ratio is the grammar's
+cost alone. Each phase is timed ``--runs`` times after a warm-up run of each (which
+also compiles the schema once; the compile time is reported apart).
+
+Beside wall time it reports, per decode step with constrained rows, the time the
+worker spent filling and unpacking bitmasks, the time the engine thread still waited
+for them after its forward pass (what the overlap did not hide), and the sampler's
+batched add of the mask; and what an unconstrained step pays for the feature: the check that no
+row has a grammar (``ModelRunner._start_bitmask`` on N rows without one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import time
+import timeit
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.request import Request
+from engine.structured_output import StructuredOutputSpec
+from engine.structured_output import bitmask as bitmask_module
+from engine.structured_output.compiler import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = {
+    "type": "array",
+    "minItems": 20,  # a model would close an empty array at once; 20 objects outlast the budget
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "email": {"type": "string", "format": "email"},
+            "admin": {"type": "boolean"},
+        },
+        "required": ["name", "age", "email", "admin"],
+        "additionalProperties": False,
+    },
+}
+
+
+class _Timed:
+    """Wraps the bitmask worker's fill and the sampler's wait to add up their times."""
+
+    def __init__(self) -> None:
+        self.fill_s: list[float] = []
+        self.wait_s: list[float] = []
+        fill, result = bitmask_module.BitmaskWorker._fill, bitmask_module.PendingBitmask.result
+        self.apply_s: list[float] = []
+        apply = bitmask_module.apply_token_bitmask
+
+        def timed_apply(logits, rows, bias):  # noqa: ANN001, ANN202
+            start = time.perf_counter()
+            try:
+                return apply(logits, rows, bias)
+            finally:
+                self.apply_s.append(time.perf_counter() - start)
+
+        def timed_fill(worker, states):  # noqa: ANN001, ANN202
+            start = time.perf_counter()
+            try:
+                return fill(worker, states)
+            finally:
+                self.fill_s.append(time.perf_counter() - start)
+
+        def timed_result(pending):  # noqa: ANN001, ANN202
+            start = time.perf_counter()
+            try:
+                return result(pending)
+            finally:
+                self.wait_s.append(time.perf_counter() - start)
+
+        bitmask_module.BitmaskWorker._fill = timed_fill  # type: ignore[method-assign]
+        bitmask_module.PendingBitmask.result = timed_result  # type: ignore[method-assign]
+        # The sampler imported the function itself: patch its name there.
+        import engine.sampler
+
+        engine.sampler.apply_token_bitmask = timed_apply  # type: ignore[assignment]
+
+    def reset(self) -> None:
+        self.fill_s.clear()
+        self.wait_s.clear()
+        self.apply_s.clear()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a local HF folder; default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=256 << 20)
+    rng = random.Random(args.seed)
+    vocab = llm.tokenizer.vocab_size
+    prompts = [[rng.randrange(100, vocab - 1) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+    spec = StructuredOutputSpec.from_json_schema(SCHEMA)
+    free = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, structured=spec)
+
+    start = time.perf_counter()
+    GrammarCompiler.from_hf_tokenizer(llm.tokenizer).compile(spec)  # type: ignore[arg-type]
+    compile_s = time.perf_counter() - start
+
+    timed = _Timed()
+    results: dict[str, list[float]] = {"free": [], "json_schema": []}
+    for name, params in (("free", free), ("json_schema", constrained)):
+        llm.generate(prompts[:4], params)  # warm-up (and, constrained, the instance's compile)
+    for _ in range(args.runs):
+        for name, params in (("free", free), ("json_schema", constrained)):
+            timed.reset()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            if num_tokens != args.batch_size * args.output_len:
+                raise RuntimeError(f"{name}: {num_tokens} tokens, expected {args.batch_size * args.output_len}")
+            results[name].append(num_tokens / elapsed)
+            if name == "json_schema":
+                for output in outputs[:1]:
+                    logger.warning("a constrained output: %r", output.outputs[0].text[:120])
+                print(
+                    f"json_schema run: {elapsed:.2f} s, {num_tokens / elapsed:.1f} tok/s; bitmask fill per step "
+                    f"median {statistics.median(timed.fill_s) * 1e3:.2f} ms, engine wait after the forward pass "
+                    f"median {statistics.median(timed.wait_s) * 1e3:.2f} ms, sampler mask (add) median "
+                    f"{statistics.median(timed.apply_s) * 1e3:.2f} ms, over {len(timed.fill_s)} steps"
+                )
+            else:
+                print(f"free run: {elapsed:.2f} s, {num_tokens / elapsed:.1f} tok/s")
+    free_rate, json_rate = statistics.median(results["free"]), statistics.median(results["json_schema"])
+    unconstrained = [
+        Request(request_id=str(i), prompt_token_ids=p, sampling_params=free, max_tokens=args.output_len, eos_token_ids=frozenset())
+        for i, p in enumerate(prompts)
+    ]
+    runner = llm.engine.runner
+    check_us = min(timeit.repeat(lambda: runner._start_bitmask(unconstrained), number=10_000, repeat=5)) / 10_000 * 1e6
+    print(json.dumps({
+        "unconstrained_step_check_us": round(check_us, 2), "torch_threads": torch.get_num_threads(),
+        "batch_size": args.batch_size, "output_len": args.output_len, "schema_compile_s": round(compile_s, 3),
+        "free_tok_s": [round(r, 1) for r in results["free"]], "json_schema_tok_s": [round(r, 1) for r in results["json_schema"]],
+        "median_cost": f"{(1 - json_rate / free_rate) * 100:.1f}%",
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
