@@ -95,6 +95,36 @@ def test_the_openai_client_gets_output_in_the_requested_format(model: Path, inst
     run(instances, model, scenario)
 
 
+def test_a_concurrent_mixed_batch_through_prefill_and_decode_all_parses(model: Path, instances: tuple[Service, Service]) -> None:
+    """Constrained and free requests decode in the same batches on D: each keeps its own format."""
+    formats: list[tuple[dict[str, object], object]] = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
+         lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+        ({"guided_regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),
+        ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+        ({"structured_outputs": {"grammar": GRAMMAR}}, GRAMMAR_TEXT.fullmatch),
+        ({"ignore_eos": True}, lambda t: True),  # free: runs to max_tokens
+    ]
+
+    async def scenario(gateway: InProcessGateway) -> None:
+        client = openai_client(gateway)
+
+        async def one(index: int) -> None:
+            extra_body, check = formats[index % len(formats)]
+            completion = await client.completions.create(
+                model=MODEL_NAME, prompt=f"The quick brown fox {index}", max_tokens=100, temperature=1.0, seed=index, extra_body=extra_body
+            )
+            choice = completion.choices[0]
+            assert check(choice.text), (extra_body, choice.text)  # type: ignore[operator]
+            assert choice.finish_reason == ("length" if "ignore_eos" in extra_body else "stop"), (extra_body, choice)
+
+        gateway.service.max_pending_requests = 16
+        await asyncio.gather(*(one(i) for i in range(15)))
+        await client.close()
+
+    run(instances, model, scenario)
+
+
 def test_a_grammar_cut_short_finishes_with_length(model: Path, instances: tuple[Service, Service]) -> None:
     async def scenario(gateway: InProcessGateway) -> None:
         response = await gateway.client.post(
