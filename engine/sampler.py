@@ -1,7 +1,9 @@
 """Turn one step's logits into next tokens (and, when asked, their logprobs).
 
 Semantics follow vLLM v1 and the OpenAI API: penalties, then min_tokens
-masking, then greedy argmax or temperature / top-k / top-p / min-p sampling;
+masking, then the grammar's mask (structured outputs; the bias comes ready from
+``engine.structured_output.bitmask``), then greedy argmax or temperature / top-k /
+top-p / min-p sampling;
 logprobs describe the model's raw distribution, before any of that processing.
 """
 
