@@ -364,7 +364,7 @@ def test_dockerfile_installs_as_the_readme_does() -> None:
     steps = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
     installs = [match.strip() for line in steps for match in re.findall(r"pip install ([^&\\]*)", line)]
     torch_pin = next(dep for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"] if dep.startswith("torch"))
-    assert re.fullmatch(r'(\$\{TORCH_INDEX_URL:\+--index-url "\$TORCH_INDEX_URL"\} )?' + re.escape(torch_pin), installs[0]), (
+    assert re.fullmatch(r'(--find-links /tmp/wheels )?(\$\{TORCH_INDEX_URL:\+--index-url "\$TORCH_INDEX_URL"\} )?' + re.escape(torch_pin), installs[0]), (
         f"torch first and alone, pinned as pyproject pins it: {installs[0]!r}"
     )
     assert "." in installs, f"no `pip install .` in {installs}"
@@ -377,7 +377,7 @@ def test_dockerfile_installs_as_the_readme_does() -> None:
 
 def test_dockerfile_takes_the_build_args_the_cpu_file_passes() -> None:
     declared = set(re.findall(r"^ARG (\w+)", dockerfile(), re.MULTILINE))
-    args = raw(CPU)["services"]["prefill"]["build"]["args"]
+    args = with_defaults(raw(CPU)["services"]["prefill"]["build"]["args"])
     assert set(args) <= declared
     assert "nvidia/cuda" in re.search(r"^ARG BASE_IMAGE=(\S+)", dockerfile(), re.MULTILINE)[1]
     assert args["TORCH_INDEX_URL"].endswith("/cpu")
