@@ -6,7 +6,7 @@
 #   localhost/splitserve-base:bookworm    Python 3.11 with venv and headers, gcc, ca-certificates:
 #                                         compose/Dockerfile's BASE_IMAGE (SPLITSERVE_BASE_IMAGE)
 #   localhost/splitserve-redis:bookworm   the base plus Debian's redis-server (REDIS_IMAGE)
-#   localhost/splitserve-prometheus:bookworm  the base plus Debian's prometheus (PROMETHEUS_IMAGE)
+#   localhost/splitserve-prometheus:bookworm  the base plus Debian's prometheus and wget (PROMETHEUS_IMAGE)
 #
 #   compose/local-base.sh
 #
@@ -20,7 +20,7 @@ runtime=${CONTAINER_RUNTIME:-podman}
 suite=bookworm
 base=localhost/splitserve-base:$suite
 # image -> the Debian packages it adds to the base
-declare -A extras=([localhost/splitserve-redis:$suite]=redis-server [localhost/splitserve-prometheus:$suite]=prometheus)
+declare -A extras=([localhost/splitserve-redis:$suite]=redis-server [localhost/splitserve-prometheus:$suite]='prometheus wget')
 
 missing=()
 for image in "$base" "${!extras[@]}"; do

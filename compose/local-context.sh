@@ -9,15 +9,27 @@
 #
 # Both folders keep their files out of git. Fails when no CPU wheel is found: local.env has pip
 # resolve torch's dependencies on PyPI, where torch itself is the multi-GB CUDA build.
+# A file already there and the same is left alone, and copies keep their times (cp -p): the
+# image build's layer cache hashes them, and a fresh time would rebuild every later layer.
 set -euo pipefail
 shopt -s nullglob
 here=$(cd "$(dirname "$0")" && pwd)
 
-rm -f "$here"/ca-certificates/*.crt "$here"/wheels/*.whl
+sync_into() {  # DIR PATTERN FILE...: DIR holds exactly FILE... among the names matching PATTERN
+    local dir=$1 pattern=$2 file kept
+    shift 2
+    for file in "$dir"/$pattern; do
+        kept=
+        for source in "$@"; do [ "$(basename "$source")" = "$(basename "$file")" ] && kept=1; done
+        [ -n "$kept" ] || rm -f "$file"
+    done
+    for source in "$@"; do
+        cmp -s "$source" "$dir/$(basename "$source")" || cp -p "$source" "$dir/"
+    done
+}
+
 certs=(/usr/local/share/ca-certificates/*.crt /usr/local/share/ca-certificates/*/*.crt)
-if [ ${#certs[@]} -gt 0 ]; then
-    cp "${certs[@]}" "$here/ca-certificates/"
-fi
+sync_into "$here/ca-certificates" '*.crt' "${certs[@]}"
 
 wheel=${TORCH_WHEEL:-}
 if [ -z "$wheel" ]; then
@@ -30,5 +42,5 @@ if [ -z "$wheel" ] || [ ! -f "$wheel" ]; then
          "(from https://download.pytorch.org/whl/cpu/torch/)" >&2
     exit 1
 fi
-cp "$wheel" "$here/wheels/"
+sync_into "$here/wheels" '*.whl' "$wheel"
 echo "build context: ${#certs[@]} CA certificate(s), $(basename "$wheel")"

@@ -205,8 +205,11 @@ def test_chat_and_streaming_run_through_prefill_and_decode_containers(stack: Sta
     addresses = {dict(labels)["role"]: dict(labels)["address"] for (name, labels) in samples if name == "splitserve_instance_healthy"}
     assert addresses == {"prefill": "prefill:50061", "decode": "decode:50071"}, addresses
     assert samples[("splitserve_kv_transfer_bytes_total", frozenset())] > 0, "no KV moved from P to D"
-    (pulled,) = instance_samples(samples, "splitserve_instance_kv_transfer_bytes", "decode").values()
-    assert pulled > 0, "the decode container pulled no KV"
+    # D's own count, as the gateway last heard it (a heartbeat a second).
+    deadline = time.monotonic() + 10
+    while not all(instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes", "decode").values()):
+        assert time.monotonic() < deadline, "the decode container's load reports never counted a pull"
+        time.sleep(0.5)
     assert samples[("splitserve_kv_recomputes_total", frozenset())] == 0, "D recomputed instead of pulling"
 
 
@@ -241,8 +244,13 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
     chat_and_stream(stack)
     samples = scrape(stack)
     assert samples[("splitserve_kv_transfer_bytes_total", frozenset())] > transferred
-    new_instances = {instance for instance in instance_samples(samples, "splitserve_instance_kv_transfer_bytes", "decode") if instance not in before}
-    assert new_instances and all(instance_samples(samples, "splitserve_instance_kv_transfer_bytes", "decode")[i] > 0 for i in new_instances)
+    deadline = time.monotonic() + 10
+    while True:
+        pulled = {i: v for i, v in instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes", "decode").items() if i not in before}
+        if pulled and all(pulled.values()):
+            break
+        assert time.monotonic() < deadline, f"the restarted decode instance pulled no KV: {pulled}"
+        time.sleep(0.5)
 
 
 def test_down_leaves_no_container(stack: Stack) -> None:
