@@ -26,12 +26,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Node:
-    namespace: str
+    namespace: str | None  # None: the test's own namespace (loopback, for comparison)
     address: str  # on the bridge's subnet
 
     def command(self, *argv: str) -> list[str]:
         """``argv`` run inside this node's namespace."""
-        return ["ip", "netns", "exec", self.namespace, *argv]
+        return ["ip", "netns", "exec", self.namespace, *argv] if self.namespace else list(argv)
 
 
 @dataclass(slots=True)

@@ -35,10 +35,14 @@ import pytest
 from launcher.processes import free_port
 from tests.compose.test_compose import COMPOSE_DIR, compose_environment
 
+DASHBOARD = COMPOSE_DIR / "grafana" / "dashboards" / "splitserve.json"
+
 logger = logging.getLogger(__name__)
 
 TOOLS = ("podman", "podman-compose", "runc", "debootstrap")
-FILES = ("-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml")
+FILES = ("-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml", "-f", "docker-compose.observability.yml")
+# Grafana's image is in no registry reachable here (its dashboard is checked in test_observability.py).
+SERVICES = ("redis", "prefill", "decode", "gateway", "prometheus")
 BUILD_TIMEOUT_S = 1800.0  # a cold image build on a busy 2-core machine
 READY_TIMEOUT_S = 600.0  # loading the model and warming up P, on 2 shared cores
 RESTART_TIMEOUT_S = 300.0
@@ -62,6 +66,7 @@ class Stack:
     project: str
     env: dict[str, str]
     gateway_port: int
+    prometheus_port: int
     timings: dict[str, float] = field(default_factory=dict)
 
     def compose(self, *args: str, timeout_s: float = 600.0) -> subprocess.CompletedProcess[str]:
@@ -135,14 +140,15 @@ def chat_and_stream(stack: Stack) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=300, max_retries=0)
+    (model,) = [card.id for card in client.models.list()]  # compose serves the model under its folder's path
     prompt = "List the planets of the solar system, one per line, in order from the Sun."
     reply = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0,
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0,
     )
     assert reply.choices[0].message.content, reply
     assert reply.usage.completion_tokens > 1 and reply.usage.prompt_tokens > 16, reply.usage  # more than one KV block moved
     stream = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0, stream=True,
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0, stream=True,
     )
     pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     assert len([piece for piece in pieces if piece]) > 1, pieces
@@ -165,9 +171,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # Less than the CPU file's 1 GiB each: enough for these requests, kinder to a shared CI box.
         "KV_CACHE_MEMORY": str(256 * 1024 * 1024),
     }
-    gateway_port = free_port()
-    env["GATEWAY_PORT"], env["GATEWAY_GRPC_PORT"] = str(gateway_port), str(free_port())
-    stack = Stack(project=f"splitserve-test-{os.getpid()}", env=env, gateway_port=gateway_port)
+    # Free host ports; inside the containers the defaults, which prometheus.yml scrapes.
+    gateway_port, prometheus_port = free_port(), free_port()
+    env |= {"GATEWAY_PUBLISHED_PORT": str(gateway_port), "GATEWAY_GRPC_PUBLISHED_PORT": str(free_port()),
+            "PROMETHEUS_PUBLISHED_PORT": str(prometheus_port)}
+    stack = Stack(project=f"splitserve-test-{os.getpid()}", env=env, gateway_port=gateway_port, prometheus_port=prometheus_port)
 
     started = time.monotonic()
     for script in ("local-base.sh", "local-context.sh"):
@@ -181,7 +189,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack.timed("image build", started)
     try:
         started = time.monotonic()
-        stack.compose("up", "-d")
+        stack.compose("up", "-d", *SERVICES)
         wait_until_ready(stack, READY_TIMEOUT_S)
         stack.timed("up until /ready", started)
         yield stack
@@ -197,7 +205,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def test_chat_and_streaming_run_through_prefill_and_decode_containers(stack: Stack) -> None:
     chat_and_stream(stack)
-    running = {service: stack.container_ids(service, all_states=False) for service in ("redis", "prefill", "decode", "gateway")}
+    running = {service: stack.container_ids(service, all_states=False) for service in SERVICES}
     assert all(len(ids) == 1 for ids in running.values()), running
     assert running["prefill"] != running["decode"]
     samples = scrape(stack)
@@ -211,6 +219,37 @@ def test_chat_and_streaming_run_through_prefill_and_decode_containers(stack: Sta
         assert time.monotonic() < deadline, "the decode container's load reports never counted a pull"
         time.sleep(0.5)
     assert samples[("splitserve_kv_recomputes_total", frozenset())] == 0, "D recomputed instead of pulling"
+
+
+def test_prometheus_scrapes_every_target_and_the_dashboard_series_arrive(stack: Stack) -> None:
+    prometheus = f"http://127.0.0.1:{stack.prometheus_port}/api/v1"
+    wanted = set(re.findall(r"splitserve_\w+", DASHBOARD.read_text()))
+    deadline = time.monotonic() + 60  # a scrape every 5 s
+    while True:
+        targets = httpx.get(f"{prometheus}/targets", timeout=10).json()["data"]["activeTargets"]
+        health = {target["labels"]["component"]: target["health"] for target in targets}
+        names = set(httpx.get(f"{prometheus}/label/__name__/values", timeout=10).json()["data"])
+        if health == {"gateway": "up", "prefill": "up", "decode": "up"} and wanted <= names:
+            break
+        assert time.monotonic() < deadline, f"targets {health}; series the dashboard needs and Prometheus lacks: {sorted(wanted - names)}"
+        time.sleep(2)
+    # The instances' own series, per instance: D's pulls as D counts them.
+    result = httpx.get(f"{prometheus}/query", params={"query": 'splitserve_engine_kv_transfer_bytes_total{role="decode"}'}, timeout=10).json()
+    assert [float(sample["value"][1]) for sample in result["data"]["result"]][0] > 0
+
+
+def test_status_page_lists_both_containers(stack: Stack) -> None:
+    status = httpx.get(f"{stack.url}/status.json", timeout=10).json()
+    assert {(i["role"], i["address"], i["healthy"]) for i in status["instances"]} == {("prefill", "prefill:50061", True), ("decode", "decode:50071", True)}
+    assert status["ttft"] and status["itl"], "the requests above drew no latency points"
+    shot = os.environ.get("SPLITSERVE_STATUS_SCREENSHOT")
+    if shot:  # docs/images/status-page.png comes from here: the real model in real containers
+        from tests.browser import headless_chromium
+
+        with headless_chromium() as browser:
+            browser.open(f"{stack.url}/status")
+            browser.wait_for("return document.querySelectorAll('#instances tr[data-healthy=\"true\"]').length === 2;")
+            browser.screenshot(Path(shot))
 
 
 def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) -> None:

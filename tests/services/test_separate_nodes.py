@@ -7,6 +7,7 @@ Skips where network namespaces cannot be made (not root, no iproute2)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -78,20 +79,16 @@ def metric(text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"no {name} {labels} in the metrics")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Network, str, Path]]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
-    scratch = tmp_path_factory.mktemp("separate-nodes")
-    model = make_checkpoint(scratch / "model")
+@contextmanager
+def serving(nodes: dict[str, Node], model: Path, scratch: Path, kv_cache_memory: int = 1 << 22) -> Iterator[str]:
+    """Redis, P, D and the gateway, each on its node; the gateway's URL once it is ready."""
     # Redis requires a password, as in compose: off loopback it refuses everyone otherwise.
     password = secrets.token_urlsafe(16)
     (scratch / "redis-password").write_text(password + "\n")
     env = {"SPLITSERVE_CLUSTER_SECRET": secrets.token_urlsafe(32), "SPLITSERVE_REDIS_PASSWORD_FILE": str(scratch / "redis-password"),
-           "PYTHONUNBUFFERED": "1", **UCX_ENV}
-    with separate_nodes(PARTS) as network, ExitStack() as stack:
-        nodes = network.nodes
-        registry = f"redis://{nodes['registry'].address}:{REDIS_PORT}"
+           "PYTHONUNBUFFERED": "1", **UCX_ENV, "UCX_NET_DEVICES": "lo" if nodes["decode"].namespace is None else "eth0"}
+    registry = f"redis://{nodes['registry'].address}:{REDIS_PORT}"
+    with ExitStack() as stack:
         processes = {
             "registry": stack.enter_context(started(nodes["registry"], "registry", [
                 "redis-server", "--bind", nodes["registry"].address, "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
@@ -102,7 +99,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Network,
             node, (grpc_port, kv_port) = nodes[role], PORTS[role]
             processes[role] = stack.enter_context(started(node, role, [
                 sys.executable, "-m", "engine.cli", role, "--model", str(model), "--host", node.address, "--port", str(grpc_port),
-                "--kv-port", str(kv_port), "--registry-url", registry, "--kv-cache-memory", str(1 << 22),
+                "--kv-port", str(kv_port), "--registry-url", registry, "--kv-cache-memory", str(kv_cache_memory),
             ], env, scratch))
         gateway = nodes["gateway"]
         processes["gateway"] = stack.enter_context(started(gateway, "gateway", [
@@ -111,6 +108,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Network,
         ], env, scratch))
         url = f"http://{gateway.address}:{HTTP_PORT}"
         wait_ready(url, processes, scratch)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Network, str, Path]]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    scratch = tmp_path_factory.mktemp("separate-nodes")
+    model = make_checkpoint(scratch / "model")
+    with separate_nodes(PARTS) as network, serving(network.nodes, model, scratch) as url:
         yield network, url, scratch
 
 
@@ -150,3 +157,41 @@ def test_requests_pull_kv_across_the_link(cluster: tuple[Network, str, Path]) ->
     while metric(httpx.get(f"{url}/metrics", timeout=10).text, "splitserve_instance_kv_transfer_bytes", role="decode", address=decode_address) == 0:
         assert time.monotonic() < deadline, "D's load reports never counted the pulls"
         time.sleep(0.5)
+
+
+def pull_times(url: str, prompt_ids: list[int], num_requests: int) -> dict[str, float]:
+    """Mean KV pull of ``num_requests`` hand-offs of one prompt, as D timed them (the gateway's
+    histogram of D's reported pull seconds), after one untimed warm-up."""
+    body = {"prompt": prompt_ids, "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+    httpx.post(f"{url}/v1/completions", json={**body, "cache_salt": "warm-up"}, timeout=300).raise_for_status()
+    before = httpx.get(f"{url}/metrics", timeout=10).text
+    for index in range(num_requests):
+        # A salt per request: no prefix-cache hit on D, every block crosses the link.
+        httpx.post(f"{url}/v1/completions", json={**body, "cache_salt": f"run-{index}"}, timeout=300).raise_for_status()
+    after = httpx.get(f"{url}/metrics", timeout=10).text
+    count = metric(after, "splitserve_kv_transfer_seconds_count") - metric(before, "splitserve_kv_transfer_seconds_count")
+    seconds = metric(after, "splitserve_kv_transfer_seconds_sum") - metric(before, "splitserve_kv_transfer_seconds_sum")
+    num_bytes = metric(after, "splitserve_kv_transfer_bytes_total") - metric(before, "splitserve_kv_transfer_bytes_total")
+    assert count == num_requests and metric(after, "splitserve_kv_recomputes_total") == 0
+    return {"pulls": count, "mib_per_pull": num_bytes / count / 2**20, "ms_per_pull": 1000 * seconds / count,
+            "gbit_per_s": 8 * num_bytes / seconds / 1e9}
+
+
+@pytest.mark.skipif(not os.environ.get("SPLITSERVE_NETNS_BENCH"), reason="a measurement: SPLITSERVE_NETNS_BENCH=results.json runs it")
+def test_measure_pulls_across_the_link_beside_loopback(tmp_path: Path) -> None:
+    """docs/benchmarks.md: the embedded SmolLM2-135M (float32 KV), prompts of 256 and 1024
+    tokens, the same pulls with the parts as separate nodes and on loopback (UCX on TCP both)."""
+    from engine.default_model import default_model_path
+
+    model = default_model_path()
+    results = {}
+    loopback = {part: Node(None, "127.0.0.1") for part in PARTS}
+    for setup in ("separate nodes", "loopback"):
+        scratch = tmp_path / setup.replace(" ", "-")
+        scratch.mkdir()
+        with ExitStack() as stack:
+            nodes = stack.enter_context(separate_nodes(PARTS)).nodes if setup == "separate nodes" else loopback
+            url = stack.enter_context(serving(nodes, model, scratch, kv_cache_memory=512 << 20))
+            for num_tokens in (256, 1024):
+                results[f"{setup}, {num_tokens} tokens"] = pull_times(url, [(7 * i) % 40000 + 100 for i in range(num_tokens)], 10)
+    Path(os.environ["SPLITSERVE_NETNS_BENCH"]).write_text(json.dumps(results, indent=2) + "\n")
