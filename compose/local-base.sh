@@ -55,7 +55,9 @@ apt_install() {
         apt-get install -y -qq --no-install-recommends $* >/dev/null &&
         apt-get clean && rm -rf /var/lib/apt/lists/*"
 }
-import_rootfs() {  # IMAGE [CMD as JSON]
+import_rootfs() {  # IMAGE [CMD as JSON]; only a missing one: re-importing the base would
+    # give it a new id and void the layer cache of every image built on it.
+    [[ " ${missing[*]} " == *" $1 "* ]] || return 0
     tar -C "$rootfs" -c . | "$runtime" import \
         --change "CMD ${2:-[\"/bin/bash\"]}" --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
         - "$1" >/dev/null
