@@ -56,6 +56,8 @@ class EngineCore:
             max_num_prefill_tokens=config.max_num_prefill_tokens,
         )
         self.prefill_rate = PrefillRate()
+        self.num_steps = 0  # steps that ran the model, since start
+        self.step_seconds = 0.0  # their model time, since start (mean step time = this / num_steps)
         self.last_step_was_idle = False  # the last step had nothing to run (e.g. only pulls in flight)
         # Decode role: KV pulls requested by the last steps, for the service to perform.
         self.pending_kv_loads: list[KVLoad] = []
@@ -146,8 +148,11 @@ class EngineCore:
             return outputs
         started = time.perf_counter()
         model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
+        seconds = time.perf_counter() - started
         num_prefill_tokens = scheduler_output.num_scheduled_tokens - scheduler_output.num_decodes
-        self.prefill_rate.add(num_prefill_tokens, time.perf_counter() - started)
+        self.prefill_rate.add(num_prefill_tokens, seconds)
+        self.num_steps += 1
+        self.step_seconds += seconds
         for request in self.scheduler.update(scheduler_output, model_output):
             outputs.append(self._output(request, new_token_ids=request.all_token_ids[-1:]))
         return outputs
@@ -203,6 +208,8 @@ class EngineCore:
             num_pending_prefill_tokens=self.scheduler.num_pending_prefill_tokens,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
             num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
         )
 
 

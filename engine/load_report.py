@@ -15,6 +15,8 @@ class LoadReport:
     num_pending_prefill_tokens: int = 0  # prompt tokens queued or mid-prefill
     prefill_tokens_per_s: float = 0.0  # recent prefill throughput; 0 until measured
     num_preemptions: int = 0  # since start
+    num_steps: int = 0  # steps that ran the model, since start
+    step_seconds: float = 0.0  # their model time, since start
 
 
 class PrefillRate:

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,11 +33,13 @@ from gateway.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from gateway.status import StatusResponse, status_page, status_snapshot
 
 logger = logging.getLogger(__name__)
 
-# Probes and scrapes stay open when an API key is set (as in vLLM: the key guards the API).
-_OPEN_PATHS = {"/health", "/ready", "/metrics"}
+# Probes, scrapes and the status page stay open when an API key is set (as in vLLM: the key
+# guards the API); they show what /metrics shows, never a prompt or a secret.
+_OPEN_PATHS = {"/health", "/ready", "/metrics", "/status", "/status.json"}
 
 
 def create_app(
@@ -52,6 +54,7 @@ def create_app(
     ``model_root``: the folder the model (its tokenizer) was loaded from, shown as ``root`` in
     ``/v1/models`` as vLLM does, so that a client on the same host can tokenize alike."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None)
+    page = status_page()  # read once: a missing file fails at start, not at the first visit
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
@@ -109,6 +112,15 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status", include_in_schema=False)
+    async def status() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/status.json")
+    async def status_json() -> StatusResponse:
+        ready = discovery_alive() and service.pool.is_ready()
+        return status_snapshot(service.pool, service.metrics.recent, model_name, ready)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from splitserve.v1 import disaggregation_pb2
 
 from gateway.instances import ROLES, InstancePool
+from gateway.status import RecentLatencies
 
 # Latency buckets (seconds) spanning a CPU-served small model to a fast GPU.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -48,6 +49,7 @@ class GatewayMetrics:
             "splitserve_requests_rejected", "Requests refused with 429 by admission control (queue delay, in-flight cap)", registry=r
         )
         r.register(_InstanceCollector(pool))
+        self.recent = RecentLatencies()  # points in time for the status page (gateway/status.py)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -56,12 +58,14 @@ class GatewayMetrics:
 class RequestTimer:
     """Client-visible timings of one request, fed to the histograms as tokens go out."""
 
-    __slots__ = ("metrics", "arrival", "last_token_at")
+    __slots__ = ("metrics", "arrival", "first_token_at", "last_token_at", "num_gaps")
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
         self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.num_gaps = 0  # inter-token gaps observed so far
 
     def tokens_sent(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -69,6 +73,8 @@ class RequestTimer:
         now = time.monotonic()
         if self.last_token_at is None:
             self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.recent.add_ttft(now - self.arrival)
+            self.first_token_at = now
             num_gaps = num_tokens - 1
             gap = 0.0
         else:
@@ -77,11 +83,14 @@ class RequestTimer:
             self.metrics.itl.observe(gap)
         self.metrics.generation_tokens.inc(num_tokens)
         self.last_token_at = now
+        self.num_gaps += num_gaps
 
     def finished(self, status: str) -> None:
         self.metrics.requests.labels(status=status).inc()
         if status in ("stop", "length"):
             self.metrics.e2e.observe(time.monotonic() - self.arrival)
+            if self.num_gaps and self.first_token_at is not None and self.last_token_at is not None:
+                self.metrics.recent.add_itl((self.last_token_at - self.first_token_at) / self.num_gaps)
 
     def kv_transfer(self, transfer: disaggregation_pb2.KVTransfer) -> None:
         if transfer.recomputed:

@@ -31,6 +31,7 @@ from kv_connector.registry import BACKENDS, make_connector
 from kv_connector.store_urls import redact_url
 from serving.convert import fingerprint_to_proto
 from serving.internal_grpc import InternalPlane, add_internal_plane_arguments
+from serving.metrics import MetricsServer
 from serving.registration import RegistryHeartbeat
 from serving.warmup import warm_up
 
@@ -66,6 +67,8 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
                         help="redis://HOST:PORT to register in (with a heartbeat) so gateways find this instance")
     parser.add_argument("--heartbeat-seconds", type=float, default=1.0,
                         help="seconds between registry heartbeats; an entry expires after three missed ones")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve this instance's Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free port)")
     add_internal_plane_arguments(parser)
 
 
@@ -249,6 +252,7 @@ async def serve(
         await heartbeat.register()  # registered before we say we are up
         heartbeat.start()
         logger.info("registered as %s in %s", instance.instance_id, redact_url(args.registry_url))
+    metrics = MetricsServer(instance, args.host, args.metrics_port) if args.metrics_port is not None else None
     watch = asyncio.create_task(_watch_engine(instance, health_servicer, heartbeat))
     if ready is not None:
         ready(instance.grpc_address)
@@ -272,6 +276,8 @@ async def serve(
     if instance.connector is not None:
         await instance.connector.close()
     await instance.engine.stop()
+    if metrics is not None:
+        metrics.stop()
     logger.info("stopped after draining for %.1f s", time.monotonic() - started)
 
 

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 BASE, GPU, CPU = "docker-compose.yml", "docker-compose.override.yml", "docker-compose.cpu.yml"
 COMPOSE_FILES = (BASE, GPU, CPU)
+OBSERVABILITY = "docker-compose.observability.yml"  # optional services, no splitserve command
 # variant -> the -f files; None: no -f, as `docker compose up` in compose/ reads them
 VARIANTS: dict[str, tuple[str, ...] | None] = {"plain": None, "gpu": (BASE, GPU), "cpu": (BASE, CPU), "swarm": (BASE,)}
 SERVICES = ("redis", "prefill", "decode", "gateway")
@@ -112,7 +113,7 @@ def parse_command(argv: list[str]) -> argparse.Namespace:
 
 def compose_environment() -> dict[str, str]:
     """This process's environment without any variable the files use, so defaults apply."""
-    names = {name for file in COMPOSE_FILES for name, _ in variables_in((COMPOSE_DIR / file).read_text())}
+    names = {name for file in (*COMPOSE_FILES, OBSERVABILITY) for name, _ in variables_in((COMPOSE_DIR / file).read_text())}
     return {key: value for key, value in os.environ.items() if key not in names and not key.startswith("COMPOSE_")}
 
 
@@ -226,7 +227,7 @@ def test_cpu_command_is_the_base_one_on_cpu(service: str) -> None:
 def test_every_variable_has_a_default_and_is_documented() -> None:
     documented = {row["name"]: row["default"] for row in README_ROW.finditer((COMPOSE_DIR / "README.md").read_text())}
     used: set[str] = set()
-    for file in COMPOSE_FILES:
+    for file in (*COMPOSE_FILES, OBSERVABILITY):
         for name, default in variables_in((COMPOSE_DIR / file).read_text()):
             used.add(name)
             assert name in documented, f"{file}: {name} is not in the variable table of compose/README.md"
@@ -364,7 +365,7 @@ def test_dockerfile_installs_as_the_readme_does() -> None:
     steps = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
     installs = [match.strip() for line in steps for match in re.findall(r"pip install ([^&\\]*)", line)]
     torch_pin = next(dep for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"] if dep.startswith("torch"))
-    assert re.fullmatch(r'(\$\{TORCH_INDEX_URL:\+--index-url "\$TORCH_INDEX_URL"\} )?' + re.escape(torch_pin), installs[0]), (
+    assert re.fullmatch(r'(--find-links /tmp/wheels )?(\$\{TORCH_INDEX_URL:\+--index-url "\$TORCH_INDEX_URL"\} )?' + re.escape(torch_pin), installs[0]), (
         f"torch first and alone, pinned as pyproject pins it: {installs[0]!r}"
     )
     assert "." in installs, f"no `pip install .` in {installs}"
@@ -377,7 +378,7 @@ def test_dockerfile_installs_as_the_readme_does() -> None:
 
 def test_dockerfile_takes_the_build_args_the_cpu_file_passes() -> None:
     declared = set(re.findall(r"^ARG (\w+)", dockerfile(), re.MULTILINE))
-    args = raw(CPU)["services"]["prefill"]["build"]["args"]
+    args = with_defaults(raw(CPU)["services"]["prefill"]["build"]["args"])
     assert set(args) <= declared
     assert "nvidia/cuda" in re.search(r"^ARG BASE_IMAGE=(\S+)", dockerfile(), re.MULTILINE)[1]
     assert args["TORCH_INDEX_URL"].endswith("/cpu")
@@ -391,6 +392,7 @@ def test_default_model_is_the_one_baked_into_the_image(monkeypatch: pytest.Monke
     monkeypatch.setenv("SPLITSERVE_CACHE", bake[1])
     assert str(cache_dir() / "models" / DEFAULT_MODEL_NAME) == DEFAULT_MODEL
     assert f"test -f {DEFAULT_MODEL}/config.json" in dockerfile()
+    assert "chmod -R a+rX /opt/splitserve" in dockerfile(), "the baked model must be readable by the user the image runs as"
 
 
 def test_dockerignore_keeps_what_pip_install_needs() -> None:

@@ -1,0 +1,116 @@
+"""What compose ships for observability, checked without running it (the compose test runs
+it): Prometheus's config passes ``promtool check config`` and scrapes the gateway and each
+instance at the ports their commands use; the Grafana dashboard is what
+``compose/grafana/dashboard.py`` builds with grafana-foundation-sdk, loads back into the SDK's
+dashboard model, and queries only series splitserve exports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import yaml
+
+from tests.compose.test_compose import BASE, COMPOSE_DIR, CPU, command, parse_command, raw
+
+OBSERVABILITY = "docker-compose.observability.yml"
+PROMETHEUS_CONFIG = COMPOSE_DIR / "prometheus" / "prometheus.yml"
+DASHBOARD = COMPOSE_DIR / "grafana" / "dashboards" / "splitserve.json"
+
+
+def dashboard_module() -> ModuleType:
+    pytest.importorskip("grafana_foundation_sdk", reason="pip install grafana-foundation-sdk (in the test extras)")
+    spec = importlib.util.spec_from_file_location("splitserve_dashboard", COMPOSE_DIR / "grafana" / "dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def scrape_targets() -> dict[str, str]:
+    """{component label: target} of prometheus.yml."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    return {group["labels"]["component"]: target for job in config["scrape_configs"] for group in job["static_configs"] for target in group["targets"]}
+
+
+def test_promtool_accepts_the_config() -> None:
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus; .ci/run does)")
+    result = subprocess.run(["promtool", "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("file", [BASE, CPU])
+def test_prometheus_scrapes_every_service_where_it_serves_metrics(file: str) -> None:
+    targets = scrape_targets()
+    gateway = parse_command(command(BASE, "gateway"))
+    assert targets["gateway"] == f"gateway:{gateway.port}"
+    for role in ("prefill", "decode"):
+        args = parse_command(command(file, role))
+        assert args.metrics_port is not None, f"{file}: {role} serves no metrics"
+        assert targets[role] == f"{role}:{args.metrics_port}"
+        assert args.metrics_port not in (args.port, args.kv_port)
+
+
+def test_observability_services_mount_what_compose_ships() -> None:
+    services = raw(OBSERVABILITY)["services"]
+    assert set(services) == {"prometheus", "grafana"}
+    mounts = {name: [str(volume).split(":")[0] for volume in service["volumes"]] for name, service in services.items()}
+    assert "./prometheus/prometheus.yml" in mounts["prometheus"]
+    assert {"./grafana/provisioning", "./grafana/dashboards"} <= set(mounts["grafana"])
+    datasource = yaml.safe_load((COMPOSE_DIR / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    (source,) = datasource["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    uids = {target["datasource"]["uid"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel.get("targets", [])}
+    assert uids == {source["uid"]}
+
+
+def test_dashboard_json_is_what_the_sdk_builds() -> None:
+    module = dashboard_module()
+    assert DASHBOARD.read_text() == module.dashboard_json(), "regenerate: python compose/grafana/dashboard.py > compose/grafana/dashboards/splitserve.json"
+
+
+def test_dashboard_loads_into_the_sdk_model() -> None:
+    dashboard_module()
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    data = json.loads(DASHBOARD.read_text())
+    loaded = Dashboard.from_json(data)
+    assert loaded.title == "splitserve" and loaded.uid == "splitserve"
+    titles = [panel["title"] for panel in data["panels"] if panel["type"] != "row"]
+    for wanted in ("Time to first token", "Inter-token latency", "End-to-end latency", "Waiting requests", "KV cache use",
+                   "KV transfer bytes", "KV transfer time", "Failed requests", "KV failures"):
+        assert wanted in titles
+
+
+def exported_names() -> set[str]:
+    """Every series name splitserve exports: the gateway's registry and an instance's collector
+    (over a stand-in instance: a load report and zeroed counters)."""
+    from engine.load_report import LoadReport
+    from gateway.instances import InstancePool
+    from gateway.metrics import GatewayMetrics
+    from serving.instance import ServiceCounters, TransferCounters
+    from serving.metrics import InstanceCollector
+
+    engine = SimpleNamespace(latest_load_report=lambda: LoadReport(0, 0, 10, 10, 0.0))
+    instance = SimpleNamespace(instance_id="prefill-1", role="prefill", engine_error="", engine=engine,
+                               counters=ServiceCounters(), transfers=TransferCounters(), connector=None)
+    families = [*GatewayMetrics(InstancePool(stale_after_s=1.0)).registry.collect(), *InstanceCollector(instance).collect()]
+    names = set()
+    for family in families:
+        names |= {sample.name for sample in family.samples} | {family.name}
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+    return names
+
+
+def test_dashboard_queries_only_exported_series() -> None:
+    names = exported_names()
+    queried = set(re.findall(r"splitserve_\w+", DASHBOARD.read_text()))
+    queried = {name.removesuffix("_bucket") if name.endswith("_bucket") else name for name in queried}
+    missing = {name for name in queried if name not in names and f"{name}_bucket" not in names}
+    assert not missing, f"the dashboard queries series nobody exports: {sorted(missing)}"
