@@ -6,6 +6,9 @@ free queue but keeps its hash and KV, so a later request with the same prefix
 can take it back. New allocations pop from the *head*, evicting the least
 recently freed block first. Requests free their blocks tail-first, so the
 deepest (least shareable) blocks of a prefix are evicted before its root.
+
+With a :class:`~engine.kv_events.KVEventLog`, every hash registered in or dropped from the
+prefix cache is recorded there, for gateways that route by cached prefix.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache_utils import BlockHash
+from engine.kv_events import KVEventLog
 
 
 @dataclass(slots=True, eq=False)
@@ -73,11 +77,12 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool, events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.events = events
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
@@ -135,6 +140,8 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self.cached_blocks[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue
@@ -153,6 +160,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = block.token_ids = None
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     @property
@@ -163,4 +172,6 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = block.token_ids = None

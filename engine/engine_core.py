@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.default_model import default_model_path
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_events import KVEventLog
 from engine.load_report import LoadReport, PrefillRate
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineCoreOutput
@@ -46,7 +47,10 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.model_path)
         self.structured_output = StructuredOutputManager(self.model_path, self.eos_token_ids, self.vocab_size)
         self.runner.structured_output = self.structured_output
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Bounded at a few times the pool: a gateway polling twice a second falls behind it
+        # only when the whole cache turns over several times in between (it then resyncs).
+        self.kv_events = KVEventLog(max_events=4 * self.runner.num_blocks + 1024)
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,

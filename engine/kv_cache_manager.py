@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.kv_events import KVEventLog
 from engine.request import Request
 
 
@@ -14,10 +15,10 @@ class KVCacheManager:
     path calls exactly once.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, events: KVEventLog | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same blocks as plain ids, kept in step so the model runner reads them for free.
         self.req_to_block_ids: dict[str, list[int]] = {}

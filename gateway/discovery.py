@@ -53,8 +53,13 @@ class StaticDiscovery:
                 pool.add(address, role)
 
     async def run(self) -> None:
+        # Each instance on its own schedule: one that stopped answering (its poll waits out the
+        # timeout) must not delay the others' reports until they too look stale.
+        await asyncio.gather(*(self._poll_forever(address) for address in list(self.pool.instances)))
+
+    async def _poll_forever(self, address: str) -> None:
         while True:
-            await self.poll_once()
+            await self._poll(address)
             await asyncio.sleep(self.interval_s)
 
     async def poll_once(self) -> None:

@@ -34,6 +34,7 @@ from gateway.admission import Overloaded
 from gateway.errors import APIError, no_instance
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
+from gateway.prefix_index import PromptBlocks
 from serving.background import BackgroundTasks
 from serving.prefill_control import abort_prefill, release_kv
 
@@ -62,6 +63,14 @@ class DispatchRequest:
     priority: int = 0
     deadline: float = float("inf")  # monotonic
     cache_salt: str = ""  # mixed into prefix-cache hashes on every instance; empty: none
+    _blocks: PromptBlocks | None = None
+
+    @property
+    def blocks(self) -> PromptBlocks:
+        """The prompt's block-hash chains, for kv routing; computed on first use."""
+        if self._blocks is None:
+            self._blocks = PromptBlocks(self.prompt_token_ids, self.cache_salt)
+        return self._blocks
 
 
 @dataclass(slots=True)
@@ -160,13 +169,15 @@ class Dispatcher:
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
             prefill = self._admit(
-                lambda: self.pool.pick_prefill(exclude=tried, num_prompt_tokens=num_prompt_tokens, prefer=prefer, admitted=kv_only)
+                lambda: self.pool.pick_prefill(
+                    exclude=tried, num_prompt_tokens=num_prompt_tokens, prefer=prefer, admitted=kv_only, prompt=request.blocks
+                )
             )
             if prefill is None:
                 break
             tried.append(prefill)
             try:
-                with prefill.call(num_prompt_tokens):
+                with prefill.call():
                     response = await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(message, timeout=_remaining(request))
                 return response, prefill
             except grpc.aio.AioRpcError as error:
@@ -201,7 +212,9 @@ class Dispatcher:
         )
         async for event in self._stream_with_failover(
             "decode",
-            lambda tried: self.pool.pick("decode", exclude=tried, fingerprint=handle.fingerprint),
+            lambda tried: self.pool.pick(
+                "decode", exclude=tried, fingerprint=handle.fingerprint, num_prompt_tokens=len(request.prompt_token_ids), prompt=request.blocks
+            ),
             lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request)),
         ):
             yield event
@@ -219,9 +232,8 @@ class Dispatcher:
         num_prompt_tokens = len(request.prompt_token_ids)
         async for event in self._stream_with_failover(
             "colocated",
-            lambda tried: self.pool.pick("colocated", exclude=tried, num_prompt_tokens=num_prompt_tokens),
+            lambda tried: self.pool.pick("colocated", exclude=tried, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks),
             lambda instance: generation_pb2_grpc.GenerationStub(instance.channel).Generate(message, timeout=_remaining(request)),
-            num_prompt_tokens,
         ):
             yield event
 
@@ -230,7 +242,6 @@ class Dispatcher:
         role: Role,
         pick: Callable[[list[InstanceState]], InstanceState | None],
         open_stream: Callable[[InstanceState], grpc.aio.UnaryStreamCall],
-        num_prompt_tokens: int = 0,
     ) -> AsyncIterator[TokenEvent]:
         """Stream from the first instance that takes the request. Until it has streamed
         something, a failure moves the request to another instance of the role (or, for
@@ -246,7 +257,7 @@ class Dispatcher:
             call = open_stream(instance)
             streamed = False
             try:
-                with instance.call(num_prompt_tokens) as prefilled:
+                with instance.call() as prefilled:
                     async for response in call:
                         first, streamed = not streamed, True
                         prefilled()

@@ -1,7 +1,7 @@
 """The instances the gateway knows, their latest load reports, and how it picks
-one: lowest ``4 * waiting + running`` among the healthy ones within the admission
-limits (``gateway.admission``), never pairing a prefill and a decode instance whose
-KV fingerprints differ.
+one: the best ranked (``gateway.routing``: by load, or by load and cached prefix) among
+the healthy ones within the admission limits (``gateway.admission``), never pairing a
+prefill and a decode instance whose KV fingerprints differ.
 
 Discovery (``gateway.discovery``) keeps the reports fresh; the dispatcher
 reports RPC failures here so a dead instance is skipped at once rather than
@@ -22,15 +22,16 @@ import grpc
 from splitserve.v1 import disaggregation_pb2
 
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
+from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
+from gateway.routing import WAITING_WEIGHT, Routing, decode_cost, num_hit_tokens, num_new_blocks, prefill_cost_s
 from serving.internal_grpc import InternalPlane
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
-# Waiting requests weigh more than running ones: each still needs its prefill (or its
-# pull), while a running one costs only a share of the next decode step.
-WAITING_WEIGHT = 4
+# A rate to divide queued prompt tokens by when no candidate has measured one yet.
+_UNMEASURED_PREFILL_TOKENS_PER_S = 1000.0
 CHANNEL_CLOSE_GRACE_S = 30.0
 # gRPC backs off up to minutes between reconnects by default; an instance that comes
 # (back) up should be routable within a poll or two.
@@ -49,22 +50,27 @@ class InstanceState:
     # Requests sent since the latest report, which it cannot show yet; without this
     # a burst between two polls would all go to the same instance.
     num_dispatched: int = 0
-    num_dispatched_tokens: int = 0  # their prompt tokens
+    num_dispatched_tokens: int = 0  # their prompt tokens (with kv routing: those its prefix cache lacks)
+    charged_tokens: int = 0  # what the latest pick added to num_dispatched_tokens; :meth:`call` takes it back
     num_inflight: int = 0  # calls from this gateway outstanding on it now
+    num_picked: int = 0  # requests routed here since the gateway started
     # Dispatches whose first token came back since the latest report: running there now (a
     # stream still decodes), which that report cannot show either.
     num_started: int = 0
     num_reports: int = 0  # reports recorded so far: which dispatches the latest one can show
 
     @contextmanager
-    def call(self, num_prompt_tokens: int = 0) -> Iterator[Callable[[], None]]:
+    def call(self, num_prompt_tokens: int | None = None) -> Iterator[Callable[[], None]]:
         """Count one call from this gateway as outstanding while the block runs; enter it right
-        after the pick that dispatched it. The block gets ``prefilled``, to call once the
+        after the pick that dispatched it (no await between): ``num_prompt_tokens`` defaults to
+        what that pick charged. The block gets ``prefilled``, to call once the
         instance has computed the prompt (a streamed call's first token); from then on, or from
         the block's end, the dispatch no longer counts as queued work but as running (until the
         block's end or the next report). Without this a finished prompt would count as queued
         until the next report (a poll interval) and hold off admission and routing for nothing,
         and a stream that started would count as nothing at all."""
+        if num_prompt_tokens is None:
+            num_prompt_tokens = self.charged_tokens
         num_reports = self.num_reports
         settled = started = False
 
@@ -110,6 +116,8 @@ class InstanceState:
 class InstancePool:
     stale_after_s: float
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    routing: Routing = "load"  # gateway.routing
+    index: PrefixIndex = field(default_factory=PrefixIndex)  # filled by gateway.kv_events with kv routing
     plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of every channel
     instances: dict[str, InstanceState] = field(default_factory=dict)  # by address
     _closing: set[asyncio.Task[None]] = field(default_factory=set)  # channels of removed instances
@@ -119,6 +127,7 @@ class InstancePool:
         if state is None or state.role != role:
             if state is not None:
                 self._close(state)
+                self.index.forget(address)
             state = self.instances[address] = InstanceState(address, role, self.plane.channel(address, options=_CHANNEL_OPTIONS))
             logger.info("%s instance %s added", role, address)
         return state
@@ -128,6 +137,7 @@ class InstancePool:
         if state is not None:
             logger.info("%s instance %s removed", state.role, address)
             self._close(state)
+            self.index.forget(address)
 
     def record_report(self, address: str, report: disaggregation_pb2.LoadReport, serving: bool) -> None:
         """``serving``: the instance's health (or registration) says so. An instance whose engine
@@ -168,16 +178,17 @@ class InstancePool:
         fingerprint: disaggregation_pb2.Fingerprint | None = None,
         num_prompt_tokens: int = 0,
         prefer: InstanceState | None = None,
+        prompt: PromptBlocks | None = None,
     ) -> InstanceState | None:
-        """The least-loaded healthy instance of a role within the admission limits, optionally
+        """The best-ranked healthy instance of a role within the admission limits, optionally
         KV-compatible with a fingerprint; ``prefer`` wins when it qualifies (its prefix cache
-        holds the prompt). None when there is no candidate at all; :class:`Overloaded` when
-        every candidate is over a limit."""
+        holds the prompt). ``prompt``: the request's blocks, for kv routing. None when there
+        is no candidate at all; :class:`Overloaded` when every candidate is over a limit."""
         excluded = {id(s) for s in exclude}
         candidates = [
             s for s in self.healthy(role) if id(s) not in excluded and (fingerprint is None or s.report.fingerprint == fingerprint)
         ]
-        return self._admit(role, candidates, num_prompt_tokens, prefer)
+        return self._admit(role, candidates, num_prompt_tokens, prefer, prompt=prompt)
 
     def pick_prefill(
         self,
@@ -185,13 +196,14 @@ class InstancePool:
         num_prompt_tokens: int = 0,
         prefer: InstanceState | None = None,
         admitted: bool = False,
+        prompt: PromptBlocks | None = None,
     ) -> InstanceState | None:
         """As :meth:`pick`, among the prefill instances some healthy decode instance can pair with.
         ``admitted``: the request was admitted before (a re-prefill): no limit refuses it now."""
         decode_fingerprints = [s.report.fingerprint for s in self.healthy("decode")]
         excluded = {id(s) for s in exclude}
         candidates = [s for s in self.healthy("prefill") if id(s) not in excluded and s.report.fingerprint in decode_fingerprints]
-        return self._admit("prefill", candidates, num_prompt_tokens, prefer, admitted)
+        return self._admit("prefill", candidates, num_prompt_tokens, prefer, admitted, prompt)
 
     def _admit(
         self,
@@ -200,6 +212,7 @@ class InstancePool:
         num_prompt_tokens: int,
         prefer: InstanceState | None,
         admitted: bool = False,
+        prompt: PromptBlocks | None = None,
     ) -> InstanceState | None:
         """Limits apply where a request is admitted, at its prefill (P or colocated); a request
         past that point is served, whatever the decode instances' load."""
@@ -224,10 +237,47 @@ class InstancePool:
                     retry_after_s(min(excess_waits)),
                 )
             raise Overloaded(f"every {role} instance has --max-inflight-per-instance {limits.max_inflight_per_instance} calls outstanding", 1)
-        chosen = prefer if prefer in admissible else min(admissible, key=lambda s: s.score)
+        kv = self.routing == "kv" and prompt is not None
+        if prefer in admissible:
+            chosen = prefer
+        elif kv:
+            chosen = min(admissible, key=lambda s: (self._kv_cost(role, s, admissible, num_prompt_tokens, prompt), s.score))
+        else:
+            chosen = min(admissible, key=lambda s: s.score)
+        charge = num_prompt_tokens
+        if role == "decode":
+            charge = 0  # decode instances queue no prompt tokens
+        elif kv:
+            charge = num_prompt_tokens - self._num_hit_tokens(chosen, num_prompt_tokens, prompt)
         chosen.num_dispatched += 1
-        chosen.num_dispatched_tokens += num_prompt_tokens
+        chosen.num_picked += 1
+        chosen.num_dispatched_tokens += charge
+        chosen.charged_tokens = charge
+        if kv:
+            self.index.predict(chosen.address, prompt, self._max_blocks(chosen))
         return chosen
+
+    def _kv_cost(self, role: Role, state: InstanceState, candidates: list[InstanceState], num_prompt_tokens: int, prompt: PromptBlocks) -> float:
+        """``gateway.routing``'s cost of sending the prompt to ``state``; lower is better."""
+        report = state.report
+        if role == "decode":
+            block_size = self._block_size(state)
+            num_new = num_new_blocks(num_prompt_tokens, self.index.num_hit_blocks(state.address, prompt), block_size)
+            return decode_cost(report.num_waiting + state.num_dispatched, report.num_running, num_new, report.num_free_blocks)
+        measured = [s.report.prefill_tokens_per_s for s in candidates if s.report.prefill_tokens_per_s > 0]
+        fallback_rate = sum(measured) / len(measured) if measured else _UNMEASURED_PREFILL_TOKENS_PER_S
+        num_uncached = num_prompt_tokens - self._num_hit_tokens(state, num_prompt_tokens, prompt)
+        return prefill_cost_s(report.num_pending_prefill_tokens + state.num_dispatched_tokens, report.prefill_tokens_per_s, num_uncached, fallback_rate)
+
+    def _num_hit_tokens(self, state: InstanceState, num_prompt_tokens: int, prompt: PromptBlocks) -> int:
+        return num_hit_tokens(self.index.num_hit_blocks(state.address, prompt), self._block_size(state), num_prompt_tokens)
+
+    def _block_size(self, state: InstanceState) -> int:
+        return self.index.block_size(state.address) or state.report.fingerprint.block_size or 16
+
+    @staticmethod
+    def _max_blocks(state: InstanceState) -> int:
+        return state.report.num_total_blocks if state.report is not None and state.report.num_total_blocks else DEFAULT_MAX_BLOCKS
 
     def is_ready(self) -> bool:
         """Requests can be served: a colocated instance, or a compatible prefill + decode pair."""

@@ -124,7 +124,11 @@ class _InstanceCollector(Collector):
                 "splitserve_instance_prefill_tokens_per_second", "Prompt tokens per second over the instance's recent steps", labels=labels
             ),
             "inflight": GaugeMetricFamily("splitserve_instance_inflight_calls", "Calls from this gateway outstanding on the instance", labels=labels),
+            "indexed": GaugeMetricFamily(
+                "splitserve_instance_indexed_kv_blocks", "Prefix-cache blocks the gateway's index holds for the instance (kv routing)", labels=labels
+            ),
         }
+        picked = CounterMetricFamily("splitserve_instance_routed_requests", "Requests this gateway routed to the instance", labels=labels)
         # The instance's own event counts since it started: counters, though they reset with it.
         counters = {
             name: CounterMetricFamily(f"splitserve_instance_{name}", help_text, labels=labels)
@@ -134,6 +138,8 @@ class _InstanceCollector(Collector):
         for state in list(self.pool.instances.values()):
             values = [state.instance_id, state.role, state.address]
             gauges["healthy"].add_metric(values, 1.0 if id(state) in healthy else 0.0)
+            picked.add_metric(values, state.num_picked)
+            gauges["indexed"].add_metric(values, self.pool.index.num_cached_blocks(state.address))
             report = state.report
             if report is None:
                 continue
@@ -151,6 +157,7 @@ class _InstanceCollector(Collector):
                 counter.add_metric(values, getattr(report.counters, f"num_{name}"))
         yield from gauges.values()
         yield from counters.values()
+        yield picked
 
 
 _INSTANCE_COUNTERS = {

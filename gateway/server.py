@@ -19,6 +19,8 @@ from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instances import InstancePool
+from gateway.kv_events import KVEventsSync, run_kv_events
+from gateway.routing import ROUTINGS
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
 from serving.internal_grpc import InternalPlane, add_internal_plane_arguments
@@ -54,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight-per-instance", type=int, default=None, metavar="N",
                         help="calls this gateway keeps outstanding on one prefill (or colocated) instance at most; "
                              "a request finding every instance at the cap gets 429 (default: off)")
+    parser.add_argument("--routing", default="kv", choices=ROUTINGS,
+                        help="how instances are ranked (gateway/routing.py): 'load' by queue only, 'kv' by queued prompt work "
+                             "after the prompt's prefix-cache hit on each instance, learnt from their KV events")
     # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
     parser.add_argument("--enable-priority", action="store_true",
                         help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400")
@@ -88,7 +93,7 @@ async def serve(args: argparse.Namespace) -> None:
     admission = AdmissionLimits(max_queue_delay_s=args.max_queue_delay, max_inflight_per_instance=args.max_inflight_per_instance)
     plane = InternalPlane.from_args(args)
     plane.warn_if_open("gateway")
-    pool = InstancePool(stale_after_s=args.stale_after, limits=admission, plane=plane)
+    pool = InstancePool(stale_after_s=args.stale_after, limits=admission, plane=plane, routing=args.routing)
     if args.registry_url:
         discovery: RedisDiscovery | StaticDiscovery = RedisDiscovery(pool, args.registry_url, args.poll_interval)
         await discovery.first_poll()
@@ -96,6 +101,11 @@ async def serve(args: argparse.Namespace) -> None:
         discovery = StaticDiscovery(pool, {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}, args.poll_interval)
         await discovery.poll_once()
     discovery_loop = DiscoveryLoop(discovery)
+    kv_events_task = None
+    if args.routing == "kv":
+        kv_sync = KVEventsSync(pool, pool.index, args.poll_interval)
+        await kv_sync.poll_once()
+        kv_events_task = asyncio.create_task(run_kv_events(kv_sync))
     metrics = GatewayMetrics(pool)
     request_limits = limits.RequestLimits(
         max_body_bytes=args.max_request_body_bytes,
@@ -122,6 +132,9 @@ async def serve(args: argparse.Namespace) -> None:
         if grpc_server is not None:
             await grpc_server.stop(grace=30)
         await discovery_loop.stop()
+        if kv_events_task is not None:
+            kv_events_task.cancel()
+            await asyncio.gather(kv_events_task, return_exceptions=True)
         await service.dispatcher.drain()
         if isinstance(discovery, RedisDiscovery):
             await discovery.close()

@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its prefill (default: off)")
     parser.add_argument("--max-inflight-per-instance", type=int, default=None, metavar="N",
                         help="gateway: calls outstanding on one prefill or colocated instance at most (default: off)")
+    parser.add_argument("--routing", default=None, choices=["load", "kv"],
+                        help="gateway: rank instances by load only, or by load and the prompt's cached prefix (default: the gateway's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             gateway_argv += ["--max-queue-delay", str(args.max_queue_delay)]
         if args.max_inflight_per_instance is not None:
             gateway_argv += ["--max-inflight-per-instance", str(args.max_inflight_per_instance)]
+        if args.routing is not None:
+            gateway_argv += ["--routing", args.routing]
         # The key travels in the environment, not argv, where any local user could read it.
         children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or "", **cluster_env}, stop_stage=0))
         url = f"http://{_dial_host(args.host)}:{args.port}"

@@ -212,6 +212,19 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
     async def GetLoadReport(self, request, context):  # noqa: ANN001, N802 - gRPC signature
         return await self.instance.load_report()
 
+    async def GetKVEvents(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+        """Prefix-cache changes since the caller's cursor (engine/kv_events.py); answers at once
+        (the log has its own lock and never waits for an engine step)."""
+        batch = self.instance.engine.core.kv_events.read(request.epoch, request.after_seq)
+        return disaggregation_pb2.KVEvents(
+            epoch=batch.epoch,
+            last_seq=batch.last_seq,
+            snapshot=batch.snapshot,
+            stored=[h.to_bytes(16, "little") for h in batch.stored],
+            removed=[h.to_bytes(16, "little") for h in batch.removed],
+            block_size=self.instance.fingerprint.block_size,
+        )
+
 
 async def serve(
     instance: Instance,

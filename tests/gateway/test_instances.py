@@ -11,6 +11,7 @@ from splitserve.v1 import disaggregation_pb2
 
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s
 from gateway.instances import InstancePool
+from gateway.prefix_index import PromptBlocks
 
 FINGERPRINT = disaggregation_pb2.Fingerprint(model="m", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16)
 OTHER = disaggregation_pb2.Fingerprint(model="other", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16)
@@ -211,3 +212,50 @@ def test_admission_limits_are_checked() -> None:
         AdmissionLimits(max_queue_delay_s=0)
     with pytest.raises(ValueError, match="--max-inflight-per-instance"):
         AdmissionLimits(max_inflight_per_instance=0)
+
+
+def test_kv_routing_weighs_the_cached_prefix_against_queued_work() -> None:
+    prompt = PromptBlocks(list(range(1024)))
+    chain = prompt.chain(16)
+    stored = disaggregation_pb2.KVEvents(epoch=1, last_seq=1, snapshot=True, block_size=16, stored=[h.to_bytes(16, "little") for h in chain[:60]])
+    empty = disaggregation_pb2.KVEvents(epoch=1, last_seq=1, snapshot=True, block_size=16)
+
+    def check(pool: InstancePool) -> None:
+        pool.routing = "kv"
+        add_pair(pool, {"p:1": queued("prefill", 0, 1000.0), "p:2": queued("prefill", 500, 1000.0)})
+        pool.index.apply("p:1", empty, 1000)
+        pool.index.apply("p:2", stored, 1000)  # 960 of the 1024 tokens cached
+        p1, p2 = pool.instances["p:1"], pool.instances["p:2"]
+        # p:2: (500 + 64) / 1000 = 0.56 s; p:1: 1024 / 1000 s
+        assert pool.pick_prefill(num_prompt_tokens=1024, prompt=prompt) is p2
+        assert p2.charged_tokens == 64 and p2.num_dispatched_tokens == 64  # only the uncached part queues
+        # Its blocks are now predicted on p:2 as well; load it past the hit's worth.
+        pool.record_report("p:2", queued("prefill", 2000, 1000.0), serving=True)
+        assert pool.pick_prefill(num_prompt_tokens=1024, prompt=prompt) is p1
+        assert p1.charged_tokens == 1024
+        pool.routing = "load"
+        pool.record_report("p:2", queued("prefill", 0, 1000.0), serving=True)
+        pool.record_report("p:1", queued("prefill", 0, 1000.0), serving=True)
+        assert pool.pick_prefill(num_prompt_tokens=1024, prompt=prompt) is p1  # first of equals: the prefix is ignored
+
+    with_pool(check)
+
+
+def test_kv_routing_sends_decode_where_the_prompt_needs_fewest_new_blocks() -> None:
+    prompt = PromptBlocks(list(range(320)))  # 20 blocks
+    chain = prompt.chain(16)
+
+    def check(pool: InstancePool) -> None:
+        pool.routing = "kv"
+        for address, hits in (("d:1", 0), ("d:2", 20)):
+            pool.add(address, "decode")
+            message = report("decode", running=1)
+            message.num_free_blocks, message.num_total_blocks = 40, 64
+            pool.record_report(address, message, serving=True)
+            pool.index.apply(address, disaggregation_pb2.KVEvents(
+                epoch=1, last_seq=1, snapshot=True, block_size=16, stored=[h.to_bytes(16, "little") for h in chain[:hits]]), 64)
+        # d:1: 1 + 4 * 20 / 40 = 3; d:2: 1 + 0
+        assert pool.pick("decode", num_prompt_tokens=320, prompt=prompt).address == "d:2"
+        assert pool.instances["d:2"].charged_tokens == 0
+
+    with_pool(check)

@@ -235,6 +235,30 @@ class InstanceCounters(_message.Message):
     num_kv_handles_refused: int
     def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ...) -> None: ...
 
+class KVEventsRequest(_message.Message):
+    __slots__ = ("epoch", "after_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    after_seq: int
+    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("epoch", "last_seq", "snapshot", "stored", "removed", "block_size")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    last_seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., snapshot: bool = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
 class Registration(_message.Message):
     __slots__ = ("grpc_address", "report", "unix_s", "serving")
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]

@@ -365,6 +365,11 @@ class LoadStub(object):
                 request_serializer=splitserve_dot_v1_dot_disaggregation__pb2.LoadReportRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.GetKVEvents = channel.unary_unary(
+                '/splitserve.v1.Load/GetKVEvents',
+                request_serializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.FromString,
+                _registered_method=True)
 
 
 class LoadServicer(object):
@@ -377,6 +382,13 @@ class LoadServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVEvents(self, request, context):
+        """Prefix-cache changes since a cursor, for cache-aware routing; batched per poll.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -384,6 +396,11 @@ def add_LoadServicer_to_server(servicer, server):
                     servicer.GetLoadReport,
                     request_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.LoadReportRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_disaggregation__pb2.LoadReport.SerializeToString,
+            ),
+            'GetKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVEvents,
+                    request_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -414,6 +431,33 @@ class Load(object):
             '/splitserve.v1.Load/GetLoadReport',
             splitserve_dot_v1_dot_disaggregation__pb2.LoadReportRequest.SerializeToString,
             splitserve_dot_v1_dot_disaggregation__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Load/GetKVEvents',
+            splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.SerializeToString,
+            splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.FromString,
             options,
             channel_credentials,
             insecure,

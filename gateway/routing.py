@@ -1,0 +1,59 @@
+"""How the gateway ranks the instances that may take a request (``--routing``).
+
+``load``: lowest ``4 * (waiting + dispatched) + running`` (``InstanceState.score``).
+
+``kv`` (cache-aware; needs the prefix index, ``gateway/prefix_index.py``):
+
+- prefill (and colocated) instance ``i``, in seconds until the request's prefill is done::
+
+      cost_P(i) = (queued_i + prompt - hit_i) / rate_i
+
+  ``queued_i``: prompt tokens it still has to compute (its report) plus those this gateway
+  sent since (their uncached part); ``hit_i``: prompt tokens its prefix cache holds (the
+  leading blocks of the request's hash chain found in the index, at most ``prompt - 1``: the
+  last token is always computed); ``rate_i``: its measured prefill tokens/s (the mean of
+  the measured ones for an instance that has none yet).
+
+- decode instance ``i``, in load units (one waiting request = 4, as in ``load``)::
+
+      cost_D(i) = 4 * (waiting_i + dispatched_i) + running_i + 4 * new_blocks_i / max(free_i, 1)
+
+  ``new_blocks_i``: blocks the request needs there beyond those its prefix cache already
+  holds (fewer to pull, less memory taken); the last term is the share of the instance's
+  free KV this request would take, worth one waiting request when it takes all of it (it
+  would queue or preempt).
+
+Ties go to the lower ``load`` score. A prefill that finished re-prefilling keeps its
+``prefer``-ence in :meth:`InstancePool.pick` whatever the mode.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+Routing = Literal["load", "kv"]
+ROUTINGS: tuple[Routing, ...] = ("load", "kv")
+# Waiting requests weigh more than running ones: each still needs its prefill (or its
+# pull), while a running one costs only a share of the next decode step.
+WAITING_WEIGHT = 4
+
+
+def num_hit_tokens(num_hit_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
+    """Prompt tokens a prefix hit of ``num_hit_blocks`` saves; the last token is always computed."""
+    return max(0, min(num_hit_blocks * block_size, num_prompt_tokens - 1))
+
+
+def num_new_blocks(num_prompt_tokens: int, num_hit_blocks: int, block_size: int) -> int:
+    """Blocks a decode instance must fill (pull) for the prompt beyond those it holds."""
+    return max(0, math.ceil(num_prompt_tokens / block_size) - num_hit_blocks)
+
+
+def prefill_cost_s(num_pending_tokens: int, prefill_tokens_per_s: float, num_uncached_tokens: int, fallback_rate: float) -> float:
+    rate = prefill_tokens_per_s if prefill_tokens_per_s > 0 else fallback_rate
+    return (num_pending_tokens + num_uncached_tokens) / rate
+
+
+def decode_cost(num_waiting: int, num_running: int, num_new_blocks: int, num_free_blocks: int) -> float:
+    return WAITING_WEIGHT * num_waiting + num_running + WAITING_WEIGHT * num_new_blocks / max(num_free_blocks, 1)
+

@@ -1,0 +1,145 @@
+"""Cache-aware routing (``--routing kv``) over real processes, 2 prefill + 2 decode
+instances on loopback (tiny random model, UCX): a burst of long prompts spreads over both
+prefill instances, a shared prefix lands where it is cached, an instance that stops
+reporting is drained from routing and used again once it is back. After each scenario
+every instance reports all KV blocks free."""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
+
+from tests.checkpoints import make_checkpoint
+from tests.gateway.processes import HTTPProcess, running_gateway
+from tests.services.client import GREEDY, assert_all_free
+from tests.services.processes import Service, running
+
+pytest.importorskip("ucxx")
+
+VOCAB = range(3, 300)  # ids the tiny tokenizer knows, past its special tokens
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Wider than the other tests' model: a long prompt's prefill takes a good part of a second,
+    # so a burst really queues (with the tiny one each prefill is over before the next arrives).
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def cluster(model: Path) -> Iterator[tuple[list[Service], list[Service]]]:
+    kv = ("--kv-cache-memory", str(1 << 25))  # 256 blocks of 16 tokens
+    with (
+        running("prefill", model, "--lease-seconds", "10", *kv) as p1,
+        running("prefill", model, "--lease-seconds", "10", *kv) as p2,
+        running("decode", model, *kv) as d1,
+        running("decode", model, *kv) as d2,
+    ):
+        yield [p1, p2], [d1, d2]
+
+
+def _routes(prefills: list[Service], decodes: list[Service]) -> list[str]:
+    return [arg for p in prefills for arg in ("--prefill", p.address)] + [arg for d in decodes for arg in ("--decode", d.address)]
+
+
+def _prompt(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice(VOCAB) for _ in range(num_tokens)]
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}, timeout=120)
+
+
+def _routed(gateway: HTTPProcess) -> dict[str, float]:
+    """Requests the gateway routed to each instance so far, by address."""
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    pattern = r'splitserve_instance_routed_requests_total\{[^}]*address="([^"]+)"[^}]*\} (\S+)'
+    return {found[1]: float(found[2]) for found in re.finditer(pattern, text)}
+
+
+def _healthy(gateway: HTTPProcess, address: str) -> bool:
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    found = re.search(r'splitserve_instance_healthy\{[^}]*address="%s"[^}]*\} (\S+)' % re.escape(address), text)
+    return found is not None and float(found[1]) == 1.0
+
+
+def _delta(after: dict[str, float], before: dict[str, float], address: str) -> int:
+    return int(after.get(address, 0) - before.get(address, 0))
+
+
+def test_a_burst_of_long_prompts_spreads_over_both_prefill_instances(model: Path, cluster) -> None:
+    prefills, decodes = cluster
+    with running_gateway(model, *_routes(prefills, decodes), "--routing", "kv") as gateway:
+        before = _routed(gateway)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: _complete(gateway.url, _prompt(i, 900)), range(8)))
+        assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
+        after = _routed(gateway)
+    served = [_delta(after, before, p.address) for p in prefills]
+    assert sum(served) == 8 and min(served) >= 3, f"prefill instances served {served}"
+    assert_all_free(*prefills, *decodes)
+
+
+def test_a_shared_prefix_lands_on_the_instance_that_holds_it(model: Path, cluster) -> None:
+    prefills, decodes = cluster
+    holder = prefills[1]  # the one load routing would not pick first among equals
+    system = _prompt(100, 512)
+    warm = disaggregation_pb2_grpc.PrefillStub(holder.channel).Prefill(
+        disaggregation_pb2.PrefillRequest(request_id="warm", prompt_token_ids=system + [7], sampling=GREEDY), timeout=30)
+    disaggregation_pb2_grpc.PrefillStub(holder.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="warm"), timeout=10)
+    assert warm.HasField("kv")
+    with running_gateway(model, *_routes(prefills, decodes), "--routing", "kv") as gateway:
+        time.sleep(0.5)  # a KV event poll or two
+        before = _routed(gateway)
+        cached = []
+        for i in range(4):
+            answer = _complete(gateway.url, system + _prompt(200 + i, 40))
+            assert answer.status_code == 200, answer.text
+            cached.append(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        after = _routed(gateway)
+    assert _delta(after, before, holder.address) == 4, (before, after)
+    assert all(c >= 512 for c in cached), cached
+    assert_all_free(*prefills, *decodes)
+
+
+def test_an_instance_that_stops_reporting_is_drained_and_used_again_when_back(model: Path, cluster) -> None:
+    prefills, decodes = cluster
+    frozen = prefills[0]
+    routes = _routes(prefills, decodes)
+    with running_gateway(model, *routes, "--routing", "kv", "--stale-after", "1.0") as gateway:
+        frozen.process.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while _healthy(gateway, frozen.address) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _healthy(gateway, frozen.address)
+            before = _routed(gateway)
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda i: _complete(gateway.url, _prompt(300 + i, 600)), range(4)))
+            assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+            after = _routed(gateway)
+            assert _delta(after, before, frozen.address) == 0 and _delta(after, before, prefills[1].address) == 4
+        finally:
+            frozen.process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not _healthy(gateway, frozen.address) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _healthy(gateway, frozen.address)
+        before = _routed(gateway)
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: _complete(gateway.url, _prompt(400 + i, 600)), range(6)))
+        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+        after = _routed(gateway)
+        assert _delta(after, before, frozen.address) >= 2, (before, after)
+    assert_all_free(*prefills, *decodes)
