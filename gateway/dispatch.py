@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per phase: instances tried before the request fails
 MAX_HANDOFFS = 3  # Decode calls per request that may end in DATA_LOSS and a new prefill
+DEFAULT_MAX_MIGRATIONS = 2  # times a request may move to another D after its D failed mid-stream
 # An instance answering with these is down, draining or full: another one may serve.
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -101,10 +102,45 @@ class _KVLost(Exception):
     """D could not pull the KV (DATA_LOSS) and streamed nothing: prefill again."""
 
 
+class _DecodeLost(Exception):
+    """D failed after streaming tokens: the request may migrate to another D."""
+
+    def __init__(self, api_error: APIError) -> None:
+        super().__init__(api_error.message)
+        self.api_error = api_error
+
+
+def resume_request(request: DispatchRequest, output_token_ids: list[int]) -> DispatchRequest | None:
+    """The request as a new decode instance continues it after ``output_token_ids`` (every token
+    sent so far): its prompt is the original prompt plus all of them but the last, which the
+    new D takes as its first token; max_tokens and min_tokens shrink by the tokens that moved
+    into the prompt, so the total stays what the client asked. None when no token is left to
+    generate."""
+    num_moved = len(output_token_ids) - 1
+    sampling = generation_pb2.SamplingParams()
+    sampling.CopyFrom(request.sampling)
+    if sampling.HasField("max_tokens"):
+        if sampling.max_tokens - len(output_token_ids) <= 0:
+            return None
+        sampling.max_tokens -= num_moved
+    sampling.min_tokens = max(0, sampling.min_tokens - num_moved)
+    return DispatchRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids + output_token_ids[:-1],
+        sampling=sampling,
+        priority=request.priority,
+        deadline=request.deadline,
+        cache_salt=request.cache_salt,
+    )
+
+
 class Dispatcher:
-    def __init__(self, pool: InstancePool, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, pool: InstancePool, metrics: GatewayMetrics | None = None, max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+        if max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {max_migrations}")
         self.pool = pool
         self.metrics = metrics
+        self.max_migrations = max_migrations
         self._background = BackgroundTasks()
 
     async def generate(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
@@ -127,20 +163,47 @@ class Dispatcher:
             return
         pinned = _Pinned(prefill, _with_request_id(prefilled.kv, request.request_id))
         decoding = False  # a D has streamed: it owns the KV now and releases P itself
+        current, first_token_id = request, prefilled.first_token_id  # what the next Decode call continues
+        output_token_ids = [first_token_id]  # every token sent on, for a migration to resume after
+        num_migrations = 0
         try:
             yield first
-            for attempt in range(1, MAX_HANDOFFS + 1):
+            handoff = 0
+            while True:
+                handoff += 1
                 try:
-                    async for event in self._decode(request, prefilled.first_token_id, pinned.handle, allow_recompute=attempt == MAX_HANDOFFS):
+                    async for event in self._decode(current, first_token_id, pinned.handle, allow_recompute=handoff >= MAX_HANDOFFS):
                         decoding = True
+                        output_token_ids.extend(event.token_ids)
                         yield event
                     return
                 except _KVLost as lost:
-                    logger.warning("hand-off %d of %s lost its KV (%s); prefilling it again", attempt, request.request_id, lost)
+                    if handoff >= MAX_HANDOFFS:
+                        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"no decode instance could take the KV: {lost}", code="instance_failed") from None
+                    logger.warning("hand-off %d of %s lost its KV (%s); prefilling it again", handoff, request.request_id, lost)
                     if self.metrics is not None:
                         self.metrics.kv_reprefills.inc()
                     self._free_in_background(pinned)  # a no-op if D's release got there first
-                    pinned = await self._reprefill(request, f"{request.request_id}.kv{attempt}", prefer=pinned.prefill)
+                    pinned = await self._reprefill(current, f"{request.request_id}.kv{handoff}", prefer=pinned.prefill)
+                except _DecodeLost as lost:
+                    if num_migrations >= self.max_migrations:
+                        if self.metrics is not None:
+                            self.metrics.migrations.labels(outcome="exhausted").inc()
+                        raise lost.api_error from None
+                    num_migrations += 1
+                    resumed = resume_request(request, output_token_ids)
+                    if resumed is None:  # the failed D had sent every token but not the finish
+                        yield TokenEvent(token_ids=[], logprobs=[], finish_reason="length")
+                        return
+                    logger.warning("decode of %s failed after %d tokens (%s); migrating it (%d of at most %d)",
+                                   request.request_id, len(output_token_ids), lost.api_error.message, num_migrations, self.max_migrations)
+                    if self.metrics is not None:
+                        self.metrics.migrations.labels(outcome="resumed").inc()
+                    # The failed D took P's KV over when it streamed; the new KV is the resumed prompt's.
+                    decoding, handoff = False, 0
+                    current, first_token_id = resumed, output_token_ids[-1]
+                    prefer = None if self.pool.routing == "kv" else pinned.prefill  # kv routing finds the cached prefix itself
+                    pinned = await self._reprefill(current, f"{request.request_id}.m{num_migrations}", prefer=prefer)
         finally:
             if not decoding:
                 self._free_in_background(pinned)
@@ -268,7 +331,10 @@ class Dispatcher:
                     raise _KVLost(error.details()) from None
                 last_error = self._failed(instance, error, role)
                 if streamed:
-                    raise _as_api_error(error, f"{role} instance {instance.instance_id} failed mid-stream") from error
+                    api_error = _as_api_error(error, f"{role} instance {instance.instance_id} failed mid-stream")
+                    if role == "decode":
+                        raise _DecodeLost(api_error) from error
+                    raise api_error from error
             finally:
                 if not call.done():
                     call.cancel()  # the instance aborts the request and frees its blocks

@@ -35,7 +35,7 @@ from splitserve.v1 import generation_pb2
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from gateway.dispatch import Dispatcher, DispatchRequest, TokenEvent
+from gateway.dispatch import DEFAULT_MAX_MIGRATIONS, Dispatcher, DispatchRequest, TokenEvent
 from gateway.errors import APIError, bad_request
 from gateway.instances import InstancePool
 from gateway.limits import RequestLimits
@@ -92,9 +92,10 @@ class GenerationService:
         request_timeout_s: float,
         max_model_len: int | None = None,
         enable_priority: bool = False,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ) -> None:
         self.pool = pool
-        self.dispatcher = Dispatcher(pool, metrics)
+        self.dispatcher = Dispatcher(pool, metrics, max_migrations)
         self.tokenizer = tokenizer
         self.grammars = GrammarValidator(tokenizer)  # fronts check a structured output with it before prepare
         self.metrics = metrics

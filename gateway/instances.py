@@ -263,7 +263,7 @@ class InstancePool:
         if role == "decode":
             block_size = self._block_size(state)
             num_new = num_new_blocks(num_prompt_tokens, self.index.num_hit_blocks(state.address, prompt), block_size)
-            return decode_cost(report.num_waiting + state.num_dispatched, report.num_running, num_new, report.num_free_blocks)
+            return decode_cost(report.num_waiting + state.num_dispatched, report.num_running + state.num_started, num_new, report.num_free_blocks)
         measured = [s.report.prefill_tokens_per_s for s in candidates if s.report.prefill_tokens_per_s > 0]
         fallback_rate = sum(measured) / len(measured) if measured else _UNMEASURED_PREFILL_TOKENS_PER_S
         num_uncached = num_prompt_tokens - self._num_hit_tokens(state, num_prompt_tokens, prompt)

@@ -45,6 +45,12 @@ class GatewayMetrics:
         self.kv_reprefills = Counter(
             "splitserve_kv_reprefills", "Hand-offs whose KV a decode instance could not pull, prefilled again", registry=r
         )
+        self.migrations = Counter(
+            "splitserve_migrations",
+            "Requests whose decode instance failed mid-stream: resumed on another one, or failed with --max-migrations spent",
+            ["outcome"],
+            registry=r,
+        )
         self.rejected = Counter(
             "splitserve_requests_rejected", "Requests refused with 429 by admission control (queue delay, in-flight cap)", registry=r
         )

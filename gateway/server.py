@@ -15,6 +15,7 @@ from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from gateway import limits
 from gateway.admission import AdmissionLimits
 from gateway.app import create_app
+from gateway.dispatch import DEFAULT_MAX_MIGRATIONS
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
@@ -59,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", default="kv", choices=ROUTINGS,
                         help="how instances are ranked (gateway/routing.py): 'load' by queue only, 'kv' by queued prompt work "
                              "after the prompt's prefix-cache hit on each instance, learnt from their KV events")
+    parser.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
+                        help="times one request may resume on another decode instance after its own failed mid-stream "
+                             "(its prompt plus the tokens sent so far prefilled again; 0: fail the request instead)")
     # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
     parser.add_argument("--enable-priority", action="store_true",
                         help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400")
@@ -117,7 +121,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     tokenizer = ModelTokenizer(model_path, request_limits)
     service = GenerationService(
-        pool, tokenizer, metrics, args.max_pending_requests, args.request_timeout, args.max_model_len, args.enable_priority
+        pool, tokenizer, metrics, args.max_pending_requests, args.request_timeout, args.max_model_len, args.enable_priority,
+        args.max_migrations,
     )
     grpc_server = None
     if args.grpc_port >= 0:

@@ -1,6 +1,6 @@
 """The gateway routing over real prefill and decode processes (tiny random model,
 UCX on loopback): load spreads over two decode instances, a killed decode
-instance loses no request that had not started decoding on it, a client that
+instance loses no request, a client that
 leaves frees every block at once, registration through Redis, and the 429 /
 503 answers. After each scenario every instance reports all KV blocks free."""
 
@@ -102,7 +102,7 @@ def test_client_disconnect_frees_blocks_at_once(model: Path, prefill: Service, d
     assert_all_free(prefill, *decodes)
 
 
-def test_killed_decode_instance_loses_no_request_that_had_not_started_on_it(model: Path, prefill: Service) -> None:
+def test_killed_decode_instance_loses_no_request(model: Path, prefill: Service) -> None:
     with running("decode", model) as survivor:
         victim = Service("decode", model)
         # Slow polling: the gateway still believes the victim healthy when requests reach it,
@@ -121,8 +121,8 @@ def test_killed_decode_instance_loses_no_request_that_had_not_started_on_it(mode
                 events = _finish_stream(response)
                 client.close()
                 outcomes.append("error" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"])
-            # Those decoding on the survivor finish; those on the victim end with an error, never hang.
-            assert set(outcomes) <= {"length", "error"} and 1 <= outcomes.count("length") <= 3, outcomes
+            # Those decoding on the victim migrate to the survivor (tests/gateway/test_migration.py): all finish.
+            assert outcomes == ["length"] * 4, outcomes
             assert httpx.get(f"{gateway.url}/ready").status_code == 200
         assert_all_free(prefill, survivor)
 

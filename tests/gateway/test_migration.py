@@ -1,0 +1,104 @@
+"""Request migration over real processes (tiny random model, UCX on loopback): a decode
+instance killed mid-stream, the request resumes on another one and the client's stream
+continues with no token duplicated or missing; greedy, the text and tokens are those of an
+uninterrupted run. With ``--max-migrations 0`` the stream ends with an error instead.
+After each scenario every surviving instance reports all KV blocks free."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.checkpoints import make_checkpoint
+from tests.gateway.processes import HTTPProcess, running_gateway
+from tests.services.client import assert_all_free
+from tests.services.processes import Service, running
+
+pytest.importorskip("ucxx")
+
+BODY = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "logprobs": 0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def prefill(model: Path) -> Iterator[Service]:
+    with running("prefill", model, "--lease-seconds", "10") as service:
+        yield service
+
+
+def _stream_killing(gateway: HTTPProcess, decodes: list[Service], after_chunks: int) -> tuple[list[dict[str, object]], Service]:
+    """Stream BODY, SIGKILL the decode instance serving it once ``after_chunks`` chunks arrived;
+    return every chunk of the stream and the surviving instance."""
+    chunks: list[dict[str, object]] = []
+    survivor = None
+    with httpx.Client(timeout=120) as client, client.stream("POST", f"{gateway.url}/v1/completions", json={**BODY, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks.append(json.loads(line.removeprefix("data: ")))
+            if len(chunks) == after_chunks:
+                running_on = [d.load().num_running for d in decodes]
+                assert sorted(running_on) == [0, 1], running_on
+                victim = decodes[running_on.index(1)]
+                survivor = decodes[running_on.index(0)]
+                victim.stop(signal.SIGKILL)
+    assert survivor is not None, "the stream ended before the kill"
+    return chunks, survivor
+
+
+@contextmanager
+def two_decodes(model: Path) -> Iterator[list[Service]]:
+    decodes = [Service("decode", model), Service("decode", model)]
+    try:
+        yield decodes
+    finally:
+        for decode in decodes:
+            if decode.process.poll() is None:
+                decode.stop()
+
+
+def _text_and_tokens(chunks: list[dict[str, object]]) -> tuple[str, list[str]]:
+    choices = [chunk["choices"][0] for chunk in chunks if chunk.get("choices")]
+    return "".join(c["text"] for c in choices), [t for c in choices if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+
+
+def _migrations(gateway: HTTPProcess) -> dict[str, float]:
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'splitserve_migrations_total\{outcome="(\w+)"\} (\S+)', text)}
+
+
+def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupted_run(model: Path, prefill: Service) -> None:
+    with two_decodes(model) as decodes:
+        routes = ["--prefill", prefill.address, *[arg for d in decodes for arg in ("--decode", d.address)]]
+        with running_gateway(model, *routes) as gateway:
+            uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]
+            chunks, survivor = _stream_killing(gateway, decodes, after_chunks=5)
+            assert _migrations(gateway) == {"resumed": 1.0}
+        text, tokens = _text_and_tokens(chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+        assert len(tokens) == BODY["max_tokens"]  # none missing, none twice
+        assert tokens == uninterrupted["logprobs"]["tokens"]
+        assert text == uninterrupted["text"]
+        assert_all_free(prefill, survivor)
+
+
+def test_without_a_migration_budget_the_stream_ends_with_an_error(model: Path, prefill: Service) -> None:
+    with two_decodes(model) as decodes:
+        routes = ["--prefill", prefill.address, *[arg for d in decodes for arg in ("--decode", d.address)]]
+        with running_gateway(model, *routes, "--max-migrations", "0") as gateway:
+            chunks, survivor = _stream_killing(gateway, decodes, after_chunks=5)
+            assert _migrations(gateway) == {"exhausted": 1.0}
+        assert "error" in chunks[-1], chunks[-1]
+        assert_all_free(prefill, survivor)
