@@ -21,6 +21,11 @@ One Decode call, in call order:
    in the background).
 5. ``Decode`` streams the engine's outputs; the first response carries how the KV came.
 
+A call without a KV handle (the gateway's conditional disaggregation: a short prompt, or
+one mostly in this instance's prefix cache) skips 2-4: the engine prefills the prompt
+here, in chunks of at most ``--decode-recompute-chunk`` tokens per step beside the running
+decodes, and samples the first token itself; the stream starts with that token.
+
 When the pull fails (or P says it no longer holds the KV), D does not recompute
 the prompt unless the call allows it (``allow_recompute``, the gateway's last
 resort): it ends the call with ``DATA_LOSS`` before any token, so the gateway can
@@ -62,7 +67,7 @@ KVFailurePolicy = Literal["recompute", "fail"]
 class DecodeCall:
     """One Decode call in progress, as the pull and the stream share it."""
 
-    source: KVSource  # P's blocks; ``source.request_id`` is P's id for them
+    source: KVSource | None  # P's blocks (``source.request_id`` is P's id for them); None: prefilled here
     allow_recompute: bool
     pull: asyncio.Task[None] | None = None  # while in flight
     transfer: disaggregation_pb2.KVTransfer | None = None  # how the KV came, once it has
@@ -100,11 +105,13 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         request_id = request.request_id
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        local = not request.HasField("kv")  # conditional disaggregation: prefill here
         handle = request.kv
-        source = kv_source_from_proto(handle.request_id or request_id, handle)
+        source = None if local else kv_source_from_proto(handle.request_id or request_id, handle)
         try:
             params = sampling_params_from_proto(request.sampling)
-            self._check_handle(handle, source, request.prompt_token_ids)
+            if source is not None:
+                self._check_handle(handle, source, request.prompt_token_ids)
         except HandleRejected as error:
             self.instance.counters.num_kv_handles_refused += 1
             logger.warning("refused the KV handle of %s (from %r): %s", request_id, handle.connector_address, error)
@@ -116,15 +123,19 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         if request_id in self._calls:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already decoding here")
         call = self._calls[request_id] = DecodeCall(source, request.allow_recompute)
-        self.leases.hold(request_id, source.request_id, handle.prefill_address, handle.lease_s)
+        if source is not None:
+            self.leases.hold(request_id, source.request_id, handle.prefill_address, handle.lease_s)
+        else:
+            self.instance.counters.num_local_prefills += 1
         stream = self.instance.engine.generate(
             list(request.prompt_token_ids),
             params,
             request_id=request_id,
             priority=request.priority,
-            first_token_id=request.first_token_id,
+            first_token_id=None if local else request.first_token_id,
             cache_salt=request.cache_salt or None,
         )
+        first = True
         try:
             async for output in stream:
                 if call.end_code is not None:
@@ -140,6 +151,9 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
                 if call.transfer is not None:
                     response.kv_transfer.CopyFrom(call.transfer)
                     call.transfer = None  # the first response only
+                if local and first:
+                    response.num_cached_tokens = output.num_cached_tokens
+                first = False
                 yield response
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Literal
 
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per phase: instances tried before the request fails
 MAX_HANDOFFS = 3  # Decode calls per request that may end in DATA_LOSS and a new prefill
+PDPath = Literal["disaggregated", "decode"]  # prefill on a P and hand off, or on the D itself
 DEFAULT_MAX_MIGRATIONS = 2  # times a request may move to another D after its D failed mid-stream
 # An instance answering with these is down, draining or full: another one may serve.
 _RETRYABLE = {
@@ -135,18 +137,34 @@ def resume_request(request: DispatchRequest, output_token_ids: list[int]) -> Dis
 
 
 class Dispatcher:
-    def __init__(self, pool: InstancePool, metrics: GatewayMetrics | None = None, max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+    def __init__(
+        self,
+        pool: InstancePool,
+        metrics: GatewayMetrics | None = None,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        disagg_min_prompt_tokens: int = 0,
+    ) -> None:
         if max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {max_migrations}")
+        if disagg_min_prompt_tokens < 0:
+            raise ValueError(f"--disagg-min-prompt-tokens must be >= 0 (0: always disaggregate), got {disagg_min_prompt_tokens}")
         self.pool = pool
         self.metrics = metrics
         self.max_migrations = max_migrations
+        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self._background = BackgroundTasks()
 
     async def generate(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Raises APIError (before or between events) on failure."""
         if self.pool.healthy("colocated"):
             async for event in self._colocated(request):
+                yield event
+            return
+        path, reason = self._pd_decision(request)
+        if self.metrics is not None:
+            self.metrics.pd_decisions.labels(path=path, reason=reason).inc()
+        if path == "decode":
+            async for event in self._decode_and_migrate(request, None, []):
                 yield event
             return
         prefilled, prefill = await self._prefill(request, request.request_id, request.sampling)
@@ -162,23 +180,53 @@ class Dispatcher:
             yield first
             return
         pinned = _Pinned(prefill, _with_request_id(prefilled.kv, request.request_id))
-        decoding = False  # a D has streamed: it owns the KV now and releases P itself
-        current, first_token_id = request, prefilled.first_token_id  # what the next Decode call continues
-        output_token_ids = [first_token_id]  # every token sent on, for a migration to resume after
-        num_migrations = 0
         try:
             yield first
-            handoff = 0
+        except BaseException:  # the stream ended at its first token (client gone, stop string)
+            self._free_in_background(pinned)
+            raise
+        async for event in self._decode_and_migrate(request, pinned, [prefilled.first_token_id]):
+            yield event
+
+    def _pd_decision(self, request: DispatchRequest) -> tuple[PDPath, str]:
+        """Conditional disaggregation: where the prompt is prefilled, and why. A prompt whose
+        uncached part on the best decode instance is under ``--disagg-min-prompt-tokens`` (it
+        is short, or mostly in that instance's prefix cache) is prefilled there: a trip through
+        P and a KV pull would cost more than computing it beside the running decodes."""
+        threshold = self.disagg_min_prompt_tokens
+        num_prompt_tokens = len(request.prompt_token_ids)
+        if threshold <= 0:
+            return "disaggregated", "always"
+        if num_prompt_tokens < threshold:
+            return "decode", "short_prompt"
+        num_uncached = self.pool.min_decode_uncached_tokens(num_prompt_tokens, request.blocks)
+        if num_uncached is not None and num_uncached < threshold:
+            return "decode", "cached_on_decode"
+        return "disaggregated", "uncached_prompt"
+
+    async def _decode_and_migrate(self, request: DispatchRequest, pinned: _Pinned | None, output_token_ids: list[int]) -> AsyncIterator[TokenEvent]:
+        """Decode after ``output_token_ids`` (the tokens already sent; P's first token after a
+        prefill there), from P's pinned KV, or prefilling on D itself when ``pinned`` is None.
+        A lost KV goes back to prefill; a D that fails after streaming hands the request to
+        another one (migration), within the request's budget."""
+        decoding = False  # a D has streamed: it owns the KV now and releases P itself
+        current = request  # what the next Decode call continues: the prompt, plus tokens moved in by migrations
+        num_migrations = handoff = 0
+        try:
             while True:
                 handoff += 1
                 try:
-                    async for event in self._decode(current, first_token_id, pinned.handle, allow_recompute=handoff >= MAX_HANDOFFS):
+                    if pinned is None:
+                        stream = self._decode_local(current)
+                    else:
+                        stream = self._decode(current, output_token_ids[-1], pinned.handle, allow_recompute=handoff >= MAX_HANDOFFS)
+                    async for event in stream:
                         decoding = True
                         output_token_ids.extend(event.token_ids)
                         yield event
                     return
                 except _KVLost as lost:
-                    if handoff >= MAX_HANDOFFS:
+                    if pinned is None or handoff >= MAX_HANDOFFS:
                         raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"no decode instance could take the KV: {lost}", code="instance_failed") from None
                     logger.warning("hand-off %d of %s lost its KV (%s); prefilling it again", handoff, request.request_id, lost)
                     if self.metrics is not None:
@@ -199,13 +247,14 @@ class Dispatcher:
                                    request.request_id, len(output_token_ids), lost.api_error.message, num_migrations, self.max_migrations)
                     if self.metrics is not None:
                         self.metrics.migrations.labels(outcome="resumed").inc()
-                    # The failed D took P's KV over when it streamed; the new KV is the resumed prompt's.
+                    # The failed D took P's KV over when it streamed; the new KV is the resumed prompt's,
+                    # prefilled on a P whatever the first path was (it is long by now, and mostly cached).
                     decoding, handoff = False, 0
-                    current, first_token_id = resumed, output_token_ids[-1]
-                    prefer = None if self.pool.routing == "kv" else pinned.prefill  # kv routing finds the cached prefix itself
+                    current = resumed
+                    prefer = pinned.prefill if pinned is not None and self.pool.routing == "load" else None  # kv routing finds the prefix itself
                     pinned = await self._reprefill(current, f"{request.request_id}.m{num_migrations}", prefer=prefer)
         finally:
-            if not decoding:
+            if not decoding and pinned is not None:
                 self._free_in_background(pinned)
 
     # ---------------------------------------------------------------- prefill
@@ -278,6 +327,23 @@ class Dispatcher:
             lambda tried: self.pool.pick(
                 "decode", exclude=tried, fingerprint=handle.fingerprint, num_prompt_tokens=len(request.prompt_token_ids), prompt=request.blocks
             ),
+            lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request)),
+        ):
+            yield event
+
+    async def _decode_local(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
+        """Decode with no KV handle: D prefills the prompt itself (conditional disaggregation)."""
+        message = disaggregation_pb2.DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+        )
+        num_prompt_tokens = len(request.prompt_token_ids)
+        async for event in self._stream_with_failover(
+            "decode",
+            lambda tried: self.pool.pick("decode", exclude=tried, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks),
             lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request)),
         ):
             yield event
@@ -390,6 +456,7 @@ def _token_event(response: disaggregation_pb2.DecodeResponse | generation_pb2.Ge
     )
     if isinstance(response, disaggregation_pb2.DecodeResponse):
         event.kv_transfer = response.kv_transfer if response.HasField("kv_transfer") else None
+        event.num_cached_tokens = response.num_cached_tokens if first else 0  # set by a local prefill only
     elif first:
         event.num_cached_tokens = response.usage.cached_tokens
     return event

@@ -93,9 +93,10 @@ class GenerationService:
         max_model_len: int | None = None,
         enable_priority: bool = False,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        disagg_min_prompt_tokens: int = 0,
     ) -> None:
         self.pool = pool
-        self.dispatcher = Dispatcher(pool, metrics, max_migrations)
+        self.dispatcher = Dispatcher(pool, metrics, max_migrations, disagg_min_prompt_tokens)
         self.tokenizer = tokenizer
         self.grammars = GrammarValidator(tokenizer)  # fronts check a structured output with it before prepare
         self.metrics = metrics

@@ -279,6 +279,16 @@ class InstancePool:
     def _max_blocks(state: InstanceState) -> int:
         return state.report.num_total_blocks if state.report is not None and state.report.num_total_blocks else DEFAULT_MAX_BLOCKS
 
+    def min_decode_uncached_tokens(self, num_prompt_tokens: int, prompt: PromptBlocks) -> int | None:
+        """Prompt tokens the healthy decode instance with the longest cached prefix of this prompt
+        would still compute (all of them without kv routing); None when no decode instance is healthy."""
+        decodes = self.healthy("decode")
+        if not decodes:
+            return None
+        if self.routing != "kv":
+            return num_prompt_tokens
+        return num_prompt_tokens - max(self._num_hit_tokens(s, num_prompt_tokens, prompt) for s in decodes)
+
     def is_ready(self) -> bool:
         """Requests can be served: a colocated instance, or a compatible prefill + decode pair."""
         if self.healthy("colocated"):

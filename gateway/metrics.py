@@ -45,6 +45,13 @@ class GatewayMetrics:
         self.kv_reprefills = Counter(
             "splitserve_kv_reprefills", "Hand-offs whose KV a decode instance could not pull, prefilled again", registry=r
         )
+        self.pd_decisions = Counter(
+            "splitserve_pd_decision",
+            "Where requests were prefilled (path: disaggregated on a P, or decode: on the D itself) and why "
+            "(--disagg-min-prompt-tokens: short_prompt, cached_on_decode, uncached_prompt; always when it is 0)",
+            ["path", "reason"],
+            registry=r,
+        )
         self.migrations = Counter(
             "splitserve_migrations",
             "Requests whose decode instance failed mid-stream: resumed on another one, or failed with --max-migrations spent",
@@ -175,4 +182,5 @@ _INSTANCE_COUNTERS = {
     "kv_recomputes": "Decode: prompts recomputed locally after a failed pull",
     "kv_handbacks": "Decode: requests handed back to the gateway to prefill again",
     "kv_handles_refused": "Decode: calls refused for a KV handle that is unsigned or altered (docs/security.md)",
+    "local_prefills": "Decode: calls prefilled on the decode instance itself (conditional disaggregation)",
 }

@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
                         help="times one request may resume on another decode instance after its own failed mid-stream "
                              "(its prompt plus the tokens sent so far prefilled again; 0: fail the request instead)")
+    parser.add_argument("--disagg-min-prompt-tokens", type=int, default=0, metavar="N",
+                        help="conditional disaggregation: a prompt with fewer than N tokens the best decode instance lacks "
+                             "(short, or mostly in its prefix cache with --routing kv) is prefilled on that decode instance, "
+                             "in chunks inside its step budget, instead of on a prefill instance (0: always disaggregate)")
     # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
     parser.add_argument("--enable-priority", action="store_true",
                         help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400")
@@ -122,7 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = ModelTokenizer(model_path, request_limits)
     service = GenerationService(
         pool, tokenizer, metrics, args.max_pending_requests, args.request_timeout, args.max_model_len, args.enable_priority,
-        args.max_migrations,
+        args.max_migrations, args.disagg_min_prompt_tokens,
     )
     grpc_server = None
     if args.grpc_port >= 0:

@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gateway: calls outstanding on one prefill or colocated instance at most (default: off)")
     parser.add_argument("--routing", default=None, choices=["load", "kv"],
                         help="gateway: rank instances by load only, or by load and the prompt's cached prefix (default: the gateway's)")
+    parser.add_argument("--disagg-min-prompt-tokens", type=int, default=None, metavar="N",
+                        help="gateway: prefill prompts with fewer than N uncached tokens on the decode instance itself (default: the gateway's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
             gateway_argv += ["--max-inflight-per-instance", str(args.max_inflight_per_instance)]
         if args.routing is not None:
             gateway_argv += ["--routing", args.routing]
+        if args.disagg_min_prompt_tokens is not None:
+            gateway_argv += ["--disagg-min-prompt-tokens", str(args.disagg_min_prompt_tokens)]
         # The key travels in the environment, not argv, where any local user could read it.
         children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or "", **cluster_env}, stop_stage=0))
         url = f"http://{_dial_host(args.host)}:{args.port}"

@@ -123,6 +123,7 @@ class ServiceCounters:
     num_kv_recomputes: int = 0  # D
     num_kv_handbacks: int = 0  # D
     num_kv_handles_refused: int = 0  # D: unsigned or altered handles (serving/handle_signing.py)
+    num_local_prefills: int = 0  # D: calls without a KV handle, prefilled here (conditional disaggregation)
 
 
 @dataclass
@@ -200,6 +201,7 @@ class Instance:
                 num_kv_recomputes=self.counters.num_kv_recomputes,
                 num_kv_handbacks=self.counters.num_kv_handbacks,
                 num_kv_handles_refused=self.counters.num_kv_handles_refused,
+                num_local_prefills=self.counters.num_local_prefills,
             ),
             engine_error=self.engine_error,
         )

@@ -126,20 +126,22 @@ class KVTransfer(_message.Message):
     def __init__(self, num_pulled_blocks: _Optional[int] = ..., num_local_hit_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., recomputed: bool = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_transfer")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_transfer", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     finish_reason: str
     stop_token_id: int
     kv_transfer: KVTransfer
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestRef(_message.Message):
     __slots__ = ("request_id",)
@@ -216,7 +218,7 @@ class LoadReport(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., counters: _Optional[_Union[InstanceCounters, _Mapping]] = ..., engine_error: _Optional[str] = ...) -> None: ...
 
 class InstanceCounters(_message.Message):
-    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks", "num_kv_handles_refused")
+    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks", "num_kv_handles_refused", "num_local_prefills")
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_RENEWALS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +227,7 @@ class InstanceCounters(_message.Message):
     NUM_KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HANDBACKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HANDLES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     num_preemptions: int
     num_lease_renewals: int
     num_lease_expiries: int
@@ -233,7 +236,8 @@ class InstanceCounters(_message.Message):
     num_kv_recomputes: int
     num_kv_handbacks: int
     num_kv_handles_refused: int
-    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ...) -> None: ...
+    num_local_prefills: int
+    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ..., num_local_prefills: _Optional[int] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("epoch", "after_seq")
