@@ -1,5 +1,7 @@
 """One request's path through the instances: Prefill on a P, the first token back
-at once, then Decode on a D with P's KV handle, streaming tokens.
+at once, then Decode on a D with P's KV handle, streaming tokens. With
+``--disagg-min-prompt-tokens``, a prompt that D would mostly not have to compute (short, or
+in its prefix cache) skips P: the Decode call carries no handle and D prefills it itself.
 
 Admission first: instances over ``--max-queue-delay`` or ``--max-inflight-per-instance``
 take nothing new (``gateway.admission``); when none qualifies the request gets 429
@@ -13,7 +15,9 @@ hands the request back with ``DATA_LOSS``: the gateway prefills the prompt again
 (``kv_only``: the first token is already out), preferring the same P — its prefix
 cache still holds most blocks — and hands the new KV to a D; only the last
 hand-off attempt lets D recompute the prompt itself. Once D has streamed tokens,
-its failure fails the request (the tokens are out). Ending the stream early — the
+its failure migrates the request: the prompt plus every token sent so far is
+prefilled again (``kv_only``) and another D continues after the last token, within
+``--max-migrations`` (:func:`resume_request`). Ending the stream early — the
 client left, a stop string matched — cancels the Decode call (D aborts and frees at
 once) and releases P's blocks if no D took them.
 """

@@ -1,0 +1,171 @@
+"""Routing and conditional disaggregation, side by side in one run: two ``splitserve up``
+clusters that differ in one gateway flag stay up together, and ``splitserve bench serve``
+sends the same workload to each in turn, round after round (the order alternating), so
+both see the same machine load over time. Round 0 warms the caches and is not reported.
+
+Presets:
+
+- ``routing``: ``--num-prefill 2 --num-decode 1`` with small KV budgets, ``--routing load``
+  against ``--routing kv``, on ``--dataset shared-prefix`` (8 system prompts of 1,024
+  tokens): prefix-cache hit rate (the gateway's cached / prompt tokens over the measured
+  requests) and TTFT p50 / p99;
+- ``conditional``: ``--num-prefill 1 --num-decode 1``, ``--disagg-min-prompt-tokens 0``
+  against ``128``, on a mix of 64- and 1,024-token prompts: TTFT of each class.
+
+Prints a markdown table with the CPU model and flags (``lscpu``) for docs/benchmarks.md::
+
+    python -m bench.routing --preset routing --output-dir /tmp/routing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.study import wait_ready
+from launcher.processes import free_port
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    up: tuple[str, ...]  # splitserve up flags both clusters share
+    modes: dict[str, tuple[str, ...]]  # mode name -> the up flags that make it
+    workload: tuple[str, ...]  # bench serve flags
+
+
+PRESETS = {
+    "routing": Preset(
+        up=("--num-prefill", "2", "--num-decode", "1", "--kv-cache-memory", str(256 << 20)),
+        modes={"load": ("--routing", "load"), "kv": ("--routing", "kv")},
+        workload=("--dataset", "shared-prefix", "--num-prefixes", "8", "--prefix-len", "1024", "--suffix-len", "64", "--output-len", "16"),
+    ),
+    "conditional": Preset(
+        up=("--num-prefill", "1", "--num-decode", "1"),
+        modes={"always": ("--disagg-min-prompt-tokens", "0"), "conditional": ("--disagg-min-prompt-tokens", "128")},
+        workload=("--dataset", "mixed", "--mix", "64:16:1,1024:16:1"),
+    ),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per mode (after the warm-up round)")
+    parser.add_argument("--num-prompts", type=int, default=24, help="requests per round")
+    parser.add_argument("--request-rate", type=float, default=0.5)
+    parser.add_argument("--dtype", default="float32")
+    return parser.parse_args(argv)
+
+
+def start_cluster(mode: str, preset: Preset, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    log = open(args.output_dir / f"{mode}-server.log", "w")  # noqa: SIM115 - the child holds it until it exits
+    command = [sys.executable, "-m", "engine.cli", "--log-level", "WARNING", "up", "--port", str(port), "--grpc-port", str(free_port()),
+               "--dtype", args.dtype, *preset.up, *preset.modes[mode]]
+    print(f"[{mode}] {' '.join(command[2:])}", flush=True)  # noqa: T201 - a script's progress
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPLITSERVE_API_KEY": ""})
+    return server, f"http://127.0.0.1:{port}"
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for name in ("splitserve_prompt_tokens_total", "splitserve_cached_prompt_tokens_total"):
+        found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        values[name] = float(found[1]) if found else 0.0
+    for found in re.finditer(r'^splitserve_pd_decision_total\{path="(\w+)",reason="(\w+)"\} (\S+)$', text, re.MULTILINE):
+        values[f"pd:{found[1]}:{found[2]}"] = float(found[3])
+    return values
+
+
+def run_round(mode: str, url: str, round_index: int, preset: Preset, args: argparse.Namespace) -> Path:
+    result_dir = args.output_dir / mode
+    filename = f"round{round_index}.json"
+    command = [sys.executable, "-m", "engine.cli", "bench", "serve", "--base-url", url, *preset.workload,
+               "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate), "--seed", str(round_index),
+               "--metric-percentiles", "50,99", "--label", mode, "--save-result", "--result-dir", str(result_dir),
+               "--result-filename", filename, "--disable-tqdm"]
+    print(f"[{mode}] round {round_index}: {' '.join(command[2:])}", flush=True)  # noqa: T201
+    before = scrape(url)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    after = scrape(url)
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    (result_dir / f"round{round_index}.gateway.json").write_text(json.dumps(delta))
+    return result_dir / filename
+
+
+def summary(args: argparse.Namespace, preset: Preset) -> str:
+    rows = []
+    for mode in preset.modes:
+        ttfts: dict[str, list[float]] = {}
+        prompt = cached = 0.0
+        decisions: dict[str, float] = {}
+        failed = 0
+        for round_index in range(1, args.rounds + 1):
+            result = json.loads((args.output_dir / mode / f"round{round_index}.json").read_text())
+            gateway = json.loads((args.output_dir / mode / f"round{round_index}.gateway.json").read_text())
+            failed += result["failed"]
+            for ttft, workload, error in zip(result["ttfts"], result["workloads"], result["errors"], strict=True):
+                if not error:
+                    ttfts.setdefault("all", []).append(ttft * 1000)
+                    if preset is PRESETS["conditional"]:
+                        ttfts.setdefault(workload.split(":")[0] + "-token prompts", []).append(ttft * 1000)
+            prompt += gateway["splitserve_prompt_tokens_total"]
+            cached += gateway["splitserve_cached_prompt_tokens_total"]
+            for key, value in gateway.items():
+                if key.startswith("pd:"):
+                    decisions[key[3:]] = decisions.get(key[3:], 0.0) + value
+        for name, values in ttfts.items():
+            rows.append(f"| {mode} | {name} | {len(values)} | {np.percentile(values, 50):.0f} / {np.percentile(values, 99):.0f} "
+                        f"| {cached / prompt if prompt else 0:.1%} | {failed} | "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions.items())) + " |")
+    header = ["| mode | requests | n | TTFT p50 / p99 (ms) | prefix-cache hit rate | failed | P/D decisions |", "|---|---|---|---|---|---|---|"]
+    return "\n".join([*header, *rows])
+
+
+def cpu_line() -> str:
+    text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    model = fields.get("Model name", "?").strip()
+    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return f"CPU: {model}, {os.cpu_count()} cores visible; flags: {' '.join(flags)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    preset = PRESETS[args.preset]
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    clusters = {mode: start_cluster(mode, preset, args) for mode in preset.modes}
+    try:
+        for server, url in clusters.values():
+            wait_ready(url, server)
+        modes = list(preset.modes)
+        for round_index in range(args.rounds + 1):
+            for mode in modes if round_index % 2 == 0 else reversed(modes):
+                run_round(mode, clusters[mode][1], round_index, preset, args)
+    finally:
+        for server, _ in clusters.values():
+            server.send_signal(signal.SIGTERM)
+        for server, _ in clusters.values():
+            server.wait(timeout=120)
+    table = summary(args, preset)
+    (args.output_dir / "summary.md").write_text(f"{cpu_line()}\n\n{table}\n")
+    print(cpu_line())  # noqa: T201
+    print(table)  # noqa: T201
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
