@@ -56,6 +56,20 @@ class KVCacheManager:
         self.block_pool.num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of the request's leading full blocks whose hashes the prefix cache holds now: an
+        estimate for load reports (no token check, no reference taken, no statistics)."""
+        if not self.enable_prefix_caching:
+            return 0
+        request.update_block_hashes(self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        num_hits = 0
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            if block_hash not in self.block_pool.cached_blocks:
+                break
+            num_hits += 1
+        return num_hits * self.block_size
+
     def allocate_slots(
         self,
         request: Request,

@@ -114,9 +114,15 @@ class Scheduler:
 
     @property
     def num_pending_prefill_tokens(self) -> int:
-        """Prompt (or recompute) tokens still to compute, prefix-cache hits not yet known
-        counted in full: what a new prompt would queue behind."""
-        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting if not r.num_external_tokens)
+        """Prompt (or recompute) tokens still to compute: what a new prompt would queue behind.
+        A waiting request's prefix-cache hit counts as already computed (estimated from the
+        cache now): counted in full, a queue of requests sharing a cached system prompt looked
+        like a queue of whole prompts, and cache-aware routing sent the next one elsewhere."""
+        waiting = sum(
+            r.num_tokens - r.num_computed_tokens - (self.kv_cache_manager.num_cached_prefix_tokens(r) if not r.num_computed_tokens else 0)
+            for r in self.waiting
+            if not r.num_external_tokens
+        )
         return waiting + sum(_num_prefill_tokens_left(r) for r in self.running)
 
     def has_unfinished_requests(self) -> bool:

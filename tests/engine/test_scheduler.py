@@ -298,3 +298,14 @@ def test_pending_prefill_tokens_count_queued_and_unfinished_prompts() -> None:
     assert scheduler.num_pending_prefill_tokens == 4 + 5
     run_step(scheduler)  # a finishes its prompt and samples; b gets 2
     assert scheduler.num_pending_prefill_tokens == 3
+
+
+def test_a_waiting_prompts_cached_prefix_is_not_pending_work() -> None:
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", list(range(10, 22)), max_tokens=1))
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    scheduler.add_request(make_request("b", list(range(10, 18)) + [90, 91, 92], max_tokens=1))  # two cached blocks, then 3 new tokens
+    assert scheduler.num_pending_prefill_tokens == 3
+    scheduler.add_request(make_request("c", list(range(40, 51)), max_tokens=1))
+    assert scheduler.num_pending_prefill_tokens == 3 + 11

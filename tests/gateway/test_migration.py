@@ -7,6 +7,7 @@ After each scenario every surviving instance reports all KV blocks free."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from tests.services.client import assert_all_free
 from tests.services.processes import Service, running
 
 pytest.importorskip("ucxx")
+
+logger = logging.getLogger(__name__)
 
 BODY = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "logprobs": 0}
 
@@ -87,6 +90,9 @@ def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupt
             chunks, survivor = _stream_killing(gateway, decodes, after_chunks=5)
             assert _migrations(gateway) == {"resumed": 1.0}
         text, tokens = _text_and_tokens(chunks)
+        # Shown with --log-cli-level INFO (docs/benchmarks.md quotes it).
+        logger.info("uninterrupted: %r", uninterrupted["text"])
+        logger.info("migrated:      %r (%d chunks, the decode instance killed after the 5th)", text, len(chunks))
         assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
         assert len(tokens) == BODY["max_tokens"]  # none missing, none twice
         assert tokens == uninterrupted["logprobs"]["tokens"]
