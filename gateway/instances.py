@@ -23,7 +23,7 @@ from splitserve.v1 import disaggregation_pb2
 
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
-from gateway.routing import WAITING_WEIGHT, Routing, decode_cost, num_hit_tokens, num_new_blocks, prefill_cost_s
+from gateway.routing import WAITING_WEIGHT, Routing, decode_cost, num_evicted_blocks, num_hit_tokens, num_new_blocks, prefill_cost_s
 from serving.internal_grpc import InternalPlane
 
 logger = logging.getLogger(__name__)
@@ -266,8 +266,15 @@ class InstancePool:
             return decode_cost(report.num_waiting + state.num_dispatched, report.num_running + state.num_started, num_new, report.num_free_blocks)
         measured = [s.report.prefill_tokens_per_s for s in candidates if s.report.prefill_tokens_per_s > 0]
         fallback_rate = sum(measured) / len(measured) if measured else _UNMEASURED_PREFILL_TOKENS_PER_S
-        num_uncached = num_prompt_tokens - self._num_hit_tokens(state, num_prompt_tokens, prompt)
-        return prefill_cost_s(report.num_pending_prefill_tokens + state.num_dispatched_tokens, report.prefill_tokens_per_s, num_uncached, fallback_rate)
+        block_size = self._block_size(state)
+        num_hit_blocks = self.index.num_hit_blocks(state.address, prompt)
+        num_uncached = num_prompt_tokens - num_hit_tokens(num_hit_blocks, block_size, num_prompt_tokens)
+        num_new = num_new_blocks(num_prompt_tokens, num_hit_blocks, block_size)
+        num_evicted = num_evicted_blocks(num_new, report.num_total_blocks, self.index.num_cached_blocks(state.address))
+        return prefill_cost_s(
+            report.num_pending_prefill_tokens + state.num_dispatched_tokens, report.prefill_tokens_per_s, num_uncached,
+            num_evicted * block_size, fallback_rate,
+        )
 
     def _num_hit_tokens(self, state: InstanceState, num_prompt_tokens: int, prompt: PromptBlocks) -> int:
         return num_hit_tokens(self.index.num_hit_blocks(state.address, prompt), self._block_size(state), num_prompt_tokens)

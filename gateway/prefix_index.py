@@ -128,8 +128,9 @@ class PrefixIndex:
                 blocks.predicted[block_hash] = expiry
 
     def num_cached_blocks(self, address: str) -> int:
+        """Blocks the instance's prefix cache holds, or is predicted to hold soon."""
         blocks = self._instances.get(address)
-        return len(blocks.cached) if blocks is not None else 0
+        return len(blocks.cached) + len(blocks.predicted) if blocks is not None else 0
 
 
 def _block_hash(raw: bytes) -> BlockHash:

@@ -259,3 +259,24 @@ def test_kv_routing_sends_decode_where_the_prompt_needs_fewest_new_blocks() -> N
         assert pool.instances["d:2"].charged_tokens == 0
 
     with_pool(check)
+
+
+def test_kv_routing_puts_a_prompt_cached_nowhere_where_it_evicts_least() -> None:
+    prompt = PromptBlocks(list(range(1024)))  # 64 blocks
+    full = disaggregation_pb2.KVEvents(
+        epoch=1, last_seq=1, snapshot=True, block_size=16, stored=[(10_000 + i).to_bytes(16, "little") for i in range(100)]
+    )
+    empty = disaggregation_pb2.KVEvents(epoch=1, last_seq=1, snapshot=True, block_size=16)
+
+    def check(pool: InstancePool) -> None:
+        pool.routing = "kv"
+        add_pair(pool, {"p:1": queued("prefill", 0, 1500.0), "p:2": queued("prefill", 0, 1000.0)})
+        for address in ("p:1", "p:2"):
+            pool.instances[address].report.num_total_blocks = 100
+        pool.index.apply("p:1", full, 100)  # faster, but its cache is full of other prefixes
+        pool.index.apply("p:2", empty, 100)
+        # p:1: (1024 + 64 * 16 evicted) / 1500 = 1.37 s; p:2: 1024 / 1000 = 1.02 s (without the
+        # eviction term p:1 would win with 0.68 s, and keep winning every new prefix).
+        assert pool.pick_prefill(num_prompt_tokens=1024, prompt=prompt).address == "p:2"
+
+    with_pool(check)
