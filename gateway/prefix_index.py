@@ -9,7 +9,7 @@ mixed into the first), at each instance's block size.
 
 Between a dispatch and the events that confirm it (a poll interval or more later), the
 blocks the request will leave behind are *predicted* on the instance it went to, for
-``PREDICTION_TTL_S``: without that, a burst of requests sharing a new prefix would spread
+``PREDICTION_TTL_S`` or until events confirm them: without that, a burst of requests sharing a new prefix would spread
 over every instance before the first one's blocks were reported.
 
 Bounded memory: per instance at most its reported block count of hashes (cached and
@@ -28,7 +28,10 @@ from engine.kv_cache_utils import BlockHash, extend_block_hashes
 
 logger = logging.getLogger(__name__)
 
-PREDICTION_TTL_S = 5.0
+# Long enough for a prompt to wait in a queue and be prefilled before its blocks exist (on a
+# loaded CPU host, several seconds each); a prediction that never comes true costs at most
+# this long of a wrong preference.
+PREDICTION_TTL_S = 30.0
 DEFAULT_MAX_BLOCKS = 1 << 17  # before an instance's first load report says how many it has
 
 

@@ -105,26 +105,30 @@ def test_client_disconnect_frees_blocks_at_once(model: Path, prefill: Service, d
 def test_killed_decode_instance_loses_no_request(model: Path, prefill: Service) -> None:
     with running("decode", model) as survivor:
         victim = Service("decode", model)
-        # Slow polling: the gateway still believes the victim healthy when requests reach it,
-        # so the hand-off itself must fail over to the survivor.
-        routes = _static_routes(prefill, victim, survivor)
-        with running_gateway(model, *routes, "--poll-interval", "5", "--stale-after", "60") as gateway:
-            streams = [_stream_until(gateway.url, LONG, num_chunks=2) for _ in range(4)]
-            assert victim.load().num_running >= 1 and survivor.load().num_running >= 1
-            victim.stop(signal.SIGKILL)
-            with ThreadPoolExecutor(6) as pool:
-                after = list(pool.map(lambda _: _complete(gateway.url, SHORT), range(6)))
-            assert [r.status_code for r in after] == [200] * 6, [r.text for r in after]
-            assert all(r.json()["usage"]["completion_tokens"] == SHORT["max_tokens"] for r in after)
-            outcomes = []
-            for client, response in streams:
-                events = _finish_stream(response)
-                client.close()
-                outcomes.append("error" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"])
-            # Those decoding on the victim migrate to the survivor (tests/gateway/test_migration.py): all finish.
-            assert outcomes == ["length"] * 4, outcomes
-            assert httpx.get(f"{gateway.url}/ready").status_code == 200
-        assert_all_free(prefill, survivor)
+        try:
+            # Slow polling: the gateway still believes the victim healthy when requests reach it,
+            # so the hand-off itself must fail over to the survivor.
+            routes = _static_routes(prefill, victim, survivor)
+            with running_gateway(model, *routes, "--poll-interval", "5", "--stale-after", "60") as gateway:
+                streams = [_stream_until(gateway.url, LONG, num_chunks=2) for _ in range(4)]
+                assert victim.load().num_running >= 1 and survivor.load().num_running >= 1
+                victim.stop(signal.SIGKILL)
+                with ThreadPoolExecutor(6) as pool:
+                    after = list(pool.map(lambda _: _complete(gateway.url, SHORT), range(6)))
+                assert [r.status_code for r in after] == [200] * 6, [r.text for r in after]
+                assert all(r.json()["usage"]["completion_tokens"] == SHORT["max_tokens"] for r in after)
+                outcomes = []
+                for client, response in streams:
+                    events = _finish_stream(response)
+                    client.close()
+                    outcomes.append("error" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"])
+                # Those decoding on the victim migrate to the survivor (tests/gateway/test_migration.py): all finish.
+                assert outcomes == ["length"] * 4, outcomes
+                assert httpx.get(f"{gateway.url}/ready").status_code == 200
+            assert_all_free(prefill, survivor)
+        finally:
+            if victim.process.poll() is None:  # the test failed before killing it
+                victim.stop()
 
 
 def test_queue_full_gets_429(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
