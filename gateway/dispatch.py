@@ -238,6 +238,12 @@ class Dispatcher:
                     self._free_in_background(pinned)  # a no-op if D's release got there first
                     pinned = await self._reprefill(current, f"{request.request_id}.kv{handoff}", prefer=pinned.prefill)
                 except _DecodeLost as lost:
+                    if request.sampling.WhichOneof("structured") is not None:
+                        # A new D's grammar matcher would start over at the resumed first token,
+                        # not after every token sent: the output would leave its format.
+                        if self.metrics is not None:
+                            self.metrics.migrations.labels(outcome="unsupported").inc()
+                        raise lost.api_error from None
                     if num_migrations >= self.max_migrations:
                         if self.metrics is not None:
                             self.metrics.migrations.labels(outcome="exhausted").inc()

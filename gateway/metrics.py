@@ -54,7 +54,8 @@ class GatewayMetrics:
         )
         self.migrations = Counter(
             "splitserve_migrations",
-            "Requests whose decode instance failed mid-stream: resumed on another one, or failed with --max-migrations spent",
+            "Requests whose decode instance failed mid-stream: resumed on another one, or failed (exhausted: --max-migrations spent; "
+            "unsupported: a structured output)",
             ["outcome"],
             registry=r,
         )
