@@ -1,0 +1,37 @@
+"""What to speculate with, and how far ahead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SpecMethod = Literal["ngram", "draft_model"]
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """``method="ngram"`` drafts by prompt lookup: the longest n-gram (``ngram_max`` down to
+    ``ngram_min`` tokens) ending the sequence is searched for earlier in it, and the tokens
+    that followed its latest earlier occurrence are proposed. ``method="draft_model"`` runs
+    ``model`` (a local Hugging Face folder with the target's vocabulary) autoregressively.
+    Either way at most ``num_speculative_tokens`` drafts are verified per step."""
+
+    method: SpecMethod = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    model: str | None = None  # draft_model: the draft checkpoint's folder
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method must be ngram or draft_model, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= --speculative-ngram-min <= --speculative-ngram-max, got {self.ngram_min} and {self.ngram_max}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("draft-model speculation needs --speculative-model, a local Hugging Face folder")
+        if self.method == "ngram" and self.model:
+            raise ValueError("--speculative-model makes a draft model speculate; drop the n-gram method (or the model)")
