@@ -145,13 +145,6 @@ class Scheduler:
             num_new_tokens = _chunk(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
             if num_new_tokens == 0:
                 continue  # a prefill, and this step's prefill budget is spent
-            if request.num_spec_tokens and num_new_tokens == 1:
-                num_drafts = self._num_drafts(request, budget - 1)
-                # Drafts only where they fit as they are: short of blocks, plain decoding comes first.
-                if num_drafts and kv.allocate_slots(request, 1 + num_drafts) is not None:
-                    scheduled[request.request_id] = self._scheduled(request, 1 + num_drafts, num_drafts)
-                    budget -= 1 + num_drafts
-                    continue
             while kv.allocate_slots(request, num_new_tokens) is None:
                 victim = max(self.running, key=_admission_key)
                 num_given_back = self._preempt(victim, scheduled)
@@ -166,6 +159,11 @@ class Scheduler:
                 budget -= num_new_tokens
                 if num_new_tokens > 1:
                     prefill_budget -= num_new_tokens
+
+        # Drafts come after every running request has its one token: they only take what is
+        # left, never a block another stream needs (that would preempt it).
+        if not preempted:
+            budget -= self._schedule_drafts(scheduled, budget)
 
         kv_loads: list[KVLoad] = []
         # Admitting more work in a step that had to preempt would only thrash.
@@ -281,6 +279,26 @@ class Scheduler:
         if not request.status.is_finished:
             self.kv_cache_manager.free_blocks_beyond(request, request.num_computed_tokens)
         return num_added
+
+    def _schedule_drafts(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
+        """Add drafts to the decodes scheduled this step, in schedule order, while the budget and
+        free blocks last. Returns the budget they took."""
+        taken = 0
+        for request_id, item in scheduled.items():
+            request = item.request
+            if not request.num_spec_tokens or item.num_new_tokens != 1 or not item.samples:
+                continue
+            num_drafts = min(self._num_drafts(request, budget - taken), self._num_draft_slots(request))
+            if num_drafts and self.kv_cache_manager.allocate_slots(request, 1 + num_drafts) is not None:
+                scheduled[request_id] = self._scheduled(request, 1 + num_drafts, num_drafts)
+                taken += num_drafts
+        return taken
+
+    def _num_draft_slots(self, request: Request) -> int:
+        """Drafts that fit after the request's next token in its own blocks and the free ones."""
+        kv = self.kv_cache_manager
+        num_blocks = len(kv.get_block_ids(request.request_id)) + kv.num_free_blocks
+        return num_blocks * kv.block_size - request.num_computed_tokens - 1
 
     def _num_drafts(self, request: Request, budget: int) -> int:
         """How many of the request's wanted drafts to verify this step: no more than the budget

@@ -1,0 +1,184 @@
+"""Speculative decoding against plain decoding, single stream, side by side in one run.
+
+Two engines on the same model and dtype, one with n-gram speculation (or a draft model) and
+one without, take turns on the same requests (the order alternates every round, so both see
+the same machine load). Workloads:
+
+- ``code``: a source file of this repository, then the instruction to write it out again
+  with a function renamed: the output copies its prompt, as code edits do;
+- ``random``: random token ids, where lookups rarely hit (speculation's worst case).
+
+Each request yields exactly ``--output-len`` tokens (EOS ignored). Reported per workload
+and engine: median ms per output token after the first (the single-stream inter-token
+latency), the speedup, and the drafts verified / accepted and acceptance rate::
+
+    python -m bench.spec_decode --output-len 256 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import get_args
+
+from engine.config import DTypeName, EngineConfig
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+_REPO = Path(__file__).resolve().parent.parent
+_CODE_FILE = _REPO / "engine" / "kv_cache_utils.py"
+_TOKEN_ID_MARGIN = 100  # random ids keep clear of the special tokens at both ends of the vocabulary
+
+
+@dataclass(slots=True)
+class RunResult:
+    workload: str
+    engine: str  # "spec" or "plain"
+    round: int
+    ms_per_token: float  # (last token time - first token time) / (output tokens - 1)
+    ttft_ms: float
+    num_output_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+def code_edit_prompt(tokenizer: object) -> list[int]:
+    code = _CODE_FILE.read_text()
+    text = f"# kv_cache_utils.py\n{code}\n\n# kv_cache_utils.py, after renaming hash_block_tokens to hash_block\n"
+    return list(tokenizer.encode(text))  # type: ignore[attr-defined]
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(_TOKEN_ID_MARGIN, vocab_size - _TOKEN_ID_MARGIN) for _ in range(length)]
+
+
+def run_one(core: EngineCore, prompt: list[int], output_len: int) -> tuple[float, float, int]:
+    """One request alone on the engine: (ttft ms, ms per output token after the first, tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    core.add_request(prompt, params, request_id=uuid.uuid4().hex)
+    first_at = last_at = 0.0
+    num_tokens = 0
+    while core.has_unfinished_requests():
+        for output in core.step():
+            if output.new_token_ids:
+                last_at = time.perf_counter()
+                if num_tokens == 0:
+                    first_at = last_at
+                num_tokens += len(output.new_token_ids)
+    if num_tokens != output_len:
+        raise RuntimeError(f"got {num_tokens} tokens, expected {output_len} with ignore_eos: a bug")
+    return (first_at - start) * 1e3, (last_at - first_at) * 1e3 / (num_tokens - 1), num_tokens
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=get_args(DTypeName))
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--speculative-ngram-min", type=int, default=2)
+    parser.add_argument("--speculative-ngram-max", type=int, default=4)
+    parser.add_argument("--speculative-model", default=None, help="draft model folder (default: n-gram drafting)")
+    parser.add_argument("--workloads", default="code,random", help="comma-separated: code, random")
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--random-input-len", type=int, default=736, help="tokens of the random prompt (the code prompt's length)")
+    parser.add_argument("--rounds", type=int, default=3, help="requests per workload and engine, alternating engines")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 28)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def summarize(results: list[RunResult]) -> list[dict[str, object]]:
+    rows = []
+    for workload in dict.fromkeys(r.workload for r in results):
+        by_engine = {e: [r for r in results if r.workload == workload and r.engine == e] for e in ("plain", "spec")}
+        plain = statistics.median(r.ms_per_token for r in by_engine["plain"])
+        spec = statistics.median(r.ms_per_token for r in by_engine["spec"])
+        drafts = sum(r.num_draft_tokens for r in by_engine["spec"])
+        accepted = sum(r.num_accepted_tokens for r in by_engine["spec"])
+        rows.append({
+            "workload": workload,
+            "plain_ms_per_token": plain,
+            "spec_ms_per_token": spec,
+            "speedup": plain / spec,
+            "num_draft_tokens": drafts,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafts if drafts else 0.0,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    if args.output_len < 2:
+        raise ValueError("--output-len must be >= 2: ms per token is measured between tokens")
+    spec = SpeculativeConfig(
+        method="draft_model" if args.speculative_model else "ngram",
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.speculative_ngram_min,
+        ngram_max=args.speculative_ngram_max,
+        model=args.speculative_model,
+    )
+    common = dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
+    engines = {"plain": EngineCore(EngineConfig(**common)), "spec": EngineCore(EngineConfig(**common, speculative=spec))}  # type: ignore[arg-type]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(engines["plain"].model_path))
+    rng = random.Random(args.seed)
+    prompts = {}
+    for workload in args.workloads.split(","):
+        if workload == "code":
+            prompts["code"] = code_edit_prompt(tokenizer)
+        elif workload == "random":
+            prompts["random"] = random_prompt(rng, args.random_input_len, engines["plain"].vocab_size)
+        else:
+            raise ValueError(f"unknown workload {workload!r}; use code and/or random")
+    for core in engines.values():  # warm-up: first-call paths and kernels, outside the timing
+        run_one(core, random_prompt(rng, 64, core.vocab_size), 8)
+
+    results: list[RunResult] = []
+    for round_index in range(args.rounds):
+        for workload, prompt in prompts.items():
+            order = ("plain", "spec") if round_index % 2 == 0 else ("spec", "plain")
+            for name in order:
+                core = engines[name]
+                stats = core.scheduler.spec_stats
+                drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
+                ttft, ms_per_token, num_tokens = run_one(core, prompt, args.output_len)
+                result = RunResult(workload, name, round_index, ms_per_token, ttft, num_tokens,
+                                   stats.num_draft_tokens - drafts_before, stats.num_accepted_tokens - accepted_before)
+                logger.info("%s", result)
+                results.append(result)
+
+    summary = summarize(results)
+    lines = [f"{'workload':<10}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speedup':>9}{'drafts':>8}{'accepted':>10}{'accept rate':>13}"]
+    for row in summary:
+        lines.append(
+            f"{row['workload']:<10}{row['plain_ms_per_token']:>14.2f}{row['spec_ms_per_token']:>13.2f}{row['speedup']:>8.2f}x"
+            f"{row['num_draft_tokens']:>8}{row['num_accepted_tokens']:>10}{row['acceptance_rate']:>13.1%}"
+        )
+    sys.stdout.write("\n".join(lines) + "\n")
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                  "summary": summary, "runs": [asdict(r) for r in results]}
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+        logger.info("wrote %s", args.output_json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
