@@ -6,7 +6,11 @@ the same machine load). Workloads:
 
 - ``code``: a source file of this repository, then the instruction to write it out again
   with a function renamed: the output copies its prompt, as code edits do;
-- ``random``: random token ids, where lookups rarely hit (speculation's worst case).
+- ``random``: random token ids, decoded greedily (a small model's greedy output soon loops,
+  which lookups then predict);
+- ``random-sampled``: the same prompt sampled at temperature 1 (seeded, the same seeds on
+  both sides): output that rarely repeats, so drafts are few and mostly rejected —
+  speculation's worst case.
 
 Each request yields exactly ``--output-len`` tokens (EOS ignored). Reported per workload
 and engine: median ms per output token after the first (the single-stream inter-token
@@ -63,9 +67,9 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
     return [rng.randrange(_TOKEN_ID_MARGIN, vocab_size - _TOKEN_ID_MARGIN) for _ in range(length)]
 
 
-def run_one(core: EngineCore, prompt: list[int], output_len: int) -> tuple[float, float, int]:
+def run_one(core: EngineCore, prompt: list[int], output_len: int, temperature: float = 0.0, seed: int = 0) -> tuple[float, float, int]:
     """One request alone on the engine: (ttft ms, ms per output token after the first, tokens)."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     core.add_request(prompt, params, request_id=uuid.uuid4().hex)
     first_at = last_at = 0.0
@@ -90,12 +94,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speculative-ngram-min", type=int, default=2)
     parser.add_argument("--speculative-ngram-max", type=int, default=4)
     parser.add_argument("--speculative-model", default=None, help="draft model folder (default: n-gram drafting)")
-    parser.add_argument("--workloads", default="code,random", help="comma-separated: code, random")
+    parser.add_argument("--workloads", default="code,random,random-sampled", help="comma-separated: code, random, random-sampled")
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--random-input-len", type=int, default=736, help="tokens of the random prompt (the code prompt's length)")
     parser.add_argument("--rounds", type=int, default=3, help="requests per workload and engine, alternating engines")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 28)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--output-json", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -125,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.output_len < 2:
         raise ValueError("--output-len must be >= 2: ms per token is measured between tokens")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     spec = SpeculativeConfig(
         method="draft_model" if args.speculative_model else "ngram",
         num_speculative_tokens=args.num_speculative_tokens,
@@ -142,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads.split(","):
         if workload == "code":
             prompts["code"] = code_edit_prompt(tokenizer)
-        elif workload == "random":
-            prompts["random"] = random_prompt(rng, args.random_input_len, engines["plain"].vocab_size)
+        elif workload in ("random", "random-sampled"):
+            prompts[workload] = random_prompt(random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size)
         else:
-            raise ValueError(f"unknown workload {workload!r}; use code and/or random")
+            raise ValueError(f"unknown workload {workload!r}; use code, random, random-sampled")
     for core in engines.values():  # warm-up: first-call paths and kernels, outside the timing
         run_one(core, random_prompt(rng, 64, core.vocab_size), 8)
 
@@ -157,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 core = engines[name]
                 stats = core.scheduler.spec_stats
                 drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
-                ttft, ms_per_token, num_tokens = run_one(core, prompt, args.output_len)
+                temperature = 1.0 if workload == "random-sampled" else 0.0
+                ttft, ms_per_token, num_tokens = run_one(core, prompt, args.output_len, temperature, seed=round_index)
                 result = RunResult(workload, name, round_index, ms_per_token, ttft, num_tokens,
                                    stats.num_draft_tokens - drafts_before, stats.num_accepted_tokens - accepted_before)
                 logger.info("%s", result)
