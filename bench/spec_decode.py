@@ -51,6 +51,7 @@ class RunResult:
     engine: str  # "spec" or "plain"
     round: int
     ms_per_token: float  # (last token time - first token time) / (output tokens - 1)
+    cpu_ms_per_token: float  # the same span in this process's CPU time (less swayed by other load)
     ttft_ms: float
     num_output_tokens: int
     num_draft_tokens: int
@@ -67,23 +68,27 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
     return [rng.randrange(_TOKEN_ID_MARGIN, vocab_size - _TOKEN_ID_MARGIN) for _ in range(length)]
 
 
-def run_one(core: EngineCore, prompt: list[int], output_len: int, temperature: float = 0.0, seed: int = 0) -> tuple[float, float, int]:
-    """One request alone on the engine: (ttft ms, ms per output token after the first, tokens)."""
+def run_one(
+    core: EngineCore, prompt: list[int], output_len: int, temperature: float = 0.0, seed: int = 0
+) -> tuple[float, float, float, int]:
+    """One request alone on the engine: (ttft ms, ms per output token after the first, the
+    same in CPU ms, tokens)."""
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     core.add_request(prompt, params, request_id=uuid.uuid4().hex)
-    first_at = last_at = 0.0
+    first_at = last_at = first_cpu = last_cpu = 0.0
     num_tokens = 0
     while core.has_unfinished_requests():
         for output in core.step():
             if output.new_token_ids:
-                last_at = time.perf_counter()
+                last_at, last_cpu = time.perf_counter(), time.process_time()
                 if num_tokens == 0:
-                    first_at = last_at
+                    first_at, first_cpu = last_at, last_cpu
                 num_tokens += len(output.new_token_ids)
     if num_tokens != output_len:
         raise RuntimeError(f"got {num_tokens} tokens, expected {output_len} with ignore_eos: a bug")
-    return (first_at - start) * 1e3, (last_at - first_at) * 1e3 / (num_tokens - 1), num_tokens
+    per_token = 1e3 / (num_tokens - 1)
+    return (first_at - start) * 1e3, (last_at - first_at) * per_token, (last_cpu - first_cpu) * per_token, num_tokens
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,6 +116,8 @@ def summarize(results: list[RunResult]) -> list[dict[str, object]]:
         by_engine = {e: [r for r in results if r.workload == workload and r.engine == e] for e in ("plain", "spec")}
         plain = statistics.median(r.ms_per_token for r in by_engine["plain"])
         spec = statistics.median(r.ms_per_token for r in by_engine["spec"])
+        plain_cpu = statistics.median(r.cpu_ms_per_token for r in by_engine["plain"])
+        spec_cpu = statistics.median(r.cpu_ms_per_token for r in by_engine["spec"])
         drafts = sum(r.num_draft_tokens for r in by_engine["spec"])
         accepted = sum(r.num_accepted_tokens for r in by_engine["spec"])
         rows.append({
@@ -118,6 +125,9 @@ def summarize(results: list[RunResult]) -> list[dict[str, object]]:
             "plain_ms_per_token": plain,
             "spec_ms_per_token": spec,
             "speedup": plain / spec,
+            "plain_cpu_ms_per_token": plain_cpu,
+            "spec_cpu_ms_per_token": spec_cpu,
+            "cpu_speedup": plain_cpu / spec_cpu,
             "num_draft_tokens": drafts,
             "num_accepted_tokens": accepted,
             "acceptance_rate": accepted / drafts if drafts else 0.0,
@@ -167,18 +177,19 @@ def main(argv: list[str] | None = None) -> int:
                 stats = core.scheduler.spec_stats
                 drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
                 temperature = 1.0 if workload == "random-sampled" else 0.0
-                ttft, ms_per_token, num_tokens = run_one(core, prompt, args.output_len, temperature, seed=round_index)
-                result = RunResult(workload, name, round_index, ms_per_token, ttft, num_tokens,
+                ttft, ms_per_token, cpu_ms, num_tokens = run_one(core, prompt, args.output_len, temperature, seed=round_index)
+                result = RunResult(workload, name, round_index, ms_per_token, cpu_ms, ttft, num_tokens,
                                    stats.num_draft_tokens - drafts_before, stats.num_accepted_tokens - accepted_before)
                 logger.info("%s", result)
                 results.append(result)
 
     summary = summarize(results)
-    lines = [f"{'workload':<10}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speedup':>9}{'drafts':>8}{'accepted':>10}{'accept rate':>13}"]
+    lines = [f"{'workload':<16}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speedup':>9}{'cpu speedup':>13}"
+             f"{'drafts':>8}{'accepted':>10}{'accept rate':>13}"]
     for row in summary:
         lines.append(
-            f"{row['workload']:<10}{row['plain_ms_per_token']:>14.2f}{row['spec_ms_per_token']:>13.2f}{row['speedup']:>8.2f}x"
-            f"{row['num_draft_tokens']:>8}{row['num_accepted_tokens']:>10}{row['acceptance_rate']:>13.1%}"
+            f"{row['workload']:<16}{row['plain_ms_per_token']:>14.2f}{row['spec_ms_per_token']:>13.2f}{row['speedup']:>8.2f}x"
+            f"{row['cpu_speedup']:>12.2f}x{row['num_draft_tokens']:>8}{row['num_accepted_tokens']:>10}{row['acceptance_rate']:>13.1%}"
         )
     sys.stdout.write("\n".join(lines) + "\n")
     if args.output_json is not None:

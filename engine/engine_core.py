@@ -55,6 +55,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             role=config.role,
             max_num_prefill_tokens=config.max_num_prefill_tokens,
+            speculative=config.speculative is not None and config.role != "prefill",
         )
         self.prefill_rate = PrefillRate()
         self.num_steps = 0  # steps that ran the model, since start

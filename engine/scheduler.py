@@ -47,8 +47,10 @@ class Scheduler:
         max_model_len: int,
         role: EngineRole = "colocated",
         max_num_prefill_tokens: int | None = None,
+        speculative: bool = False,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.speculative = speculative  # drafts may be scheduled (off: no per-step cost at all)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_tokens = max_num_prefill_tokens or max_num_batched_tokens
@@ -162,7 +164,7 @@ class Scheduler:
 
         # Drafts come after every running request has its one token: they only take what is
         # left, never a block another stream needs (that would preempt it).
-        if not preempted:
+        if self.speculative and not preempted:
             budget -= self._schedule_drafts(scheduled, budget)
 
         kv_loads: list[KVLoad] = []
@@ -199,10 +201,10 @@ class Scheduler:
 
         # Decodes first: backends batch all single-token queries in one call.
         decodes = [s for s in scheduled.values() if s.num_new_tokens == 1]
-        spec_decodes = [s for s in scheduled.values() if s.num_draft_tokens]
+        spec_decodes = [s for s in scheduled.values() if s.num_draft_tokens] if self.speculative else []
         prefills = [s for s in scheduled.values() if s.num_new_tokens != 1 and not s.num_draft_tokens]
         return SchedulerOutput(
-            scheduled=decodes + spec_decodes + prefills if spec_decodes else decodes + prefills,
+            scheduled=decodes + spec_decodes + prefills,
             num_decodes=len(decodes),
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,

@@ -26,7 +26,7 @@ def held_block_ids(scheduler: Scheduler, request_id: str) -> list[int]:
 
 
 def test_drafts_get_slots_and_rejected_ones_give_their_blocks_back() -> None:
-    scheduler = make_scheduler(num_blocks=8, block_size=4, max_model_len=32)
+    scheduler = make_scheduler(speculative=True, num_blocks=8, block_size=4, max_model_len=32)
     request = make_request("a", 6, max_tokens=10)
     scheduler.add_request(request)
     run_step(scheduler, token_id=50)  # prefill: 6 tokens in blocks [0, 1], token 50 sampled
@@ -64,7 +64,7 @@ def test_block_counts_match_a_non_speculative_run_token_for_token() -> None:
     tokens = [40 + i for i in range(12)]
 
     def free_blocks_by_length(speculate: bool) -> dict[int, int]:
-        scheduler = make_scheduler(num_blocks=10, block_size=4, max_model_len=40)
+        scheduler = make_scheduler(speculative=True, num_blocks=10, block_size=4, max_model_len=40)
         request = make_request("a", 5, max_tokens=len(tokens))
         scheduler.add_request(request)
         run_step(scheduler, token_id=tokens[0])
@@ -96,7 +96,7 @@ def test_block_counts_match_a_non_speculative_run_token_for_token() -> None:
 
 
 def test_stop_token_among_accepted_drafts_ends_the_request_there() -> None:
-    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    scheduler = make_scheduler(speculative=True, num_blocks=8, block_size=4)
     request = make_request("a", 3, max_tokens=10)
     scheduler.add_request(request)
     run_step(scheduler, token_id=50)
@@ -109,7 +109,7 @@ def test_stop_token_among_accepted_drafts_ends_the_request_there() -> None:
 
 
 def test_drafts_stop_at_max_tokens_the_context_and_the_budget() -> None:
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_model_len=12, max_num_batched_tokens=4)
+    scheduler = make_scheduler(speculative=True, num_blocks=16, block_size=4, max_model_len=12, max_num_batched_tokens=4)
     request = make_request("a", 3, max_tokens=4)
     scheduler.add_request(request)
     run_step(scheduler, token_id=50)
@@ -117,7 +117,7 @@ def test_drafts_stop_at_max_tokens_the_context_and_the_budget() -> None:
     # max_tokens 4 with one out: at most 3 more tokens, so 2 drafts (plus the bonus).
     assert scheduler.schedule().scheduled[0].num_draft_tokens == 2
 
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_model_len=9, max_num_batched_tokens=16)
+    scheduler = make_scheduler(speculative=True, num_blocks=16, block_size=4, max_model_len=9, max_num_batched_tokens=16)
     request = make_request("a", 6, max_tokens=3)
     scheduler.add_request(request)
     run_step(scheduler, token_id=50)
@@ -125,7 +125,7 @@ def test_drafts_stop_at_max_tokens_the_context_and_the_budget() -> None:
     # 7 tokens known, context 9: two more tokens at most, so one draft.
     assert scheduler.schedule().scheduled[0].num_draft_tokens == 1
 
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=3)
+    scheduler = make_scheduler(speculative=True, num_blocks=16, block_size=4, max_num_batched_tokens=3)
     request = make_request("a", 2, max_tokens=10)
     scheduler.add_request(request)
     run_step(scheduler, token_id=50)
@@ -134,7 +134,7 @@ def test_drafts_stop_at_max_tokens_the_context_and_the_budget() -> None:
 
 
 def test_drafts_never_take_the_blocks_another_stream_needs() -> None:
-    scheduler = make_scheduler(num_blocks=3, block_size=4, max_model_len=16)
+    scheduler = make_scheduler(speculative=True, num_blocks=3, block_size=4, max_model_len=16)
     a, b = make_request("a", 3, max_tokens=8), make_request("b", 4, max_tokens=8)
     scheduler.add_request(a)
     scheduler.add_request(b)
@@ -146,3 +146,14 @@ def test_drafts_never_take_the_blocks_another_stream_needs() -> None:
     # the rest of that block.
     assert [(s.request.request_id, s.num_draft_tokens) for s in output.scheduled] == [("a", 0), ("b", 3)]
     assert not output.preempted_request_ids and scheduler.kv_cache_manager.num_free_blocks == 0
+
+
+def test_a_scheduler_without_speculation_schedules_no_drafts() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    request = make_request("a", 3, max_tokens=10)
+    scheduler.add_request(request)
+    run_step(scheduler, token_id=50)
+    want_drafts(request, [1, 2])
+    output = scheduler.schedule()
+    assert [(s.num_new_tokens, s.num_draft_tokens) for s in output.scheduled] == [(1, 0)]
+    assert (output.num_decodes, output.num_spec_decodes) == (1, 0)
