@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speculative-model", default=None, help="draft model folder (default: n-gram drafting)")
     parser.add_argument("--workloads", default="code,random,random-sampled", help="comma-separated: code, random, random-sampled")
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--random-input-len", type=int, default=736, help="tokens of the random prompt (the code prompt's length)")
+    parser.add_argument("--random-input-len", type=int, default=736,
+                        help="tokens of the random prompt (the code prompt's length)")
     parser.add_argument("--rounds", type=int, default=3, help="requests per workload and engine, alternating engines")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 28)
     parser.add_argument("--seed", type=int, default=0)

@@ -15,10 +15,10 @@ import torch
 from engine.attention.backend import select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.flat_batch import FlatBatch, build_flat_batch
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.kv_cache_utils import kv_cache_bytes_per_block, num_blocks_for_budget
 from engine.models import load_model
-from engine.flat_batch import FlatBatch, build_flat_batch
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, SchedulerOutput
@@ -187,7 +187,7 @@ class ModelRunner:
             np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs),
             output.num_decodes,
             self.block_size,
-            self._to_device,
+            self.to_device,
         )
 
     def _prepare_spec_inputs(self, output: SchedulerOutput) -> FlatBatch:
@@ -226,7 +226,7 @@ class ModelRunner:
             np.asarray(wants_logits, dtype=bool),
             output.num_decodes + output.num_spec_tokens,
             self.block_size,
-            self._to_device,
+            self.to_device,
         )
 
     def _verify(
@@ -275,6 +275,7 @@ class ModelRunner:
             accepted_logprobs=verified.accepted_logprobs,
         )
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the model's device (on CPU, the same memory)."""
         tensor = torch.from_numpy(array)
         return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)

@@ -217,8 +217,9 @@ class Scheduler:
         """Advance every scheduled request by what the step computed and sampled.
 
         Returns the requests that got new tokens this step (finished or not), in
-        schedule order, each with how many (more than one only for accepted drafts). Finished requests have released their blocks, except
-        the prefill role's, whose blocks stay pinned until :meth:`finish_requests`.
+        schedule order, each with how many (more than one only for accepted drafts).
+        Finished requests have released their blocks, except the prefill role's, whose
+        blocks stay pinned until :meth:`finish_requests`.
         """
         updated: list[tuple[Request, int]] = []
         finished: list[Request] = []

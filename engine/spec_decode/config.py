@@ -71,5 +71,6 @@ def speculative_argv(args: argparse.Namespace) -> list[str]:
     if args.speculative_model is not None:
         argv += ["--speculative-model", str(args.speculative_model)]
     if argv:
-        argv += ["--speculative-ngram-min", str(args.speculative_ngram_min), "--speculative-ngram-max", str(args.speculative_ngram_max)]
+        argv += ["--speculative-ngram-min", str(args.speculative_ngram_min)]
+        argv += ["--speculative-ngram-max", str(args.speculative_ngram_max)]
     return argv

@@ -33,6 +33,7 @@ from engine.attention.backend import select_backend
 from engine.flat_batch import build_flat_batch
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.models import load_model
+from engine.request import Request
 from engine.sampler import processed_probs
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode.config import SpeculativeConfig
@@ -115,16 +116,18 @@ class DraftModelProposer:
             num_computed,
             block_id_rows,
             np.ones(len(num_new), dtype=bool),
-            int(np.count_nonzero(num_new == 1)) if bool((num_new == 1).all()) else 0,
+            # All one-token rows run as decodes; a catch-up longer than one token runs every row
+            # through the prefill path (correct for one-token rows too).
+            len(num_new) if bool((num_new == 1).all()) else 0,
             self.block_size,
-            self.target._to_device,
+            self.target.to_device,
         )
         return self.model(batch.input_ids, batch.positions, self.layer_caches, batch.metadata, batch.logits_indices)
 
     def _pick(
         self,
         logits: torch.Tensor,
-        requests: list,
+        requests: list[Request],
         greedy: list[bool],
         drafts: list[list[int]],
         probs: list[list[torch.Tensor]],

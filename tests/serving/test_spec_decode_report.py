@@ -55,7 +55,8 @@ def test_load_report_and_metrics_carry_the_speculation_counts(tmp_path: Path) ->
             assert stats.num_accepted_tokens > 0
             # The report is the engine thread's snapshot after its last step.
             for _ in range(50):
-                report = await disaggregation_pb2_grpc.LoadStub(channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=5)
+                load = disaggregation_pb2_grpc.LoadStub(channel)
+                report = await load.GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=5)
                 if report.counters.num_spec_draft_tokens == stats.num_draft_tokens:
                     break
                 await asyncio.sleep(0.1)

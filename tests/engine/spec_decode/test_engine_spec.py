@@ -111,7 +111,8 @@ def test_draft_model_greedy_equals_plain_greedy(target: Path, small_draft: Path,
 def test_decode_instance_speculates_after_a_pulled_prompt(target: Path, small_draft: Path, method: str) -> None:
     """P prefills, the KV is copied to D (the connector's job, by hand), D speculates; the draft
     model computes its own KV for the prompt on D."""
-    spec = NGRAM if method == "ngram" else SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model=str(small_draft))
+    draft = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model=str(small_draft))
+    spec = NGRAM if method == "ngram" else draft
     prompts = repetitive_prompts()
     expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
     p = make_engine(target, spec, role="prefill")
@@ -159,7 +160,8 @@ def test_sampled_output_has_the_plain_distribution(target: Path, small_draft: Pa
         # No prefix caching: equal prompts without a cached prefix prefill in one batched attention call.
         core = make_engine(target, config, max_num_seqs=512, max_num_batched_tokens=16384, kv_cache_memory=1 << 24,
                            enable_prefix_caching=False)
-        params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True) for seed in range(NUM_SAMPLES)]
+        params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
+                  for seed in range(NUM_SAMPLES)]
         samples[name] = [tuple(t) for t in generate(core, [prompt] * NUM_SAMPLES, params)]
         if config is not None:
             stats = core.scheduler.spec_stats

@@ -18,7 +18,8 @@ def verify(scheduler: Scheduler, output: SchedulerOutput, accepted: list[int], t
     """Update with one speculating request that had ``accepted`` drafts accepted, then ``token_id``."""
     (item,) = output.scheduled
     assert item.num_draft_tokens
-    scheduler.update(output, ModelOutput([token_id], [None], accepted_token_ids=[accepted], accepted_logprobs=[[None] * len(accepted)]))
+    model_output = ModelOutput([token_id], [None], accepted_token_ids=[accepted], accepted_logprobs=[[None] * len(accepted)])
+    scheduler.update(output, model_output)
 
 
 def held_block_ids(scheduler: Scheduler, request_id: str) -> list[int]:
