@@ -1,8 +1,9 @@
 """Speculative decoding against plain decoding, single stream, side by side in one run.
 
 Two engines on the same model and dtype, one with n-gram speculation (or a draft model) and
-one without, take turns on the same requests (the order alternates every round, so both see
-the same machine load). Workloads:
+one without, run the same request side by side in one process, their steps interleaved one
+for one and each timed on its own (which steps first alternates by round), so load from
+elsewhere on the machine lands on both alike. Workloads:
 
 - ``code``: a source file of this repository, then the instruction to write it out again
   with a function renamed: the output copies its prompt, as code edits do;
@@ -50,8 +51,8 @@ class RunResult:
     workload: str
     engine: str  # "spec" or "plain"
     round: int
-    ms_per_token: float  # (last token time - first token time) / (output tokens - 1)
-    cpu_ms_per_token: float  # the same span in this process's CPU time (less swayed by other load)
+    ms_per_token: float  # this engine's step time after the first token / (output tokens - 1)
+    cpu_ms_per_token: float  # the same in this process's CPU time (less swayed by other load)
     ttft_ms: float
     num_output_tokens: int
     num_draft_tokens: int
@@ -68,27 +69,45 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
     return [rng.randrange(_TOKEN_ID_MARGIN, vocab_size - _TOKEN_ID_MARGIN) for _ in range(length)]
 
 
-def run_one(
-    core: EngineCore, prompt: list[int], output_len: int, temperature: float = 0.0, seed: int = 0
-) -> tuple[float, float, float, int]:
-    """One request alone on the engine: (ttft ms, ms per output token after the first, the
-    same in CPU ms, tokens)."""
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    core.add_request(prompt, params, request_id=uuid.uuid4().hex)
-    first_at = last_at = first_cpu = last_cpu = 0.0
-    num_tokens = 0
-    while core.has_unfinished_requests():
-        for output in core.step():
-            if output.new_token_ids:
-                last_at, last_cpu = time.perf_counter(), time.process_time()
-                if num_tokens == 0:
-                    first_at, first_cpu = last_at, last_cpu
-                num_tokens += len(output.new_token_ids)
-    if num_tokens != output_len:
-        raise RuntimeError(f"got {num_tokens} tokens, expected {output_len} with ignore_eos: a bug")
-    per_token = 1e3 / (num_tokens - 1)
-    return (first_at - start) * 1e3, (last_at - first_at) * per_token, (last_cpu - first_cpu) * per_token, num_tokens
+@dataclass(slots=True)
+class _Timing:
+    """One request's clock on one engine, summed over that engine's own steps only."""
+
+    started: bool = False
+    ttft_s: float = 0.0
+    decode_s: float = 0.0  # steps after the one that produced the first token
+    decode_cpu_s: float = 0.0
+    num_tokens: int = 0
+
+
+def run_side_by_side(
+    engines: dict[str, EngineCore], prompt: list[int], output_len: int, temperature: float, seed: int
+) -> dict[str, _Timing]:
+    """The same request on every engine at once, their steps interleaved one for one, each step
+    timed on its own: load from elsewhere on the machine lands on both sides alike, which
+    alternating whole requests does not give on a busy shared machine."""
+    timings = {name: _Timing() for name in engines}
+    for core in engines.values():
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=output_len, ignore_eos=True)
+        core.add_request(prompt, params, request_id=uuid.uuid4().hex)
+    while any(core.has_unfinished_requests() for core in engines.values()):
+        for name, core in engines.items():
+            if not core.has_unfinished_requests():
+                continue
+            timing = timings[name]
+            wall, cpu = time.perf_counter(), time.process_time()
+            num_new = sum(len(output.new_token_ids) for output in core.step())
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            if timing.num_tokens:
+                timing.decode_s += wall
+                timing.decode_cpu_s += cpu
+            else:
+                timing.ttft_s += wall
+            timing.num_tokens += num_new
+    for name, timing in timings.items():
+        if timing.num_tokens != output_len:
+            raise RuntimeError(f"{name} gave {timing.num_tokens} tokens, expected {output_len} with ignore_eos: a bug")
+    return timings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,21 +185,26 @@ def main(argv: list[str] | None = None) -> int:
             prompts[workload] = random_prompt(random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size)
         else:
             raise ValueError(f"unknown workload {workload!r}; use code, random, random-sampled")
-    for core in engines.values():  # warm-up: first-call paths and kernels, outside the timing
-        run_one(core, random_prompt(rng, 64, core.vocab_size), 8)
+    run_side_by_side(engines, random_prompt(rng, 64, engines["plain"].vocab_size), 8, 0.0, 0)  # warm-up, untimed
 
     results: list[RunResult] = []
     for round_index in range(args.rounds):
         for workload, prompt in prompts.items():
+            # Which engine steps first alternates by round.
             order = ("plain", "spec") if round_index % 2 == 0 else ("spec", "plain")
-            for name in order:
-                core = engines[name]
-                stats = core.scheduler.spec_stats
-                drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
-                temperature = 1.0 if workload == "random-sampled" else 0.0
-                ttft, ms_per_token, cpu_ms, num_tokens = run_one(core, prompt, args.output_len, temperature, seed=round_index)
-                result = RunResult(workload, name, round_index, ms_per_token, cpu_ms, ttft, num_tokens,
-                                   stats.num_draft_tokens - drafts_before, stats.num_accepted_tokens - accepted_before)
+            stats = engines["spec"].scheduler.spec_stats
+            drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
+            temperature = 1.0 if workload == "random-sampled" else 0.0
+            timings = run_side_by_side({name: engines[name] for name in order}, prompt, args.output_len, temperature, round_index)
+            for name in ("plain", "spec"):
+                t = timings[name]
+                per_token = 1e3 / (t.num_tokens - 1)
+                spec_side = name == "spec"
+                result = RunResult(
+                    workload, name, round_index, t.decode_s * per_token, t.decode_cpu_s * per_token, t.ttft_s * 1e3, t.num_tokens,
+                    stats.num_draft_tokens - drafts_before if spec_side else 0,
+                    stats.num_accepted_tokens - accepted_before if spec_side else 0,
+                )
                 logger.info("%s", result)
                 results.append(result)
 
