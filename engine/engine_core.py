@@ -74,6 +74,10 @@ class EngineCore:
         if self.speculative is not None and self.speculative.method == "ngram":
             spec = self.speculative
             self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, spec.num_speculative_tokens)
+        if self.speculative is not None:
+            spec = self.speculative
+            drafter = f"n-gram lookup of {spec.ngram_min}-{spec.ngram_max} tokens" if self.ngram else f"draft model {spec.model}"
+            logger.info("speculative decoding: up to %d drafts per step from %s", spec.num_speculative_tokens, drafter)
 
     # ----------------------------------------------------------------- intake
 
