@@ -144,10 +144,15 @@ def summarize(results: list[RunResult]) -> list[dict[str, object]]:
             "workload": workload,
             "plain_ms_per_token": plain,
             "spec_ms_per_token": spec,
-            "speedup": plain / spec,
+            # Per round, the two sides saw the same load: the median of the rounds' ratios.
+            "speedup": statistics.median(
+                p.ms_per_token / s.ms_per_token for p, s in zip(by_engine["plain"], by_engine["spec"])
+            ),
             "plain_cpu_ms_per_token": plain_cpu,
             "spec_cpu_ms_per_token": spec_cpu,
-            "cpu_speedup": plain_cpu / spec_cpu,
+            "cpu_speedup": statistics.median(
+                p.cpu_ms_per_token / s.cpu_ms_per_token for p, s in zip(by_engine["plain"], by_engine["spec"])
+            ),
             "num_draft_tokens": drafts,
             "num_accepted_tokens": accepted,
             "acceptance_rate": accepted / drafts if drafts else 0.0,
