@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         model=args.speculative_model,
     )
     common = dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
-    # The speculating engine is created first: on the shared 2-core VM the engine created second ran
-    # identical steps 8-19% faster (one thread), so any such bias counts against speculation.
+    # The speculating engine is created first: of two plain engines in one process, the one created
+    # second ran identical steps about 17% faster (one thread, docs/benchmarks.md), so that bias
+    # counts against speculation.
     spec_core = EngineCore(EngineConfig(**common, speculative=spec))  # type: ignore[arg-type]
     engines = {"plain": EngineCore(EngineConfig(**common)), "spec": spec_core}  # type: ignore[arg-type]
     from transformers import AutoTokenizer
