@@ -76,10 +76,10 @@ class SamplingParams:
     @property
     def can_speculate(self) -> bool:
         """Whether the engine may verify draft tokens for this request (speculative decoding).
-        Every parameter here is honoured exactly at each draft position (rejection sampling keeps
-        the distribution), so all may. A request constrained by a grammar (structured outputs)
-        must answer False until the grammar can be advanced over drafts and rolled back."""
-        return True
+        Every other parameter is honoured exactly at each draft position (rejection sampling
+        keeps the distribution); a request under a grammar (structured outputs) does not
+        speculate until the grammar can be advanced over drafts and rolled back."""
+        return self.structured is None
 
     @property
     def uses_penalties(self) -> bool:

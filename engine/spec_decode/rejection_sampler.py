@@ -35,6 +35,7 @@ from engine.sampler import (
     apply_penalties,
     processed_probs,
 )
+from engine.structured_output.bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -81,6 +82,8 @@ class RejectionSampler:
                 raw_logprobs = processed[logprob_rows].log_softmax(-1)
             apply_penalties(processed, params, metadata.prompt_token_ids, metadata.output_token_ids)
             apply_min_tokens(processed, params, metadata.output_token_ids, metadata.eos_token_ids)
+            if metadata.grammar_bias is not None:  # rows of requests under a grammar (never drafting)
+                apply_token_bitmask(processed, metadata.grammar_rows, metadata.grammar_bias)
             target_ids = processed.argmax(-1).tolist()
             random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
             probs = None

@@ -6,6 +6,7 @@ comes back."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,25 @@ def test_sampled_output_has_the_plain_distribution(target: Path, small_draft: Pa
             stats = core.scheduler.spec_stats
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # acceptances and rejections both ran
     assert two_sample(samples["plain"], samples["spec"]) > 1e-3
+
+
+def test_a_request_under_a_grammar_does_not_speculate_beside_ones_that_do(target: Path) -> None:
+    """A mixed batch: speculating requests and regex-constrained ones share every step; the
+    constrained rows keep their mask (their output matches), nobody's tokens change."""
+    from engine.llm import LLM
+    from engine.structured_output import StructuredOutputSpec
+
+    regex = StructuredOutputSpec("regex", r"[a-z]{2,5}-[0-9]{3}")
+    assert SamplingParams().can_speculate and not SamplingParams(structured=regex).can_speculate
+    repetitive = repetitive_prompts()
+    prompts = [repetitive[0], "The quick", repetitive[1], "Paris is"]
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=20, structured=regex)] * 2
+    outputs = {}
+    for name, spec in (("plain", None), ("spec", NGRAM)):
+        llm = LLM(model=str(target), dtype="float32", kv_cache_memory=1 << 22, speculative=spec)
+        outputs[name] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        if spec is not None:
+            assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert [o.token_ids for o in outputs["spec"]] == [o.token_ids for o in outputs["plain"]]
+    for output in outputs["spec"][1::2]:
+        assert re.fullmatch(regex.spec, output.text), output.text
