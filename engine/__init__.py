@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
     from engine.sampling_params import SamplingParams
+    from engine.spec_decode.config import SpeculativeConfig
 
 _EXPORTS = {
     "LLM": "engine.llm",
@@ -31,6 +32,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "EngineCoreOutput": "engine.outputs",
+    "SpeculativeConfig": "engine.spec_decode.config",
 }
 
 __all__ = list(_EXPORTS)

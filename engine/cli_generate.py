@@ -7,6 +7,7 @@ import sys
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.config import add_speculative_arguments, speculative_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,12 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_speculative_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.llm import LLM
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+              speculative=speculative_config_from_args(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
     )

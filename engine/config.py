@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.spec_decode.config import SpeculativeConfig
+
 EngineRole = Literal["colocated", "prefill", "decode"]
 DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
 
@@ -41,6 +43,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
+    # Speculative decoding (engine/spec_decode): None is off, and costs nothing per step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -55,3 +59,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be one of colocated, prefill, decode; got {self.role!r}")
+        if self.speculative is not None and self.speculative.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError(
+                f"--num-speculative-tokens ({self.speculative.num_speculative_tokens}) must be below "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}): a step verifies them with the last token"
+            )

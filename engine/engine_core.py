@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import KVLoad
 from engine.structured_output.manager import StructuredOutputManager
+from engine.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             role=config.role,
             max_num_prefill_tokens=config.max_num_prefill_tokens,
+            speculative=config.speculative is not None and config.role != "prefill",
         )
         self.prefill_rate = PrefillRate()
         self.num_steps = 0  # steps that ran the model, since start
@@ -70,6 +72,16 @@ class EngineCore:
         # ``pending_kv_loads`` for the caller to take after the step).
         self.on_kv_loads: Callable[[list[KVLoad]], None] | None = None
         self._aborted_outputs: list[EngineCoreOutput] = []
+        # Speculative decoding (engine/spec_decode): the prefill role samples one token, never drafts.
+        self.speculative = config.speculative if config.role != "prefill" else None
+        self.ngram: NgramProposer | None = None
+        if self.speculative is not None and self.speculative.method == "ngram":
+            spec = self.speculative
+            self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, spec.num_speculative_tokens)
+        if self.speculative is not None:
+            spec = self.speculative
+            drafter = f"n-gram lookup of {spec.ngram_min}-{spec.ngram_max} tokens" if self.ngram else f"draft model {spec.model}"
+            logger.info("speculative decoding: up to %d drafts per step from %s", spec.num_speculative_tokens, drafter)
 
     # ----------------------------------------------------------------- intake
 
@@ -141,6 +153,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and report every request that advanced or ended."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self.speculative is not None:
+            self._plan_drafts()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.kv_loads:
             if self.on_kv_loads is not None:
@@ -153,13 +167,29 @@ class EngineCore:
         started = time.perf_counter()
         model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
         seconds = time.perf_counter() - started
-        num_prefill_tokens = scheduler_output.num_scheduled_tokens - scheduler_output.num_decodes
+        num_prefill_tokens = (
+            scheduler_output.num_scheduled_tokens - scheduler_output.num_decodes - scheduler_output.num_spec_tokens
+        )
         self.prefill_rate.add(num_prefill_tokens, seconds)
         self.num_steps += 1
         self.step_seconds += seconds
-        for request in self.scheduler.update(scheduler_output, model_output):
-            outputs.append(self._output(request, new_token_ids=request.all_token_ids[-1:]))
+        for request, num_new_tokens in self.scheduler.update(scheduler_output, model_output):
+            outputs.append(self._output(request, new_token_ids=request.all_token_ids[-num_new_tokens:]))
         return outputs
+
+    def _plan_drafts(self) -> None:
+        """Say how many drafts each running request that decodes wants verified next step
+        (n-gram: which ones, too). Prefill chunks, and requests whose parameters rule
+        speculation out, draft nothing."""
+        num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens != 1 or not request.sampling_params.can_speculate:
+                request.num_spec_tokens = 0
+            elif self.ngram is not None:
+                request.spec_token_ids = self.ngram.propose(request.all_token_ids)
+                request.num_spec_tokens = len(request.spec_token_ids)
+            else:
+                request.num_spec_tokens = num_speculative_tokens
 
     def _output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
         handoff = None
@@ -214,6 +244,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
+            num_spec_draft_tokens=self.scheduler.spec_stats.num_draft_tokens,
+            num_spec_accepted_tokens=self.scheduler.spec_stats.num_accepted_tokens,
         )
 
 

@@ -130,6 +130,23 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks that the first ``num_tokens`` tokens occupy; free the rest, tail
+        first. Speculative decoding calls it after rejecting drafts whose slots it allocated: a
+        block that held only rejected positions goes back to the pool at once, so the request
+        holds exactly what a non-speculative run would. Those blocks are never in the prefix
+        cache (only blocks full of known tokens are), so nothing cached is lost."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_kept = -(-num_tokens // self.block_size)
+        if len(blocks) <= num_kept:
+            return
+        surplus = blocks[num_kept:]
+        del blocks[num_kept:]
+        del self.req_to_block_ids[request.request_id][num_kept:]
+        self.block_pool.free_blocks(reversed(surplus))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block ids in order (a live list: copy it to keep it past the next step)."""
         return self.req_to_block_ids.get(request_id, [])

@@ -17,6 +17,13 @@ class LoadReport:
     num_preemptions: int = 0  # since start
     num_steps: int = 0  # steps that ran the model, since start
     step_seconds: float = 0.0  # their model time, since start
+    # Speculative decoding, since start: drafts verified, and those the target accepted.
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else 0.0
 
 
 class PrefillRate:

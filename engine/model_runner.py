@@ -15,12 +15,15 @@ import torch
 from engine.attention.backend import select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.flat_batch import FlatBatch, build_flat_batch
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.kv_cache_utils import kv_cache_bytes_per_block, num_blocks_for_budget
 from engine.models import load_model
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, SchedulerOutput
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.rejection_sampler import RejectionSampler
 from engine.structured_output.bitmask import PendingBitmask
 from engine.structured_output.manager import StructuredOutputManager
 
@@ -77,6 +80,11 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.structured_output: StructuredOutputManager | None = None  # set by the engine core
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.draft_model: DraftModelProposer | None = None
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model" and config.role != "prefill":
+            self.draft_model = DraftModelProposer(spec, self)
 
     # ------------------------------------------------------------------ sizing
 
@@ -128,13 +136,18 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput, eos_token_ids: frozenset[int]) -> ModelOutput:
         """Run one scheduled step; returns a sampled token per request that samples."""
-        input_ids, positions, metadata, logits_indices = self._prepare_inputs(output)
+        draft_probs: dict[str, torch.Tensor] = {}
+        if output.num_spec_decodes and self.draft_model is not None:
+            draft_probs = self.draft_model.propose(output)  # fills the drafts' spec_token_ids
+        batch = self._prepare_inputs(output)
         sampling = [s.request for s in output.scheduled if s.samples]
         # Grammar masks for this step's tokens are computed while the forward pass runs.
         bitmask = self._start_bitmask(sampling)
-        logits = self.model(input_ids, positions, self.layer_caches, metadata, logits_indices)
+        logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.metadata, batch.logits_indices)
         if not sampling:
             return ModelOutput(sampled_token_ids=[], logprobs=[])
+        if output.num_spec_decodes:
+            return self._verify(output, logits, eos_token_ids, draft_probs, bitmask)
         sampler_output = self.sampler(
             logits,
             SamplingMetadata(
@@ -156,58 +169,113 @@ class ModelRunner:
             return None
         return self.structured_output.worker.start(rows, [sampling[i].grammar for i in rows])
 
-    def _prepare_inputs(
-        self, output: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare_inputs(self, output: SchedulerOutput) -> FlatBatch:
         scheduled = output.scheduled
+        if output.num_spec_decodes:
+            return self._prepare_spec_inputs(output)
         num_seqs = len(scheduled)
-        num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
-        num_computed = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start_loc[1:])
-        seq_lens = num_computed + num_new
-        num_tokens = int(query_start_loc[-1])
-
         # Token ids: one per decode, a slice per prefill chunk.
         input_ids: list[int] = []
         for s in scheduled:
             start = s.request.num_computed_tokens
             input_ids.extend(s.request.all_token_ids[start : start + s.num_new_tokens])
-        # positions: each sequence's tokens continue from its computed prefix
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - num_computed, num_new)
-
-        max_seq_len = int(seq_lens.max())
-        max_blocks = -(-max_seq_len // self.block_size)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for row, s in enumerate(scheduled):
-            ids = s.block_ids[:max_blocks]
-            block_tables[row, : len(ids)] = ids
-        seq_index = np.repeat(np.arange(num_seqs), num_new)
-        slot_mapping = block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size + (
-            positions % self.block_size
-        )
-        samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs)
-        logits_indices = query_start_loc[1:][samples] - 1
-
-        to_device = self._to_device
-        metadata = AttentionMetadata(
-            num_decodes=output.num_decodes,
-            slot_mapping=to_device(slot_mapping),
-            query_start_loc=to_device(query_start_loc.astype(np.int32)),
-            seq_lens=to_device(seq_lens.astype(np.int32)),
-            block_tables=to_device(block_tables),
-            max_query_len=int(num_new.max()),
-            max_seq_len=max_seq_len,
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        return (
-            to_device(np.asarray(input_ids, dtype=np.int64)),
-            to_device(positions),
-            metadata,
-            to_device(logits_indices),
+        return build_flat_batch(
+            input_ids,
+            np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs),
+            np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_seqs),
+            [s.block_ids for s in scheduled],
+            np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs),
+            output.num_decodes,
+            self.block_size,
+            self.to_device,
         )
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _prepare_spec_inputs(self, output: SchedulerOutput) -> FlatBatch:
+        """A step in which requests verify drafts: each of their tokens (last known token, then
+        the drafts) attends as a decode row of its own, over the context up to itself, and
+        yields logits. Attention reads the paged cache after every new token's K/V is stored,
+        so this is exactly causal attention over the query, and it runs on the decode kernels
+        (on CPU, the native paged kernel reads the blocks in place; a multi-token query would
+        go through the prefill path, which gathers the whole context per layer)."""
+        input_ids: list[int] = []
+        num_new: list[int] = []
+        num_computed: list[int] = []
+        block_id_rows: list[list[int]] = []
+        wants_logits: list[bool] = []
+        for s in output.scheduled:
+            request, start = s.request, s.request.num_computed_tokens
+            if s.num_draft_tokens:
+                input_ids.append(request.all_token_ids[start])
+                input_ids.extend(request.spec_token_ids[: s.num_draft_tokens])
+                num_rows = s.num_draft_tokens + 1
+                num_new.extend([1] * num_rows)
+                num_computed.extend(range(start, start + num_rows))
+                block_id_rows.extend([s.block_ids] * num_rows)
+                wants_logits.extend([True] * num_rows)
+            else:
+                input_ids.extend(request.all_token_ids[start : start + s.num_new_tokens])
+                num_new.append(s.num_new_tokens)
+                num_computed.append(start)
+                block_id_rows.append(s.block_ids)
+                wants_logits.append(s.samples)
+        return build_flat_batch(
+            input_ids,
+            np.asarray(num_new, dtype=np.int64),
+            np.asarray(num_computed, dtype=np.int64),
+            block_id_rows,
+            np.asarray(wants_logits, dtype=bool),
+            output.num_decodes + output.num_spec_tokens,
+            self.block_size,
+            self.to_device,
+        )
+
+    def _verify(
+        self,
+        output: SchedulerOutput,
+        logits: torch.Tensor,
+        eos_token_ids: frozenset[int],
+        draft_probs: dict[str, torch.Tensor],
+        bitmask: PendingBitmask | None,
+    ) -> ModelOutput:
+        """Sample a step in which requests verify drafts: one logits row per draft position
+        (and the last), each row sampling as if the drafts before it were output already.
+        Requests under a grammar never draft: their one row keeps its mask."""
+        params, prompts, outputs, generators = [], [], [], []
+        first_rows: list[int] = []  # each sampling request's first logits row
+        drafts: list[list[int]] = []
+        probs: list[torch.Tensor | None] = []
+        for s in output.scheduled:
+            if not s.samples:
+                continue
+            request = s.request
+            request_drafts = request.spec_token_ids[: s.num_draft_tokens] if s.num_draft_tokens else []
+            output_ids = request.output_token_ids
+            first_rows.append(len(params))
+            for j in range(len(request_drafts) + 1):
+                params.append(request.sampling_params)
+                prompts.append(request.prompt_token_ids)
+                outputs.append(output_ids + request_drafts[:j] if j else output_ids)
+                generators.append(request.generator)
+            drafts.append(request_drafts)
+            probs.append(draft_probs.get(request.request_id))
+        verified = self.rejection_sampler(
+            logits,
+            SamplingMetadata(
+                params, prompts, outputs, generators, eos_token_ids,
+                grammar_rows=[first_rows[i] for i in bitmask.rows] if bitmask else [],
+                grammar_bias=bitmask.result() if bitmask else None,
+            ),
+            drafts,
+            probs if draft_probs else None,
+        )
+        return ModelOutput(
+            sampled_token_ids=verified.token_ids,
+            logprobs=verified.logprobs,
+            accepted_token_ids=verified.accepted_token_ids,
+            accepted_logprobs=verified.accepted_logprobs,
+        )
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the model's device (on CPU, the same memory)."""
         tensor = torch.from_numpy(array)
         return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)

@@ -65,6 +65,12 @@ class Request:
     num_external_tokens: int = 0
     # Set when sampling_params.structured is: the grammar, advanced over every output token.
     grammar: GrammarState | None = None
+    # Speculative decoding (engine/spec_decode): drafts the proposer wants verified in the next
+    # step, and their ids (n-gram: known before scheduling; a draft model fills them in the runner).
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Draft model: leading tokens whose KV the draft model holds (it computes its own, prompt included).
+    num_draft_computed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -121,32 +121,12 @@ class Sampler:
 
         ``logits``: [num_random, vocab] float32, owned (modified in place). Returns [num_random] int64.
         """
-        device = logits.device
-        vocab_size = logits.shape[1]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        logits.div_(temperatures.unsqueeze(1))
+        probs = processed_probs(logits, params)
+        return self.race(probs, generators)
 
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_p):
-            logits = _apply_top_k_top_p(
-                logits,
-                # A disabled top-k keeps the whole vocabulary.
-                torch.tensor([k if k > 0 else vocab_size for k in top_k], device=device),
-                torch.tensor(top_p, dtype=torch.float32, device=device),
-            )
-        elif any(top_k):
-            # Without top-p no full sort is needed; a partial top-k is far cheaper.
-            _apply_top_k(logits, top_k)
-
-        probs = logits.softmax(-1)  # [num_random, vocab]
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            # min_p compares ratios to the top probability, so it needs no renormalizing,
-            # and neither does the exponential race below.
-            min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)
-            probs.masked_fill_(probs < probs.amax(-1, keepdim=True) * min_p_t, 0.0)
-
+    def race(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of ``probs`` ([R, vocab], non-negative, rows need not sum to 1;
+        overwritten), drawn with each row's generator or, for None, this sampler's own."""
         # Exponential race: argmax(p / q), q ~ Exp(1), samples from p, and lets each
         # seeded row draw its q from its own generator, independent of the batch.
         q = torch.empty_like(probs)
@@ -165,6 +145,38 @@ class Sampler:
         # A zero draw would make 0 / 0 = nan for a masked token, and argmax prefers nan.
         q.clamp_min_(torch.finfo(torch.float32).tiny)
         return probs.div_(q).argmax(-1)
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied to ``logits`` ([R, vocab] float32, owned:
+    modified in place), one row per entry of ``params``; returns [R, vocab] probabilities,
+    rows summing to 1 except that min-p zeroes its tokens without renormalizing."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    logits.div_(temperatures.unsqueeze(1))
+
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(
+            logits,
+            # A disabled top-k keeps the whole vocabulary.
+            torch.tensor([k if k > 0 else vocab_size for k in top_k], device=device),
+            torch.tensor(top_p, dtype=torch.float32, device=device),
+        )
+    elif any(top_k):
+        # Without top-p no full sort is needed; a partial top-k is far cheaper.
+        _apply_top_k(logits, top_k)
+
+    probs = logits.softmax(-1)  # [num_random, vocab]
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        # min_p compares ratios to the top probability, so it needs no renormalizing,
+        # and neither does the exponential race.
+        min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)
+        probs.masked_fill_(probs < probs.amax(-1, keepdim=True) * min_p_t, 0.0)
+    return probs
 
 
 def _needs_processing(metadata: SamplingMetadata) -> bool:

@@ -74,6 +74,14 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPSILON
 
     @property
+    def can_speculate(self) -> bool:
+        """Whether the engine may verify draft tokens for this request (speculative decoding).
+        Every other parameter is honoured exactly at each draft position (rejection sampling
+        keeps the distribution); a request under a grammar (structured outputs) does not
+        speculate until the grammar can be advanced over drafts and rolled back."""
+        return self.structured is None
+
+    @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

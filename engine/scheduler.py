@@ -8,6 +8,10 @@ priorities are given), with their prompts chunked to fit. When blocks run
 out, the lowest-priority, latest-arrived running request is preempted: its
 blocks are freed and it later recomputes prompt plus output, losing nothing.
 
+A decoding request with drafts (speculative decoding, engine/spec_decode) costs one token
+plus its drafts; drafts are only scheduled where their slots fit without preempting anyone,
+and after the step the rejected ones are rolled back (``_update_spec``).
+
 ``max_num_prefill_tokens`` caps the prompt (and recompute) tokens of one step
 beside its decodes: the decode role sets it so that a prompt it must compute
 itself (a failed pull, a preempted request) costs running streams at most one
@@ -25,6 +29,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import KVHandoff
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import KVLoad, ModelOutput, ScheduledRequest, SchedulerOutput
+from engine.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +47,10 @@ class Scheduler:
         max_model_len: int,
         role: EngineRole = "colocated",
         max_num_prefill_tokens: int | None = None,
+        speculative: bool = False,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.speculative = speculative  # drafts may be scheduled (off: no per-step cost at all)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_tokens = max_num_prefill_tokens or max_num_batched_tokens
@@ -55,6 +62,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}  # decode role: prompt KV in flight
         self.pinned: dict[str, Request] = {}  # prefill role: KV kept for the decode side
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.spec_stats = SpecDecodeStats()  # drafts verified and accepted, since start
 
     # ----------------------------------------------------------------- requests
 
@@ -160,6 +168,11 @@ class Scheduler:
                 if num_new_tokens > 1:
                     prefill_budget -= num_new_tokens
 
+        # Drafts come after every running request has its one token: they only take what is
+        # left, never a block another stream needs (that would preempt it).
+        if self.speculative and not preempted:
+            budget -= self._schedule_drafts(scheduled, budget)
+
         kv_loads: list[KVLoad] = []
         # Admitting more work in a step that had to preempt would only thrash.
         while self.waiting and budget > 0 and not preempted:
@@ -194,23 +207,27 @@ class Scheduler:
 
         # Decodes first: backends batch all single-token queries in one call.
         decodes = [s for s in scheduled.values() if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled.values() if s.num_new_tokens != 1]
+        spec_decodes = [s for s in scheduled.values() if s.num_draft_tokens] if self.speculative else []
+        prefills = [s for s in scheduled.values() if s.num_new_tokens != 1 and not s.num_draft_tokens]
         return SchedulerOutput(
-            scheduled=decodes + prefills,
+            scheduled=decodes + spec_decodes + prefills,
             num_decodes=len(decodes),
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
             kv_loads=kv_loads,
+            num_spec_decodes=len(spec_decodes),
+            num_spec_tokens=sum(s.num_new_tokens for s in spec_decodes),
         )
 
-    def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
+    def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[tuple[Request, int]]:
         """Advance every scheduled request by what the step computed and sampled.
 
-        Returns the requests that got a new token this step (finished or not),
-        in schedule order. Finished requests have released their blocks, except
-        the prefill role's, whose blocks stay pinned until :meth:`finish_requests`.
+        Returns the requests that got new tokens this step (finished or not), in
+        schedule order, each with how many (more than one only for accepted drafts).
+        Finished requests have released their blocks, except the prefill role's, whose
+        blocks stay pinned until :meth:`finish_requests`.
         """
-        updated: list[Request] = []
+        updated: list[tuple[Request, int]] = []
         finished: list[Request] = []
         sample_index = 0
         for item in output.scheduled:
@@ -221,13 +238,17 @@ class Scheduler:
             token_id = model_output.sampled_token_ids[sample_index]
             logprobs = model_output.logprobs[sample_index]
             sample_index += 1
-            request.append_token(token_id)
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
-            self._check_stop(request, token_id)
+            if item.num_draft_tokens:
+                num_added = self._update_spec(request, item.num_draft_tokens, model_output, sample_index - 1)
+            else:
+                num_added = 1
+                request.append_token(token_id)
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+                self._check_stop(request, token_id)
             if not request.status.is_finished and self.role == "prefill":
                 request.status = RequestStatus.FINISHED_PREFILLED
-            updated.append(request)
+            updated.append((request, num_added))
             if request.status.is_finished:
                 finished.append(request)
         if finished:
@@ -241,6 +262,63 @@ class Scheduler:
                     self.kv_cache_manager.free(request)
         return updated
 
+    def _update_spec(self, request: Request, num_drafts: int, model_output: ModelOutput, index: int) -> int:
+        """Append a speculating request's accepted drafts and its bonus/recovered token (stopping
+        where a stop condition hits); roll its computed tokens back past the rejected drafts and
+        free the blocks that held only those. Returns how many tokens were appended."""
+        if model_output.accepted_token_ids is None or model_output.accepted_logprobs is None:
+            raise RuntimeError("bug: a step that verified drafts returned no accepted tokens")
+        accepted = model_output.accepted_token_ids[index]
+        # KV written for rejected drafts is simply not counted: the next step overwrites those slots.
+        request.num_computed_tokens -= num_drafts - len(accepted)
+        self.spec_stats.add(num_drafts, len(accepted))
+        token_ids = [*accepted, model_output.sampled_token_ids[index]]
+        logprobs = [*model_output.accepted_logprobs[index], model_output.logprobs[index]]
+        num_added = 0
+        for token_id, token_logprobs in zip(token_ids, logprobs):
+            request.append_token(token_id)
+            num_added += 1
+            if token_logprobs is not None:
+                request.logprobs.append(token_logprobs)
+            self._check_stop(request, token_id)
+            if request.status.is_finished:
+                break
+        request.num_spec_tokens, request.spec_token_ids = 0, []
+        request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+        if not request.status.is_finished:
+            self.kv_cache_manager.free_blocks_beyond(request, request.num_computed_tokens)
+        return num_added
+
+    def _schedule_drafts(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
+        """Add drafts to the decodes scheduled this step, in schedule order, while the budget and
+        free blocks last. Returns the budget they took."""
+        taken = 0
+        for request_id, item in scheduled.items():
+            request = item.request
+            if not request.num_spec_tokens or item.num_new_tokens != 1 or not item.samples:
+                continue
+            num_drafts = min(self._num_drafts(request, budget - taken), self._num_draft_slots(request))
+            if num_drafts and self.kv_cache_manager.allocate_slots(request, 1 + num_drafts) is not None:
+                scheduled[request_id] = self._scheduled(request, 1 + num_drafts, num_drafts)
+                taken += num_drafts
+        return taken
+
+    def _num_draft_slots(self, request: Request) -> int:
+        """Drafts that fit after the request's next token in its own blocks and the free ones."""
+        kv = self.kv_cache_manager
+        num_blocks = len(kv.get_block_ids(request.request_id)) + kv.num_free_blocks
+        return num_blocks * kv.block_size - request.num_computed_tokens - 1
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """How many of the request's wanted drafts to verify this step: no more than the budget
+        left, and none past what max_tokens or the context would keep."""
+        return max(0, min(
+            request.num_spec_tokens,
+            budget,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        ))
+
     def kv_handoff(self, request: Request) -> KVHandoff:
         """Prefill role: the pinned blocks holding a finished-prefill request's prompt KV."""
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
@@ -253,12 +331,13 @@ class Scheduler:
 
     # ---------------------------------------------------------------- helpers
 
-    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new_tokens: int, num_draft_tokens: int = 0) -> ScheduledRequest:
         return ScheduledRequest(
             request=request,
             num_new_tokens=num_new_tokens,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            samples=request.num_computed_tokens + num_new_tokens == request.num_tokens,
+            samples=request.num_computed_tokens + num_new_tokens - num_draft_tokens == request.num_tokens,
+            num_draft_tokens=num_draft_tokens,
         )
 
     def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
@@ -266,7 +345,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_draft_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=_admission_key)

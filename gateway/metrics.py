@@ -141,6 +141,10 @@ class _InstanceCollector(Collector):
             "indexed": GaugeMetricFamily(
                 "splitserve_instance_indexed_kv_blocks", "Prefix-cache blocks the gateway's index holds for the instance (kv routing)", labels=labels
             ),
+            "acceptance": GaugeMetricFamily(
+                "splitserve_instance_spec_acceptance_rate", "Speculative decoding: accepted over verified draft tokens since start",
+                labels=labels,
+            ),
         }
         picked = CounterMetricFamily("splitserve_instance_routed_requests", "Requests this gateway routed to the instance", labels=labels)
         # The instance's own event counts since it started: counters, though they reset with it.
@@ -167,6 +171,8 @@ class _InstanceCollector(Collector):
             gauges["pending"].add_metric(values, report.num_pending_prefill_tokens)
             gauges["rate"].add_metric(values, report.prefill_tokens_per_s)
             gauges["inflight"].add_metric(values, state.num_inflight)
+            num_drafts = report.counters.num_spec_draft_tokens
+            gauges["acceptance"].add_metric(values, report.counters.num_spec_accepted_tokens / num_drafts if num_drafts else 0.0)
             for name, counter in counters.items():
                 counter.add_metric(values, getattr(report.counters, f"num_{name}"))
         yield from gauges.values()
@@ -184,4 +190,6 @@ _INSTANCE_COUNTERS = {
     "kv_handbacks": "Decode: requests handed back to the gateway to prefill again",
     "kv_handles_refused": "Decode: calls refused for a KV handle that is unsigned or altered (docs/security.md)",
     "local_prefills": "Decode: calls prefilled on the decode instance itself (conditional disaggregation)",
+    "spec_draft_tokens": "Speculative decoding: draft tokens the instance verified",
+    "spec_accepted_tokens": "Speculative decoding: draft tokens the target accepted (each one a token gained)",
 }

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from engine.spec_decode.config import add_speculative_arguments, speculative_argv
 from launcher.processes import Child, free_port, parse_cpu_list, splitserve_command
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gateway: rank instances by load only, or by load and the prompt's cached prefix (default: the gateway's)")
     parser.add_argument("--disagg-min-prompt-tokens", type=int, default=None, metavar="N",
                         help="gateway: prefill prompts with fewer than N uncached tokens on the decode instance itself (default: the gateway's)")
+    add_speculative_arguments(parser)  # passed to the decode (or colocated) instances
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,7 +127,7 @@ def _start_instances(
         common += ["--max-model-len", str(args.max_model_len)]
     if args.colocated:
         port = free_port()
-        argv = splitserve_command("--log-level", args.log_level, "colocated", *common, "--port", str(port))
+        argv = splitserve_command("--log-level", args.log_level, "colocated", *common, *speculative_argv(args), "--port", str(port))
         children.append(Child("colocated", argv, env=cluster_env, cpus=cpus["colocated"]))
         return ["--colocated", f"127.0.0.1:{port}"]
     connector = ["--kv-connector", args.kv_connector]
@@ -138,7 +140,9 @@ def _start_instances(
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for index in range(count):
             port = free_port()
-            argv = splitserve_command("--log-level", args.log_level, role, *common, *connector, "--port", str(port), "--instance-id", f"{role}-{index}")
+            # Only decode instances speculate; prefill ones sample one token per request.
+            spec = speculative_argv(args) if role == "decode" else []
+            argv = splitserve_command("--log-level", args.log_level, role, *common, *connector, *spec, "--port", str(port), "--instance-id", f"{role}-{index}")
             child_env = dict(env)
             if gpus:
                 # One GPU per instance, round robin, so prefill and decode do not share one when there are several.

@@ -25,6 +25,7 @@ from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from engine.async_engine import AsyncEngine
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineRole
 from engine.engine_core import EngineCore
+from engine.spec_decode.config import add_speculative_arguments, speculative_config_from_args
 from kv_connector.base import KVConnector, TransferStats
 from kv_connector.fingerprint import Fingerprint, model_identity
 from kv_connector.registry import BACKENDS, make_connector
@@ -69,6 +70,7 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
                         help="seconds between registry heartbeats; an entry expires after three missed ones")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve this instance's Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free port)")
+    add_speculative_arguments(parser)
     add_internal_plane_arguments(parser)
 
 
@@ -86,6 +88,8 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        # The prefill role never speculates (it samples one token); the engine ignores it there.
+        speculative=speculative_config_from_args(args),
     )
 
 
@@ -202,6 +206,8 @@ class Instance:
                 num_kv_handbacks=self.counters.num_kv_handbacks,
                 num_kv_handles_refused=self.counters.num_kv_handles_refused,
                 num_local_prefills=self.counters.num_local_prefills,
+                num_spec_draft_tokens=report.num_spec_draft_tokens,
+                num_spec_accepted_tokens=report.num_spec_accepted_tokens,
             ),
             engine_error=self.engine_error,
         )

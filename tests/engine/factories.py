@@ -50,9 +50,10 @@ def make_scheduler(
     role: str = "colocated",
     enable_prefix_caching: bool = True,
     max_num_prefill_tokens: int | None = None,
+    speculative: bool = False,
 ) -> Scheduler:
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len, role, max_num_prefill_tokens)  # type: ignore[arg-type]
+    return Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len, role, max_num_prefill_tokens, speculative)  # type: ignore[arg-type]
 
 
 def sample(output: SchedulerOutput, token_id: int = 7) -> ModelOutput:

@@ -162,7 +162,7 @@ def test_stop_conditions() -> None:
     from engine.scheduler_output import ModelOutput
 
     model_output = ModelOutput([tokens[s.request.request_id] for s in output.scheduled], [None] * 4)
-    for request in scheduler.update(output, model_output):
+    for request, _ in scheduler.update(output, model_output):
         statuses[request.request_id] = (request.status, request.stop_reason)
     assert statuses == {
         "eos": (RequestStatus.FINISHED_STOPPED, None),

@@ -240,3 +240,19 @@ def test_a_fresh_prefill_instance_reports_its_prefill_rate(model: Path) -> None:
         report = fresh.load()
         assert report.prefill_tokens_per_s > 0
         assert report.num_free_blocks == report.num_total_blocks and report.num_waiting == report.num_running == 0
+
+
+def test_a_speculating_decode_instance_equals_colocated(model: Path, prefill: Service, colocated: LLM) -> None:
+    """D drafts with a draft model (the target itself: every draft right), computing the draft's KV
+    for the pulled prompt locally; tokens as colocated, counts in its load report, no leak."""
+    with running("decode", model, "--speculative-model", str(model), "--num-speculative-tokens", "3") as decode:
+        for index, prompt in enumerate(random_prompts([5, 33], seed=27)):
+            request_id = f"spec-{index}"
+            prefilled = run_prefill(prefill, request_id, prompt)
+            tokens, responses = run_decode(decode, request_id, prompt, prefilled)
+            assert tokens == expected_tokens(colocated, prompt)
+            assert len(responses) < len(tokens) - 1  # several tokens per step
+        assert_all_free(prefill, decode)
+        counters = decode.load().counters
+        assert counters.num_spec_draft_tokens > 0
+        assert counters.num_spec_accepted_tokens == counters.num_spec_draft_tokens

@@ -1,0 +1,38 @@
+"""bench.spec_decode's side-by-side runner and summary, on a tiny checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.spec_decode import RunResult, run_side_by_side, summarize
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.spec_decode.config import SpeculativeConfig
+from tests.checkpoints import make_checkpoint
+
+
+def test_side_by_side_times_each_engine_on_its_own_steps(tmp_path: Path) -> None:
+    model = str(make_checkpoint(tmp_path))
+    common = dict(model=model, dtype="float32", kv_cache_memory=1 << 22)
+    engines = {
+        "plain": EngineCore(EngineConfig(**common)),  # type: ignore[arg-type]
+        "spec": EngineCore(EngineConfig(**common, speculative=SpeculativeConfig(ngram_min=1))),  # type: ignore[arg-type]
+    }
+    timings = run_side_by_side(engines, [9, 8, 7, 6] * 6 + [9, 8], output_len=24, temperature=0.0, seed=0)
+    assert {name: t.num_tokens for name, t in timings.items()} == {"plain": 24, "spec": 24}
+    assert all(t.ttft_s > 0 and t.decode_s > 0 for t in timings.values())
+    assert engines["spec"].scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_summary_is_the_median_per_side_and_the_acceptance_over_all_rounds() -> None:
+    runs = [
+        RunResult("code", "plain", 0, 30.0, 30.0, 1.0, 8, 0, 0),
+        RunResult("code", "spec", 0, 10.0, 12.0, 1.0, 8, 8, 6),
+        RunResult("code", "plain", 1, 40.0, 30.0, 1.0, 8, 0, 0),
+        RunResult("code", "spec", 1, 20.0, 12.0, 1.0, 8, 8, 2),
+        RunResult("code", "plain", 2, 35.0, 30.0, 1.0, 8, 0, 0),
+        RunResult("code", "spec", 2, 14.0, 12.0, 1.0, 8, 4, 0),
+    ]
+    (row,) = summarize(runs)
+    assert (row["plain_ms_per_token"], row["spec_ms_per_token"], row["speedup"]) == (35.0, 14.0, 2.5)
+    assert (row["num_draft_tokens"], row["num_accepted_tokens"], row["acceptance_rate"]) == (20, 8, 0.4)
