@@ -13,6 +13,12 @@ import xxhash
 BlockHash = NewType("BlockHash", int)
 
 
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division of non-negative integers: ``cdiv(num_tokens, block_size)`` is how
+    many blocks hold ``num_tokens`` tokens."""
+    return -(-numerator // denominator)
+
+
 def hash_block_tokens(
     parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
 ) -> BlockHash:
