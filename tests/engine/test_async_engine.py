@@ -160,8 +160,9 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_tokens_at_once(model_path
 
     batches = asyncio.run(main())
     assert [t for batch in batches for t in batch] == expected
-    # The first batch went out at once; nearly everything after it came in one or two more.
-    assert len(batches) <= 3 and max(len(batch) for batch in batches) >= 20, [len(batch) for batch in batches]
+    # Merged: 24 tokens in at most three messages (the first may itself hold several when the
+    # event loop is slow to reach it on a loaded machine), not one message per token.
+    assert len(batches) <= 3, [len(batch) for batch in batches]
 
 
 def test_requests_queued_during_a_step_count_in_the_load_report_at_once(model_path: Path) -> None:
