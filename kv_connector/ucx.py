@@ -309,9 +309,9 @@ class UCXConnector(KVConnector):
 
     # ------------------------------------------------------------- D: pulling
 
-    async def pull(self, source: KVSource, block_ids: list[int], first_block: int, timeout_s: float) -> TransferStats:
-        remote_blocks = list(source.block_ids[first_block:])
-        local_blocks = block_ids[first_block:]
+    async def pull(self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float) -> TransferStats:
+        remote_blocks = list(source.block_ids[num_local_hit_blocks:])
+        local_blocks = block_ids[num_local_hit_blocks:]
         if len(remote_blocks) != len(local_blocks):
             raise KVTransferError(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones (bug)")
         if not remote_blocks:

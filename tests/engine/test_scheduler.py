@@ -215,7 +215,7 @@ def test_decode_role_pulls_only_missing_blocks_then_decodes() -> None:
     output = scheduler.schedule()
     assert output.is_empty
     (load,) = output.kv_loads
-    assert load.num_local_hit_tokens == 8 and len(load.block_ids) == 4
+    assert load.num_local_hit_blocks == 2 and len(load.block_ids) == 4
     request = scheduler.requests["b"]
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
     scheduler.finish_kv_load("b", success=True)
