@@ -7,10 +7,11 @@ and streams the tokens of the continuous-batching decode loop.
 
 One Decode call, in call order:
 
-1. ``Decode`` (event loop): check the handle (P's signature when this instance has
-   a cluster secret, its prompt, fingerprint, connector, block count; nothing is
-   allocated for a handle refused here), hold it (:class:`~decode_svc.leases.LeaseKeeper`
-   renews P's lease from now on), and add the request to the engine with P's first token.
+1. ``Decode`` (event loop): check the handle against the call's prompt (P's signature
+   over both when this instance has a cluster secret; the token count, fingerprint,
+   connector, block count; nothing is allocated for a handle refused here), hold it
+   (:class:`~decode_svc.leases.LeaseKeeper` renews P's lease from now on), and add the
+   request to the engine with P's first token.
 2. Engine thread: the scheduler admits the request when it has blocks for the
    prompt and emits a ``KVLoad``: the request's blocks and ``num_local_hit_blocks``,
    how many leading ones its local prefix-cache hits already fill; the async engine
@@ -111,7 +112,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         local = not request.HasField("kv")  # conditional disaggregation: prefill here
         handle = request.kv
-        source = None if local else kv_source_from_proto(handle.request_id or request_id, handle)
+        source = None if local else kv_source_from_proto(handle.request_id or request_id, handle, request.prompt_token_ids)
         try:
             params = sampling_params_from_proto(request.sampling)
             if source is not None:
@@ -175,12 +176,13 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         """Raise HandleRejected (the handle is not one a prefill instance of this cluster issued),
         FingerprintMismatchError or ValueError for a handle this instance cannot pull. Runs
         before anything is allocated: what a refused handle names is never pulled nor cached."""
+        # The pulled KV goes into the prefix cache under this call's prompt: it must be that
+        # prompt's. P signed the handle over the prompt it computed the KV from.
         if self.instance.plane.secret is not None:
-            verify_handle(handle, self.instance.plane.secret.handle_key)
-        if list(handle.prompt_token_ids) != list(prompt_token_ids):
-            # The pulled KV goes into the prefix cache under this call's prompt: it must be that prompt's.
-            raise ValueError("the KV handle holds the KV of another prompt than this call's prompt_token_ids")
+            verify_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)
         num_prompt_tokens = len(prompt_token_ids)
+        if handle.num_tokens != num_prompt_tokens:
+            raise ValueError(f"the KV handle holds the KV of {handle.num_tokens} tokens; this call's prompt has {num_prompt_tokens}")
         self.instance.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
         if handle.connector and handle.connector != self.connector.name:
             raise ValueError(f"the KV handle is for the {handle.connector!r} connector; this decode instance uses {self.connector.name!r}")

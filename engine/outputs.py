@@ -27,7 +27,6 @@ class KVHandoff:
 
     block_ids: list[int]
     num_tokens: int  # prompt tokens whose KV the blocks hold
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
 
 
 @dataclass(slots=True)

@@ -327,7 +327,6 @@ class Scheduler:
         return KVHandoff(
             block_ids=list(block_ids[:num_blocks]),
             num_tokens=request.num_prompt_tokens,
-            block_hashes=list(request.block_hashes[: request.num_prompt_tokens // self.kv_cache_manager.block_size]),
         )
 
     # ---------------------------------------------------------------- helpers

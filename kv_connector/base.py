@@ -38,7 +38,8 @@ class KVTransferError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class KVSource:
-    """Where a request's prompt KV waits on the prefill side (the connector's view of a KVHandle)."""
+    """Where a request's prompt KV waits on the prefill side (the connector's view of a KVHandle
+    and the Decode call's prompt)."""
 
     request_id: str
     address: str  # P's connector endpoint, host:port

@@ -194,9 +194,9 @@ class LMCacheConnector(KVConnector):
         tokens = [int(token) for token in source.token_ids]
         block_size = self.block_size
         if not tokens:
-            raise KVTransferError(f"the KV handle of {source.request_id!r} carries no prompt token ids; the lmcache connector retrieves by tokens")
+            raise KVTransferError(f"no prompt token ids for {source.request_id!r}; the lmcache connector retrieves by tokens")
         if len(tokens) != source.num_tokens:
-            raise KVTransferError(f"the KV handle of {source.request_id!r} has {len(tokens)} token ids for {source.num_tokens} tokens (bug)")
+            raise KVTransferError(f"{len(tokens)} prompt token ids for the KV of {source.num_tokens} tokens of {source.request_id!r} (bug)")
         if (mismatch := block_count_error(len(block_ids), len(tokens), block_size)) is not None:
             raise KVTransferError(f"local blocks of {source.request_id!r}: {mismatch} (bug)")
         num_blocks = len(block_ids)

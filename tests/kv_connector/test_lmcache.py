@@ -147,9 +147,9 @@ def test_unknown_prompt_is_a_miss(redis_store: str) -> None:
     assert not local.any()
 
 
-def test_handle_without_token_ids_is_refused(redis_url: str) -> None:
+def test_source_without_token_ids_is_refused(redis_url: str) -> None:
     no_tokens = KVSource("r", "", tuple(PUBLISHED_BLOCKS), len(PROMPT), fingerprint())
-    with pytest.raises(KVTransferError, match="carries no prompt token ids"):
+    with pytest.raises(KVTransferError, match="no prompt token ids for 'r'"):
         pull(torch.zeros(SHAPE, dtype=torch.bfloat16), redis_url, no_tokens, [0, 1, 2, 3])
 
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from engine import LLM
+from engine.kv_cache_utils import cdiv
 from serving.convert import fingerprint_from_proto
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
@@ -128,11 +129,10 @@ def pulls_served(rogue: subprocess.Popen) -> int:
 
 def forged_handle(decode: Service, address: str, prompt: list[int]) -> disaggregation_pb2.KVHandle:
     """What a stranger hands D: its own listener, D's (public) fingerprint, the prompt to poison."""
-    num_blocks = -(-len(prompt) // BLOCK_SIZE)
+    num_blocks = cdiv(len(prompt), BLOCK_SIZE)
     return disaggregation_pb2.KVHandle(
-        request_id="forged", prefill_instance_id="prefill-0", connector="ucx", connector_address=address,
-        block_ids=list(range(num_blocks)), num_tokens=len(prompt), fingerprint=decode.load().fingerprint,
-        prompt_token_ids=prompt, lease_s=30.0,
+        request_id="forged", connector="ucx", connector_address=address,
+        block_ids=list(range(num_blocks)), num_tokens=len(prompt), fingerprint=decode.load().fingerprint, lease_s=30.0,
     )
 
 
@@ -199,13 +199,14 @@ def test_an_altered_handle_is_refused(prefill: Service, decode: Service, colocat
 
 
 def test_a_handle_is_good_only_for_its_own_prompt(prefill: Service, decode: Service) -> None:
-    """A genuine handle replayed with another prompt would cache one prompt's KV under the other's hashes."""
+    """A genuine handle replayed with another prompt would cache one prompt's KV under the other's
+    hashes: P signed it over its own prompt, so D's check against the call's prompt fails."""
     prompt, other = random_prompts([40, 40], seed=64)
     prefilled = run_prefill(prefill, "replayed", prompt)
     with pytest.raises(grpc.RpcError) as raised:
         decode_with(decode, "replayed", other, prefilled.kv)
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "KV of another prompt" in raised.value.details()
+    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "KV of another prompt than the call's prompt_token_ids" in raised.value.details()
     assert_all_free(decode)
     disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="replayed"), timeout=10)
     assert_all_free(prefill)
