@@ -17,7 +17,7 @@ from engine import LLM
 from engine.kv_cache_utils import cdiv
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
-from tests.services.client import GREEDY, assert_all_free, expected_tokens, run_decode, run_prefill
+from tests.services.client import GREEDY, assert_all_free, assert_altered_handle_refused, expected_tokens, run_decode, run_prefill
 from tests.services.processes import Service, running
 from tests.stores import free_port
 
@@ -207,19 +207,9 @@ def test_a_handle_decode_cannot_pull_is_refused_before_anything_is_allocated(
     prefill: Service, decode: Service, colocated: LLM, field: str, alter, message: str  # noqa: ANN001
 ) -> None:
     prompt = random_prompts([20], seed=31)[0]
-    prefilled = run_prefill(prefill, f"unpullable-{field}", prompt)
-    genuine = disaggregation_pb2.KVHandle()
-    genuine.CopyFrom(prefilled.kv)
-    alter(prefilled.kv)
-    with pytest.raises(grpc.RpcError) as raised:
-        run_decode(decode, f"unpullable-{field}", prompt, prefilled)
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in raised.value.details()
-    assert_all_free(decode)
-    prefilled.kv.CopyFrom(genuine)  # the genuine handle still works, and D releases P's blocks
-    tokens, _ = run_decode(decode, f"unpullable-{field}", prompt, prefilled)
-    assert tokens == expected_tokens(colocated, prompt)
-    assert_all_free(prefill, decode)
+    assert_altered_handle_refused(
+        prefill, decode, colocated, f"unpullable-{field}", prompt, alter, grpc.StatusCode.INVALID_ARGUMENT, message
+    )
 
 
 def test_sigterm_drains_in_flight_requests(model: Path, prefill: Service) -> None:

@@ -26,7 +26,7 @@ from engine.kv_cache_utils import cdiv
 from serving.convert import fingerprint_from_proto
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
-from tests.services.client import GREEDY, assert_all_free, expected_tokens, run_decode, run_prefill
+from tests.services.client import GREEDY, assert_all_free, assert_altered_handle_refused, expected_tokens, run_decode, run_prefill
 from tests.services.processes import ROOT, SERVICE_ENV, Service, open_channel, running
 
 pytest.importorskip("ucxx")
@@ -183,19 +183,9 @@ def test_a_forged_handle_is_refused_and_nothing_enters_the_prefix_cache(model: P
 )
 def test_an_altered_handle_is_refused(prefill: Service, decode: Service, colocated: LLM, field: str, alter) -> None:  # noqa: ANN001
     prompt = random_prompts([40], seed=63)[0]
-    prefilled = run_prefill(prefill, f"altered-{field}", prompt)
-    genuine = disaggregation_pb2.KVHandle()
-    genuine.CopyFrom(prefilled.kv)
-    alter(prefilled.kv)
-    with pytest.raises(grpc.RpcError) as raised:
-        decode_with(decode, f"altered-{field}", prompt, prefilled.kv)
-    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "signature does not match" in raised.value.details()
-    assert_all_free(decode)
-    prefilled.kv.CopyFrom(genuine)  # the genuine handle still works, and P's blocks are released by it
-    tokens, _ = run_decode(decode, f"altered-{field}", prompt, prefilled)
-    assert tokens == expected_tokens(colocated, prompt)
-    assert_all_free(prefill, decode)
+    assert_altered_handle_refused(
+        prefill, decode, colocated, f"altered-{field}", prompt, alter, grpc.StatusCode.PERMISSION_DENIED, "signature does not match"
+    )
 
 
 def test_a_handle_is_good_only_for_its_own_prompt(prefill: Service, decode: Service) -> None:
