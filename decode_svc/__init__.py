@@ -1,1 +1,1 @@
-"""gRPC server wrapping the engine in the decode role (issue #3)."""
+"""gRPC server wrapping the engine in the decode role."""

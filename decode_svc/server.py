@@ -7,19 +7,24 @@ and streams the tokens of the continuous-batching decode loop.
 
 One Decode call, in call order:
 
-1. ``Decode`` (event loop): check the handle (P's signature when this instance has
-   a cluster secret, its prompt, fingerprint, connector, block count; nothing is
-   allocated for a handle refused here), hold it (:class:`~decode_svc.leases.LeaseKeeper`
-   renews P's lease from now on), and add the request to the engine with P's first token.
+1. ``Decode`` (event loop): check the handle against the call's prompt (P's signature
+   over both when this instance has a cluster secret; the token count, fingerprint,
+   connector, block count; nothing is allocated for a handle refused here), hold it
+   (:class:`~decode_svc.leases.LeaseKeeper` renews P's lease from now on), and add the
+   request to the engine with P's first token.
 2. Engine thread: the scheduler admits the request when it has blocks for the
-   prompt, counts its local prefix-cache hits, and emits a ``KVLoad``; the
-   async engine puts it on ``engine.kv_loads``.
-3. ``_take_kv_loads`` (event loop): starts ``_pull`` for the load.
-4. ``_pull``: ``connector.pull`` copies blocks ``num_local_hit_blocks:`` from P into
-   the request's blocks; then ``engine.finish_kv_load`` (a command: the request
-   joins the decode loop at the next step) and ``leases.release`` (ReleaseKV to P,
-   in the background).
-5. ``Decode`` streams the engine's outputs; the first response carries how the KV came.
+   prompt and emits a ``KVLoad``: the request's blocks and ``num_local_hit_blocks``,
+   how many leading ones its local prefix-cache hits already fill; the async engine
+   puts it on ``engine.kv_loads``.
+3. ``_take_kv_loads`` (event loop): starts ``_pull`` for the load (``_pull_failed`` at
+   once when P no longer holds the KV).
+4. ``_pull``: ``connector.pull(source, block_ids, num_local_hit_blocks, timeout_s)``
+   copies P's blocks ``num_local_hit_blocks:`` into the request's; then
+   ``engine.finish_kv_load`` (a command: the request joins the decode loop at the next
+   step), or ``_pull_failed`` (below) when the pull raised; either way
+   ``leases.release`` (ReleaseKV to P, in the background).
+5. ``Decode`` streams the engine's outputs; the first response carries how the KV came
+   (``KVTransfer.num_local_hit_blocks``: the load's).
 
 A call without a KV handle (the gateway's conditional disaggregation: a short prompt, or
 one mostly in this instance's prefix cache) skips 2-4: the engine prefills the prompt
@@ -49,7 +54,7 @@ from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from decode_svc.leases import LeaseKeeper
 from engine.scheduler_output import KVLoad
-from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats
+from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error
 from kv_connector.fingerprint import FingerprintMismatchError
 from serving.convert import kv_source_from_proto, logprobs_to_proto
 from serving.handle_signing import HandleRejected, verify_handle
@@ -107,7 +112,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         local = not request.HasField("kv")  # conditional disaggregation: prefill here
         handle = request.kv
-        source = None if local else kv_source_from_proto(handle.request_id or request_id, handle)
+        source = None if local else kv_source_from_proto(handle.request_id or request_id, handle, request.prompt_token_ids)
         try:
             params = sampling_params_from_proto(request.sampling)
             if source is not None:
@@ -171,18 +176,18 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         """Raise HandleRejected (the handle is not one a prefill instance of this cluster issued),
         FingerprintMismatchError or ValueError for a handle this instance cannot pull. Runs
         before anything is allocated: what a refused handle names is never pulled nor cached."""
+        # The pulled KV goes into the prefix cache under this call's prompt: it must be that
+        # prompt's. P signed the handle over the prompt it computed the KV from.
         if self.instance.plane.secret is not None:
-            verify_handle(handle, self.instance.plane.secret.handle_key)
-        if list(handle.prompt_token_ids) != list(prompt_token_ids):
-            # The pulled KV goes into the prefix cache under this call's prompt: it must be that prompt's.
-            raise ValueError("the KV handle holds the KV of another prompt than this call's prompt_token_ids")
+            verify_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)
         num_prompt_tokens = len(prompt_token_ids)
+        if handle.num_tokens != num_prompt_tokens:
+            raise ValueError(f"the KV handle holds the KV of {handle.num_tokens} tokens; this call's prompt has {num_prompt_tokens}")
         self.instance.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
         if handle.connector and handle.connector != self.connector.name:
             raise ValueError(f"the KV handle is for the {handle.connector!r} connector; this decode instance uses {self.connector.name!r}")
-        num_blocks = -(-num_prompt_tokens // self.instance.fingerprint.block_size)
-        if len(source.block_ids) != num_blocks:
-            raise ValueError(f"the KV handle names {len(source.block_ids)} blocks for a {num_prompt_tokens}-token prompt ({num_blocks} expected)")
+        if (mismatch := block_count_error(len(source.block_ids), num_prompt_tokens, self.instance.fingerprint.block_size)) is not None:
+            raise ValueError(f"the KV handle does not fit this call's prompt: {mismatch}")
 
     async def Abort(self, request, context):  # noqa: ANN001, N802
         found = request.request_id in self._calls
@@ -204,14 +209,13 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             call.pull = asyncio.ensure_future(self._pull(load, call))
 
     async def _pull(self, load: KVLoad, call: DecodeCall) -> None:
-        num_hit_blocks = load.num_local_hit_tokens // self.instance.fingerprint.block_size
         try:
-            stats = await self.connector.pull(call.source, load.block_ids, num_hit_blocks, self.pull_timeout_s)
+            stats = await self.connector.pull(call.source, load.block_ids, load.num_local_hit_blocks, self.pull_timeout_s)
         except KVTransferError as error:
             self._pull_failed(load, call, str(error))
         else:
             self.instance.transfers.add(stats)
-            call.transfer = _transfer_proto(stats, num_hit_blocks, recomputed=False)
+            call.transfer = _transfer_proto(stats, load.num_local_hit_blocks, recomputed=False)
             self.instance.engine.finish_kv_load(load.request_id, success=True)
             logger.info(
                 "pulled %d blocks (%d bytes, %d messages) for %s in %.4f s",
@@ -227,8 +231,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         if call.allow_recompute and self.failure_policy == "recompute":
             logger.warning("KV pull for %s failed, recomputing the prompt here in chunks: %s", load.request_id, reason)
             counters.num_kv_recomputes += 1
-            num_hit_blocks = load.num_local_hit_tokens // self.instance.fingerprint.block_size
-            call.transfer = _transfer_proto(TransferStats(0, 0, 0.0), num_hit_blocks, recomputed=True)
+            call.transfer = _transfer_proto(TransferStats(0, 0, 0.0), load.num_local_hit_blocks, recomputed=True)
             self.instance.engine.finish_kv_load(load.request_id, success=False)
         elif call.allow_recompute:
             logger.warning("KV pull for %s failed, failing the request: %s", load.request_id, reason)
@@ -253,10 +256,10 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         self.instance.engine.abort(request_id)  # the stream then yields the abort, and the call ends
 
 
-def _transfer_proto(stats: TransferStats, num_hit_blocks: int, recomputed: bool) -> disaggregation_pb2.KVTransfer:
+def _transfer_proto(stats: TransferStats, num_local_hit_blocks: int, recomputed: bool) -> disaggregation_pb2.KVTransfer:
     return disaggregation_pb2.KVTransfer(
         num_pulled_blocks=stats.num_blocks,
-        num_local_hit_blocks=num_hit_blocks,
+        num_local_hit_blocks=num_local_hit_blocks,
         num_bytes=stats.num_bytes,
         seconds=stats.seconds,
         recomputed=recomputed,

@@ -153,17 +153,6 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Refused (False) while any request holds blocks."""
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = block.token_ids = None
-        self.cached_blocks.clear()
-        if self.events is not None:
-            self.events.cleared()
-        return True
-
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0

@@ -19,7 +19,7 @@ class EngineConfig:
 
     ``kv_cache_memory`` (bytes) sizes the KV cache on CPU (``None``: 1 GiB); on GPU
     the size comes from ``gpu_memory_utilization`` after a profiling forward pass,
-    capped by ``kv_cache_memory`` when that is given. ``num_gpu_blocks_override`` pins the
+    capped by ``kv_cache_memory`` when that is given. ``num_blocks_override`` pins the
     block count outright (tests use it to force preemption).
     """
 

@@ -58,13 +58,6 @@ class KVEventLog:
             self._cached.discard(block_hash)
             self._append(block_hash)
 
-    def cleared(self) -> None:
-        """The whole prefix cache was forgotten: readers take a snapshot (an empty one)."""
-        with self._lock:
-            self._cached.clear()
-            self._last_seq += 1
-            self._events.clear()  # every cursor before now is too old: snapshot
-
     def read(self, epoch: int, after_seq: int) -> KVEventBatch:
         """What changed after ``after_seq`` of ``epoch`` (see the module docstring)."""
         with self._lock:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sampler import TokenLogprobs
 
@@ -27,7 +27,6 @@ class KVHandoff:
 
     block_ids: list[int]
     num_tokens: int  # prompt tokens whose KV the blocks hold
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
 
 
 @dataclass(slots=True)
@@ -38,8 +37,6 @@ class RequestOutput:
     finished: bool
     prompt: str | None = None
     num_cached_tokens: int = 0
-    kv_handoff: KVHandoff | None = None  # set once, on the prefill role's final output
-    new_token_ids: list[int] = field(default_factory=list)  # tokens added since the previous output
 
 
 @dataclass(slots=True)

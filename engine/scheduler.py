@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 from engine.config import EngineRole
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_utils import cdiv
 from engine.outputs import KVHandoff
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import KVLoad, ModelOutput, ScheduledRequest, SchedulerOutput
@@ -189,7 +190,7 @@ class Scheduler:
                 request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.waiting_for_kv[request.request_id] = request
-                kv_loads.append(KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), num_hit_tokens))
+                kv_loads.append(KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), len(computed_blocks)))
                 continue
             num_new_tokens = _chunk(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
@@ -322,11 +323,10 @@ class Scheduler:
     def kv_handoff(self, request: Request) -> KVHandoff:
         """Prefill role: the pinned blocks holding a finished-prefill request's prompt KV."""
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        num_blocks = -(-request.num_prompt_tokens // self.kv_cache_manager.block_size)
+        num_blocks = cdiv(request.num_prompt_tokens, self.kv_cache_manager.block_size)
         return KVHandoff(
             block_ids=list(block_ids[:num_blocks]),
             num_tokens=request.num_prompt_tokens,
-            block_hashes=list(request.block_hashes[: request.num_prompt_tokens // self.kv_cache_manager.block_size]),
         )
 
     # ---------------------------------------------------------------- helpers

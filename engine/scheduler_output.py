@@ -25,7 +25,7 @@ class KVLoad:
 
     request_id: str
     block_ids: list[int]  # all of the prompt's blocks, local ids
-    num_local_hit_tokens: int  # leading tokens already present from the local prefix cache: not pulled
+    num_local_hit_blocks: int  # leading blocks already holding the KV, from the local prefix cache: not pulled
 
 
 @dataclass(slots=True)

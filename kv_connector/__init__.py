@@ -1,2 +1,2 @@
 """Moving KV blocks between engines: one contract, UCX and LMCache backends, and the
-compatibility fingerprint checked at handshake (issue #3)."""
+compatibility fingerprint checked at each pull's handshake."""

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import torch
 
+from engine.kv_cache_utils import cdiv
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
 
 T = TypeVar("T")
@@ -37,7 +38,8 @@ class KVTransferError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class KVSource:
-    """Where a request's prompt KV waits on the prefill side (the connector's view of a KVHandle)."""
+    """Where a request's prompt KV waits on the prefill side (the connector's view of a KVHandle
+    and the Decode call's prompt)."""
 
     request_id: str
     address: str  # P's connector endpoint, host:port
@@ -116,9 +118,10 @@ class KVConnector(abc.ABC):
     # -------------------------------------------------------------- decode side
 
     @abc.abstractmethod
-    async def pull(self, source: KVSource, block_ids: list[int], first_block: int, timeout_s: float) -> TransferStats:
-        """D: copy the KV of ``source.block_ids[first_block:]`` into its own ``block_ids[first_block:]``
-        (the blocks before ``first_block`` are local prefix-cache hits). Raises
+    async def pull(self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float) -> TransferStats:
+        """D: copy the KV of ``source.block_ids[num_local_hit_blocks:]`` into its own
+        ``block_ids[num_local_hit_blocks:]`` (the blocks before are hits in D's own prefix
+        cache, already holding that KV: not pulled). Raises
         :class:`KVTransferError` on any failure, including a fingerprint mismatch or the timeout;
         on error the destination blocks hold garbage and must be recomputed or freed."""
 
@@ -133,6 +136,15 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop listening and drop connections. Called once at shutdown."""
+
+
+def block_count_error(num_block_ids: int, num_tokens: int, block_size: int) -> str | None:
+    """None when ``num_block_ids`` blocks are exactly what ``num_tokens`` tokens fill; otherwise
+    why not, for the caller's own error."""
+    num_blocks = cdiv(num_tokens, block_size)
+    if num_block_ids == num_blocks:
+        return None
+    return f"{num_block_ids} blocks for {num_tokens} tokens, which fill {num_blocks}"
 
 
 async def bounded_transfer(operation: Awaitable[T], timeout_s: float, what: str) -> T:

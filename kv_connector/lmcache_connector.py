@@ -36,7 +36,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import multiprocessing
 import os
 import re
@@ -60,7 +59,8 @@ from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa:
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
-from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, bounded_transfer  # noqa: E402
+from engine.kv_cache_utils import cdiv  # noqa: E402
+from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error, bounded_transfer  # noqa: E402
 from kv_connector.fingerprint import Fingerprint  # noqa: E402
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks  # noqa: E402
 from kv_connector.store_urls import redact_url, with_password_file  # noqa: E402
@@ -158,7 +158,8 @@ class LMCacheConnector(KVConnector):
         out, and D's pull fails as a miss and recomputes."""
         engine = self._started()
         tokens = [int(token) for token in token_ids]
-        check_blocks(block_ids, len(tokens), self.block_size)
+        if (mismatch := block_count_error(len(block_ids), len(tokens), self.block_size)) is not None:
+            raise RuntimeError(f"publishing {request_id!r}: {mismatch} (bug)")
         self.check_block_ids(block_ids)
         if not tokens:
             return
@@ -183,29 +184,29 @@ class LMCacheConnector(KVConnector):
 
     # -------------------------------------------------------------- decode side
 
-    async def pull(self, source: KVSource, block_ids: list[int], first_block: int, timeout_s: float) -> TransferStats:
+    async def pull(self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float) -> TransferStats:
         """D: retrieve the KV of ``source.token_ids`` from the store and write blocks
-        ``first_block:`` of it into ``block_ids[first_block:]``; earlier blocks are not
-        touched. Raises :class:`KVTransferError` on a fingerprint mismatch, a miss (not
+        ``num_local_hit_blocks:`` of it into ``block_ids[num_local_hit_blocks:]``; earlier
+        blocks (D's own prefix-cache hits) are not touched. Raises :class:`KVTransferError` on a fingerprint mismatch, a miss (not
         stored, evicted, or stored under another fingerprint), an unreachable store or
         the timeout; D's blocks are then untouched."""
         engine = self._started()
         tokens = [int(token) for token in source.token_ids]
         block_size = self.block_size
         if not tokens:
-            raise KVTransferError(f"the KV handle of {source.request_id!r} carries no prompt token ids; the lmcache connector retrieves by tokens")
+            raise KVTransferError(f"no prompt token ids for {source.request_id!r}; the lmcache connector retrieves by tokens")
         if len(tokens) != source.num_tokens:
-            raise KVTransferError(f"the KV handle of {source.request_id!r} has {len(tokens)} token ids for {source.num_tokens} tokens (bug)")
-        num_blocks = math.ceil(len(tokens) / block_size)
-        if len(block_ids) != num_blocks:
-            raise KVTransferError(f"{len(tokens)} prompt tokens need {num_blocks} blocks, got {len(block_ids)} local ones (bug)")
-        if not 0 <= first_block <= num_blocks:
-            raise KVTransferError(f"first_block {first_block} outside the prompt's {num_blocks} blocks (bug)")
-        if first_block == num_blocks:
+            raise KVTransferError(f"{len(tokens)} prompt token ids for the KV of {source.num_tokens} tokens of {source.request_id!r} (bug)")
+        if (mismatch := block_count_error(len(block_ids), len(tokens), block_size)) is not None:
+            raise KVTransferError(f"local blocks of {source.request_id!r}: {mismatch} (bug)")
+        num_blocks = len(block_ids)
+        if not 0 <= num_local_hit_blocks <= num_blocks:
+            raise KVTransferError(f"{num_local_hit_blocks} local hit blocks outside the prompt's {num_blocks} blocks (bug)")
+        if num_local_hit_blocks == num_blocks:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
         self.check_source(source)
         started = time.perf_counter()
-        first_token = first_block * block_size
+        first_token = num_local_hit_blocks * block_size
         # LMCache skips only whole chunks; the chunk holding first_token is fetched whole.
         fetch_start = first_token - first_token % self.chunk_size
         staging = torch.empty(
@@ -221,10 +222,10 @@ class LMCacheConnector(KVConnector):
             raise await self._miss(source, fetch_start + int(missing[0]), len(tokens))
         write_blocks(self.kv_cache, block_ids, first_token, len(tokens), staging[:, :, first_token - fetch_start :])
         return TransferStats(
-            num_blocks=num_blocks - first_block,
+            num_blocks=num_blocks - num_local_hit_blocks,
             num_bytes=staging.numel() * staging.element_size(),
             seconds=time.perf_counter() - started,
-            num_messages=math.ceil((len(tokens) - fetch_start) / self.chunk_size),
+            num_messages=cdiv(len(tokens) - fetch_start, self.chunk_size),
         )
 
     # -------------------------------------------------------------- internals
@@ -312,12 +313,6 @@ def key_model_name(fingerprint: Fingerprint) -> str:
     the ``@`` and ``%`` LMCache uses as key separators."""
     digest = hashlib.sha256(json.dumps(astuple(fingerprint)).encode()).hexdigest()[:16]
     return f"{re.sub(r'[^A-Za-z0-9._-]', '_', fingerprint.model)[:64]}~{digest}"
-
-
-def check_blocks(block_ids: list[int], num_tokens: int, block_size: int) -> None:
-    """Raise RuntimeError unless there are exactly as many ``block_ids`` as ``num_tokens`` tokens fill."""
-    if len(block_ids) != math.ceil(num_tokens / block_size):
-        raise RuntimeError(f"{num_tokens} tokens fill {math.ceil(num_tokens / block_size)} blocks, got {len(block_ids)} block ids (bug)")
 
 
 def probe(url: str, timeout_s: float) -> str | None:

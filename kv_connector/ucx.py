@@ -78,10 +78,9 @@ from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_rep
 logger = logging.getLogger(__name__)
 
 # Messages: large enough that per-message costs (Python awaits, UCX's rendezvous) stay
-# small, small enough that several are in flight at once. On the 2-core development VM,
-# raw ucxx moved 4 MiB messages as fast as one large one, one-block (360 KiB) messages
-# 20-35% slower (docs/benchmarks.md). A window of 32 moved them faster than 8 and as
-# fast as 128; ucxx warns (and allocates) when more requests wait than its futures pool holds.
+# small, small enough that several are in flight at once. The window: enough messages in
+# flight to keep the transport busy, few enough that ucxx's futures pool holds them (it
+# warns, and allocates, beyond). Measurements behind both sizes: docs/benchmarks.md.
 MAX_MESSAGE_BYTES = 4 << 20
 WINDOW = 32  # messages in flight per pull and side
 SETTLE_S = 1.0  # how long a failed pull waits for writes P may have started (module docstring)
@@ -205,7 +204,7 @@ class UCXConnector(KVConnector):
             request_buffer = header_buffer()
             while True:
                 try:
-                    # asyncio.timeout, not wait_for: no task of its own, ~5 us a pull rather than ~12.
+                    # asyncio.timeout, not wait_for: it creates no task of its own for each pull.
                     async with asyncio.timeout(self.idle_timeout_s):
                         data = await recv_header(endpoint, request_buffer)
                 except TimeoutError:
@@ -309,9 +308,9 @@ class UCXConnector(KVConnector):
 
     # ------------------------------------------------------------- D: pulling
 
-    async def pull(self, source: KVSource, block_ids: list[int], first_block: int, timeout_s: float) -> TransferStats:
-        remote_blocks = list(source.block_ids[first_block:])
-        local_blocks = block_ids[first_block:]
+    async def pull(self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float) -> TransferStats:
+        remote_blocks = list(source.block_ids[num_local_hit_blocks:])
+        local_blocks = block_ids[num_local_hit_blocks:]
         if len(remote_blocks) != len(local_blocks):
             raise KVTransferError(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones (bug)")
         if not remote_blocks:

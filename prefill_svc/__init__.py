@@ -1,1 +1,1 @@
-"""gRPC server wrapping the engine in the prefill role (issue #3)."""
+"""gRPC server wrapping the engine in the prefill role."""

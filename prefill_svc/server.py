@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import time
 
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
@@ -70,7 +69,6 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         if request_id in self._prefilling or request_id in self._leases:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already prefilling or pinned here")
         self._prefilling[request_id] = False
-        started = time.perf_counter()
         final: EngineCoreOutput | None = None
         try:
             params = kv_only_params() if request.kv_only else sampling_params_from_proto(request.sampling)
@@ -94,7 +92,6 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             first_token_id=final.new_token_ids[0],
             finish_reason=final.finish_reason or "",
             num_cached_tokens=final.num_cached_tokens,
-            prefill_s=time.perf_counter() - started,
         )
         if final.new_logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
@@ -112,21 +109,17 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         self._leases[request_id] = self._arm_lease(request_id)
         handle = disaggregation_pb2.KVHandle(
             request_id=request_id,
-            prefill_instance_id=self.instance.instance_id,
             connector=self.connector.name,
             connector_address=self.instance.connector_address,
             block_ids=handoff.block_ids,
             num_tokens=handoff.num_tokens,
-            block_hashes=[h.to_bytes(16, "little") for h in handoff.block_hashes],
             fingerprint=fingerprint_to_proto(self.instance.fingerprint),
-            lease_expires_unix_s=time.time() + self.lease_s,
             lease_s=self.lease_s,
             prefill_address=self.instance.grpc_address,
-            prompt_token_ids=prompt_token_ids,
             pull_token=pull_token,
         )
         if self.instance.plane.secret is not None:
-            sign_handle(handle, self.instance.plane.secret.handle_key)
+            sign_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)
         return handle
 
     def _arm_lease(self, request_id: str) -> asyncio.TimerHandle:

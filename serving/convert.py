@@ -3,6 +3,8 @@ Converted once here; nothing inward sees a protobuf message."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from splitserve.v1 import disaggregation_pb2, generation_pb2
 
 from engine.sampler import TokenLogprobs
@@ -42,13 +44,14 @@ def fingerprint_from_proto(message: disaggregation_pb2.Fingerprint) -> Fingerpri
     )
 
 
-def kv_source_from_proto(request_id: str, handle: disaggregation_pb2.KVHandle) -> KVSource:
+def kv_source_from_proto(request_id: str, handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int]) -> KVSource:
+    """``prompt_token_ids``: the Decode call's prompt, whose KV the handle holds."""
     return KVSource(
         request_id=request_id,
         address=handle.connector_address,
         block_ids=tuple(handle.block_ids),
         num_tokens=handle.num_tokens,
         fingerprint=fingerprint_from_proto(handle.fingerprint),
-        token_ids=tuple(handle.prompt_token_ids),
+        token_ids=tuple(prompt_token_ids),
         pull_token=handle.pull_token,
     )

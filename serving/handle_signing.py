@@ -8,15 +8,17 @@ verifies the signature before it allocates anything.
 
 The signature covers every field of the handle but itself (a test alters each one),
 encoded canonically here rather than as protobuf bytes, whose encoding is not
-guaranteed stable: the request id, P's instance id and addresses, the connector, the
-block ids and hashes, the token count, the fingerprint, the lease, a digest of the
-prompt's token ids and the pull token. The pull token, random per handle, is what
-P's connector asks of each pull (``kv_connector/ucx.py``): a pull needs the handle,
-not only the request id.
+guaranteed stable: the request id, P's addresses, the connector, the block ids, the
+token count, the fingerprint, the lease, the pull token, and a digest of the prompt's
+token ids. The prompt is not a field of the handle: it travels beside it, in the Decode
+call (``DecodeRequest.prompt_token_ids``), and D verifies the signature against the
+call's prompt, so a handle is good only for the prompt P computed its KV from. The pull
+token, random per handle, is what P's connector asks of each pull
+(``kv_connector/ucx.py``): a pull needs the handle, not only the request id.
 
 Freshness is P's business, not D's: a handle is good for as long as P keeps its KV
 pinned (the lease), and a replayed handle can only make D pull the KV P really
-computed for that prompt. D does not compare the lease's expiry with its own clock,
+computed for that prompt. The handle carries the lease's length, not an expiry time,
 so clock skew between hosts never refuses a handle.
 """
 
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from splitserve.v1 import disaggregation_pb2
 
 PULL_TOKEN_BYTES = 16
-_VERSION = b"splitserve KV handle v1"
+_VERSION = b"splitserve KV handle v2"
 
 
 class HandleRejected(ValueError):
@@ -42,42 +44,44 @@ def new_pull_token() -> bytes:
     return secrets.token_bytes(PULL_TOKEN_BYTES)
 
 
-def sign_handle(handle: disaggregation_pb2.KVHandle, key: bytes) -> None:
-    """P, once the handle is complete: set its signature."""
-    handle.signature = _mac(handle, key)
+def sign_handle(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int], key: bytes) -> None:
+    """P, once the handle is complete: set its signature, over the handle and the prompt
+    whose KV it holds."""
+    handle.signature = _mac(handle, prompt_token_ids, key)
 
 
-def verify_handle(handle: disaggregation_pb2.KVHandle, key: bytes) -> None:
-    """D, before allocating anything for the handle. Raises :class:`HandleRejected`."""
+def verify_handle(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int], key: bytes) -> None:
+    """D, before allocating anything for the handle: ``prompt_token_ids`` is the Decode
+    call's prompt. Raises :class:`HandleRejected`."""
     if not handle.signature:
         raise HandleRejected(
             "the KV handle is not signed: the prefill instance that issued it has no cluster secret; "
             "give gateway, prefill and decode instances the same --cluster-secret"
         )
-    if not hmac.compare_digest(handle.signature, _mac(handle, key)):
+    if not hmac.compare_digest(handle.signature, _mac(handle, prompt_token_ids, key)):
         raise HandleRejected(
             "the KV handle's signature does not match: it was altered after the prefill instance issued it, "
+            "it holds the KV of another prompt than the call's prompt_token_ids, "
             "or that instance has another --cluster-secret"
         )
 
 
-def _mac(handle: disaggregation_pb2.KVHandle, key: bytes) -> bytes:
-    return hmac.new(key, _signed_bytes(handle), hashlib.sha256).digest()
+def _mac(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int], key: bytes) -> bytes:
+    return hmac.new(key, _signed_bytes(handle, prompt_token_ids), hashlib.sha256).digest()
 
 
-def _signed_bytes(handle: disaggregation_pb2.KVHandle) -> bytes:
-    """Every field but the signature, each length-prefixed, so no two handles share an encoding."""
+def _signed_bytes(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int]) -> bytes:
+    """Every field but the signature, then the prompt's digest, each length-prefixed, so no
+    two handles (or prompts) share an encoding."""
     fingerprint = handle.fingerprint
     parts = [
         _VERSION,
         handle.request_id.encode(),
-        handle.prefill_instance_id.encode(),
         handle.prefill_address.encode(),
         handle.connector.encode(),
         handle.connector_address.encode(),
         _ints(handle.block_ids),
         _ints([handle.num_tokens]),
-        _framed(handle.block_hashes),
         _framed(
             [
                 fingerprint.model.encode(),
@@ -86,9 +90,9 @@ def _signed_bytes(handle: disaggregation_pb2.KVHandle) -> bytes:
                        fingerprint.head_dim, fingerprint.tensor_parallel_size]),
             ]
         ),
-        struct.pack("<dd", handle.lease_expires_unix_s, handle.lease_s),
-        hashlib.sha256(_ints(handle.prompt_token_ids)).digest(),
+        struct.pack("<d", handle.lease_s),
         handle.pull_token,
+        hashlib.sha256(_ints(prompt_token_ids)).digest(),
     ]
     return _framed(parts)
 

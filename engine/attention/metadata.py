@@ -37,9 +37,5 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]

@@ -61,7 +61,7 @@ def test_prefill_to_decode_matches_colocated(model_path: Path, pull_succeeds: bo
         (load,) = d.pending_kv_loads
         d.pending_kv_loads.clear()
         if pull_succeeds:
-            skip = load.num_local_hit_tokens // d.config.block_size
+            skip = load.num_local_hit_blocks
             src = handoff_output.kv_handoff.block_ids[skip:]
             d.runner.kv_cache[load.block_ids[skip:]] = p.runner.kv_cache[src]
         d.finish_kv_load(request_id, success=pull_succeeds)
@@ -89,7 +89,7 @@ def test_decode_prefix_hit_pulls_fewer_blocks(model_path: Path) -> None:
         d.finish_kv_load(f"r{index}", success=True)
         p.release_kv(f"r{index}")
         run_until_finished(d, f"r{index}")
-    assert [load.num_local_hit_tokens for load in loads] == [0, 32]
+    assert [load.num_local_hit_blocks * d.config.block_size for load in loads] == [0, 32]
     assert_all_free(p, d)
 
 

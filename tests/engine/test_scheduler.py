@@ -195,7 +195,7 @@ def test_prefill_role_pins_blocks_until_released() -> None:
     assert request.output_token_ids == [7]
     assert not scheduler.has_unfinished_requests()
     handoff = scheduler.kv_handoff(request)
-    assert handoff.block_ids == [0, 1] and handoff.num_tokens == 6 and len(handoff.block_hashes) == 1
+    assert handoff.block_ids == [0, 1] and handoff.num_tokens == 6
     assert scheduler.kv_cache_manager.num_free_blocks == 6
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_PREFILLED)
     assert_all_free(scheduler)
@@ -215,7 +215,7 @@ def test_decode_role_pulls_only_missing_blocks_then_decodes() -> None:
     output = scheduler.schedule()
     assert output.is_empty
     (load,) = output.kv_loads
-    assert load.num_local_hit_tokens == 8 and len(load.block_ids) == 4
+    assert load.num_local_hit_blocks == 2 and len(load.block_ids) == 4
     request = scheduler.requests["b"]
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
     scheduler.finish_kv_load("b", success=True)

@@ -84,12 +84,12 @@ def source(tokens: list[int] = PROMPT, model: str = "tiny-0123", address: str = 
     )
 
 
-def pull(cache: torch.Tensor, url: str, src: KVSource, local_blocks: list[int], first_block: int = 0, model: str = "tiny-0123", timeout_s: float = 10.0):
+def pull(cache: torch.Tensor, url: str, src: KVSource, local_blocks: list[int], num_local_hit_blocks: int = 0, model: str = "tiny-0123", timeout_s: float = 10.0):
     async def run():
         connector = LMCacheConnector(cache, fingerprint(model), remote_url=url, chunk_size=CHUNK_SIZE)
         await connector.start("127.0.0.1", 0)
         try:
-            return await connector.pull(src, local_blocks, first_block, timeout_s)
+            return await connector.pull(src, local_blocks, num_local_hit_blocks, timeout_s)
         finally:
             await connector.close()
 
@@ -111,15 +111,15 @@ def test_pull_copies_the_prompt_into_other_blocks(store: str) -> None:
     assert not local[untouched].any()
 
 
-@pytest.mark.parametrize("first_block", [1, 2, 3])  # inside a chunk, on a chunk edge, the partial block's chunk
-def test_local_prefix_hits_are_not_pulled(redis_store: str, first_block: int) -> None:
+@pytest.mark.parametrize("num_local_hit_blocks", [1, 2, 3])  # inside a chunk, on a chunk edge, the partial block's chunk
+def test_local_prefix_hits_are_not_pulled(redis_store: str, num_local_hit_blocks: int) -> None:
     remote = seeded_cache(7)
     local = torch.zeros(SHAPE, dtype=torch.bfloat16)
     local_blocks = [1, 2, 3, 4]
-    stats = pull(local, redis_store, source(), local_blocks, first_block=first_block)
-    assert stats.num_blocks == 4 - first_block
-    assert not local[local_blocks[:first_block]].any()
-    for index in range(first_block, 4):
+    stats = pull(local, redis_store, source(), local_blocks, num_local_hit_blocks=num_local_hit_blocks)
+    assert stats.num_blocks == 4 - num_local_hit_blocks
+    assert not local[local_blocks[:num_local_hit_blocks]].any()
+    for index in range(num_local_hit_blocks, 4):
         tokens = TAIL if index == 3 else SHAPE[3]
         assert torch.equal(local[local_blocks[index], :, :, :tokens], remote[PUBLISHED_BLOCKS[index], :, :, :tokens])
 
@@ -147,9 +147,9 @@ def test_unknown_prompt_is_a_miss(redis_store: str) -> None:
     assert not local.any()
 
 
-def test_handle_without_token_ids_is_refused(redis_url: str) -> None:
+def test_source_without_token_ids_is_refused(redis_url: str) -> None:
     no_tokens = KVSource("r", "", tuple(PUBLISHED_BLOCKS), len(PROMPT), fingerprint())
-    with pytest.raises(KVTransferError, match="carries no prompt token ids"):
+    with pytest.raises(KVTransferError, match="no prompt token ids for 'r'"):
         pull(torch.zeros(SHAPE, dtype=torch.bfloat16), redis_url, no_tokens, [0, 1, 2, 3])
 
 

@@ -207,11 +207,11 @@ def run(scenario) -> object:  # noqa: ANN001 - an async function taking no argum
     return asyncio.run(scenario())
 
 
-def pull(cache: torch.Tensor, src: KVSource, local_blocks: list[int], first_block: int = 0, model: str = "tiny-0123"):
+def pull(cache: torch.Tensor, src: KVSource, local_blocks: list[int], num_local_hit_blocks: int = 0, model: str = "tiny-0123"):
     async def scenario():
         connector = decode_connector(cache, model)
         try:
-            return await connector.pull(src, local_blocks, first_block, timeout_s=10.0)
+            return await connector.pull(src, local_blocks, num_local_hit_blocks, timeout_s=10.0)
         finally:
             await connector.close()
 
@@ -259,7 +259,7 @@ def test_blocks_consecutive_on_both_sides_travel_as_one_message() -> None:
 def test_local_prefix_hits_are_not_pulled(peer: str) -> None:
     remote = seeded_cache(7)
     local = empty_cache()
-    stats = pull(local, source(peer), [1, 2, 3, 4], first_block=2)
+    stats = pull(local, source(peer), [1, 2, 3, 4], num_local_hit_blocks=2)
     assert stats.num_blocks == 2
     assert not local[[1, 2]].any()
     assert torch.equal(local[3], remote[PUBLISHED_BLOCKS[2]])

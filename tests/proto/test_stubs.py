@@ -32,7 +32,7 @@ def test_stubs_import_as_splitserve_v1_and_leave_proto_to_proto_plus() -> None:
 def test_messages_round_trip() -> None:
     from splitserve.v1 import disaggregation_pb2, generation_pb2
 
-    handle = disaggregation_pb2.KVHandle(block_ids=[3, 1, 2], num_tokens=40, block_hashes=[b"\x01" * 16])
+    handle = disaggregation_pb2.KVHandle(block_ids=[3, 1, 2], num_tokens=40, pull_token=b"\x01" * 16)
     request = disaggregation_pb2.DecodeRequest(
         request_id="r", prompt_token_ids=[1, 2], first_token_id=7, kv=handle,
         sampling=generation_pb2.SamplingParams(temperature=0.0, max_tokens=8),

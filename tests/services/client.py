@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import grpc
+import pytest
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 from engine import LLM, SamplingParams
@@ -37,6 +41,34 @@ def run_decode(
         sampling=sampling, kv=prefilled.kv, allow_recompute=allow_recompute), timeout=60))
     tokens = [prefilled.first_token_id] + [t for r in responses for t in r.token_ids]
     return tokens, responses
+
+
+def assert_altered_handle_refused(
+    prefill: Service,
+    decode: Service,
+    colocated: LLM,
+    request_id: str,
+    prompt: list[int],
+    alter: Callable[[disaggregation_pb2.KVHandle], None],
+    code: grpc.StatusCode,
+    message: str,
+) -> None:
+    """Prefill ``prompt``, ``alter`` its KV handle, and check that D refuses the handle with
+    ``code`` and ``message`` before allocating anything; the genuine handle then decodes as the
+    colocated engine does (and D releases P's blocks)."""
+    prefilled = run_prefill(prefill, request_id, prompt)
+    genuine = disaggregation_pb2.KVHandle()
+    genuine.CopyFrom(prefilled.kv)
+    alter(prefilled.kv)
+    with pytest.raises(grpc.RpcError) as raised:
+        run_decode(decode, request_id, prompt, prefilled)
+    assert raised.value.code() == code
+    assert message in raised.value.details()
+    assert_all_free(decode)
+    prefilled.kv.CopyFrom(genuine)
+    tokens, _ = run_decode(decode, request_id, prompt, prefilled)
+    assert tokens == expected_tokens(colocated, prompt)
+    assert_all_free(prefill, decode)
 
 
 def assert_all_free(*services: Service) -> None:

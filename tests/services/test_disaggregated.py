@@ -14,9 +14,10 @@ import pytest
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 from engine import LLM
+from engine.kv_cache_utils import cdiv
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
-from tests.services.client import GREEDY, assert_all_free, expected_tokens, run_decode, run_prefill
+from tests.services.client import GREEDY, assert_all_free, assert_altered_handle_refused, expected_tokens, run_decode, run_prefill
 from tests.services.processes import Service, running
 from tests.stores import free_port
 
@@ -53,7 +54,7 @@ def test_disaggregated_output_equals_colocated(prefill: Service, decode: Service
     for index, prompt in enumerate(random_prompts([3, 16, 17, 40, 70], seed=21)):
         request_id = f"match-{index}"
         prefilled = run_prefill(prefill, request_id, prompt)
-        assert prefilled.kv.num_tokens == len(prompt) and len(prefilled.kv.block_ids) == -(-len(prompt) // 16)
+        assert prefilled.kv.num_tokens == len(prompt) and len(prefilled.kv.block_ids) == cdiv(len(prompt), 16)
         tokens, responses = run_decode(decode, request_id, prompt, prefilled)
         assert tokens == expected_tokens(colocated, prompt)
         assert responses[-1].finish_reason == "length"
@@ -191,6 +192,24 @@ def test_mismatched_fingerprints_refuse_to_pair(other_model: Path, prefill: Serv
         tokens, _ = run_decode(decode, "stranger", prompt, prefilled)
         assert tokens == expected_tokens(colocated, prompt)
     assert_all_free(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("field", "alter", "message"),
+    [
+        ("connector", lambda kv: setattr(kv, "connector", "lmcache"),
+         "the KV handle is for the 'lmcache' connector; this decode instance uses 'ucx'"),
+        ("num_tokens", lambda kv: setattr(kv, "num_tokens", kv.num_tokens - 1),
+         "the KV handle holds the KV of 19 tokens; this call's prompt has 20"),
+    ],
+)
+def test_a_handle_decode_cannot_pull_is_refused_before_anything_is_allocated(
+    prefill: Service, decode: Service, colocated: LLM, field: str, alter, message: str  # noqa: ANN001
+) -> None:
+    prompt = random_prompts([20], seed=31)[0]
+    assert_altered_handle_refused(
+        prefill, decode, colocated, f"unpullable-{field}", prompt, alter, grpc.StatusCode.INVALID_ARGUMENT, message
+    )
 
 
 def test_sigterm_drains_in_flight_requests(model: Path, prefill: Service) -> None:

@@ -22,10 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from engine import LLM
+from engine.kv_cache_utils import cdiv
 from serving.convert import fingerprint_from_proto
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
-from tests.services.client import GREEDY, assert_all_free, expected_tokens, run_decode, run_prefill
+from tests.services.client import GREEDY, assert_all_free, assert_altered_handle_refused, expected_tokens, run_decode, run_prefill
 from tests.services.processes import ROOT, SERVICE_ENV, Service, open_channel, running
 
 pytest.importorskip("ucxx")
@@ -128,11 +129,10 @@ def pulls_served(rogue: subprocess.Popen) -> int:
 
 def forged_handle(decode: Service, address: str, prompt: list[int]) -> disaggregation_pb2.KVHandle:
     """What a stranger hands D: its own listener, D's (public) fingerprint, the prompt to poison."""
-    num_blocks = -(-len(prompt) // BLOCK_SIZE)
+    num_blocks = cdiv(len(prompt), BLOCK_SIZE)
     return disaggregation_pb2.KVHandle(
-        request_id="forged", prefill_instance_id="prefill-0", connector="ucx", connector_address=address,
-        block_ids=list(range(num_blocks)), num_tokens=len(prompt), fingerprint=decode.load().fingerprint,
-        prompt_token_ids=prompt, lease_s=30.0,
+        request_id="forged", connector="ucx", connector_address=address,
+        block_ids=list(range(num_blocks)), num_tokens=len(prompt), fingerprint=decode.load().fingerprint, lease_s=30.0,
     )
 
 
@@ -183,29 +183,20 @@ def test_a_forged_handle_is_refused_and_nothing_enters_the_prefix_cache(model: P
 )
 def test_an_altered_handle_is_refused(prefill: Service, decode: Service, colocated: LLM, field: str, alter) -> None:  # noqa: ANN001
     prompt = random_prompts([40], seed=63)[0]
-    prefilled = run_prefill(prefill, f"altered-{field}", prompt)
-    genuine = disaggregation_pb2.KVHandle()
-    genuine.CopyFrom(prefilled.kv)
-    alter(prefilled.kv)
-    with pytest.raises(grpc.RpcError) as raised:
-        decode_with(decode, f"altered-{field}", prompt, prefilled.kv)
-    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "signature does not match" in raised.value.details()
-    assert_all_free(decode)
-    prefilled.kv.CopyFrom(genuine)  # the genuine handle still works, and P's blocks are released by it
-    tokens, _ = run_decode(decode, f"altered-{field}", prompt, prefilled)
-    assert tokens == expected_tokens(colocated, prompt)
-    assert_all_free(prefill, decode)
+    assert_altered_handle_refused(
+        prefill, decode, colocated, f"altered-{field}", prompt, alter, grpc.StatusCode.PERMISSION_DENIED, "signature does not match"
+    )
 
 
 def test_a_handle_is_good_only_for_its_own_prompt(prefill: Service, decode: Service) -> None:
-    """A genuine handle replayed with another prompt would cache one prompt's KV under the other's hashes."""
+    """A genuine handle replayed with another prompt would cache one prompt's KV under the other's
+    hashes: P signed it over its own prompt, so D's check against the call's prompt fails."""
     prompt, other = random_prompts([40, 40], seed=64)
     prefilled = run_prefill(prefill, "replayed", prompt)
     with pytest.raises(grpc.RpcError) as raised:
         decode_with(decode, "replayed", other, prefilled.kv)
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "KV of another prompt" in raised.value.details()
+    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "KV of another prompt than the call's prompt_token_ids" in raised.value.details()
     assert_all_free(decode)
     disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="replayed"), timeout=10)
     assert_all_free(prefill)

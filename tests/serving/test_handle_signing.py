@@ -1,5 +1,6 @@
-"""KV handle signatures: every field is covered, and a handle signed under another key,
-unsigned, or altered in any field is refused."""
+"""KV handle signatures: every field is covered, and so is the prompt the handle travels
+with; a handle signed under another key, unsigned, altered in any field, or presented with
+another prompt is refused."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from splitserve.v1 import disaggregation_pb2
 from serving.auth import ClusterSecret
 from serving.handle_signing import PULL_TOKEN_BYTES, HandleRejected, new_pull_token, sign_handle, verify_handle
 
+PROMPT = list(range(40))
 KEY = ClusterSecret.from_text("a-cluster-secret-for-tests").handle_key
 OTHER_KEY = ClusterSecret.from_text("another-cluster-secret-for-tests").handle_key
 
@@ -17,18 +19,14 @@ OTHER_KEY = ClusterSecret.from_text("another-cluster-secret-for-tests").handle_k
 def make_handle() -> disaggregation_pb2.KVHandle:
     return disaggregation_pb2.KVHandle(
         request_id="req-1",
-        prefill_instance_id="prefill-0",
         connector="ucx",
         connector_address="10.0.0.1:50062",
         block_ids=[7, 3, 9],
         num_tokens=40,
-        block_hashes=[bytes([1]) * 16, bytes([2]) * 16],
         fingerprint=disaggregation_pb2.Fingerprint(
             model="m-0123", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, tensor_parallel_size=1
         ),
-        lease_expires_unix_s=1_800_000_000.5,
         prefill_address="10.0.0.1:50061",
-        prompt_token_ids=list(range(40)),
         lease_s=30.0,
         pull_token=bytes(range(16)),
     )
@@ -36,24 +34,24 @@ def make_handle() -> disaggregation_pb2.KVHandle:
 
 def signed() -> disaggregation_pb2.KVHandle:
     handle = make_handle()
-    sign_handle(handle, KEY)
+    sign_handle(handle, PROMPT, KEY)
     return handle
 
 
 def test_a_signed_handle_verifies() -> None:
     handle = signed()
     assert len(handle.signature) == 32
-    verify_handle(handle, KEY)
-    verify_handle(disaggregation_pb2.KVHandle.FromString(handle.SerializeToString()), KEY)  # as it crosses the wire
+    verify_handle(handle, PROMPT, KEY)
+    verify_handle(disaggregation_pb2.KVHandle.FromString(handle.SerializeToString()), tuple(PROMPT), KEY)  # as it crosses the wire
 
 
 def test_unsigned_and_foreign_handles_are_refused() -> None:
     with pytest.raises(HandleRejected, match="not signed"):
-        verify_handle(make_handle(), KEY)
+        verify_handle(make_handle(), PROMPT, KEY)
     handle = make_handle()
-    sign_handle(handle, OTHER_KEY)
+    sign_handle(handle, PROMPT, OTHER_KEY)
     with pytest.raises(HandleRejected, match="another --cluster-secret"):
-        verify_handle(handle, KEY)
+        verify_handle(handle, PROMPT, KEY)
 
 
 def altered(name: str, handle: disaggregation_pb2.KVHandle) -> None:
@@ -81,17 +79,25 @@ def test_every_field_is_covered_by_the_signature(name: str) -> None:
     altered(name, handle)
     assert handle != signed()
     with pytest.raises(HandleRejected, match="does not match"):
-        verify_handle(handle, KEY)
+        verify_handle(handle, PROMPT, KEY)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT[:-1] + [PROMPT[-1] + 1], list(reversed(PROMPT)), PROMPT + [0], []])
+def test_a_handle_verifies_only_with_its_own_prompt(prompt: list[int]) -> None:
+    """The prompt travels beside the handle (DecodeRequest.prompt_token_ids): a genuine handle
+    presented with another prompt would cache one prompt's KV under the other's hashes."""
+    with pytest.raises(HandleRejected, match="another prompt than the call's prompt_token_ids"):
+        verify_handle(signed(), prompt, KEY)
 
 
 def test_fields_cannot_trade_bytes_with_their_neighbours() -> None:
     """Fields are length-prefixed: moving a character from the request id (signed first) to
-    the instance id (signed next) is another handle, with another signature."""
+    P's address (signed next) is another handle, with another signature."""
     first, second = make_handle(), make_handle()
-    first.request_id, first.prefill_instance_id = "req-1", "prefill-0"
-    second.request_id, second.prefill_instance_id = "req-", "1prefill-0"
-    sign_handle(first, KEY)
-    sign_handle(second, KEY)
+    first.request_id, first.prefill_address = "req-1", "10.0.0.1:50061"
+    second.request_id, second.prefill_address = "req-", "110.0.0.1:50061"
+    sign_handle(first, PROMPT, KEY)
+    sign_handle(second, PROMPT, KEY)
     assert first.signature != second.signature
 
 

@@ -26,36 +26,28 @@ class Fingerprint(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_instance_id", "connector", "connector_address", "block_ids", "num_tokens", "block_hashes", "fingerprint", "lease_expires_unix_s", "prefill_address", "prompt_token_ids", "lease_s", "request_id", "pull_token", "signature")
-    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("connector", "connector_address", "block_ids", "num_tokens", "fingerprint", "prefill_address", "lease_s", "request_id", "pull_token", "signature")
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    LEASE_EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PULL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
-    prefill_instance_id: str
     connector: str
     connector_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     fingerprint: Fingerprint
-    lease_expires_unix_s: float
     prefill_address: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
     request_id: str
     pull_token: bytes
     signature: bytes
-    def __init__(self, prefill_instance_id: _Optional[str] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_expires_unix_s: _Optional[float] = ..., prefill_address: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., request_id: _Optional[str] = ..., pull_token: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., prefill_address: _Optional[str] = ..., lease_s: _Optional[float] = ..., request_id: _Optional[str] = ..., pull_token: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "kv_only")
@@ -74,22 +66,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_only: bool = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens", "prefill_s")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "finish_reason", "kv", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: _generation_pb2.TokenLogprob
     finish_reason: str
     kv: KVHandle
     num_cached_tokens: int
-    prefill_s: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "priority", "cache_salt", "allow_recompute")
