@@ -32,6 +32,10 @@ _COMMON = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# Large enough that prefilling a 2048-token prompt takes a second or more on one CPU core
+# (the overload tests hold instances busy with it).
+LONG_MODEL = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=4096)
 
 
 def tiny_config(architecture: str, **overrides: object):

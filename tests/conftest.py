@@ -1,8 +1,9 @@
-"""Suite-wide settings. Triton kernels run on CPU only through the interpreter,
+"""Suite-wide settings and fixtures. Triton kernels run on CPU only through the interpreter,
 and the variable must be set before triton is first imported."""
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +23,20 @@ def redis_url() -> Iterator[str]:
         yield url
     finally:
         stop(process)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama checkpoint (``tests.checkpoints``), one per module; a module that
+    needs another (a chat template, wider layers) defines its own ``model``."""
+    from tests.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint whose long prompts take a while to prefill (``tests.checkpoints.LONG_MODEL``)."""
+    from tests.checkpoints import LONG_MODEL, make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("long-llama"), **LONG_MODEL)

@@ -19,7 +19,6 @@ from engine.structured_output import StructuredOutputSpec
 from engine.structured_output.bitmask import BitmaskWorker, apply_token_bitmask, token_bias
 from engine.structured_output.compiler import GrammarCompiler
 from engine.structured_output.grammar_state import GrammarState
-from tests.checkpoints import make_checkpoint
 
 # Bounded strings and numbers: a random model closes a string only by chance.
 PERSON = {
@@ -57,11 +56,6 @@ def check_output(spec: StructuredOutputSpec | None, text: str) -> None:
         assert text in spec.choices, text
     else:
         assert GRAMMAR_TEXT.fullmatch(text), text
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")

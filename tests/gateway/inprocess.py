@@ -8,10 +8,11 @@ Also a tiny checkpoint with a chat template of known variables, for the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -27,6 +28,8 @@ from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
 from tests.checkpoints import make_checkpoint
+from tests.services.client import assert_all_free
+from tests.services.processes import Service
 
 MODEL_NAME = "tiny"
 
@@ -92,3 +95,21 @@ async def inprocess_gateway(
         await service.dispatcher.drain()
         await pool.close()
         tokenizer.close()
+
+
+def run_inprocess(
+    instances: tuple[Service, Service],
+    model: Path,
+    scenario: Callable[[InProcessGateway], Awaitable[None]],
+    limits: RequestLimits | None = None,
+    **options: Any,
+) -> None:
+    """Run ``scenario`` against an in-process gateway in front of a prefill and a decode
+    instance (``options``: :func:`inprocess_gateway`'s); then every KV block is free again."""
+
+    async def main() -> None:
+        async with inprocess_gateway(model, instances[0].address, instances[1].address, limits, **options) as gateway:
+            await scenario(gateway)
+
+    asyncio.run(main())
+    assert_all_free(*instances)

@@ -1,8 +1,10 @@
 """HTTP-serving processes for the gateway tests: ``splitserve up`` and ``splitserve
-gateway``, started on free loopback ports and stopped (SIGTERM) by the test."""
+gateway``, started on free loopback ports and stopped (SIGTERM) by the test; the flags
+that route a gateway to instance processes, and completions streamed a few chunks at a time."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.services.processes import ROOT, SERVICE_ENV
+from tests.services.processes import ROOT, SERVICE_ENV, Service
 from tests.stores import free_port, stop
 
 
@@ -53,6 +55,11 @@ class HTTPProcess:
         return returncode
 
 
+def routes(*instances: Service) -> list[str]:
+    """The gateway flags that route to these instances (``--prefill ADDRESS``, ``--decode ADDRESS``, ...)."""
+    return [arg for instance in instances for arg in (f"--{instance.role}", instance.address)]
+
+
 @contextmanager
 def running_gateway(model: Path, *extra: str, ready_path: str = "/ready", env: dict[str, str] | None = None) -> Iterator[HTTPProcess]:
     port = free_port()
@@ -62,3 +69,26 @@ def running_gateway(model: Path, *extra: str, ready_path: str = "/ready", env: d
         yield gateway
     finally:
         gateway.stop()
+
+
+def stream_until(url: str, body: dict[str, object], num_chunks: int) -> tuple[httpx.Client, httpx.Response]:
+    """Open a streaming completion and read a few chunks; the caller closes it."""
+    client = httpx.Client(timeout=120)
+    response = client.send(client.build_request("POST", f"{url}/v1/completions", json={**body, "stream": True}), stream=True)
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    seen = 0
+    while seen < num_chunks:
+        if next(lines).startswith("data: {"):
+            seen += 1
+    response.lines = lines  # type: ignore[attr-defined] - the rest of the stream, for the caller
+    return client, response
+
+
+def finish_stream(response: httpx.Response) -> list[dict[str, object]]:
+    """The rest of a :func:`stream_until` stream, its chunks parsed."""
+    events = []
+    for line in response.lines:  # type: ignore[attr-defined]
+        if line.startswith("data: {"):
+            events.append(json.loads(line.removeprefix("data: ")))
+    return events

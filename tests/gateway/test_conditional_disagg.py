@@ -15,19 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.checkpoints import make_checkpoint
-from tests.gateway.processes import HTTPProcess, running_gateway
+from tests.gateway.processes import HTTPProcess, routes, running_gateway
 from tests.services.client import assert_all_free
 from tests.services.processes import Service, running
 
 pytest.importorskip("ucxx")
 
 VOCAB = range(3, 300)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +56,13 @@ def test_a_short_prompt_is_prefilled_on_the_decode_instance_with_the_same_text(m
     prefill, decode = pair
     # Load routing: the gateway knows nothing of D's cache, so only the length decides (with kv
     # routing the long prompt, pulled by D in the first run, would count as cached there).
-    routes = ["--prefill", prefill.address, "--decode", decode.address, "--routing", "load"]
+    flags = [*routes(prefill, decode), "--routing", "load"]
     short, long = "The capital of France is", _prompt(1, 200)
-    with running_gateway(model, *routes) as gateway:
+    with running_gateway(model, *flags) as gateway:
         expected_short, expected_long = _complete(gateway, short), _complete(gateway, long)
         assert _decisions(gateway) == {("disaggregated", "always"): 2.0}
     pulls_before, local_before = decode.load().kv_transfers, decode.load().counters.num_local_prefills
-    with running_gateway(model, *routes, "--disagg-min-prompt-tokens", "64") as gateway:
+    with running_gateway(model, *flags, "--disagg-min-prompt-tokens", "64") as gateway:
         local, remote = _complete(gateway, short), _complete(gateway, long)
         assert _decisions(gateway) == {("decode", "short_prompt"): 1.0, ("disaggregated", "uncached_prompt"): 1.0}
     for answer, expected in ((local, expected_short), (remote, expected_long)):
@@ -81,9 +75,9 @@ def test_a_short_prompt_is_prefilled_on_the_decode_instance_with_the_same_text(m
 
 def test_a_prompt_mostly_cached_on_the_decode_instance_stays_there(model: Path, pair: tuple[Service, Service]) -> None:
     prefill, decode = pair
-    routes = ["--prefill", prefill.address, "--decode", decode.address, "--routing", "kv"]
+    flags = [*routes(prefill, decode), "--routing", "kv"]
     shared = _prompt(2, 320)  # 20 blocks
-    with running_gateway(model, *routes, "--disagg-min-prompt-tokens", "64") as gateway:
+    with running_gateway(model, *flags, "--disagg-min-prompt-tokens", "64") as gateway:
         _complete(gateway, shared + _prompt(3, 8))  # through P; D caches the pulled blocks
         deadline = time.monotonic() + 5
         while not _decode_blocks_indexed(gateway) and time.monotonic() < deadline:

@@ -17,10 +17,9 @@ import openai
 import pytest
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from tests.checkpoints import make_checkpoint
-from tests.gateway.processes import HTTPProcess, running_gateway
+from tests.gateway.processes import HTTPProcess, routes, running_gateway
 from tests.services.client import assert_all_free
-from tests.services.processes import Service, running
+from tests.services.processes import Service
 from tests.stores import free_port
 
 pytest.importorskip("ucxx")
@@ -32,22 +31,10 @@ GREEDY = generation_pb2.SamplingParams(temperature=0, max_tokens=300, ignore_eos
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def instances(model: Path) -> Iterator[tuple[Service, Service]]:
-    with running("prefill", model, "--lease-seconds", "10") as prefill, running("decode", model) as decode:
-        yield prefill, decode
-
-
-@pytest.fixture(scope="module")
 def gateway(model: Path, instances: tuple[Service, Service]) -> Iterator[HTTPProcess]:
     grpc_port = free_port()
     prefill, decode = instances
-    routes = ["--prefill", prefill.address, "--decode", decode.address]
-    with running_gateway(model, *routes, "--grpc-port", str(grpc_port), "--served-model-name", MODEL_NAME) as process:
+    with running_gateway(model, *routes(prefill, decode), "--grpc-port", str(grpc_port), "--served-model-name", MODEL_NAME) as process:
         process.grpc_port = grpc_port  # type: ignore[attr-defined]
         yield process
 

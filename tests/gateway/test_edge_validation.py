@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -23,9 +23,8 @@ from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 from gateway.dispatch import DispatchRequest, TokenEvent
 from gateway.limits import RequestLimits
-from tests.gateway.inprocess import InProcessGateway, inprocess_gateway, make_chat_checkpoint
-from tests.services.client import assert_all_free
-from tests.services.processes import Service, running
+from tests.gateway.inprocess import InProcessGateway, make_chat_checkpoint, run_inprocess
+from tests.services.processes import Service
 
 pytest.importorskip("ucxx")
 
@@ -77,21 +76,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_chat_checkpoint(tmp_path_factory.mktemp("llama-chat"))
 
 
-@pytest.fixture(scope="module")
-def instances(model: Path) -> Iterator[tuple[Service, Service]]:
-    with running("prefill", model, "--lease-seconds", "10") as prefill, running("decode", model) as decode:
-        yield prefill, decode
-
-
-def run(instances: tuple[Service, Service], model: Path, scenario, **options) -> None:  # noqa: ANN001 - an async callable
-    async def main() -> None:
-        async with inprocess_gateway(model, instances[0].address, instances[1].address, LIMITS, **options) as gateway:
-            await scenario(gateway)
-
-    asyncio.run(main())
-    assert_all_free(*instances)
-
-
 async def post(gateway: InProcessGateway, path: str, body: dict[str, object] | bytes) -> httpx.Response:
     if isinstance(body, bytes):
         return await gateway.client.post(path, content=body, headers={"content-type": "application/json"})
@@ -124,7 +108,7 @@ def test_thousands_of_hostile_requests_get_400_and_cost_no_slot(model: Path, ins
         metrics = (await gateway.client.get("/metrics")).text
         assert "splitserve_num_pending_requests 0.0" in metrics
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario, LIMITS)
 
 
 def test_a_hundred_thousand_prompts_is_a_400(model: Path, instances: tuple[Service, Service]) -> None:
@@ -136,12 +120,7 @@ def test_a_hundred_thousand_prompts_is_a_400(model: Path, instances: tuple[Servi
         assert time.monotonic() - started < 5.0
 
     # The default body limit (8 MiB) lets the 500 KB body through to the prompt limit.
-    async def main() -> None:
-        limits = RequestLimits(max_prompts=LIMITS.max_prompts)
-        async with inprocess_gateway(model, instances[0].address, instances[1].address, limits) as gateway:
-            await scenario(gateway)
-
-    asyncio.run(main())
+    run_inprocess(instances, model, scenario, RequestLimits(max_prompts=LIMITS.max_prompts))
 
 
 def test_a_chunked_body_over_the_limit_gets_413(model: Path, instances: tuple[Service, Service]) -> None:
@@ -157,7 +136,7 @@ def test_a_chunked_body_over_the_limit_gets_413(model: Path, instances: tuple[Se
         assert_error(response, 413, None)
         assert (await post(gateway, "/v1/completions", GOOD)).status_code == 200
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario, LIMITS)
 
 
 def test_priority_is_honoured_only_when_enabled(model: Path, instances: tuple[Service, Service]) -> None:
@@ -166,7 +145,7 @@ def test_priority_is_honoured_only_when_enabled(model: Path, instances: tuple[Se
         assert response.status_code == 200, response.text
         assert_error(await post(gateway, "/v1/completions", {**GOOD, "priority": BIG}), 400, "priority")
 
-    run(instances, model, scenario, enable_priority=True)
+    run_inprocess(instances, model, scenario, LIMITS, enable_priority=True)
 
 
 def test_chat_template_kwargs(model: Path, instances: tuple[Service, Service]) -> None:
@@ -206,7 +185,7 @@ def test_chat_template_kwargs(model: Path, instances: tuple[Service, Service]) -
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4, response.text
         assert gateway.service.num_pending == 0
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario, LIMITS)
 
 
 def test_a_slow_chat_template_times_out_off_the_event_loop(model: Path, instances: tuple[Service, Service]) -> None:
@@ -224,7 +203,7 @@ def test_a_slow_chat_template_times_out_off_the_event_loop(model: Path, instance
         assert "--chat-template-timeout" in str(error["message"])
         assert time.monotonic() - started < LIMITS.chat_template_timeout_s + 1.0
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario, LIMITS)
 
 
 def _failing_dispatch(num_tokens: int):  # noqa: ANN202 - an async generator function
@@ -263,7 +242,7 @@ def test_an_unexpected_failure_mid_stream_ends_with_an_error_event(model: Path, 
         assert len(received) == 3
         assert gateway.service.num_pending == 0
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario, LIMITS)
 
 
 def test_grpc_refuses_non_finite_floats_and_disabled_priority(model: Path, instances: tuple[Service, Service]) -> None:
@@ -282,4 +261,4 @@ def test_grpc_refuses_non_finite_floats_and_disabled_priority(model: Path, insta
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
         assert gateway.service.num_pending == 0
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario, LIMITS)

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from tests.gateway.inprocess import make_chat_checkpoint
-from tests.gateway.processes import HTTPProcess, running_gateway
+from tests.gateway.processes import HTTPProcess, routes, running_gateway
 from tests.services.client import assert_all_free
-from tests.services.processes import Service, running
+from tests.services.processes import Service
 
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("ucxx")
@@ -41,11 +41,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(model: Path) -> Iterator[tuple[HTTPProcess, Service, Service]]:
-    with running("prefill", model, "--lease-seconds", "10") as prefill, running("decode", model) as decode:
-        routes = ["--prefill", prefill.address, "--decode", decode.address]
-        with running_gateway(model, *routes, "--max-model-len", str(MAX_MODEL_LEN), "--max-pending-requests", "8") as gateway:
-            yield gateway, prefill, decode
+def stack(model: Path, instances: tuple[Service, Service]) -> Iterator[tuple[HTTPProcess, Service, Service]]:
+    prefill, decode = instances
+    with running_gateway(model, *routes(prefill, decode), "--max-model-len", str(MAX_MODEL_LEN), "--max-pending-requests", "8") as gateway:
+        yield gateway, prefill, decode
 
 
 def pending_requests(url: str) -> float:

@@ -19,7 +19,7 @@ import pytest
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from tests.checkpoints import make_checkpoint
-from tests.gateway.processes import HTTPProcess, running_gateway
+from tests.gateway.processes import HTTPProcess, routes, running_gateway
 from tests.services.client import GREEDY, assert_all_free
 from tests.services.processes import Service, running
 
@@ -46,10 +46,6 @@ def cluster(model: Path) -> Iterator[tuple[list[Service], list[Service]]]:
         running("decode", model, *kv) as d2,
     ):
         yield [p1, p2], [d1, d2]
-
-
-def _routes(prefills: list[Service], decodes: list[Service]) -> list[str]:
-    return [arg for p in prefills for arg in ("--prefill", p.address)] + [arg for d in decodes for arg in ("--decode", d.address)]
 
 
 def _prompt(seed: int, num_tokens: int) -> list[int]:
@@ -80,7 +76,7 @@ def _delta(after: dict[str, float], before: dict[str, float], address: str) -> i
 
 def test_a_burst_of_long_prompts_spreads_over_both_prefill_instances(model: Path, cluster) -> None:
     prefills, decodes = cluster
-    with running_gateway(model, *_routes(prefills, decodes), "--routing", "kv") as gateway:
+    with running_gateway(model, *routes(*prefills, *decodes), "--routing", "kv") as gateway:
         before = _routed(gateway)
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda i: _complete(gateway.url, _prompt(i, 900)), range(8)))
@@ -99,7 +95,7 @@ def test_a_shared_prefix_lands_on_the_instance_that_holds_it(model: Path, cluste
         disaggregation_pb2.PrefillRequest(request_id="warm", prompt_token_ids=system + [7], sampling=GREEDY), timeout=30)
     disaggregation_pb2_grpc.PrefillStub(holder.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="warm"), timeout=10)
     assert warm.HasField("kv")
-    with running_gateway(model, *_routes(prefills, decodes), "--routing", "kv") as gateway:
+    with running_gateway(model, *routes(*prefills, *decodes), "--routing", "kv") as gateway:
         time.sleep(0.5)  # a KV event poll or two
         before = _routed(gateway)
         cached = []
@@ -116,8 +112,7 @@ def test_a_shared_prefix_lands_on_the_instance_that_holds_it(model: Path, cluste
 def test_an_instance_that_stops_reporting_is_drained_and_used_again_when_back(model: Path, cluster) -> None:
     prefills, decodes = cluster
     frozen = prefills[0]
-    routes = _routes(prefills, decodes)
-    with running_gateway(model, *routes, "--routing", "kv", "--stale-after", "1.0") as gateway:
+    with running_gateway(model, *routes(*prefills, *decodes), "--routing", "kv", "--stale-after", "1.0") as gateway:
         frozen.process.send_signal(signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 10

@@ -17,27 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.checkpoints import make_checkpoint
-from tests.gateway.processes import HTTPProcess, running_gateway
+from tests.gateway.processes import HTTPProcess, routes, running_gateway
 from tests.services.client import assert_all_free
-from tests.services.processes import Service, running
+from tests.services.processes import Service
 
 pytest.importorskip("ucxx")
 
 logger = logging.getLogger(__name__)
 
 BODY = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "logprobs": 0}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def prefill(model: Path) -> Iterator[Service]:
-    with running("prefill", model, "--lease-seconds", "10") as service:
-        yield service
 
 
 def _stream_killing(gateway: HTTPProcess, decodes: list[Service], after_chunks: int) -> tuple[list[dict[str, object]], Service]:
@@ -84,8 +72,7 @@ def _migrations(gateway: HTTPProcess) -> dict[str, float]:
 
 def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupted_run(model: Path, prefill: Service) -> None:
     with two_decodes(model) as decodes:
-        routes = ["--prefill", prefill.address, *[arg for d in decodes for arg in ("--decode", d.address)]]
-        with running_gateway(model, *routes) as gateway:
+        with running_gateway(model, *routes(prefill, *decodes)) as gateway:
             uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]
             chunks, survivor = _stream_killing(gateway, decodes, after_chunks=5)
             assert _migrations(gateway) == {"resumed": 1.0}
@@ -102,8 +89,7 @@ def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupt
 
 def test_without_a_migration_budget_the_stream_ends_with_an_error(model: Path, prefill: Service) -> None:
     with two_decodes(model) as decodes:
-        routes = ["--prefill", prefill.address, *[arg for d in decodes for arg in ("--decode", d.address)]]
-        with running_gateway(model, *routes, "--max-migrations", "0") as gateway:
+        with running_gateway(model, *routes(prefill, *decodes), "--max-migrations", "0") as gateway:
             chunks, survivor = _stream_killing(gateway, decodes, after_chunks=5)
             assert _migrations(gateway) == {"exhausted": 1.0}
         assert "error" in chunks[-1], chunks[-1]

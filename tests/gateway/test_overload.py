@@ -17,21 +17,14 @@ import pytest
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from tests.engine.test_parity import random_prompts
-from tests.gateway.processes import running_gateway
-from tests.gateway.test_routing import _finish_stream, _stream_until
+from tests.gateway.processes import finish_stream, routes, running_gateway, stream_until
 from tests.services.client import assert_all_free
 from tests.services.processes import Service, running
-from tests.services.test_overload import KV_MEMORY, LONG_MODEL, LONG_PROMPT_TOKENS
-from tests.checkpoints import make_checkpoint
+from tests.services.test_overload import KV_MEMORY, LONG_PROMPT_TOKENS
 
 pytest.importorskip("ucxx")
 
 FLOAT32 = ["--dtype", "float32"]
-
-
-@pytest.fixture(scope="module")
-def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("long-llama"), **LONG_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +69,9 @@ def test_kv_lost_on_prefill_is_prefilled_again_and_the_stream_is_unchanged(
     long_model: Path, prefill: Service, decode: Service
 ) -> None:
     busy_prompt, prompt = token_prompts([20, 70], seed=50)
-    with running_gateway(long_model, "--prefill", prefill.address, "--decode", decode.address) as gateway:
+    with running_gateway(long_model, *routes(prefill, decode)) as gateway:
         expected = httpx.post(f"{gateway.url}/v1/completions", json=completion(prompt, 12), timeout=120).json()
-        busy_client, busy = _stream_until(gateway.url, completion(busy_prompt, 3000), num_chunks=2)  # holds D's one slot
+        busy_client, busy = stream_until(gateway.url, completion(busy_prompt, 3000), num_chunks=2)  # holds D's one slot
         client, response, first = open_stream(gateway.url, completion(prompt, 12))  # the first token, from P
         request_id = first["id"]  # the gateway's id for the request, which P pins its KV under
         # P loses the KV while the request waits on D (a restart, an operator, a bug): D learns it
@@ -91,7 +84,7 @@ def test_kv_lost_on_prefill_is_prefilled_again_and_the_stream_is_unchanged(
             time.sleep(0.1)
         busy.close()
         busy_client.close()
-        events = _finish_stream(response)
+        events = finish_stream(response)
         client.close()
         text = "".join(e["choices"][0]["text"] for e in [first, *events] if e.get("choices"))
         assert text == expected["choices"][0]["text"]
@@ -105,7 +98,7 @@ def test_kv_lost_on_prefill_is_prefilled_again_and_the_stream_is_unchanged(
 
 def test_max_queue_delay_refuses_at_once_with_retry_after(long_model: Path, prefill: Service, decode: Service) -> None:
     prompts = token_prompts([LONG_PROMPT_TOKENS] * 5, seed=51)
-    with running_gateway(long_model, "--prefill", prefill.address, "--decode", decode.address, "--max-queue-delay", "0.5") as gateway:
+    with running_gateway(long_model, *routes(prefill, decode), "--max-queue-delay", "0.5") as gateway:
         # P's warm-up and one long prefill measure its rate; then each long prompt is seconds of P's time.
         assert metric(gateway.url, "splitserve_instance_prefill_tokens_per_second") > 0
         assert httpx.post(f"{gateway.url}/v1/completions", json=completion(prompts[0], 1), timeout=120).status_code == 200

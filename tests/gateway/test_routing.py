@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.checkpoints import make_checkpoint
-from tests.gateway.processes import running_gateway
+from tests.gateway.processes import finish_stream, routes, running_gateway, stream_until
 from tests.services.client import assert_all_free
 from tests.services.processes import Service, running
 from tests.stores import free_port
@@ -29,55 +29,18 @@ SHORT = {"prompt": "The capital of France is", "max_tokens": 16, "ignore_eos": T
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def prefill(model: Path) -> Iterator[Service]:
-    with running("prefill", model, "--lease-seconds", "10") as service:
-        yield service
-
-
-@pytest.fixture(scope="module")
 def decodes(model: Path) -> Iterator[tuple[Service, Service]]:
     with running("decode", model) as first, running("decode", model) as second:
         yield first, second
-
-
-def _static_routes(prefill: Service, *decodes: Service) -> list[str]:
-    return ["--prefill", prefill.address, *[arg for d in decodes for arg in ("--decode", d.address)]]
 
 
 def _complete(url: str, body: dict[str, object]) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def _stream_until(url: str, body: dict[str, object], num_chunks: int) -> tuple[httpx.Client, httpx.Response]:
-    """Open a streaming completion and read a few chunks; the caller closes it."""
-    client = httpx.Client(timeout=120)
-    response = client.send(client.build_request("POST", f"{url}/v1/completions", json={**body, "stream": True}), stream=True)
-    assert response.status_code == 200
-    lines = response.iter_lines()
-    seen = 0
-    while seen < num_chunks:
-        if next(lines).startswith("data: {"):
-            seen += 1
-    response.lines = lines  # type: ignore[attr-defined] - the rest of the stream, for the caller
-    return client, response
-
-
-def _finish_stream(response: httpx.Response) -> list[dict[str, object]]:
-    events = []
-    for line in response.lines:  # type: ignore[attr-defined]
-        if line.startswith("data: {"):
-            events.append(json.loads(line.removeprefix("data: ")))
-    return events
-
-
 def test_load_spreads_over_two_decode_instances(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
     before = [d.load().kv_transfers for d in decodes]
-    with running_gateway(model, *_static_routes(prefill, *decodes)) as gateway:
+    with running_gateway(model, *routes(prefill, *decodes)) as gateway:
         with ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(lambda _: _complete(gateway.url, {**SHORT, "max_tokens": 48}), range(8)))
     assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48 for r in responses)
@@ -87,8 +50,8 @@ def test_load_spreads_over_two_decode_instances(model: Path, prefill: Service, d
 
 
 def test_client_disconnect_frees_blocks_at_once(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
-    with running_gateway(model, *_static_routes(prefill, *decodes)) as gateway:
-        client, response = _stream_until(gateway.url, LONG, num_chunks=3)
+    with running_gateway(model, *routes(prefill, *decodes)) as gateway:
+        client, response = stream_until(gateway.url, LONG, num_chunks=3)
         assert sum(d.load().num_running for d in decodes) == 1
         response.close()
         client.close()
@@ -108,9 +71,8 @@ def test_killed_decode_instance_loses_no_request(model: Path, prefill: Service) 
         try:
             # Slow polling: the gateway still believes the victim healthy when requests reach it,
             # so the hand-off itself must fail over to the survivor.
-            routes = _static_routes(prefill, victim, survivor)
-            with running_gateway(model, *routes, "--poll-interval", "5", "--stale-after", "60") as gateway:
-                streams = [_stream_until(gateway.url, LONG, num_chunks=2) for _ in range(4)]
+            with running_gateway(model, *routes(prefill, victim, survivor), "--poll-interval", "5", "--stale-after", "60") as gateway:
+                streams = [stream_until(gateway.url, LONG, num_chunks=2) for _ in range(4)]
                 assert victim.load().num_running >= 1 and survivor.load().num_running >= 1
                 victim.stop(signal.SIGKILL)
                 with ThreadPoolExecutor(6) as pool:
@@ -119,7 +81,7 @@ def test_killed_decode_instance_loses_no_request(model: Path, prefill: Service) 
                 assert all(r.json()["usage"]["completion_tokens"] == SHORT["max_tokens"] for r in after)
                 outcomes = []
                 for client, response in streams:
-                    events = _finish_stream(response)
+                    events = finish_stream(response)
                     client.close()
                     outcomes.append("error" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"])
                 # Those decoding on the victim migrate to the survivor (tests/gateway/test_migration.py): all finish.
@@ -132,8 +94,8 @@ def test_killed_decode_instance_loses_no_request(model: Path, prefill: Service) 
 
 
 def test_queue_full_gets_429(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
-    with running_gateway(model, *_static_routes(prefill, *decodes), "--max-pending-requests", "1") as gateway:
-        client, response = _stream_until(gateway.url, LONG, num_chunks=1)
+    with running_gateway(model, *routes(prefill, *decodes), "--max-pending-requests", "1") as gateway:
+        client, response = stream_until(gateway.url, LONG, num_chunks=1)
         refused = _complete(gateway.url, SHORT)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
         response.close()
@@ -155,7 +117,7 @@ def test_no_healthy_instance_gets_503(model: Path) -> None:
 
 def test_mismatched_fingerprints_are_never_paired(tmp_path: Path, model: Path, prefill: Service) -> None:
     other = make_checkpoint(tmp_path / "other", seed=1)
-    with running("decode", other) as decode, running_gateway(model, *_static_routes(prefill, decode), ready_path="/health") as gateway:
+    with running("decode", other) as decode, running_gateway(model, *routes(prefill, decode), ready_path="/health") as gateway:
         time.sleep(0.5)  # a poll or two
         assert httpx.get(f"{gateway.url}/ready").status_code == 503
         assert _complete(gateway.url, SHORT).status_code == 503
@@ -178,7 +140,7 @@ def test_instances_found_through_redis(model: Path, redis_url: str) -> None:
 
 def test_colocated_instance_gives_the_disaggregated_text(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
     body = {**SHORT, "max_tokens": 40, "logprobs": 1}
-    with running_gateway(model, *_static_routes(prefill, *decodes)) as gateway:
+    with running_gateway(model, *routes(prefill, *decodes)) as gateway:
         disaggregated = _complete(gateway.url, body).json()
     with running("colocated", model) as colocated, running_gateway(model, "--colocated", colocated.address) as gateway:
         answer = _complete(gateway.url, body).json()
@@ -195,8 +157,8 @@ def test_colocated_instance_gives_the_disaggregated_text(model: Path, prefill: S
 def test_first_token_streams_before_decode_starts(model: Path, prefill: Service) -> None:
     # A decode instance that runs one request at a time: the second request's first token
     # (from prefill) must reach the client while decode is still busy with the first.
-    with running("decode", model, "--max-num-seqs", "1") as decode, running_gateway(model, *_static_routes(prefill, decode)) as gateway:
-        busy_client, busy = _stream_until(gateway.url, {**LONG, "max_tokens": 900}, num_chunks=2)
+    with running("decode", model, "--max-num-seqs", "1") as decode, running_gateway(model, *routes(prefill, decode)) as gateway:
+        busy_client, busy = stream_until(gateway.url, {**LONG, "max_tokens": 900}, num_chunks=2)
         client = httpx.Client(timeout=120)
         with client.stream("POST", f"{gateway.url}/v1/completions", json={**SHORT, "stream": True}) as response:
             chunks = (line for line in response.iter_lines() if line.startswith("data: {"))
@@ -209,6 +171,6 @@ def test_first_token_streams_before_decode_starts(model: Path, prefill: Service)
             next(chunks)
             assert time.monotonic() - first_at > 0.5  # the rest came only once decode was free
         client.close()
-        assert "error" not in _finish_stream(busy)[-1]
+        assert "error" not in finish_stream(busy)[-1]
         busy_client.close()
         assert_all_free(prefill, decode)

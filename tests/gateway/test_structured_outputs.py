@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -20,9 +20,8 @@ from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 from gateway.dispatch import DispatchRequest, TokenEvent
 from tests.engine.test_structured_output import GRAMMAR, GRAMMAR_TEXT, PERSON, REGEX
-from tests.gateway.inprocess import MODEL_NAME, InProcessGateway, inprocess_gateway, make_chat_checkpoint
-from tests.services.client import assert_all_free
-from tests.services.processes import Service, running
+from tests.gateway.inprocess import MODEL_NAME, InProcessGateway, make_chat_checkpoint, run_inprocess
+from tests.services.processes import Service
 
 pytest.importorskip("ucxx")
 
@@ -32,21 +31,6 @@ CHAT = [{"role": "user", "content": "Who is the user?"}]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_chat_checkpoint(tmp_path_factory.mktemp("llama-chat"), slow_loops=False)
-
-
-@pytest.fixture(scope="module")
-def instances(model: Path) -> Iterator[tuple[Service, Service]]:
-    with running("prefill", model, "--lease-seconds", "10") as prefill, running("decode", model) as decode:
-        yield prefill, decode
-
-
-def run(instances: tuple[Service, Service], model: Path, scenario) -> None:  # noqa: ANN001 - an async callable
-    async def main() -> None:
-        async with inprocess_gateway(model, instances[0].address, instances[1].address) as gateway:
-            await scenario(gateway)
-
-    asyncio.run(main())
-    assert_all_free(*instances)
 
 
 def openai_client(gateway: InProcessGateway) -> openai.AsyncOpenAI:
@@ -92,7 +76,7 @@ def test_the_openai_client_gets_output_in_the_requested_format(model: Path, inst
             assert choice.finish_reason == "stop" or "response_format" in extra_body, (extra_body, choice)
         await client.close()
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario)
 
 
 def test_a_concurrent_mixed_batch_through_prefill_and_decode_all_parses(model: Path, instances: tuple[Service, Service]) -> None:
@@ -122,7 +106,7 @@ def test_a_concurrent_mixed_batch_through_prefill_and_decode_all_parses(model: P
         await asyncio.gather(*(one(i) for i in range(15)))
         await client.close()
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario)
 
 
 def test_a_grammar_cut_short_finishes_with_length(model: Path, instances: tuple[Service, Service]) -> None:
@@ -133,7 +117,7 @@ def test_a_grammar_cut_short_finishes_with_length(model: Path, instances: tuple[
         choice = response.json()["choices"][0]
         assert (choice["finish_reason"], choice["text"]) == ("length", choice["text"][:1] * len(choice["text"]))
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario)
 
 
 # (body fields, the error's param, words the message must have)
@@ -175,7 +159,7 @@ def test_a_bad_format_is_a_400_naming_it_before_any_instance_is_touched(model: P
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.regex" in (refused.value.details() or "")
         assert gateway.service.num_pending == 0
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario)
 
 
 def test_grpc_generate_takes_a_format_in_its_sampling_oneof(model: Path, instances: tuple[Service, Service]) -> None:
@@ -191,4 +175,4 @@ def test_grpc_generate_takes_a_format_in_its_sampling_oneof(model: Path, instanc
             text = "".join(r.text for r in responses)
             assert responses[-1].finish_reason == "stop" and check(text), text
 
-    run(instances, model, scenario)
+    run_inprocess(instances, model, scenario)

@@ -61,6 +61,7 @@ class Service:
         """``secret``: the instance's cluster secret (passed in its environment, as ``splitserve up``
         does); the test's channel carries it too. ``tls``: the test's channel credentials, for an
         instance started with TLS flags in ``extra``."""
+        self.role = role
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = open(f"/tmp/splitserve-test-{role}-{self.port}.log", "w")  # noqa: SIM115 - closed in stop()

@@ -24,18 +24,8 @@ from tests.stores import free_port
 pytest.importorskip("ucxx")
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
 def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("llama-other"), seed=1)
-
-
-@pytest.fixture(scope="module")
-def colocated(model: Path) -> LLM:
-    return LLM(model=str(model), kv_cache_memory=1 << 22)
 
 
 @pytest.fixture(scope="module")

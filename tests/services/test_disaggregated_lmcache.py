@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
 from tests.services.client import assert_all_free, expected_tokens, run_decode, run_prefill
 from tests.services.processes import Service, running
@@ -20,20 +19,14 @@ os.environ["LMCACHE_TRACK_USAGE"] = "false"  # inherited by the service processe
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
 def services(model: Path, redis_url: str) -> Iterator[tuple[Service, Service]]:
     flags = ("--kv-connector", "lmcache", "--lmcache-url", redis_url)
     with running("prefill", model, *flags) as prefill, running("decode", model, *flags) as decode:
         yield prefill, decode
 
 
-def test_lmcache_output_equals_colocated_and_reuses_local_prefixes(services: tuple[Service, Service], model: Path) -> None:
+def test_lmcache_output_equals_colocated_and_reuses_local_prefixes(services: tuple[Service, Service], colocated: LLM) -> None:
     prefill, decode = services
-    colocated = LLM(model=str(model), kv_cache_memory=1 << 22)
     shared = random_prompts([32], seed=41)[0]
     prompts = random_prompts([5, 16, 33, 70], seed=40) + [shared + suffix for suffix in random_prompts([9, 9], seed=42)]
     transfers = []

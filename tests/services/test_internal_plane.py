@@ -24,7 +24,6 @@ from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from engine import LLM
 from engine.kv_cache_utils import cdiv
 from serving.convert import fingerprint_from_proto
-from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
 from tests.services.client import GREEDY, assert_all_free, assert_altered_handle_refused, expected_tokens, run_decode, run_prefill
 from tests.services.processes import ROOT, SERVICE_ENV, Service, open_channel, running
@@ -33,16 +32,6 @@ pytest.importorskip("ucxx")
 
 SECRET = "internal-plane-test-secret-0123456789"
 BLOCK_SIZE = 16
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def colocated(model: Path) -> LLM:
-    return LLM(model=str(model), kv_cache_memory=1 << 22)
 
 
 @pytest.fixture(scope="module")

@@ -19,23 +19,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 from engine import LLM, SamplingParams
-from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
 from tests.services.client import GREEDY, assert_all_free, run_prefill
 from tests.services.processes import Service, running
 
 pytest.importorskip("ucxx")
 
-# Large enough that prefilling a 2048-token prompt takes a second or more on one CPU core.
-LONG_MODEL = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, max_position_embeddings=4096)
 KV_MEMORY = ["--kv-cache-memory", str(1 << 26)]
 LONG_PROMPT_TOKENS = 2040
-
-
-@pytest.fixture(scope="module")
-def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("long-llama"), **LONG_MODEL)
 
 
 @pytest.fixture(scope="module")

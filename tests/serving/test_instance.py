@@ -4,7 +4,6 @@ report says why, and a gateway's pool stops routing to it."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from pathlib import Path
 
@@ -16,61 +15,47 @@ from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generatio
 from engine.engine_core import EngineCore
 from gateway.discovery import StaticDiscovery
 from gateway.instances import InstancePool
-from serving import colocated
-from serving.instance import Instance, serve
 from tests.checkpoints import make_checkpoint
+from tests.serving.inprocess import colocated_instance, serving
 
 
 def test_an_instance_whose_engine_died_answers_not_serving_and_gets_no_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    parser = argparse.ArgumentParser()
-    colocated.add_arguments(parser)
-    args = parser.parse_args(["--model", str(make_checkpoint(tmp_path)), "--port", "0", "--kv-cache-memory", str(1 << 22)])
-    instance = Instance.create(args, "colocated")
+    args, instance = colocated_instance(make_checkpoint(tmp_path))
 
     def broken_step(self: EngineCore) -> None:  # as a kernel that raises would
         raise RuntimeError("injected failure in the step")
 
-    servicer = colocated.ColocatedServicer(instance)
-
     async def scenario() -> None:
-        stop = asyncio.Event()
-        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        serving = asyncio.create_task(serve(
-            instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
-            ready=ready.set_result, stop=stop,
-        ))
-        address = await ready
-        monkeypatch.setattr(EngineCore, "step", broken_step)  # after the warm-up prefill, which would die of it
-        pool = InstancePool(stale_after_s=30.0)
-        discovery = StaticDiscovery(pool, {"colocated": [address]}, interval_s=0.2)
-        channel = grpc.aio.insecure_channel(address)
-        try:
-            await discovery.poll_once()
-            assert pool.is_ready(), "healthy until the engine dies"
-            request = generation_pb2.GenerateRequest(
-                request_id="r", token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]), sampling=generation_pb2.SamplingParams(max_tokens=4)
-            )
-            with pytest.raises(grpc.aio.AioRpcError):
-                async for _ in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30):
-                    pass
-            health = health_pb2_grpc.HealthStub(channel)
-            for _ in range(50):
-                status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
-                if status != health_pb2.HealthCheckResponse.SERVING:
-                    break
-                await asyncio.sleep(0.1)
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-            report = await disaggregation_pb2_grpc.LoadStub(channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=5)
-            assert report.engine_error == "RuntimeError: injected failure in the step"
-            await discovery.poll_once()
-            assert not pool.healthy("colocated") and not pool.is_ready()
-            # A report saying so is enough, whatever the health check answered.
-            pool.record_report(address, report, serving=True)
-            assert not pool.healthy("colocated")
-        finally:
-            await channel.close()
-            await pool.close()
-            stop.set()
-            await serving
+        async with serving(instance, args) as address:
+            monkeypatch.setattr(EngineCore, "step", broken_step)  # after the warm-up prefill, which would die of it
+            pool = InstancePool(stale_after_s=30.0)
+            discovery = StaticDiscovery(pool, {"colocated": [address]}, interval_s=0.2)
+            channel = grpc.aio.insecure_channel(address)
+            try:
+                await discovery.poll_once()
+                assert pool.is_ready(), "healthy until the engine dies"
+                request = generation_pb2.GenerateRequest(
+                    request_id="r", token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]), sampling=generation_pb2.SamplingParams(max_tokens=4)
+                )
+                with pytest.raises(grpc.aio.AioRpcError):
+                    async for _ in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30):
+                        pass
+                health = health_pb2_grpc.HealthStub(channel)
+                for _ in range(50):
+                    status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+                    if status != health_pb2.HealthCheckResponse.SERVING:
+                        break
+                    await asyncio.sleep(0.1)
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+                report = await disaggregation_pb2_grpc.LoadStub(channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=5)
+                assert report.engine_error == "RuntimeError: injected failure in the step"
+                await discovery.poll_once()
+                assert not pool.healthy("colocated") and not pool.is_ready()
+                # A report saying so is enough, whatever the health check answered.
+                pool.record_report(address, report, serving=True)
+                assert not pool.healthy("colocated")
+            finally:
+                await channel.close()
+                await pool.close()
 
     asyncio.run(scenario())
