@@ -126,7 +126,7 @@ class FakePrefill(FakeInstance):
         if isinstance(outcome, Do):
             outcome.action()
         kv = disaggregation_pb2.KVHandle(
-            prefill_instance_id=self.address, prefill_address=self.address, request_id=request.request_id,
+            prefill_address=self.address, request_id=request.request_id,
             num_tokens=len(request.prompt_token_ids), fingerprint=FINGERPRINT,
         )
         return disaggregation_pb2.PrefillResponse(request_id=request.request_id, first_token_id=FIRST, kv=kv)
