@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 from engine.config import EngineRole
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_utils import cdiv
 from engine.outputs import KVHandoff
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import KVLoad, ModelOutput, ScheduledRequest, SchedulerOutput
@@ -322,7 +323,7 @@ class Scheduler:
     def kv_handoff(self, request: Request) -> KVHandoff:
         """Prefill role: the pinned blocks holding a finished-prefill request's prompt KV."""
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        num_blocks = -(-request.num_prompt_tokens // self.kv_cache_manager.block_size)
+        num_blocks = cdiv(request.num_prompt_tokens, self.kv_cache_manager.block_size)
         return KVHandoff(
             block_ids=list(block_ids[:num_blocks]),
             num_tokens=request.num_prompt_tokens,
