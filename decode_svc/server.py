@@ -47,6 +47,7 @@ from typing import Literal
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from cluster.sampling_proto import sampling_params_from_proto
 from decode_svc.leases import LeaseKeeper
 from engine.scheduler_output import KVLoad
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats
@@ -54,7 +55,6 @@ from kv_connector.fingerprint import FingerprintMismatchError
 from serving.convert import kv_source_from_proto, output_to_proto
 from serving.handle_signing import HandleRejected, verify_handle
 from serving.instance import Instance, add_instance_arguments, engine_config, serve
-from serving.sampling_proto import sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 

@@ -35,13 +35,13 @@ from typing import Literal
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
+from cluster.background import BackgroundTasks
+from cluster.prefill_control import abort_prefill, release_kv
 from gateway.admission import Overloaded
 from gateway.errors import APIError, no_instance
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_index import PromptBlocks
-from serving.background import BackgroundTasks
-from serving.prefill_control import abort_prefill, release_kv
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from http import HTTPStatus
 from prometheus_client import Gauge
 from splitserve.v1 import generation_pb2
 
+from cluster.sampling_proto import sampling_params_to_proto
 from engine.context_length import ContextLengthExceeded, resolve_max_tokens
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -43,7 +44,6 @@ from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.structured_request import GrammarValidator
 from gateway.tokenizer import ModelTokenizer
-from serving.sampling_proto import sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
 

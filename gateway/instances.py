@@ -20,11 +20,11 @@ from typing import Literal
 import grpc
 from splitserve.v1 import disaggregation_pb2
 
+from cluster.background import BackgroundTasks
+from cluster.internal_grpc import InternalPlane
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
 from gateway.routing import WAITING_WEIGHT, Routing, decode_cost, num_evicted_blocks, num_hit_tokens, num_new_blocks, prefill_cost_s
-from serving.background import BackgroundTasks
-from serving.internal_grpc import InternalPlane
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import time
 import grpc
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
+from cluster.sampling_proto import sampling_params_from_proto
 from serving.convert import output_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
-from serving.sampling_proto import sampling_params_from_proto
 
 DEFAULT_PORT = 50081
 
