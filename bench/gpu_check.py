@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_cache_utils import cdiv
+
 logger = logging.getLogger(__name__)
 
 # (num_heads, num_kv_heads, head_dim): SmolLM2-135M's, and Llama-3-8B's.
@@ -75,7 +77,7 @@ def make_step(query_lens: list[int], seq_lens: list[int], device: torch.device, 
     """A step over sequences with shuffled blocks (never block 0, the padding id), and the cache size it needs."""
     from engine.attention.metadata import AttentionMetadata
 
-    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    blocks_per_seq = [cdiv(n, BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1
     free = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
     block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)

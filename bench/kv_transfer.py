@@ -62,6 +62,7 @@ from bench.kv_transfer_peer import (
     seeded_payload,
 )
 from bench.kv_transfer_report import EnvSetting, LengthResult, PrefillResult, Samples, format_report, path_name, report_json
+from engine.kv_cache_utils import cdiv
 from kv_connector.base import KVSource
 from kv_connector.ucx import UCXConnector  # imports ucxx only when used, after the UCX environment is set
 from kv_connector.ucx_context import ucxx_for_running_loop
@@ -191,7 +192,7 @@ class PullCase:
     @classmethod
     def make(cls, bench: Bench, layout: BlockLayout, num_tokens: int) -> PullCase:
         spec = bench.spec
-        num_blocks = -(-num_tokens // spec.block_size)
+        num_blocks = cdiv(num_tokens, spec.block_size)
         remote_ids = request_block_ids("prefill", layout, spec, num_blocks)
         local_ids = request_block_ids("decode", layout, spec, num_blocks)
         source = KVSource(request_id(num_blocks, layout), bench.peer.ready.connector_address, tuple(remote_ids), num_tokens, spec.fingerprint)
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     env = resolve_ucx_env(args)  # before anything starts ucxx
     logger.info("UCX settings: %s", "  ".join(setting.describe() for setting in env))
     model_id, (num_layers, num_kv_heads, head_dim) = kv_layout(args.model)
-    request_num_blocks = tuple(sorted({-(-n // args.block_size) for n in args.prompt_tokens}))
+    request_num_blocks = tuple(sorted({cdiv(n, args.block_size) for n in args.prompt_tokens}))
     spec = PeerSpec(
         model_id=model_id, dtype=args.dtype, num_layers=num_layers, block_size=args.block_size,
         num_kv_heads=num_kv_heads, head_dim=head_dim,

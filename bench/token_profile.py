@@ -51,7 +51,7 @@ _RULES: list[tuple[str, re.Pattern[str]]] = [
     ("async engine hand-off", re.compile(r"engine/async_engine\.py")),
     ("detokenizer", re.compile(r"engine/detokenizer\.py|gateway/generation\.py|tokenizers")),
     ("gateway HTTP / SSE / JSON", re.compile(r"gateway/|fastapi|starlette|uvicorn|pydantic|json")),
-    ("gRPC and servicers", re.compile(r"grpc|serving/|decode_svc/|prefill_svc/|splitserve/v1")),
+    ("gRPC and servicers", re.compile(r"grpc|serving/|cluster/|decode_svc/|prefill_svc/|splitserve/v1")),
     ("KV transfer", re.compile(r"kv_connector/|ucxx")),
     ("asyncio event loop", re.compile(r"asyncio/")),
 ]

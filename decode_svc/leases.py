@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from serving.background import BackgroundTasks
-from serving.internal_grpc import InternalPlane
-from serving.prefill_control import release_kv, renew_kv
+from cluster.background import BackgroundTasks
+from cluster.internal_grpc import InternalPlane
+from cluster.prefill_control import release_kv, renew_kv
 
 logger = logging.getLogger(__name__)
 

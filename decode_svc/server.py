@@ -52,14 +52,14 @@ from typing import Literal
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from cluster.sampling_proto import sampling_params_from_proto
 from decode_svc.leases import LeaseKeeper
 from engine.scheduler_output import KVLoad
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error
 from kv_connector.fingerprint import FingerprintMismatchError
-from serving.convert import kv_source_from_proto, logprobs_to_proto
+from serving.convert import kv_source_from_proto, output_to_proto
 from serving.handle_signing import HandleRejected, verify_handle
 from serving.instance import Instance, add_instance_arguments, engine_config, serve
-from serving.sampling_proto import sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +145,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             async for output in stream:
                 if call.end_code is not None:
                     await context.abort(call.end_code, call.end_message)
-                response = disaggregation_pb2.DecodeResponse(
-                    request_id=output.request_id,
-                    token_ids=output.new_token_ids,
-                    logprobs=[logprobs_to_proto(lp) for lp in output.new_logprobs],
-                    finish_reason=output.finish_reason or "",
-                )
-                if isinstance(output.stop_reason, int):
-                    response.stop_token_id = output.stop_reason
+                response = output_to_proto(output, disaggregation_pb2.DecodeResponse)
                 if call.transfer is not None:
                     response.kv_transfer.CopyFrom(call.transfer)
                     call.transfer = None  # the first response only

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.context_length import resolve_max_tokens
 from engine.default_model import default_model_path
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
@@ -129,21 +130,7 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad or (first_token_id is not None and not 0 <= first_token_id < self.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {(bad or [first_token_id])[:5]}")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens but this model's context is {self.max_model_len} tokens, "
-                "which must also leave room for at least one output token; shorten the prompt"
-            )
-        room = self.max_model_len - num_prompt
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt + params.max_tokens} "
-                f"were requested ({num_prompt} in the prompt, {params.max_tokens} for the completion); "
-                "lower max_tokens or shorten the prompt"
-            )
-        return params.max_tokens
+        return resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
 
     # ------------------------------------------------------------------- step
 

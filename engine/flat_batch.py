@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache_utils import cdiv
 
 
 @dataclass(slots=True)
@@ -44,7 +45,7 @@ def build_flat_batch(
     positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - num_computed, num_new)
 
     max_seq_len = int(seq_lens.max())
-    max_blocks = -(-max_seq_len // block_size)
+    max_blocks = cdiv(max_seq_len, block_size)
     block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
     for row, block_ids in enumerate(block_id_rows):
         ids = block_ids[:max_blocks]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.kv_cache_utils import cdiv
 from engine.kv_events import KVEventLog
 from engine.request import Request
 
@@ -89,7 +90,7 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         held = self.req_to_blocks.get(request.request_id, [])
         num_total_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_blocks_needed = -(-num_total_tokens // self.block_size) - len(held) - len(computed_blocks)
+        num_blocks_needed = cdiv(num_total_tokens, self.block_size) - len(held) - len(computed_blocks)
         # Hits sitting in the free queue stop being allocatable once touched.
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         if num_blocks_needed > self.block_pool.num_free_blocks - num_evictable_hits:
@@ -139,7 +140,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        num_kept = -(-num_tokens // self.block_size)
+        num_kept = cdiv(num_tokens, self.block_size)
         if len(blocks) <= num_kept:
             return
         surplus = blocks[num_kept:]

@@ -17,7 +17,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from engine.flat_batch import FlatBatch, build_flat_batch
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
-from engine.kv_cache_utils import kv_cache_bytes_per_block, num_blocks_for_budget
+from engine.kv_cache_utils import cdiv, kv_cache_bytes_per_block, num_blocks_for_budget
 from engine.models import load_model
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
@@ -106,7 +106,7 @@ class ModelRunner:
         cache just big enough for it and measures the peak.
         """
         num_tokens = self.config.max_num_batched_tokens
-        num_blocks = -(-num_tokens // self.block_size)
+        num_blocks = cdiv(num_tokens, self.block_size)
         scratch = self._allocate_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         metadata = AttentionMetadata(

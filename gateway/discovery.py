@@ -11,8 +11,8 @@ import redis.asyncio as redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from cluster.registration import registry_client, registry_error, scan_registrations
 from gateway.instances import ROLES, InstancePool, Role
-from serving.registration import registry_client, registry_error, scan_registrations
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class StaticDiscovery:
 
 
 class RedisDiscovery:
-    """Instances found through their registrations in Redis (``serving.registration``)."""
+    """Instances found through their registrations in Redis (``cluster.registration``)."""
 
     def __init__(self, pool: InstancePool, url: str, interval_s: float) -> None:
         self.pool = pool

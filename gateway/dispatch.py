@@ -35,13 +35,13 @@ from typing import Literal
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
+from cluster.background import BackgroundTasks
+from cluster.prefill_control import abort_prefill, release_kv
 from gateway.admission import Overloaded
 from gateway.errors import APIError, no_instance
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_index import PromptBlocks
-from serving.background import BackgroundTasks
-from serving.prefill_control import abort_prefill, release_kv
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +221,9 @@ class Dispatcher:
                 handoff += 1
                 try:
                     if pinned is None:
-                        stream = self._decode_local(current)
+                        stream = self._decode(current)
                     else:
-                        stream = self._decode(current, output_token_ids[-1], pinned.handle, allow_recompute=handoff >= MAX_HANDOFFS)
+                        stream = self._decode(current, pinned.handle, output_token_ids[-1], allow_recompute=handoff >= MAX_HANDOFFS)
                     async for event in stream:
                         decoding = True
                         output_token_ids.extend(event.token_ids)
@@ -320,40 +320,34 @@ class Dispatcher:
     # ----------------------------------------------------------------- decode
 
     async def _decode(
-        self, request: DispatchRequest, first_token_id: int, handle: disaggregation_pb2.KVHandle, allow_recompute: bool
+        self,
+        request: DispatchRequest,
+        handle: disaggregation_pb2.KVHandle | None = None,
+        first_token_id: int = 0,
+        allow_recompute: bool = False,
     ) -> AsyncIterator[TokenEvent]:
+        """Decode from P's KV ``handle``, continuing after ``first_token_id`` (only a D with the
+        handle's fingerprint can take it); with no handle, D prefills the prompt itself
+        (conditional disaggregation)."""
         message = disaggregation_pb2.DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            first_token_id=first_token_id,
             sampling=request.sampling,
-            kv=handle,
             priority=request.priority,
             allow_recompute=allow_recompute,
             cache_salt=request.cache_salt,
         )
-        async for event in self._stream_with_failover(
-            "decode",
-            lambda tried: self.pool.pick(
-                "decode", exclude=tried, fingerprint=handle.fingerprint, num_prompt_tokens=len(request.prompt_token_ids), prompt=request.blocks
-            ),
-            lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request)),
-        ):
-            yield event
-
-    async def _decode_local(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
-        """Decode with no KV handle: D prefills the prompt itself (conditional disaggregation)."""
-        message = disaggregation_pb2.DecodeRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-        )
+        fingerprint = None
+        if handle is not None:
+            message.first_token_id = first_token_id
+            message.kv.CopyFrom(handle)
+            fingerprint = handle.fingerprint
         num_prompt_tokens = len(request.prompt_token_ids)
         async for event in self._stream_with_failover(
             "decode",
-            lambda tried: self.pool.pick("decode", exclude=tried, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks),
+            lambda tried: self.pool.pick(
+                "decode", exclude=tried, fingerprint=fingerprint, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks
+            ),
             lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request)),
         ):
             yield event

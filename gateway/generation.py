@@ -33,6 +33,8 @@ from http import HTTPStatus
 from prometheus_client import Gauge
 from splitserve.v1 import generation_pb2
 
+from cluster.sampling_proto import sampling_params_to_proto
+from engine.context_length import ContextLengthExceeded, resolve_max_tokens
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from gateway.dispatch import DEFAULT_MAX_MIGRATIONS, Dispatcher, DispatchRequest, TokenEvent
@@ -42,7 +44,6 @@ from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.structured_request import GrammarValidator
 from gateway.tokenizer import ModelTokenizer
-from serving.sampling_proto import sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -145,25 +146,11 @@ class GenerationService:
         if not prompt_token_ids:
             raise bad_request("the prompt is empty; send at least one token", param="prompt")
         self.tokenizer.check_token_ids(prompt_token_ids, param="prompt")
-        max_model_len = self.max_model_len
         num_prompt = len(prompt_token_ids)
-        if num_prompt >= max_model_len:
-            raise bad_request(
-                f"this model's maximum context length is {max_model_len} tokens, but the prompt has {num_prompt} tokens "
-                "(one more is needed for the output); shorten the prompt",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        if params.max_tokens is None:
-            params.max_tokens = max_model_len - num_prompt
-        elif num_prompt + params.max_tokens > max_model_len:
-            raise bad_request(
-                f"this model's maximum context length is {max_model_len} tokens, but {num_prompt + params.max_tokens} were "
-                f"requested ({num_prompt} in the prompt, {params.max_tokens} for the completion); lower {max_tokens_param} "
-                "or shorten the prompt",
-                param=max_tokens_param,
-                code="context_length_exceeded",
-            )
+        try:
+            params.max_tokens = resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len, max_tokens_param)
+        except ContextLengthExceeded as error:
+            raise bad_request(str(error), param=error.param, code="context_length_exceeded") from None
         try:
             sampling = sampling_params_to_proto(params)
         except (ValueError, TypeError) as error:

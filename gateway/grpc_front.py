@@ -19,10 +19,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
+from cluster.sampling_proto import sampling_params_from_proto
 from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
 from gateway.generation import GenerationJob, GenerationService
 from gateway.protocol import MAX_CACHE_SALT_CHARS
-from serving.sampling_proto import sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ after its reports go stale.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -21,10 +20,11 @@ from typing import Literal
 import grpc
 from splitserve.v1 import disaggregation_pb2
 
+from cluster.background import BackgroundTasks
+from cluster.internal_grpc import InternalPlane
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
 from gateway.routing import WAITING_WEIGHT, Routing, decode_cost, num_evicted_blocks, num_hit_tokens, num_new_blocks, prefill_cost_s
-from serving.internal_grpc import InternalPlane
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class InstancePool:
     index: PrefixIndex = field(default_factory=PrefixIndex)  # filled by gateway.kv_events with kv routing
     plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of every channel
     instances: dict[str, InstanceState] = field(default_factory=dict)  # by address
-    _closing: set[asyncio.Task[None]] = field(default_factory=set)  # channels of removed instances
+    _closing: BackgroundTasks = field(default_factory=BackgroundTasks)  # channels of removed instances
 
     def add(self, address: str, role: Role) -> InstanceState:
         state = self.instances.get(address)
@@ -200,9 +200,8 @@ class InstancePool:
     ) -> InstanceState | None:
         """As :meth:`pick`, among the prefill instances some healthy decode instance can pair with.
         ``admitted``: the request was admitted before (a re-prefill): no limit refuses it now."""
-        decode_fingerprints = [s.report.fingerprint for s in self.healthy("decode")]
         excluded = {id(s) for s in exclude}
-        candidates = [s for s in self.healthy("prefill") if id(s) not in excluded and s.report.fingerprint in decode_fingerprints]
+        candidates = [s for s in self._pairable_prefills() if id(s) not in excluded]
         return self._admit("prefill", candidates, num_prompt_tokens, prefer, admitted, prompt)
 
     def _admit(
@@ -298,10 +297,12 @@ class InstancePool:
 
     def is_ready(self) -> bool:
         """Requests can be served: a colocated instance, or a compatible prefill + decode pair."""
-        if self.healthy("colocated"):
-            return True
+        return bool(self.healthy("colocated")) or bool(self._pairable_prefills())
+
+    def _pairable_prefills(self) -> list[InstanceState]:
+        """The healthy prefill instances whose KV fingerprint some healthy decode instance shares."""
         decode_fingerprints = [s.report.fingerprint for s in self.healthy("decode")]
-        return any(s.report.fingerprint in decode_fingerprints for s in self.healthy("prefill"))
+        return [s for s in self.healthy("prefill") if s.report.fingerprint in decode_fingerprints]
 
     def max_model_len(self) -> int | None:
         """The smallest context any healthy instance accepts (a request must fit wherever it lands)."""
@@ -315,6 +316,4 @@ class InstancePool:
 
     def _close(self, state: InstanceState) -> None:
         # Requests still streaming over the channel may finish within the grace period.
-        task = asyncio.get_running_loop().create_task(state.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing.spawn(state.channel.close(grace=CHANNEL_CLOSE_GRACE_S))

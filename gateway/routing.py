@@ -34,8 +34,9 @@ Ties go to the lower ``load`` score. A prefill that finished re-prefilling keeps
 
 from __future__ import annotations
 
-import math
 from typing import Literal
+
+from engine.kv_cache_utils import cdiv
 
 Routing = Literal["load", "kv"]
 ROUTINGS: tuple[Routing, ...] = ("load", "kv")
@@ -51,7 +52,7 @@ def num_hit_tokens(num_hit_blocks: int, block_size: int, num_prompt_tokens: int)
 
 def num_new_blocks(num_prompt_tokens: int, num_hit_blocks: int, block_size: int) -> int:
     """Blocks a decode instance must fill (pull) for the prompt beyond those it holds."""
-    return max(0, math.ceil(num_prompt_tokens / block_size) - num_hit_blocks)
+    return max(0, cdiv(num_prompt_tokens, block_size) - num_hit_blocks)
 
 
 def num_evicted_blocks(num_new_blocks: int, num_total_blocks: int, num_cached_blocks: int) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from gateway import limits
 from gateway.admission import AdmissionLimits
@@ -24,7 +25,6 @@ from gateway.kv_events import KVEventsSync, run_kv_events
 from gateway.routing import ROUTINGS
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
-from serving.internal_grpc import InternalPlane, add_internal_plane_arguments
 
 logger = logging.getLogger(__name__)
 

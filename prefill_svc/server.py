@@ -30,13 +30,13 @@ import logging
 import grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from cluster.background import BackgroundTasks
+from cluster.sampling_proto import sampling_params_from_proto
 from engine.outputs import EngineCoreOutput, KVHandoff
 from engine.sampling_params import SamplingParams
-from serving.background import BackgroundTasks
 from serving.convert import fingerprint_to_proto, logprobs_to_proto
 from serving.handle_signing import new_pull_token, sign_handle
 from serving.instance import Instance, add_instance_arguments, serve
-from serving.sampling_proto import sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import time
 import grpc
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
-from serving.convert import logprobs_to_proto
+from cluster.sampling_proto import sampling_params_from_proto
+from serving.convert import output_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
-from serving.sampling_proto import sampling_params_from_proto
 
 DEFAULT_PORT = 50081
 
@@ -44,15 +44,10 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
                 num_completion += len(output.new_token_ids)
                 if first_token_at is None and output.new_token_ids:
                     first_token_at = time.monotonic()
-                response = generation_pb2.GenerateResponse(
-                    request_id=output.request_id,
-                    token_ids=output.new_token_ids,
-                    logprobs=[logprobs_to_proto(lp) for lp in output.new_logprobs],
-                    finish_reason=output.finish_reason or "",
-                    usage=generation_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_completion, cached_tokens=output.num_cached_tokens),
+                response = output_to_proto(output, generation_pb2.GenerateResponse)
+                response.usage.CopyFrom(
+                    generation_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_completion, cached_tokens=output.num_cached_tokens)
                 )
-                if isinstance(output.stop_reason, int):
-                    response.stop_token_id = output.stop_reason
                 if output.finished:
                     now = time.monotonic()
                     response.timings.CopyFrom(generation_pb2.Timings(ttft_s=(first_token_at or now) - arrival, e2e_s=now - arrival))

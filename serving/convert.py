@@ -4,12 +4,32 @@ Converted once here; nothing inward sees a protobuf message."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from splitserve.v1 import disaggregation_pb2, generation_pb2
 
+from engine.outputs import EngineCoreOutput
 from engine.sampler import TokenLogprobs
 from kv_connector.base import KVSource
 from kv_connector.fingerprint import Fingerprint
+
+# The streamed responses that carry an engine output's tokens: the colocated and the decode instance's.
+TokenResponse = TypeVar("TokenResponse", generation_pb2.GenerateResponse, disaggregation_pb2.DecodeResponse)
+
+
+def output_to_proto(output: EngineCoreOutput, response_type: type[TokenResponse]) -> TokenResponse:
+    """The fields every streamed response takes from one engine output (its new tokens, their
+    logprobs, how it finished); the caller adds what its own response says besides."""
+    response = response_type(
+        request_id=output.request_id,
+        token_ids=output.new_token_ids,
+        logprobs=[logprobs_to_proto(lp) for lp in output.new_logprobs],
+        finish_reason=output.finish_reason or "",
+    )
+    if isinstance(output.stop_reason, int):
+        response.stop_token_id = output.stop_reason
+    return response
+
 
 def logprobs_to_proto(logprobs: TokenLogprobs) -> generation_pb2.TokenLogprob:
     return generation_pb2.TokenLogprob(

@@ -3,7 +3,7 @@
 A KV handle tells a decode instance where to pull a prompt's KV from; D puts what it
 pulls in its prefix cache, where every later request with that prompt reuses it. So D
 must never pull from a handle someone else made: P signs each handle with HMAC-SHA256
-under the handle key (derived from the cluster secret, ``serving/auth.py``), and D
+under the handle key (derived from the cluster secret, ``cluster/auth.py``), and D
 verifies the signature before it allocates anything.
 
 The signature covers every field of the handle but itself (a test alters each one),

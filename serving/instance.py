@@ -1,7 +1,7 @@
 """An engine instance served over gRPC: the engine on its thread, the KV connector,
 standard health, the load report, and a drain on SIGTERM. Each role adds its servicer.
 
-The server is the internal plane's (``serving/internal_grpc.py``): with a cluster secret,
+The server is the internal plane's (``cluster/internal_grpc.py``): with a cluster secret,
 every call but health checks must carry it; with TLS flags, it serves TLS. Health turns
 NOT_SERVING, and load reports carry ``engine_error``, once the engine's step loop has
 died: the instance stays up so that its state can be read, but takes no new work."""
@@ -22,6 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
+from cluster.registration import RegistryHeartbeat
 from engine.async_engine import AsyncEngine
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineRole
 from engine.engine_core import EngineCore
@@ -31,9 +33,7 @@ from kv_connector.fingerprint import Fingerprint, model_identity
 from kv_connector.registry import BACKENDS, make_connector
 from kv_connector.store_urls import redact_url
 from serving.convert import fingerprint_to_proto
-from serving.internal_grpc import InternalPlane, add_internal_plane_arguments
 from serving.metrics import MetricsServer
-from serving.registration import RegistryHeartbeat
 from serving.warmup import warm_up
 
 logger = logging.getLogger(__name__)

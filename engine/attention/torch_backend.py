@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache_utils import cdiv
 
 
 def write_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -32,7 +33,7 @@ def write_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def gather_context(layer_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's K and V, each [context_len, num_kv_heads, head_dim], read from its blocks."""
     block_size, num_kv_heads, head_dim = layer_cache.shape[2:]
-    num_blocks = -(-context_len // block_size)
+    num_blocks = cdiv(context_len, block_size)
     blocks = layer_cache[:, block_table[:num_blocks]]  # [2, n, block_size, H, D]
     blocks = blocks.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len]
     return blocks[0], blocks[1]
@@ -189,7 +190,7 @@ class TorchAttentionBackend:
             if output is not None:
                 return output
         block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
-        num_blocks = -(-max(metadata.seq_lens_cpu[:num_decodes]) // block_size)
+        num_blocks = cdiv(max(metadata.seq_lens_cpu[:num_decodes]), block_size)
         if metadata.decode_bias is None:
             metadata.decode_bias = decode_attention_bias(
                 metadata.seq_lens[:num_decodes], query.shape[1], num_kv_heads, num_blocks * block_size

@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.context_length import ContextLengthExceeded, resolve_max_tokens
 from tests.checkpoints import make_checkpoint
 
 
@@ -38,11 +39,22 @@ def test_sampling_params_reject_bad_values(kwargs: dict[str, object], message: s
         SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
+def test_resolve_max_tokens_fills_or_checks_the_context() -> None:
+    assert resolve_max_tokens(10, None, 64) == 54
+    assert resolve_max_tokens(10, 54, 64) == 54
+    with pytest.raises(ContextLengthExceeded, match="prompt has 64 tokens") as too_long:
+        resolve_max_tokens(64, None, 64)
+    assert too_long.value.param == "prompt"
+    with pytest.raises(ContextLengthExceeded, match="lower max_completion_tokens") as too_many:
+        resolve_max_tokens(10, 55, 64, "max_completion_tokens")
+    assert too_many.value.param == "max_completion_tokens"
+
+
 def test_bad_prompts_raise_and_leave_the_engine_serving(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate([[5, 6], []], params)
-    with pytest.raises(ValueError, match="context is 64 tokens"):
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens, but the prompt has 64 tokens"):
         llm.generate([[5] * 64], params)
     with pytest.raises(ValueError, match="maximum context length is 64 tokens, but 70 were requested"):
         llm.generate([[5] * 10], SamplingParams(max_tokens=60))

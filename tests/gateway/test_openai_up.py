@@ -250,7 +250,7 @@ def test_instances_only_answer_this_runs_secret(stack: HTTPProcess) -> None:
     refuse calls without it."""
     from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
-    from serving.auth import METADATA_KEY, ClusterSecret
+    from cluster.auth import METADATA_KEY, ClusterSecret
 
     secrets = set()
     for pid in child_pids(stack.process.pid):

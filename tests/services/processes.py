@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
-from serving.auth import METADATA_KEY, ClusterSecret
+from cluster.auth import METADATA_KEY, ClusterSecret
 from tests.stores import free_port, stop
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -60,7 +60,7 @@ def test_structured_output_equals_colocated_token_for_token(model: Path, prefill
     greedy, the tokens are the colocated engine's, and the text parses or matches."""
     from transformers import PreTrainedTokenizerFast
 
-    from serving.sampling_proto import sampling_params_from_proto
+    from cluster.sampling_proto import sampling_params_from_proto
     from tests.engine.test_structured_output import PERSON, REGEX, check_output
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model))

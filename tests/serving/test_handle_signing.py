@@ -8,7 +8,7 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 from splitserve.v1 import disaggregation_pb2
 
-from serving.auth import ClusterSecret
+from cluster.auth import ClusterSecret
 from serving.handle_signing import PULL_TOKEN_BYTES, HandleRejected, new_pull_token, sign_handle, verify_handle
 
 PROMPT = list(range(40))

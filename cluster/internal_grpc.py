@@ -1,7 +1,7 @@
 """The internal plane's gRPC, secured one way everywhere: the servers instances run and
 every channel to an instance (the gateway's, and D's to P for leases) come from an
 :class:`InternalPlane`, which adds the cluster secret's call token
-(``serving/auth.py``) and TLS (``serving/tls.py``) when they are configured.
+(``cluster/auth.py``) and TLS (``cluster/tls.py``) when they are configured.
 
 Flags (every instance and the gateway take them; the environment variables are the
 defaults, so that ``splitserve up`` and compose pass secrets without putting them on a
@@ -27,8 +27,8 @@ from typing import Any
 
 import grpc
 
-from serving.auth import ClusterSecret, ClusterTokenCheck, cluster_token_interceptors, load_cluster_secret
-from serving.tls import TLSFiles
+from cluster.auth import ClusterSecret, ClusterTokenCheck, cluster_token_interceptors, load_cluster_secret
+from cluster.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
 

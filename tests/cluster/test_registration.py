@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from splitserve.v1 import disaggregation_pb2
 
+from cluster.registration import RegistryHeartbeat, scan_registrations
 from gateway.discovery import RedisDiscovery
 from gateway.instances import InstancePool
 from kv_connector.store_urls import PASSWORD_FILE_ENV, redact_url, with_password_file
-from serving.registration import RegistryHeartbeat, scan_registrations
 from tests.stores import start_redis, stop
 
 PASSWORD = "registry-password-8c1d2"

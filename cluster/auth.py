@@ -18,7 +18,7 @@ instance without the secret; they reveal only SERVING or NOT_SERVING.
 One call, in call order:
 
 1. Client: :func:`cluster_token_interceptors` add the call token to the call's metadata
-   (every channel to an instance is made by ``serving.internal_grpc.InternalPlane``).
+   (every channel to an instance is made by ``cluster.internal_grpc.InternalPlane``).
 2. Server: :class:`ClusterTokenCheck` runs before the servicer. A call without the
    token, or with another, gets a handler that answers UNAUTHENTICATED without
    parsing the request; the servicer never sees it.

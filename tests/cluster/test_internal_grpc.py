@@ -15,9 +15,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
-from serving.auth import METADATA_KEY, ClusterSecret
-from serving.internal_grpc import InternalPlane, add_internal_plane_arguments
-from serving.tls import TLSFiles
+from cluster.auth import METADATA_KEY, ClusterSecret
+from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
+from cluster.tls import TLSFiles
 
 SECRET = "the-cluster-secret-of-these-tests"
 
