@@ -9,7 +9,7 @@ neither is the secret itself:
   (:data:`METADATA_KEY`) and every instance compares in constant time. Without TLS it
   crosses the network in the clear: whoever reads one call can make calls.
 - the **handle key**, which never leaves the process: P signs KV handles with it and D
-  checks them (``serving/handle_signing.py``). Reading calls on the wire is therefore
+  checks them (``cluster/handle_signing.py``). Reading calls on the wire is therefore
   not enough to forge a handle that D would pull from.
 
 Health checks (``grpc.health.v1.Health``) stay open, so that orchestrators can probe an

@@ -58,7 +58,7 @@ from engine.scheduler_output import KVLoad
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error
 from kv_connector.fingerprint import FingerprintMismatchError
 from serving.convert import kv_source_from_proto, output_to_proto
-from serving.handle_signing import HandleRejected, verify_handle
+from cluster.handle_signing import HandleRejected, verify_handle
 from serving.instance import Instance, add_instance_arguments, engine_config, serve
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Prefill runs the prompt (chunked, with prefix caching), samples the first
 token, and leaves the prompt's blocks pinned and published on the KV
 connector under a lease. The KV handle it returns carries a fresh pull token
 (pulls must present it) and, with a cluster secret, P's signature
-(``serving/handle_signing.py``). The blocks are freed exactly once: on ReleaseKV, on
+(``cluster/handle_signing.py``). The blocks are freed exactly once: on ReleaseKV, on
 Abort, or when the lease expires; a decode instance holding the handle renews
 the lease (RenewKV) while the request waits there, so the lease only expires
 when that instance is gone or silent.
@@ -35,7 +35,7 @@ from cluster.sampling_proto import sampling_params_from_proto
 from engine.outputs import EngineCoreOutput, KVHandoff
 from engine.sampling_params import SamplingParams
 from serving.convert import fingerprint_to_proto, logprobs_to_proto
-from serving.handle_signing import new_pull_token, sign_handle
+from cluster.handle_signing import new_pull_token, sign_handle
 from serving.instance import Instance, add_instance_arguments, serve
 
 logger = logging.getLogger(__name__)

@@ -126,7 +126,7 @@ class ServiceCounters:
     num_kv_pull_failures: int = 0  # D
     num_kv_recomputes: int = 0  # D
     num_kv_handbacks: int = 0  # D
-    num_kv_handles_refused: int = 0  # D: unsigned or altered handles (serving/handle_signing.py)
+    num_kv_handles_refused: int = 0  # D: unsigned or altered handles (cluster/handle_signing.py)
     num_local_prefills: int = 0  # D: calls without a KV handle, prefilled here (conditional disaggregation)
 
 

@@ -9,7 +9,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from splitserve.v1 import disaggregation_pb2
 
 from cluster.auth import ClusterSecret
-from serving.handle_signing import PULL_TOKEN_BYTES, HandleRejected, new_pull_token, sign_handle, verify_handle
+from cluster.handle_signing import PULL_TOKEN_BYTES, HandleRejected, new_pull_token, sign_handle, verify_handle
 
 PROMPT = list(range(40))
 KEY = ClusterSecret.from_text("a-cluster-secret-for-tests").handle_key
