@@ -59,8 +59,9 @@ class RequestRecord:
         return self.error is None
 
 
-def build_payload(endpoint: Endpoint, model: str, request: SampleRequest, ignore_eos: bool,
-                  extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_payload(
+    endpoint: Endpoint, model: str, request: SampleRequest, ignore_eos: bool, extra_body: dict[str, Any] | None = None
+) -> dict[str, Any]:
     payload: dict[str, Any] = {"model": model}
     if endpoint == "/v1/chat/completions":
         messages = [{"role": "user", "content": request.prompt}]
@@ -159,8 +160,14 @@ def _choice_text(choice: dict[str, Any]) -> str:
     return "".join(part for part in parts if isinstance(part, str))
 
 
-async def send_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
-                       payload: dict[str, Any], record: RequestRecord, run_started_at: float) -> RequestRecord:
+async def send_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    payload: dict[str, Any],
+    record: RequestRecord,
+    run_started_at: float,
+) -> RequestRecord:
     """POST ``payload`` and stream the answer into ``record``; never raises but for cancellation."""
     sent_at = time.perf_counter()
     record.start_time = sent_at - run_started_at
@@ -204,12 +211,15 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str, headers: di
         async with session.get(url, headers=headers) as response:
             if response.status != 200:
                 body = (await response.text(errors="replace"))[:500]
-                raise ValueError(f"GET {url} answered {response.status}: {body}; pass --model NAME"
-                                 + (" or --api-key" if response.status in (401, 403) else ""))
+                raise ValueError(
+                    f"GET {url} answered {response.status}: {body}; pass --model NAME"
+                    + (" or --api-key" if response.status in (401, 403) else "")
+                )
             listing = await response.json(content_type=None)
     except (aiohttp.ClientError, OSError, TimeoutError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot list models at {url} ({error}); is the server up at --base-url? "
-                         "Or pass --model NAME") from error
+        raise ValueError(
+            f"cannot list models at {url} ({error}); is the server up at --base-url? Or pass --model NAME"
+        ) from error
     models = listing.get("data") if isinstance(listing, dict) else None
     if not models or not isinstance(models[0], dict) or "id" not in models[0]:
         raise ValueError(f"{url} lists no models; pass --model NAME")

@@ -30,9 +30,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 from launcher.processes import free_port
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 READY_TIMEOUT_S = 300.0
 PROBE_INTERVAL_S = 0.05
@@ -56,7 +56,7 @@ class Latencies:
     failures: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def timed(self, name: str, call, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+    def timed(self, name: str, call, *args, **kwargs):
         started = time.perf_counter()
         try:
             result = call(*args, **kwargs)
@@ -73,14 +73,33 @@ class Latencies:
         table = {}
         for name, values in sorted(self.by_call.items()):
             ms = np.array(values) * 1000
-            table[name] = {"count": len(values), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-                           "max_ms": float(ms.max())}
+            table[name] = {
+                "count": len(values),
+                "p50_ms": float(np.percentile(ms, 50)),
+                "p99_ms": float(np.percentile(ms, 99)),
+                "max_ms": float(ms.max()),
+            }
         return table
 
 
 def start_instance(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
-    command = ["taskset", "-c", args.cpus, sys.executable, "-m", "engine.cli", "--log-level", "WARNING", "prefill",
-               "--port", str(port), "--dtype", args.dtype, "--lease-seconds", "600"]
+    command = [
+        "taskset",
+        "-c",
+        args.cpus,
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "--log-level",
+        "WARNING",
+        "prefill",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--lease-seconds",
+        "600",
+    ]
     if args.model:
         command += ["--model", args.model]
     env = {**os.environ, "UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
@@ -99,14 +118,19 @@ def wait_serving(channel: grpc.Channel, process: subprocess.Popen[bytes]) -> Non
         if process.poll() is not None:
             raise RuntimeError(f"the prefill instance exited: {process.stderr.read().decode()[-2000:]}")
         try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+            if (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                == health_pb2.HealthCheckResponse.SERVING
+            ):
                 return
         except grpc.RpcError:
             time.sleep(0.5)
     raise TimeoutError("the prefill instance did not start")
 
 
-def drive(stub: disaggregation_pb2_grpc.PrefillStub, latencies: Latencies, prompt_len: int, stop: threading.Event, seed: int) -> None:
+def drive(
+    stub: disaggregation_pb2_grpc.PrefillStub, latencies: Latencies, prompt_len: int, stop: threading.Event, seed: int
+) -> None:
     """Back-to-back long prefills (fresh prompts: no prefix-cache hits); each one's KV is
     renewed, then released, as soon as it is pinned."""
     rng = random.Random(seed)
@@ -117,12 +141,19 @@ def drive(stub: disaggregation_pb2_grpc.PrefillStub, latencies: Latencies, promp
         request_id = f"long-{seed}-{number}"
         prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
         try:
-            response = stub.Prefill(disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=600)
+            response = stub.Prefill(
+                disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling),
+                timeout=600,
+            )
         except grpc.RpcError:
             continue
         if response.HasField("kv"):
-            latencies.timed("RenewKV", stub.RenewKV, disaggregation_pb2.RenewKVRequest(request_ids=[request_id]), timeout=30)
-            latencies.timed("ReleaseKV", stub.ReleaseKV, disaggregation_pb2.RequestRef(request_id=request_id), timeout=30)
+            latencies.timed(
+                "RenewKV", stub.RenewKV, disaggregation_pb2.RenewKVRequest(request_ids=[request_id]), timeout=30
+            )
+            latencies.timed(
+                "ReleaseKV", stub.ReleaseKV, disaggregation_pb2.RequestRef(request_id=request_id), timeout=30
+            )
 
 
 def probe(channel: grpc.Channel, latencies: Latencies, stop: threading.Event) -> None:
@@ -143,10 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_serving(channel, process)
         stub = disaggregation_pb2_grpc.PrefillStub(channel)
-        drive_once = disaggregation_pb2.PrefillRequest(request_id="warmup", prompt_token_ids=list(range(100, 164)),
-                                                       sampling=generation_pb2.SamplingParams(max_tokens=1))
+        drive_once = disaggregation_pb2.PrefillRequest(
+            request_id="warmup",
+            prompt_token_ids=list(range(100, 164)),
+            sampling=generation_pb2.SamplingParams(max_tokens=1),
+        )
         stub.Prefill(drive_once, timeout=600)
-        threads = [threading.Thread(target=drive, args=(stub, latencies, args.prompt_len, stop, seed)) for seed in (1, 2)]
+        threads = [
+            threading.Thread(target=drive, args=(stub, latencies, args.prompt_len, stop, seed)) for seed in (1, 2)
+        ]
         threads.append(threading.Thread(target=probe, args=(channel, latencies, stop)))
         for thread in threads:
             thread.start()
@@ -160,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         process.terminate()
         process.wait(timeout=120)
     summary = latencies.summary()
-    print(json.dumps({"label": args.label, "latencies": summary, "failures": latencies.failures}))  # noqa: T201 - the bench's output
-    print(f"\n| {args.label or 'call'} | count | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|")  # noqa: T201
+    print(json.dumps({"label": args.label, "latencies": summary, "failures": latencies.failures}))
+    print(f"\n| {args.label or 'call'} | count | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|")
     for name, row in summary.items():
-        print(f"| {name} | {row['count']} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} |")  # noqa: T201
+        print(f"| {name} | {row['count']} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} |")
     for name, count in latencies.failures.items():
-        print(f"| {name} (failed) | {count} | | | |")  # noqa: T201
+        print(f"| {name} (failed) | {count} | | | |")
     return 0
 
 

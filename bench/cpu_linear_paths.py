@@ -81,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    names = args.variants.split(",") if args.variants else [
-        name for name, (path, _) in _VARIANTS.items() if path != "bf16-weights" or dtype == torch.bfloat16
-    ]
+    names = (
+        args.variants.split(",")
+        if args.variants
+        else [name for name, (path, _) in _VARIANTS.items() if path != "bf16-weights" or dtype == torch.bfloat16]
+    )
     unknown = set(names) - set(_VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")

@@ -87,7 +87,11 @@ def op_calls(llm: LLM, dtype: torch.dtype, num_rows: int) -> dict[str, Callable[
         seq_lens_cpu=[CONTEXT_LEN] * num_rows,
     )
     backend = TorchAttentionBackend()
-    q_attn, k_new, v_new = randn(num_rows, NUM_HEADS, HEAD_DIM), randn(num_rows, NUM_KV_HEADS, HEAD_DIM), randn(num_rows, NUM_KV_HEADS, HEAD_DIM)
+    q_attn, k_new, v_new = (
+        randn(num_rows, NUM_HEADS, HEAD_DIM),
+        randn(num_rows, NUM_KV_HEADS, HEAD_DIM),
+        randn(num_rows, NUM_KV_HEADS, HEAD_DIM),
+    )
 
     layer = llm.engine.runner.model.layers[0]
     qkv_proj, gate_up_proj, down_proj = layer.qkv_proj, layer.gate_up_proj, layer.down_proj
@@ -169,16 +173,28 @@ def main(argv: list[str] | None = None) -> int:
             for num_rows in args.rows:
                 for name, call in op_calls(llm, dtype, num_rows).items():
                     us = time_call(call, args.calls, args.repeats)
-                    rows.append({"dtype": dtype_name, "threads": num_threads, "rows": num_rows, "op": name, "us_per_call": us})
-                    sys.stdout.write(f"{dtype_name:<9} threads={num_threads} rows={num_rows:<4} {name:<28} {us:9.1f} us\n")
+                    rows.append(
+                        {"dtype": dtype_name, "threads": num_threads, "rows": num_rows, "op": name, "us_per_call": us}
+                    )
+                    sys.stdout.write(
+                        f"{dtype_name:<9} threads={num_threads} rows={num_rows:<4} {name:<28} {us:9.1f} us\n"
+                    )
             if not args.skip_decode:
                 ms = decode_ms_per_token(llm, args.repeats)
                 floor_ms = weight_bytes_per_token(llm) / read_bandwidth(3) * 1e3
                 rows.append(
-                    {"dtype": dtype_name, "threads": num_threads, "rows": 1, "op": "decode ms/token", "ms": ms, "floor_ms": floor_ms}
+                    {
+                        "dtype": dtype_name,
+                        "threads": num_threads,
+                        "rows": 1,
+                        "op": "decode ms/token",
+                        "ms": ms,
+                        "floor_ms": floor_ms,
+                    }
                 )
                 sys.stdout.write(
-                    f"{dtype_name:<9} threads={num_threads} decode ms/token {ms:.2f} (weight-read floor {floor_ms:.2f})\n"
+                    f"{dtype_name:<9} threads={num_threads} decode ms/token {ms:.2f} (weight-read floor "
+                    f"{floor_ms:.2f})\n"
                 )
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

@@ -138,8 +138,9 @@ def class_counts(classes: list[WorkloadClass], num_requests: int) -> list[int]:
     return counts
 
 
-def sample_classes(synth: PromptSynthesizer, classes: list[WorkloadClass], num_requests: int,
-                   rng: random.Random) -> list[SampleRequest]:
+def sample_classes(
+    synth: PromptSynthesizer, classes: list[WorkloadClass], num_requests: int, rng: random.Random
+) -> list[SampleRequest]:
     labels = [c for c, count in zip(classes, class_counts(classes, num_requests)) for _ in range(count)]
     rng.shuffle(labels)
     requests = []
@@ -149,8 +150,15 @@ def sample_classes(synth: PromptSynthesizer, classes: list[WorkloadClass], num_r
     return requests
 
 
-def sample_shared_prefix(synth: PromptSynthesizer, num_requests: int, num_prefixes: int, prefix_len: int,
-                         suffix_len: int, output_len: int, rng: random.Random) -> list[SampleRequest]:
+def sample_shared_prefix(
+    synth: PromptSynthesizer,
+    num_requests: int,
+    num_prefixes: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    rng: random.Random,
+) -> list[SampleRequest]:
     if num_prefixes < 1 or prefix_len < 1 or output_len < 1:
         raise ValueError("shared-prefix needs --num-prefixes, --prefix-len and --output-len >= 1")
     prefixes = [synth.text(rng, prefix_len)[0] for _ in range(num_prefixes)]
@@ -159,13 +167,15 @@ def sample_shared_prefix(synth: PromptSynthesizer, num_requests: int, num_prefix
     requests = []
     for group in groups:
         suffix, prompt_len = synth.text(rng, suffix_len, head=prefixes[group])
-        requests.append(SampleRequest(suffix, prompt_len, output_len, system_prompt=prefixes[group],
-                                      workload=f"prefix{group}"))
+        requests.append(
+            SampleRequest(suffix, prompt_len, output_len, system_prompt=prefixes[group], workload=f"prefix{group}")
+        )
     return requests
 
 
-def sample_sharegpt(tokenizer: PreTrainedTokenizerFast, path: Path, num_requests: int, rng: random.Random,
-                    output_len: int | None = None) -> list[SampleRequest]:
+def sample_sharegpt(
+    tokenizer: PreTrainedTokenizerFast, path: Path, num_requests: int, rng: random.Random, output_len: int | None = None
+) -> list[SampleRequest]:
     try:
         conversations = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
@@ -185,8 +195,10 @@ def sample_sharegpt(tokenizer: PreTrainedTokenizerFast, path: Path, num_requests
         requests.append(SampleRequest(prompt, prompt_len, answer_len, workload="sharegpt"))
         if len(requests) == num_requests:
             return requests
-    raise ValueError(f"{path} has only {len(requests)} usable conversations for {num_requests} requests; "
-                     "lower --num-prompts (and --num-warmups)")
+    raise ValueError(
+        f"{path} has only {len(requests)} usable conversations for {num_requests} requests; "
+        "lower --num-prompts (and --num-warmups)"
+    )
 
 
 def _first_exchange(entry: object) -> tuple[str, str] | None:
@@ -205,8 +217,9 @@ def _first_exchange(entry: object) -> tuple[str, str] | None:
     return texts[0], texts[1]
 
 
-def sample_workload(spec: WorkloadSpec, tokenizer: PreTrainedTokenizerFast, num_requests: int,
-                    num_warmups: int, seed: int) -> tuple[list[SampleRequest], list[SampleRequest]]:
+def sample_workload(
+    spec: WorkloadSpec, tokenizer: PreTrainedTokenizerFast, num_requests: int, num_warmups: int, seed: int
+) -> tuple[list[SampleRequest], list[SampleRequest]]:
     """(warm-up requests, measured requests). The measured ones depend only on the seed,
     not on the number of warm-ups; warm-ups are drawn apart so they never pre-cache a
     measured prompt (except the shared prefixes, which warm-ups share by design)."""
@@ -219,8 +232,9 @@ def sample_workload(spec: WorkloadSpec, tokenizer: PreTrainedTokenizerFast, num_
         return both[num_requests:], both[:num_requests]
     synth = PromptSynthesizer(tokenizer)
     if spec.dataset == "shared-prefix":
-        requests = sample_shared_prefix(synth, num_requests, spec.num_prefixes, spec.prefix_len,
-                                        spec.suffix_len, spec.output_len or 0, rng)
+        requests = sample_shared_prefix(
+            synth, num_requests, spec.num_prefixes, spec.prefix_len, spec.suffix_len, spec.output_len or 0, rng
+        )
         # Warm-ups reuse the groups' prefixes: a steady-state server has them cached.
         prefixes = list(dict.fromkeys(r.system_prompt or "" for r in requests))
         warmups = []

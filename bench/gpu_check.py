@@ -21,6 +21,7 @@ the Triton interpreter), which is how the script itself is tested.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -73,7 +74,7 @@ def batch_shapes(quick: bool) -> dict[str, tuple[list[int], list[int]]]:
     }
 
 
-def make_step(query_lens: list[int], seq_lens: list[int], device: torch.device, seed: int):  # noqa: ANN201 - AttentionMetadata, imported late
+def make_step(query_lens: list[int], seq_lens: list[int], device: torch.device, seed: int):
     """A step over sequences with shuffled blocks (never block 0, the padding id), and the cache size it needs."""
     from engine.attention.metadata import AttentionMetadata
 
@@ -85,7 +86,9 @@ def make_step(query_lens: list[int], seq_lens: list[int], device: torch.device, 
     for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         blocks = [free.pop() for _ in range(blocks_per_seq[i])]
         block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots += [blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(seq_len - query_len, seq_len)]
+        slots += [
+            blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(seq_len - query_len, seq_len)
+        ]
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
@@ -103,7 +106,9 @@ def make_step(query_lens: list[int], seq_lens: list[int], device: torch.device, 
     return metadata, num_blocks
 
 
-def layer_of_block_major_cache(num_blocks: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def layer_of_block_major_cache(
+    num_blocks: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Random K/V as layer 1 of a 3-layer block-major cache whose other layers hold NaN."""
     from engine.kv_cache_layout import allocate_kv_cache, layer_view
 
@@ -113,7 +118,7 @@ def layer_of_block_major_cache(num_blocks: int, heads: int, head_dim: int, dtype
     return layer
 
 
-def timed_ms(run, device: torch.device, repeats: int) -> float:  # noqa: ANN001 - a callable
+def timed_ms(run, device: torch.device, repeats: int) -> float:
     run()  # warm-up (compiles the kernel)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -156,8 +161,16 @@ def check_kernels(device: torch.device, quick: bool) -> list[KernelCase]:
                         max_abs_error=error if not math.isnan(error) else math.inf,
                         tolerance=TOLERANCES[dtype],
                         store_exact=torch.equal(cache.nan_to_num(), reference_cache.nan_to_num()),
-                        triton_ms=timed_ms(lambda: triton.forward(query, key, value, cache, metadata, scale), device, repeats),
-                        torch_ms=timed_ms(lambda: reference.forward(query, key, value, reference_cache, metadata, scale), device, repeats),
+                        triton_ms=timed_ms(
+                            functools.partial(triton.forward, query, key, value, cache, metadata, scale),
+                            device,
+                            repeats,
+                        ),
+                        torch_ms=timed_ms(
+                            functools.partial(reference.forward, query, key, value, reference_cache, metadata, scale),
+                            device,
+                            repeats,
+                        ),
                     )
                 )
                 logger.info("%s", cases[-1])
@@ -188,14 +201,20 @@ def check_parity(device: torch.device, quick: bool) -> dict[str, object]:
                 pad_token_id=0,
             )[0, len(prompt) :].tolist()
         if output.outputs[0].token_ids != expected:
-            mismatches.append({"prompt_len": len(prompt), "engine": output.outputs[0].token_ids, "transformers": expected})
+            mismatches.append(
+                {"prompt_len": len(prompt), "engine": output.outputs[0].token_ids, "transformers": expected}
+            )
     return {"prompts": len(prompts), "tokens_each": num_tokens, "mismatches": mismatches}
 
 
 def run_throughput(device: torch.device, quick: bool, output: Path) -> dict[str, object]:
     from bench import throughput
 
-    workload = ["--num-prompts", "8", "--input-len", "32", "--output-len", "8"] if quick else ["--num-prompts", "256", "--input-len", "512", "--output-len", "128"]
+    workload = (
+        ["--num-prompts", "8", "--input-len", "32", "--output-len", "8"]
+        if quick
+        else ["--num-prompts", "256", "--input-len", "512", "--output-len", "128"]
+    )
     throughput.main(["--device", device.type, *workload, "--warmup", "--output-json", str(output)])
     return json.loads(output.read_text())
 
@@ -229,11 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_parity:
         report["parity"] = check_parity(device, quick)
     if not args.skip_throughput:
-        report["throughput"] = run_throughput(device, quick, args.output_json.with_name(args.output_json.stem + "_throughput.json"))
+        report["throughput"] = run_throughput(
+            device, quick, args.output_json.with_name(args.output_json.stem + "_throughput.json")
+        )
     args.output_json.write_text(json.dumps(report, indent=2))
 
     print(f"\n{report['device']}, torch {report['torch']}")
-    print(f"{'dtype':9} {'heads':13} {'batch':26} {'max err':>9} {'tol':>7} {'store':>6} {'triton ms':>10} {'torch ms':>9}")
+    print(
+        f"{'dtype':9} {'heads':13} {'batch':26} {'max err':>9} {'tol':>7} {'store':>6} {'triton ms':>10} "
+        f"{'torch ms':>9}"
+    )
     for case in kernels:
         print(
             f"{case.dtype:9} {case.heads:13} {case.batch:26} {case.max_abs_error:9.2e} {case.tolerance:7.0e} "
@@ -242,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = [case for case in kernels if not case.ok]
     parity = report.get("parity")
     if parity is not None:
-        print(f"parity: {parity['prompts']} prompts x {parity['tokens_each']} greedy tokens, {len(parity['mismatches'])} mismatching")
+        print(
+            f"parity: {parity['prompts']} prompts x {parity['tokens_each']} greedy tokens, "
+            f"{len(parity['mismatches'])} mismatching"
+        )
     print(f"written: {args.output_json}")
     return 1 if failed or (parity is not None and parity["mismatches"]) else 0
 

@@ -61,7 +61,15 @@ from bench.kv_transfer_peer import (
     seeded_cache,
     seeded_payload,
 )
-from bench.kv_transfer_report import EnvSetting, LengthResult, PrefillResult, Samples, format_report, path_name, report_json
+from bench.kv_transfer_report import (
+    EnvSetting,
+    LengthResult,
+    PrefillResult,
+    Samples,
+    format_report,
+    path_name,
+    report_json,
+)
 from engine.kv_cache_utils import cdiv
 from kv_connector.base import KVSource
 from kv_connector.ucx import UCXConnector  # imports ucxx only when used, after the UCX environment is set
@@ -157,12 +165,16 @@ def timed(run: Callable[[], object], repeats: int) -> Samples:
     return Samples(seconds)
 
 
-def check_blocks(local_cache: torch.Tensor, local_ids: list[int], remote_cache: torch.Tensor, remote_ids: list[int]) -> None:
+def check_blocks(
+    local_cache: torch.Tensor, local_ids: list[int], remote_cache: torch.Tensor, remote_ids: list[int]
+) -> None:
     """Bytewise: the cache holds random bit patterns, NaNs among them."""
     mine = local_cache[local_ids].view(torch.uint8)  # block-major: block b is cache[b]
     theirs = remote_cache[remote_ids].view(torch.uint8)
     if not torch.equal(mine, theirs):
-        raise RuntimeError("the connector wrote different bytes than the peer holds (bug in the connector or the bench)")
+        raise RuntimeError(
+            "the connector wrote different bytes than the peer holds (bug in the connector or the bench)"
+        )
 
 
 @dataclass(slots=True)
@@ -195,7 +207,13 @@ class PullCase:
         num_blocks = cdiv(num_tokens, spec.block_size)
         remote_ids = request_block_ids("prefill", layout, spec, num_blocks)
         local_ids = request_block_ids("decode", layout, spec, num_blocks)
-        source = KVSource(request_id(num_blocks, layout), bench.peer.ready.connector_address, tuple(remote_ids), num_tokens, spec.fingerprint)
+        source = KVSource(
+            request_id(num_blocks, layout),
+            bench.peer.ready.connector_address,
+            tuple(remote_ids),
+            num_tokens,
+            spec.fingerprint,
+        )
         return cls(layout, source, local_ids, plan_messages(remote_ids, local_ids, bench.connector.max_message_blocks))
 
     def message_bytes(self, bytes_per_block: int) -> int:
@@ -203,7 +221,10 @@ class PullCase:
         equal messages but a shorter last one: the connector's plan must be such a cut."""
         first = self.message_blocks[0]
         if any(count != first for count in self.message_blocks[:-1]) or self.message_blocks[-1] > first:
-            raise RuntimeError(f"the connector plans messages of {self.message_blocks} blocks, not a cut raw messages can mimic (bug in the bench)")
+            raise RuntimeError(
+                f"the connector plans messages of {self.message_blocks} blocks, not a cut raw messages can mimic (bug "
+                "in the bench)"
+            )
         return first * bytes_per_block
 
 
@@ -216,7 +237,9 @@ async def checked_pull(bench: Bench, case: PullCase, num_bytes: int) -> None:
     bench.local_cache[case.local_ids] = 0
     stats = await pull_of(bench, case)()
     if stats.num_bytes != num_bytes:
-        raise RuntimeError(f"the connector moved {stats.num_bytes} bytes for {len(case.local_ids)} blocks, expected {num_bytes} (bug)")
+        raise RuntimeError(
+            f"the connector moved {stats.num_bytes} bytes for {len(case.local_ids)} blocks, expected {num_bytes} (bug)"
+        )
     check_blocks(bench.local_cache, case.local_ids, bench.remote_cache, list(case.source.block_ids))
 
 
@@ -251,10 +274,15 @@ async def measure_length(bench: Bench, num_tokens: int) -> LengthResult:
 
     breakdown = await measure_breakdown(bench, cases, num_bytes)
     return LengthResult(
-        num_tokens, num_blocks, num_bytes,
+        num_tokens,
+        num_blocks,
+        num_bytes,
         connector=dict(zip(pulls, connector_samples, strict=True)),
         num_messages={layout: len(case.message_blocks) for layout, case in cases.items()},
-        raw_ucx=raw_samples, memcpy=memcpy_samples, breakdown=breakdown, cpu_ms=cpu_ms,
+        raw_ucx=raw_samples,
+        memcpy=memcpy_samples,
+        breakdown=breakdown,
+        cpu_ms=cpu_ms,
     )
 
 
@@ -281,8 +309,12 @@ async def measure_breakdown(bench: Bench, cases: dict[BlockLayout, PullCase], nu
     """
     repeats, scattered = bench.repeats, cases["scattered"]
     source = scattered.source
-    request = encode(PullRequest(source.request_id, list(source.block_ids), source.fingerprint, scattered.message_blocks))
-    reply = encode(PullReply(ok=True, num_bytes=num_bytes, shape=list(bench.local_cache.shape[1:]), dtype=bench.spec.dtype))
+    request = encode(
+        PullRequest(source.request_id, list(source.block_ids), source.fingerprint, scattered.message_blocks)
+    )
+    reply = encode(
+        PullReply(ok=True, num_bytes=num_bytes, shape=list(bench.local_cache.shape[1:]), dtype=bench.spec.dtype)
+    )
 
     async def connect() -> None:
         ucxx = ucxx_for_running_loop()
@@ -303,8 +335,13 @@ async def measure_breakdown(bench: Bench, cases: dict[BlockLayout, PullCase], nu
     return breakdown
 
 
-async def measure_transfers(spec: PeerSpec, prompt_tokens: list[int], repeats: int, timeout_s: float) -> list[LengthResult]:
-    logger.info("building the reference cache (%.0f MiB) and payload to check bytes against", spec.num_cache_blocks * spec.bytes_per_block / _MIB)
+async def measure_transfers(
+    spec: PeerSpec, prompt_tokens: list[int], repeats: int, timeout_s: float
+) -> list[LengthResult]:
+    logger.info(
+        "building the reference cache (%.0f MiB) and payload to check bytes against",
+        spec.num_cache_blocks * spec.bytes_per_block / _MIB,
+    )
     remote_cache = seeded_cache(spec)
     local_cache = empty_cache(spec)
     with peer_process(spec) as peer:
@@ -312,7 +349,9 @@ async def measure_transfers(spec: PeerSpec, prompt_tokens: list[int], repeats: i
         raw = await RawClient.connect(peer, timeout_s)
         connector = UCXConnector(local_cache, spec.fingerprint)
         try:
-            bench = Bench(spec, peer, raw, connector, local_cache, remote_cache, seeded_payload(spec), repeats, timeout_s)
+            bench = Bench(
+                spec, peer, raw, connector, local_cache, remote_cache, seeded_payload(spec), repeats, timeout_s
+            )
             results = []
             for num_tokens in prompt_tokens:
                 logger.info("measuring %d tokens", num_tokens)
@@ -323,7 +362,9 @@ async def measure_transfers(spec: PeerSpec, prompt_tokens: list[int], repeats: i
     return results
 
 
-def measure_prefill(model: str | None, dtype: str, block_size: int, num_tokens: int, repeats: int, seed: int) -> PrefillResult:
+def measure_prefill(
+    model: str | None, dtype: str, block_size: int, num_tokens: int, repeats: int, seed: int
+) -> PrefillResult:
     """Prefill of a random ``num_tokens``-token prompt (one output token), after a warm-up
     prompt; every prompt is distinct, so no run hits the prefix cache."""
     from bench.throughput import random_prompts
@@ -339,7 +380,9 @@ def measure_prefill(model: str | None, dtype: str, block_size: int, num_tokens: 
         outputs = llm.generate([prompt], params)
         seconds.append(time.perf_counter() - start)
         if len(outputs[0].outputs[0].token_ids) != 1:
-            raise RuntimeError(f"prefill produced {len(outputs[0].outputs[0].token_ids)} tokens with max_tokens=1 (bug)")
+            raise RuntimeError(
+                f"prefill produced {len(outputs[0].outputs[0].token_ids)} tokens with max_tokens=1 (bug)"
+            )
     return PrefillResult(num_tokens, Samples(seconds))
 
 
@@ -348,18 +391,41 @@ def measure_prefill(model: str | None, dtype: str, block_size: int, num_tokens: 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="local Hugging Face folder for the KV shape (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="KV cache dtype")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face folder for the KV shape (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="KV cache dtype"
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192], help="prompt lengths to transfer")
+    parser.add_argument(
+        "--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192], help="prompt lengths to transfer"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement, after one warm-up")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per pull")
     parser.add_argument("--seed", type=int, default=0, help="seeds the KV bytes, block ids and prefill prompts")
-    parser.add_argument("--ucx-tls", default=None, help=f"UCX_TLS for both processes (default: the environment's, else {UCX_DEFAULTS['UCX_TLS']}; '' unsets it)")
-    parser.add_argument("--ucx-rndv-scheme", default=None, help=f"UCX_RNDV_SCHEME likewise (default {UCX_DEFAULTS['UCX_RNDV_SCHEME']})")
-    parser.add_argument("--ucx-net-devices", default=None, help=f"UCX_NET_DEVICES likewise (default {UCX_DEFAULTS['UCX_NET_DEVICES']}: TCP on loopback only)")
+    parser.add_argument(
+        "--ucx-tls",
+        default=None,
+        help=f"UCX_TLS for both processes (default: the environment's, else {UCX_DEFAULTS['UCX_TLS']}; '' unsets it)",
+    )
+    parser.add_argument(
+        "--ucx-rndv-scheme", default=None, help=f"UCX_RNDV_SCHEME likewise (default {UCX_DEFAULTS['UCX_RNDV_SCHEME']})"
+    )
+    parser.add_argument(
+        "--ucx-net-devices",
+        default=None,
+        help=f"UCX_NET_DEVICES likewise (default {UCX_DEFAULTS['UCX_NET_DEVICES']}: TCP on loopback only)",
+    )
     parser.add_argument("--skip-prefill", action="store_true", help="do not time the engine's prefill")
-    parser.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length whose prefill is timed; must be among --prompt-tokens")
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=2048,
+        help="prompt length whose prefill is timed; must be among --prompt-tokens",
+    )
     parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills, after one warm-up")
     parser.add_argument("--output-json", type=Path, default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
@@ -369,7 +435,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(n < 1 for n in args.prompt_tokens):
         parser.error(f"--prompt-tokens must all be >= 1, got {args.prompt_tokens}")
     if not args.skip_prefill and args.prefill_tokens not in args.prompt_tokens:
-        parser.error(f"--prefill-tokens {args.prefill_tokens} is not among --prompt-tokens {args.prompt_tokens}; add it there or pass --skip-prefill")
+        parser.error(
+            f"--prefill-tokens {args.prefill_tokens} is not among --prompt-tokens {args.prompt_tokens}; add it there "
+            "or pass --skip-prefill"
+        )
     return args
 
 
@@ -381,17 +450,24 @@ def main(argv: list[str] | None = None) -> int:
     model_id, (num_layers, num_kv_heads, head_dim) = kv_layout(args.model)
     request_num_blocks = tuple(sorted({cdiv(n, args.block_size) for n in args.prompt_tokens}))
     spec = PeerSpec(
-        model_id=model_id, dtype=args.dtype, num_layers=num_layers, block_size=args.block_size,
-        num_kv_heads=num_kv_heads, head_dim=head_dim,
+        model_id=model_id,
+        dtype=args.dtype,
+        num_layers=num_layers,
+        block_size=args.block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         num_cache_blocks=2 * request_num_blocks[-1],  # twice the largest request, so its blocks scatter
-        request_num_blocks=request_num_blocks, seed=args.seed,
+        request_num_blocks=request_num_blocks,
+        seed=args.seed,
     )
 
     # Prefill first, while no UCX progress thread and no peer process share the CPU.
     prefill = None
     if not args.skip_prefill:
         logger.info("timing the engine's prefill of %d tokens", args.prefill_tokens)
-        prefill = measure_prefill(args.model, args.dtype, args.block_size, args.prefill_tokens, args.prefill_repeats, args.seed)
+        prefill = measure_prefill(
+            args.model, args.dtype, args.block_size, args.prefill_tokens, args.prefill_repeats, args.seed
+        )
         gc.collect()
 
     results = asyncio.run(measure_transfers(spec, args.prompt_tokens, args.repeats, args.timeout_s))

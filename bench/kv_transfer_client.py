@@ -18,7 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.kv_transfer_peer import OP_CPU, OP_MESSAGES, OP_PING, OP_SEND, PeerReady, PeerSpec, message_slices, raw_command
+from bench.kv_transfer_peer import (
+    OP_CPU,
+    OP_MESSAGES,
+    OP_PING,
+    OP_SEND,
+    PeerReady,
+    PeerSpec,
+    message_slices,
+    raw_command,
+)
 from kv_connector.ucx import WINDOW  # imports ucxx only when used, after the UCX environment is set
 from kv_connector.ucx_context import ucxx_for_running_loop
 
@@ -42,15 +51,24 @@ def peer_process(spec: PeerSpec) -> Iterator[Peer]:
     """Start the prefill-side process, yield it once it serves, and always stop it."""
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.kv_transfer_peer", "--spec", spec.to_json(), "--host", "127.0.0.1"],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ),
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
     )
     try:
         readable, _, _ = select.select([process.stdout], [], [], _PEER_START_TIMEOUT_S)
         if not readable:
-            raise RuntimeError(f"the peer process was not ready within {_PEER_START_TIMEOUT_S:.0f} s; see its stderr above")
+            raise RuntimeError(
+                f"the peer process was not ready within {_PEER_START_TIMEOUT_S:.0f} s; see its stderr above"
+            )
         line = process.stdout.readline()  # its one line; the peer writes nothing else to stdout
         if not line:
-            raise RuntimeError(f"the peer process exited (code {process.wait(timeout=_PEER_STOP_TIMEOUT_S)}) before it was ready; see its stderr above")
+            raise RuntimeError(
+                f"the peer process exited (code {process.wait(timeout=_PEER_STOP_TIMEOUT_S)}) before it was ready; "
+                "see its stderr above"
+            )
         try:
             ready = PeerReady.from_json(line)
         except (ValueError, TypeError):
@@ -61,7 +79,9 @@ def peer_process(spec: PeerSpec) -> Iterator[Peer]:
             process.stdin.close()
             process.wait(timeout=_PEER_STOP_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired):
-            logger.warning("peer %d did not stop within %.0f s of stdin closing; killing it", process.pid, _PEER_STOP_TIMEOUT_S)
+            logger.warning(
+                "peer %d did not stop within %.0f s of stdin closing; killing it", process.pid, _PEER_STOP_TIMEOUT_S
+            )
             process.kill()
             process.wait()
         process.stdout.close()
@@ -71,7 +91,7 @@ class RawClient:
     """This side of the peer's raw mode: plain ucxx endpoint send/recv on one client-server
     endpoint kept open across transfers (protocol in :mod:`bench.kv_transfer_peer`)."""
 
-    def __init__(self, endpoint, timeout_s: float) -> None:  # noqa: ANN001 - ucxx endpoint
+    def __init__(self, endpoint, timeout_s: float) -> None:
         self._endpoint = endpoint
         self._timeout_s = timeout_s  # per transfer, like the connector's pulls: a dead peer must not hang the bench
 
@@ -85,6 +105,7 @@ class RawClient:
     async def fetch(self, buffer: np.ndarray) -> None:
         """Receive the first ``buffer.nbytes`` bytes of the peer's payload into ``buffer``:
         one ``send_obj`` request, one payload, as a pull minus its reply header."""
+
         async def exchange() -> None:
             await self._endpoint.send_obj(raw_command(OP_SEND, buffer.nbytes))
             await self._endpoint.recv(buffer)
@@ -95,6 +116,7 @@ class RawClient:
         """Like :meth:`fetch`, the payload in tagged messages of ``message_bytes`` with at most
         ``WINDOW`` receives posted, as the connector receives a pull: its wire pattern with
         no connector logic."""
+
         async def exchange() -> None:
             await self._endpoint.send_obj(raw_command(OP_MESSAGES, buffer.nbytes, message_bytes))
             receives: deque[asyncio.Future] = deque()
@@ -109,6 +131,7 @@ class RawClient:
     async def ping(self, request_bytes: int, reply_bytes: int) -> None:
         """The connector's header exchange without the connector: ``send_obj`` of a
         ``request_bytes`` body, ``recv_obj`` of a ``reply_bytes`` one."""
+
         async def exchange() -> None:
             await self._endpoint.send_obj(raw_command(OP_PING, reply_bytes, size=request_bytes))
             await self._endpoint.recv_obj()
@@ -117,6 +140,7 @@ class RawClient:
 
     async def peer_cpu_s(self) -> float:
         """The peer process's CPU seconds so far."""
+
         async def exchange() -> float:
             await self._endpoint.send_obj(raw_command(OP_CPU))
             return float(json.loads(bytes(await self._endpoint.recv_obj())))

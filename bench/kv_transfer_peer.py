@@ -81,8 +81,12 @@ class PeerSpec:
     @property
     def fingerprint(self) -> Fingerprint:
         return Fingerprint(
-            model=self.model_id, dtype=self.dtype, block_size=self.block_size,
-            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            model=self.model_id,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
         )
 
     @property
@@ -128,7 +132,9 @@ def request_id(num_blocks: int, layout: BlockLayout) -> str:
     return f"bench-{num_blocks}-{layout}-blocks"
 
 
-def request_block_ids(side: Literal["prefill", "decode"], layout: BlockLayout, spec: PeerSpec, num_blocks: int) -> list[int]:
+def request_block_ids(
+    side: Literal["prefill", "decode"], layout: BlockLayout, spec: PeerSpec, num_blocks: int
+) -> list[int]:
     """A request's block ids on one side, the same in both processes for the same arguments."""
     if layout == "consecutive":
         return list(range(num_blocks))
@@ -149,7 +155,13 @@ def scattered_block_ids(side: str, seed: int, num_cache_blocks: int, num_blocks:
 def empty_cache(spec: PeerSpec) -> torch.Tensor:
     """A zeroed host KV cache of the spec's shape, in the engine's block-major layout."""
     return allocate_kv_cache(
-        spec.num_cache_blocks, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.torch_dtype, torch.device("cpu")
+        spec.num_cache_blocks,
+        spec.num_layers,
+        spec.block_size,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.torch_dtype,
+        torch.device("cpu"),
     )
 
 
@@ -162,7 +174,9 @@ def seeded_cache(spec: PeerSpec) -> torch.Tensor:
 
 def seeded_payload(spec: PeerSpec) -> torch.Tensor:
     """The raw mode's contiguous payload, uint8 [raw_bytes]."""
-    return torch.randint(0, 256, (spec.raw_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(spec.seed + 1))
+    return torch.randint(
+        0, 256, (spec.raw_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(spec.seed + 1)
+    )
 
 
 def raw_command(op: int, argument: int = 0, second: int = 0, size: int = _COMMAND.size) -> bytes:
@@ -201,13 +215,13 @@ class RawServer:
         for endpoint in list(self._endpoints):
             await endpoint.close()
 
-    async def _serve(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
+    async def _serve(self, endpoint) -> None:
         self._endpoints.add(endpoint)
         try:
             while True:
                 try:
                     command = bytes(await endpoint.recv_obj())
-                except Exception:  # noqa: BLE001 - the bench closed the endpoint: the normal end
+                except Exception:
                     return
                 await self._run(endpoint, *_COMMAND.unpack_from(command))
         except Exception:  # the bench sees the failure as a timeout; the reason goes to stderr
@@ -216,9 +230,11 @@ class RawServer:
             self._endpoints.discard(endpoint)
             await endpoint.close()
 
-    async def _run(self, endpoint, op: int, argument: int, second: int) -> None:  # noqa: ANN001 - ucxx endpoint
+    async def _run(self, endpoint, op: int, argument: int, second: int) -> None:
         if op in (OP_SEND, OP_MESSAGES) and argument > self._payload.nbytes:
-            raise ValueError(f"asked for {argument} raw bytes, the payload holds {self._payload.nbytes} (bug in the bench)")
+            raise ValueError(
+                f"asked for {argument} raw bytes, the payload holds {self._payload.nbytes} (bug in the bench)"
+            )
         if op == OP_SEND:
             await endpoint.send(self._payload[:argument])
         elif op == OP_MESSAGES:
@@ -230,7 +246,7 @@ class RawServer:
         else:
             raise ValueError(f"unknown raw-mode op {op} (bug in the bench)")
 
-    async def _send_messages(self, endpoint, num_bytes: int, message_bytes: int) -> None:  # noqa: ANN001 - ucxx endpoint
+    async def _send_messages(self, endpoint, num_bytes: int, message_bytes: int) -> None:
         """As the connector sends a pull: tagged messages, at most ``WINDOW`` in flight."""
         if message_bytes < 1:
             raise ValueError(f"asked for raw messages of {message_bytes} bytes (bug in the bench)")
@@ -251,7 +267,9 @@ async def serve(spec: PeerSpec, host: str) -> None:
         for num_blocks in spec.request_num_blocks:
             for layout in BLOCK_LAYOUTS:
                 block_ids = request_block_ids("prefill", layout, spec, num_blocks)
-                connector.publish(request_id(num_blocks, layout), block_ids, token_ids=[])  # the UCX connector ignores token_ids
+                connector.publish(
+                    request_id(num_blocks, layout), block_ids, token_ids=[]
+                )  # the UCX connector ignores token_ids
         sys.stdout.write(PeerReady(connector_address, raw.start(host)).to_json() + "\n")
         sys.stdout.flush()
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the bench closes stdin

@@ -44,7 +44,10 @@ class Samples:
     def summary(self, num_bytes: int | None = None) -> dict[str, float]:
         figures = {"median_ms": self.median_s * 1e3, "best_ms": self.best_s * 1e3}
         if num_bytes:
-            figures |= {"median_gib_per_s": num_bytes / _GIB / self.median_s, "best_gib_per_s": num_bytes / _GIB / self.best_s}
+            figures |= {
+                "median_gib_per_s": num_bytes / _GIB / self.median_s,
+                "best_gib_per_s": num_bytes / _GIB / self.best_s,
+            }
         return figures
 
 
@@ -84,7 +87,8 @@ def format_report(
 ) -> str:
     lines = [
         "UCX: " + "  ".join(setting.describe() for setting in env),
-        f"KV: {spec.model_id}, {spec.dtype}, {spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} head_dim, "
+        f"KV: {spec.model_id}, {spec.dtype}, {spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
+        f"{spec.head_dim} head_dim, "
         f"{spec.block_size}-token blocks = {spec.bytes_per_block:,} bytes/block; "
         f"median and best of {repeats} runs after 1 warm-up",
         "",
@@ -107,7 +111,8 @@ def format_report(
         "breakdown, median ms, parts timed on their own: connect = a new connection (made once per prefill instance,",
         "then kept); headers = the pull's request and reply headers over raw UCX; raw = raw UCX in one message; raw in",
         "scattered / consecutive messages = raw UCX of the same bytes cut as the connector cuts that pull, at most",
-        f"{WINDOW} in flight (its wire pattern with no connector logic); pull = the connector's pull, from the table above.",
+        f"{WINDOW} in flight (its wire pattern with no connector logic); pull = the connector's pull, from the table "
+        "above.",
         f"{'tokens':>6} {'connect':>8} {'headers':>8} {'raw':>8} {'raw in scattered':>17} {'pull scattered':>15} "
         f"{'raw in consecutive':>19} {'pull consecutive':>17}",
     ]
@@ -131,12 +136,14 @@ def format_report(
         transfer = next(r for r in results if r.num_tokens == prefill.num_tokens)
         prefill_ms = prefill.samples.median_s * 1e3
         ratios = ", ".join(
-            f"{layout} {transfer.connector[layout].median_s * 1e3:.2f} ms = {transfer.connector[layout].median_s / prefill.samples.median_s:.1%}"
+            f"{layout} {transfer.connector[layout].median_s * 1e3:.2f} ms = "
+            f"{transfer.connector[layout].median_s / prefill.samples.median_s:.1%}"
             for layout in BLOCK_LAYOUTS
         )
         lines += [
             "",
-            f"prefill of {prefill.num_tokens} tokens: median {prefill_ms:.1f} ms, best {prefill.samples.best_s * 1e3:.1f} ms "
+            f"prefill of {prefill.num_tokens} tokens: median {prefill_ms:.1f} ms, best "
+            f"{prefill.samples.best_s * 1e3:.1f} ms "
             f"({len(prefill.samples.seconds)} runs after 1 warm-up)",
             f"connector pull / prefill: {ratios} (target < 10%)",
         ]
@@ -144,7 +151,11 @@ def format_report(
 
 
 def report_json(
-    args: argparse.Namespace, env: list[EnvSetting], spec: PeerSpec, results: list[LengthResult], prefill: PrefillResult | None
+    args: argparse.Namespace,
+    env: list[EnvSetting],
+    spec: PeerSpec,
+    results: list[LengthResult],
+    prefill: PrefillResult | None,
 ) -> dict[str, object]:
     report: dict[str, object] = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -178,6 +189,8 @@ def report_json(
             "num_tokens": prefill.num_tokens,
             **prefill.samples.summary(),
             "seconds": prefill.samples.seconds,
-            "transfer_over_prefill": {layout: transfer.connector[layout].median_s / prefill.samples.median_s for layout in BLOCK_LAYOUTS},
+            "transfer_over_prefill": {
+                layout: transfer.connector[layout].median_s / prefill.samples.median_s for layout in BLOCK_LAYOUTS
+            },
         }
     return report

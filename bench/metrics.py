@@ -46,8 +46,13 @@ class LatencyStats:
         if not values_s:
             return cls(None, None, None, None, {p: None for p in percentiles})
         ms = np.asarray(values_s, dtype=np.float64) * 1000.0
-        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()), float(ms.max()),
-                   {p: float(np.percentile(ms, p)) for p in percentiles})
+        return cls(
+            float(ms.mean()),
+            float(np.median(ms)),
+            float(ms.std()),
+            float(ms.max()),
+            {p: float(np.percentile(ms, p)) for p in percentiles},
+        )
 
 
 @dataclass(slots=True)
@@ -119,14 +124,20 @@ def output_tokens(record: RequestRecord) -> int:
 def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
     if not record.success:
         return False
-    measured_ms = {"ttft": (record.ttft or 0.0) * 1000, "tpot": (tpot(record) or 0.0) * 1000,
-                   "e2el": (record.latency or 0.0) * 1000}
+    measured_ms = {
+        "ttft": (record.ttft or 0.0) * 1000,
+        "tpot": (tpot(record) or 0.0) * 1000,
+        "e2el": (record.latency or 0.0) * 1000,
+    }
     return all(measured_ms[name] <= limit for name, limit in slos_ms.items())
 
 
-def compute_metrics(records: list[RequestRecord], duration_s: float,
-                    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
-                    goodput_slos_ms: dict[str, float] | None = None) -> BenchmarkMetrics:
+def compute_metrics(
+    records: list[RequestRecord],
+    duration_s: float,
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
+    goodput_slos_ms: dict[str, float] | None = None,
+) -> BenchmarkMetrics:
     if not duration_s > 0:
         raise RuntimeError(f"a benchmark run took {duration_s} s; this is a bug")
     done = [r for r in records if r.success]
@@ -143,10 +154,16 @@ def compute_metrics(records: list[RequestRecord], duration_s: float,
         goodput = sum(meets_slos(r, goodput_slos_ms) for r in done) / duration_s
     peak_tokens, peak_concurrency = _peaks(done)
     return BenchmarkMetrics(
-        completed=len(done), failed=len(records) - len(done), total_input=total_input, total_output=total_output,
-        request_throughput=len(done) / duration_s, request_goodput=goodput,
-        output_throughput=total_output / duration_s, total_token_throughput=(total_input + total_output) / duration_s,
-        max_output_tokens_per_s=peak_tokens, max_concurrent_requests=peak_concurrency,
+        completed=len(done),
+        failed=len(records) - len(done),
+        total_input=total_input,
+        total_output=total_output,
+        request_throughput=len(done) / duration_s,
+        request_goodput=goodput,
+        output_throughput=total_output / duration_s,
+        total_token_throughput=(total_input + total_output) / duration_s,
+        max_output_tokens_per_s=peak_tokens,
+        max_concurrent_requests=peak_concurrency,
         latency={name: LatencyStats.of(values[name], percentiles) for name in LATENCY_METRICS},
     )
 
@@ -175,8 +192,9 @@ def percentile_key(p: float) -> str:
     return f"p{int(p) if float(p).is_integer() else p}"
 
 
-def result_json(info: RunInfo, records: list[RequestRecord], metrics: BenchmarkMetrics,
-                duration_s: float) -> dict[str, Any]:
+def result_json(
+    info: RunInfo, records: list[RequestRecord], metrics: BenchmarkMetrics, duration_s: float
+) -> dict[str, Any]:
     """The result in vLLM's key names (plus a few of ours: ``start_times`` as offsets
     from the start of the run, ``max_*_ms``, ``workloads``, and the run's set-up)."""
     result: dict[str, Any] = {
@@ -198,10 +216,15 @@ def result_json(info: RunInfo, records: list[RequestRecord], metrics: BenchmarkM
         "goodput_slos_ms": dict(info.goodput_slos_ms),
     }
     result.update(
-        duration=duration_s, completed=metrics.completed, failed=metrics.failed,
-        total_input_tokens=metrics.total_input, total_output_tokens=metrics.total_output,
-        request_throughput=metrics.request_throughput, request_goodput=metrics.request_goodput,
-        output_throughput=metrics.output_throughput, total_token_throughput=metrics.total_token_throughput,
+        duration=duration_s,
+        completed=metrics.completed,
+        failed=metrics.failed,
+        total_input_tokens=metrics.total_input,
+        total_output_tokens=metrics.total_output,
+        request_throughput=metrics.request_throughput,
+        request_goodput=metrics.request_goodput,
+        output_throughput=metrics.output_throughput,
+        total_token_throughput=metrics.total_token_throughput,
         max_output_tokens_per_s=metrics.max_output_tokens_per_s,
         max_concurrent_requests=metrics.max_concurrent_requests,
     )

@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-queue-delay", type=float, default=None, help="gateway admission control (seconds)")
     parser.add_argument("--skip-alone", action="store_true", help="no chatty-alone baseline")
-    parser.add_argument("--single-stream", type=int, default=0, metavar="N", help="first, N chatty requests one at a time")
+    parser.add_argument(
+        "--single-stream", type=int, default=0, metavar="N", help="first, N chatty requests one at a time"
+    )
     parser.add_argument("--server", choices=["pd", "colocated", "vllm"], default="pd")
     parser.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (--server vllm)")
     parser.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
@@ -74,8 +76,20 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
     log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
     if args.server == "vllm":
         return start_vllm(args, port, log)
-    command = [sys.executable, "-m", "engine.cli", "--log-level", "INFO", "up", "--port", str(port), "--grpc-port", str(free_port()),
-               "--dtype", args.dtype]
+    command = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "--log-level",
+        "INFO",
+        "up",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--dtype",
+        args.dtype,
+    ]
     if args.server == "colocated":
         command += ["--colocated"]
     else:
@@ -97,22 +111,71 @@ def start_vllm(args: argparse.Namespace, port: int, log: IO[str]) -> subprocess.
         raise ValueError("--server vllm needs --vllm-python (an environment with vllm-cpu installed)")
     from engine.default_model import default_model_path
 
-    command = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(default_model_path()), "--port", str(port),
-               "--dtype", args.dtype, "--served-model-name", "SmolLM2-135M-Instruct"]
+    command = [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(default_model_path()),
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--served-model-name",
+        "SmolLM2-135M-Instruct",
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def bench_command(
-    url: str, args: argparse.Namespace, name: str, input_len: int, output_len: int, rate: float, num: int, seed: int,
+    url: str,
+    args: argparse.Namespace,
+    name: str,
+    input_len: int,
+    output_len: int,
+    rate: float,
+    num: int,
+    seed: int,
     max_concurrency: int | None = None,
 ) -> list[str]:
     concurrency = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
-    return [sys.executable, "-m", "engine.cli", "bench", "serve", "--base-url", url, "--dataset", "random", *concurrency,
-            "--input-len", str(input_len), "--output-len", str(output_len), "--request-rate", str(rate),
-            "--num-prompts", str(num), "--num-warmups", "0", "--seed", str(seed), "--label", f"{args.label}-{name}",
-            "--metric-percentiles", "50,99,99.9", "--save-result", "--result-dir", str(args.output_dir),
-            "--result-filename", f"{args.label}-{name}.json", "--disable-tqdm", "--request-timeout", "900"]
+    return [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--dataset",
+        "random",
+        *concurrency,
+        "--input-len",
+        str(input_len),
+        "--output-len",
+        str(output_len),
+        "--request-rate",
+        str(rate),
+        "--num-prompts",
+        str(num),
+        "--num-warmups",
+        "0",
+        "--seed",
+        str(seed),
+        "--label",
+        f"{args.label}-{name}",
+        "--metric-percentiles",
+        "50,99,99.9",
+        "--save-result",
+        "--result-dir",
+        str(args.output_dir),
+        "--result-filename",
+        f"{args.label}-{name}.json",
+        "--disable-tqdm",
+        "--request-timeout",
+        "900",
+    ]
 
 
 def summarize(path: Path) -> dict[str, float]:
@@ -121,20 +184,39 @@ def summarize(path: Path) -> dict[str, float]:
     ok = [not error for error in result["errors"]]
     ttfts_ms = np.array([t * 1000 for t, good in zip(result["ttfts"], ok) if good])
     rejected = sum(1 for error in result["errors"] if error.startswith("HTTP 429"))
-    row = {"completed": result["completed"], "failed": result["failed"], "rejected_429": rejected, "tpot_p50_ms": result["median_tpot_ms"]}
+    row = {
+        "completed": result["completed"],
+        "failed": result["failed"],
+        "rejected_429": rejected,
+        "tpot_p50_ms": result["median_tpot_ms"],
+    }
     if gaps_ms.size:
-        row.update({f"itl_{name}_ms": float(np.percentile(gaps_ms, p)) for name, p in (("p50", 50), ("p99", 99), ("p99.9", 99.9))})
-        row.update(itl_max_ms=float(gaps_ms.max()), gaps_over_200ms=int((gaps_ms > 200).sum()), num_gaps=int(gaps_ms.size))
+        row.update(
+            {
+                f"itl_{name}_ms": float(np.percentile(gaps_ms, p))
+                for name, p in (("p50", 50), ("p99", 99), ("p99.9", 99.9))
+            }
+        )
+        row.update(
+            itl_max_ms=float(gaps_ms.max()), gaps_over_200ms=int((gaps_ms > 200).sum()), num_gaps=int(gaps_ms.size)
+        )
         # Where long gaps sit: the first gap of a stream spans the hand-off (the first token
         # comes from prefill, the second from decode after the KV pull); later ones are decode steps.
         first_ms = np.array([itl[0] * 1000 for itl in result["itls"] if itl])
         later_ms = np.array([gap * 1000 for itl in result["itls"] for gap in itl[1:]])
         row.update(handoff_gap_p50_ms=float(np.percentile(first_ms, 50)), handoff_gap_max_ms=float(first_ms.max()))
         if later_ms.size:
-            row.update(decode_gap_p99_ms=float(np.percentile(later_ms, 99)), decode_gap_max_ms=float(later_ms.max()),
-                       decode_gaps_over_200ms=int((later_ms > 200).sum()))
+            row.update(
+                decode_gap_p99_ms=float(np.percentile(later_ms, 99)),
+                decode_gap_max_ms=float(later_ms.max()),
+                decode_gaps_over_200ms=int((later_ms > 200).sum()),
+            )
     if ttfts_ms.size:
-        row.update(ttft_p50_ms=float(np.percentile(ttfts_ms, 50)), ttft_p99_ms=float(np.percentile(ttfts_ms, 99)), ttft_max_ms=float(ttfts_ms.max()))
+        row.update(
+            ttft_p50_ms=float(np.percentile(ttfts_ms, 50)),
+            ttft_p99_ms=float(np.percentile(ttfts_ms, 99)),
+            ttft_max_ms=float(ttfts_ms.max()),
+        )
     return row
 
 
@@ -150,18 +232,32 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     log_path = args.output_dir / f"{args.label}-server.log"
     server = start_server(args, port, log_path)
-    summary: dict[str, object] = {"label": args.label, "source": str(args.source_dir or "."), "max_queue_delay": args.max_queue_delay}
+    summary: dict[str, object] = {
+        "label": args.label,
+        "source": str(args.source_dir or "."),
+        "max_queue_delay": args.max_queue_delay,
+    }
     num_long = max(1, round(args.num_chatty * args.long_rate / args.chatty_rate))
     try:
         wait_ready(url, server, "/health" if args.server == "vllm" else "/ready")
         if args.single_stream:
-            subprocess.run(bench_command(url, args, "single", 128, 128, float("inf"), args.single_stream, seed=4, max_concurrency=1), check=True)
+            subprocess.run(
+                bench_command(
+                    url, args, "single", 128, 128, float("inf"), args.single_stream, seed=4, max_concurrency=1
+                ),
+                check=True,
+            )
         if not args.skip_alone:
-            subprocess.run(bench_command(url, args, "chatty-alone", 128, 128, args.chatty_rate, args.num_chatty, seed=1), check=True)
+            subprocess.run(
+                bench_command(url, args, "chatty-alone", 128, 128, args.chatty_rate, args.num_chatty, seed=1),
+                check=True,
+            )
         # The two generators run at once, on their own arrival processes.
         loads = [
             subprocess.Popen(bench_command(url, args, "chatty", 128, 128, args.chatty_rate, args.num_chatty, seed=2)),
-            subprocess.Popen(bench_command(url, args, "long", args.long_input_len, 16, args.long_rate, num_long, seed=3)),
+            subprocess.Popen(
+                bench_command(url, args, "long", args.long_input_len, 16, args.long_rate, num_long, seed=3)
+            ),
         ]
         for load in loads:
             if load.wait() != 0:
@@ -180,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[name] = summarize(path)
     summary["server_log"] = log_events(log_path)
     (args.output_dir / f"{args.label}-summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))  # noqa: T201 - the bench's output
+    print(json.dumps(summary, indent=2))
     return 0
 
 

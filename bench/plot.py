@@ -88,7 +88,12 @@ def plot_runs(runs: list[Run], output_dir: str | Path) -> list[Path]:
                 axes.plot(np.sort(values), fractions, drawstyle="steps-post", label=name)
         # Log scale: medians and tails differ by orders of magnitude, and the tail is the point.
         axes.set_xscale("log")
-        _finish(axes, title + " (CDF)", f"{title} (ms, log scale)", "fraction of " + ("requests" if metric == "ttfts" else "gaps"))
+        _finish(
+            axes,
+            title + " (CDF)",
+            f"{title} (ms, log scale)",
+            "fraction of " + ("requests" if metric == "ttfts" else "gaps"),
+        )
         save(figure, f"{metric[:-1]}_cdf.png")
 
     figure = Figure(figsize=(9, 4.5))
@@ -100,7 +105,9 @@ def plot_runs(runs: list[Run], output_dir: str | Path) -> list[Path]:
             centers, medians = _rolling_median(times, gaps)
             axes.plot(centers, medians, color=points.get_facecolor()[0][:3], label=f"{name} (median)")
     axes.set_yscale("symlog", linthresh=10.0)  # stalls of seconds beside gaps of milliseconds
-    _finish(axes, "Inter-token latency over the run", "time since the first request (s)", "ITL (ms, log scale above 10)")
+    _finish(
+        axes, "Inter-token latency over the run", "time since the first request (s)", "ITL (ms, log scale above 10)"
+    )
     save(figure, "itl_over_time.png")
 
     series = _sweep_series(runs)
@@ -162,8 +169,11 @@ def _sweep_series(runs: list[Run]) -> dict[str, list[Run]]:
     by_label: dict[str, list[Run]] = {}
     for run in runs:
         by_label.setdefault(run.label, []).append(run)
-    return {label: sorted(group, key=lambda r: r.rate) for label, group in by_label.items()
-            if len({r.rate for r in group}) >= 2}
+    return {
+        label: sorted(group, key=lambda r: r.rate)
+        for label, group in by_label.items()
+        if len({r.rate for r in group}) >= 2
+    }
 
 
 def _rate_axis(series: dict[str, list[Run]]) -> dict[float, int]:
@@ -180,8 +190,11 @@ def _set_rate_ticks(axes: Any, positions: dict[float, int]) -> None:
 
 def _throughput_vs_rate(figure: Any, series: dict[str, list[Run]]) -> Any:
     positions = _rate_axis(series)
-    for axes, key, title in zip(figure.subplots(1, 2), ("request_throughput", "output_throughput"),
-                                ("Request throughput (req/s)", "Output token throughput (tok/s)")):
+    for axes, key, title in zip(
+        figure.subplots(1, 2),
+        ("request_throughput", "output_throughput"),
+        ("Request throughput (req/s)", "Output token throughput (tok/s)"),
+    ):
         for label, group in series.items():
             values = [r.result.get(key) or 0.0 for r in group]
             axes.plot([positions[r.rate] for r in group], values, marker="o", label=label)
@@ -195,8 +208,9 @@ def _latency_vs_rate(figure: Any, series: dict[str, list[Run]]) -> Any:
     for axes, metric in zip(figure.subplots(1, 3), ("ttft", "itl", "tpot")):
         for label, group in series.items():
             xs = [positions[r.rate] for r in group]
-            line = axes.plot(xs, [_or_nan(r.result.get(f"median_{metric}_ms")) for r in group], marker="o",
-                             label=f"{label} median")[0]
+            line = axes.plot(
+                xs, [_or_nan(r.result.get(f"median_{metric}_ms")) for r in group], marker="o", label=f"{label} median"
+            )[0]
             p99 = [_or_nan(r.result.get(f"p99_{metric}_ms")) for r in group]
             if not all(math.isnan(v) for v in p99):
                 axes.plot(xs, p99, marker="x", linestyle="--", color=line.get_color(), label=f"{label} p99")

@@ -97,13 +97,14 @@ class PromptSynthesizer:
         # Word steps oscillate around the target: cut at token level as a last resort.
         ids = self.tokenizer.encode(head + "".join(words), add_special_tokens=False)[:target]
         text = self.tokenizer.decode(ids)
-        if head and text.startswith(head):
-            text = text[len(head) :]
-        else:
-            text = "".join(words)
+        text = text[len(head) :] if head and text.startswith(head) else "".join(words)
         measured = self.num_tokens(head + text)
         if measured != target and not self._warned_inexact:
             self._warned_inexact = True
-            logger.warning("this tokenizer cannot hit every prompt length exactly (e.g. %d for %d); "
-                           "the measured lengths are reported", measured, target)
+            logger.warning(
+                "this tokenizer cannot hit every prompt length exactly (e.g. %d for %d); "
+                "the measured lengths are reported",
+                measured,
+                target,
+            )
         return text, measured

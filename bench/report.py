@@ -51,8 +51,10 @@ def format_result(result: dict[str, Any]) -> str:
 
 def format_sweep(results: list[dict[str, Any]]) -> str:
     """One row per request rate: throughput and the latency figures a sweep is run for."""
-    header = (f"{'rate':>6} {'done':>5} {'fail':>5} {'req/s':>8} {'goodput':>8} {'out tok/s':>10} "
-              f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9}")
+    header = (
+        f"{'rate':>6} {'done':>5} {'fail':>5} {'req/s':>8} {'goodput':>8} {'out tok/s':>10} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9}"
+    )
     rows = [" Request Rate Sweep (latencies in ms) ".center(len(header), "="), header]
     for r in results:
         rows.append(
@@ -85,8 +87,10 @@ def _per_workload(result: dict[str, Any]) -> list[str]:
         ok = [i for i, (w, e) in enumerate(zip(result["workloads"], result["errors"])) if w == name and not e]
         ttft = LatencyStats.of([result["ttfts"][i] for i in ok], (99.0,))
         itl = LatencyStats.of([gap for i in ok for gap in result["itls"][i]], (99.0,))
-        lines.append(f"{name} ({len(ok)} req): TTFT p50 {_num(ttft.median)} p99 {_num(ttft.percentiles[99.0])}"
-                     f" | ITL p50 {_num(itl.median)} p99 {_num(itl.percentiles[99.0])} ms")
+        lines.append(
+            f"{name} ({len(ok)} req): TTFT p50 {_num(ttft.median)} p99 {_num(ttft.percentiles[99.0])}"
+            f" | ITL p50 {_num(itl.median)} p99 {_num(itl.percentiles[99.0])} ms"
+        )
     return lines
 
 

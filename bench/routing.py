@@ -47,7 +47,18 @@ PRESETS = {
     "routing": Preset(
         up=("--num-prefill", "2", "--num-decode", "1", "--kv-cache-memory", str(256 << 20)),
         modes={"load": ("--routing", "load"), "kv": ("--routing", "kv")},
-        workload=("--dataset", "shared-prefix", "--num-prefixes", "8", "--prefix-len", "1024", "--suffix-len", "64", "--output-len", "16"),
+        workload=(
+            "--dataset",
+            "shared-prefix",
+            "--num-prefixes",
+            "8",
+            "--prefix-len",
+            "1024",
+            "--suffix-len",
+            "64",
+            "--output-len",
+            "16",
+        ),
     ),
     "conditional": Preset(
         up=("--num-prefill", "1", "--num-decode", "1"),
@@ -71,10 +82,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_cluster(mode: str, preset: Preset, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     log = open(args.output_dir / f"{mode}-server.log", "w")  # noqa: SIM115 - the child holds it until it exits
-    command = [sys.executable, "-m", "engine.cli", "--log-level", "WARNING", "up", "--port", str(port), "--grpc-port", str(free_port()),
-               "--dtype", args.dtype, *preset.up, *preset.modes[mode]]
-    print(f"[{mode}] {' '.join(command[2:])}", flush=True)  # noqa: T201 - a script's progress
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPLITSERVE_API_KEY": ""})
+    command = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--dtype",
+        args.dtype,
+        *preset.up,
+        *preset.modes[mode],
+    ]
+    print(f"[{mode}] {' '.join(command[2:])}", flush=True)
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPLITSERVE_API_KEY": ""}
+    )
     return server, f"http://127.0.0.1:{port}"
 
 
@@ -85,7 +112,9 @@ def scrape(url: str) -> dict[str, float]:
     for name in ("splitserve_prompt_tokens_total", "splitserve_cached_prompt_tokens_total"):
         found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
         values[name] = float(found[1]) if found else 0.0
-    for found in re.finditer(r'^splitserve_pd_decision_total\{path="(\w+)",reason="(\w+)"\} (\S+)$', text, re.MULTILINE):
+    for found in re.finditer(
+        r'^splitserve_pd_decision_total\{path="(\w+)",reason="(\w+)"\} (\S+)$', text, re.MULTILINE
+    ):
         values[f"pd:{found[1]}:{found[2]}"] = float(found[3])
     return values
 
@@ -93,11 +122,33 @@ def scrape(url: str) -> dict[str, float]:
 def run_round(mode: str, url: str, round_index: int, preset: Preset, args: argparse.Namespace) -> Path:
     result_dir = args.output_dir / mode
     filename = f"round{round_index}.json"
-    command = [sys.executable, "-m", "engine.cli", "bench", "serve", "--base-url", url, *preset.workload,
-               "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate), "--seed", str(round_index),
-               "--metric-percentiles", "50,99", "--label", mode, "--save-result", "--result-dir", str(result_dir),
-               "--result-filename", filename, "--disable-tqdm"]
-    print(f"[{mode}] round {round_index}: {' '.join(command[2:])}", flush=True)  # noqa: T201
+    command = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        *preset.workload,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        str(args.request_rate),
+        "--seed",
+        str(round_index),
+        "--metric-percentiles",
+        "50,99",
+        "--label",
+        mode,
+        "--save-result",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        filename,
+        "--disable-tqdm",
+    ]
+    print(f"[{mode}] round {round_index}: {' '.join(command[2:])}", flush=True)
     before = scrape(url)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     after = scrape(url)
@@ -128,10 +179,17 @@ def summary(args: argparse.Namespace, preset: Preset) -> str:
                 if key.startswith("pd:"):
                     decisions[key[3:]] = decisions.get(key[3:], 0.0) + value
         for name, values in ttfts.items():
-            rows.append(f"| {mode} | {name} | {len(values)} | {np.percentile(values, 50):.0f} / {np.percentile(values, 99):.0f} "
-                        f"| {cached / prompt if prompt else 0:.1%} | {failed} | "
-                        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions.items())) + " |")
-    header = ["| mode | requests | n | TTFT p50 / p99 (ms) | prefix-cache hit rate | failed | P/D decisions |", "|---|---|---|---|---|---|---|"]
+            rows.append(
+                f"| {mode} | {name} | {len(values)} | {np.percentile(values, 50):.0f} / "
+                f"{np.percentile(values, 99):.0f} "
+                f"| {cached / prompt if prompt else 0:.1%} | {failed} | "
+                + ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions.items()))
+                + " |"
+            )
+    header = [
+        "| mode | requests | n | TTFT p50 / p99 (ms) | prefix-cache hit rate | failed | P/D decisions |",
+        "|---|---|---|---|---|---|---|",
+    ]
     return "\n".join([*header, *rows])
 
 
@@ -162,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             server.wait(timeout=120)
     table = summary(args, preset)
     (args.output_dir / "summary.md").write_text(f"{cpu_line()}\n\n{table}\n")
-    print(cpu_line())  # noqa: T201
-    print(table)  # noqa: T201
+    print(cpu_line())
+    print(table)
     return 0
 
 

@@ -89,11 +89,14 @@ def resolve_target(config: ServeConfig) -> Target:
         logger.info("benchmarking model %r (the first /v1/models lists)", model_id)
     tokenizer_id = config.tokenizer
     if tokenizer_id is None:
-        candidates = [model_id] + ([served.root] if served is not None and served.root and served.model_id == model_id else [])
+        candidates = [model_id] + (
+            [served.root] if served is not None and served.root and served.model_id == model_id else []
+        )
         tokenizer_id = next((c for c in candidates if (Path(c) / "tokenizer.json").is_file()), None)
         if tokenizer_id is None:
             raise ValueError(
-                f"cannot measure prompt lengths: the server's model {model_id!r} is no folder with a tokenizer.json here; "
+                f"cannot measure prompt lengths: the server's model {model_id!r} is no folder with a tokenizer.json "
+                "here; "
                 "pass --tokenizer PATH (a local folder, or a Hugging Face name this host can load)"
             )
         logger.info("measuring prompt lengths with %s; pass --tokenizer for another", tokenizer_id)
@@ -109,8 +112,9 @@ def benchmark(config: ServeConfig, target: Target | None = None) -> dict[str, An
     """Run one benchmark and return its result (vLLM's JSON keys)."""
     validate(config)
     target = target or resolve_target(config)
-    warmups, requests = sample_workload(config.workload, target.tokenizer, config.num_prompts,
-                                        config.num_warmups, config.seed)
+    warmups, requests = sample_workload(
+        config.workload, target.tokenizer, config.num_prompts, config.num_warmups, config.seed
+    )
     records, duration_s = asyncio.run(run_requests(config, target.model_id, warmups, requests))
     _count_missing_usage(records, target.tokenizer)
     _check_output_lengths(config, records)
@@ -118,17 +122,26 @@ def benchmark(config: ServeConfig, target: Target | None = None) -> dict[str, An
     info = RunInfo(
         date=datetime.now().strftime("%Y%m%d-%H%M%S"),
         backend="openai-chat" if config.endpoint == "/v1/chat/completions" else "openai",
-        label=config.label, model_id=target.model_id, tokenizer_id=target.tokenizer_id,
-        num_prompts=config.num_prompts, request_rate=config.request_rate, burstiness=config.burstiness,
-        max_concurrency=config.max_concurrency, base_url=config.base_url, endpoint=config.endpoint,
-        dataset=config.workload.dataset, seed=config.seed, num_warmups=config.num_warmups,
+        label=config.label,
+        model_id=target.model_id,
+        tokenizer_id=target.tokenizer_id,
+        num_prompts=config.num_prompts,
+        request_rate=config.request_rate,
+        burstiness=config.burstiness,
+        max_concurrency=config.max_concurrency,
+        base_url=config.base_url,
+        endpoint=config.endpoint,
+        dataset=config.workload.dataset,
+        seed=config.seed,
+        num_warmups=config.num_warmups,
         goodput_slos_ms=config.goodput_slos_ms or {},
     )
     return result_json(info, records, metrics, duration_s)
 
 
-async def run_requests(config: ServeConfig, model_id: str, warmups: list[SampleRequest],
-                       requests: list[SampleRequest]) -> tuple[list[RequestRecord], float]:
+async def run_requests(
+    config: ServeConfig, model_id: str, warmups: list[SampleRequest], requests: list[SampleRequest]
+) -> tuple[list[RequestRecord], float]:
     """Send the warm-ups, then the measured requests on schedule; (records in send order, seconds)."""
     url = config.base_url.rstrip("/") + config.endpoint
     headers = auth_headers(config.api_key)
@@ -145,8 +158,9 @@ async def run_requests(config: ServeConfig, model_id: str, warmups: list[SampleR
             if delay > 0:
                 await asyncio.sleep(delay)
             payload = build_payload(config.endpoint, model_id, request, config.ignore_eos, config.extra_body)
-            record = RequestRecord(prompt_len=request.prompt_len, output_len=request.output_len,
-                                   workload=request.workload)
+            record = RequestRecord(
+                prompt_len=request.prompt_len, output_len=request.output_len, workload=request.workload
+            )
             async with slots:
                 return await send_request(session, url, headers, payload, record, run_started_at)
 
@@ -176,8 +190,7 @@ def _count_missing_usage(records: list[RequestRecord], tokenizer: PreTrainedToke
     """Servers that send no usage chunk: count output tokens by re-tokenizing the text."""
     missing = [r for r in records if r.success and r.output_tokens is None]
     if missing:
-        logger.warning("%d responses had no usage chunk; counting their output tokens with the tokenizer",
-                       len(missing))
+        logger.warning("%d responses had no usage chunk; counting their output tokens with the tokenizer", len(missing))
     for record in missing:
         record.output_tokens = len(tokenizer.encode(record.generated_text, add_special_tokens=False))
 
@@ -187,9 +200,14 @@ def _check_output_lengths(config: ServeConfig, records: list[RequestRecord]) -> 
         return
     short = [r for r in records if r.success and r.output_tokens != r.output_len]
     if short:
-        logger.warning("%d of %d responses did not have max_tokens output tokens (e.g. %s for %d): "
-                       "the server may not honour ignore_eos, so per-token figures mix lengths",
-                       len(short), len(records), short[0].output_tokens, short[0].output_len)
+        logger.warning(
+            "%d of %d responses did not have max_tokens output tokens (e.g. %s for %d): "
+            "the server may not honour ignore_eos, so per-token figures mix lengths",
+            len(short),
+            len(records),
+            short[0].output_tokens,
+            short[0].output_len,
+        )
 
 
 def result_path(result: dict[str, Any], result_dir: str | Path, filename: str | None) -> Path:

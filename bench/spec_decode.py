@@ -112,16 +112,21 @@ def run_side_by_side(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--dtype", default="float32", choices=get_args(DTypeName))
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--speculative-ngram-min", type=int, default=2)
     parser.add_argument("--speculative-ngram-max", type=int, default=4)
     parser.add_argument("--speculative-model", default=None, help="draft model folder (default: n-gram drafting)")
-    parser.add_argument("--workloads", default="code,random,random-sampled", help="comma-separated: code, random, random-sampled")
+    parser.add_argument(
+        "--workloads", default="code,random,random-sampled", help="comma-separated: code, random, random-sampled"
+    )
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--random-input-len", type=int, default=736,
-                        help="tokens of the random prompt (the code prompt's length)")
+    parser.add_argument(
+        "--random-input-len", type=int, default=736, help="tokens of the random prompt (the code prompt's length)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="requests per workload and engine, alternating engines")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 28)
     parser.add_argument("--seed", type=int, default=0)
@@ -140,23 +145,25 @@ def summarize(results: list[RunResult]) -> list[dict[str, object]]:
         spec_cpu = statistics.median(r.cpu_ms_per_token for r in by_engine["spec"])
         drafts = sum(r.num_draft_tokens for r in by_engine["spec"])
         accepted = sum(r.num_accepted_tokens for r in by_engine["spec"])
-        rows.append({
-            "workload": workload,
-            "plain_ms_per_token": plain,
-            "spec_ms_per_token": spec,
-            # Per round, the two sides saw the same load: the median of the rounds' ratios.
-            "speedup": statistics.median(
-                p.ms_per_token / s.ms_per_token for p, s in zip(by_engine["plain"], by_engine["spec"])
-            ),
-            "plain_cpu_ms_per_token": plain_cpu,
-            "spec_cpu_ms_per_token": spec_cpu,
-            "cpu_speedup": statistics.median(
-                p.cpu_ms_per_token / s.cpu_ms_per_token for p, s in zip(by_engine["plain"], by_engine["spec"])
-            ),
-            "num_draft_tokens": drafts,
-            "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafts if drafts else 0.0,
-        })
+        rows.append(
+            {
+                "workload": workload,
+                "plain_ms_per_token": plain,
+                "spec_ms_per_token": spec,
+                # Per round, the two sides saw the same load: the median of the rounds' ratios.
+                "speedup": statistics.median(
+                    p.ms_per_token / s.ms_per_token for p, s in zip(by_engine["plain"], by_engine["spec"])
+                ),
+                "plain_cpu_ms_per_token": plain_cpu,
+                "spec_cpu_ms_per_token": spec_cpu,
+                "cpu_speedup": statistics.median(
+                    p.cpu_ms_per_token / s.cpu_ms_per_token for p, s in zip(by_engine["plain"], by_engine["spec"])
+                ),
+                "num_draft_tokens": drafts,
+                "num_accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafts if drafts else 0.0,
+            }
+        )
     return rows
 
 
@@ -191,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         if workload == "code":
             prompts["code"] = code_edit_prompt(tokenizer)
         elif workload in ("random", "random-sampled"):
-            prompts[workload] = random_prompt(random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size)
+            prompts[workload] = random_prompt(
+                random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size
+            )
         else:
             raise ValueError(f"unknown workload {workload!r}; use code, random, random-sampled")
     run_side_by_side(engines, random_prompt(rng, 64, engines["plain"].vocab_size), 8, 0.0, 0)  # warm-up, untimed
@@ -204,13 +213,21 @@ def main(argv: list[str] | None = None) -> int:
             stats = engines["spec"].scheduler.spec_stats
             drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
             temperature = 1.0 if workload == "random-sampled" else 0.0
-            timings = run_side_by_side({name: engines[name] for name in order}, prompt, args.output_len, temperature, round_index)
+            timings = run_side_by_side(
+                {name: engines[name] for name in order}, prompt, args.output_len, temperature, round_index
+            )
             for name in ("plain", "spec"):
                 t = timings[name]
                 per_token = 1e3 / (t.num_tokens - 1)
                 spec_side = name == "spec"
                 result = RunResult(
-                    workload, name, round_index, t.decode_s * per_token, t.decode_cpu_s * per_token, t.ttft_s * 1e3, t.num_tokens,
+                    workload,
+                    name,
+                    round_index,
+                    t.decode_s * per_token,
+                    t.decode_cpu_s * per_token,
+                    t.ttft_s * 1e3,
+                    t.num_tokens,
                     stats.num_draft_tokens - drafts_before if spec_side else 0,
                     stats.num_accepted_tokens - accepted_before if spec_side else 0,
                 )
@@ -218,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(result)
 
     summary = summarize(results)
-    lines = [f"{'workload':<16}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speedup':>9}{'cpu speedup':>13}"
-             f"{'drafts':>8}{'accepted':>10}{'accept rate':>13}"]
+    lines = [
+        f"{'workload':<16}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speedup':>9}{'cpu speedup':>13}"
+        f"{'drafts':>8}{'accepted':>10}{'accept rate':>13}"
+    ]
     for row in summary:
         lines.append(
             f"{row['workload']:<16}{row['plain_ms_per_token']:>14.2f}{row['spec_ms_per_token']:>13.2f}{row['speedup']:>8.2f}x"
@@ -228,8 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write("\n".join(lines) + "\n")
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  "summary": summary, "runs": [asdict(r) for r in results]}
+        report = {
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "summary": summary,
+            "runs": [asdict(r) for r in results],
+        }
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")
         logger.info("wrote %s", args.output_json)
     return 0

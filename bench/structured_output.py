@@ -69,21 +69,21 @@ class _Timed:
         self.apply_s: list[float] = []
         apply = bitmask_module.apply_token_bitmask
 
-        def timed_apply(logits, rows, bias):  # noqa: ANN001, ANN202
+        def timed_apply(logits, rows, bias):
             start = time.perf_counter()
             try:
                 return apply(logits, rows, bias)
             finally:
                 self.apply_s.append(time.perf_counter() - start)
 
-        def timed_fill(worker, states):  # noqa: ANN001, ANN202
+        def timed_fill(worker, states):
             start = time.perf_counter()
             try:
                 return fill(worker, states)
             finally:
                 self.fill_s.append(time.perf_counter() - start)
 
-        def timed_result(pending):  # noqa: ANN001, ANN202
+        def timed_result(pending):
             start = time.perf_counter()
             try:
                 return result(pending)
@@ -150,7 +150,11 @@ def time_components(llm: LLM, spec: StructuredOutputSpec, token_ids: list[list[i
         bitmask_module.apply_token_bitmask(work, rows, bias)
 
     components = {
-        "fill_ms": best_ms(lambda: llguidance.numpy.fill_next_token_bitmask_par(executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)),
+        "fill_ms": best_ms(
+            lambda: llguidance.numpy.fill_next_token_bitmask_par(
+                executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask
+            )
+        ),
         "worker_fill_and_bias_ms": best_ms(lambda: worker._fill(states)),
         "apply_add_ms": best_ms(apply) - best_ms(lambda: work.copy_(logits)),
     }
@@ -208,34 +212,60 @@ def main() -> int:
             if name == "json_schema":
                 logger.warning("a constrained output: %r", llm.tokenizer.decode(token_ids[0])[:120])
                 print(
-                    f"json_schema run: {elapsed:.2f} s, {num_tokens / elapsed:.1f} tok/s, {cpu_s:.1f} CPU s, {steps_line}; bitmask fill per step "
-                    f"min {min(timed.fill_s) * 1e3:.2f} / median {statistics.median(timed.fill_s) * 1e3:.2f} ms, engine wait "
-                    f"after the forward pass median {statistics.median(timed.wait_s) * 1e3:.2f} ms, sampler mask (add) min "
-                    f"{min(timed.apply_s) * 1e3:.2f} / median {statistics.median(timed.apply_s) * 1e3:.2f} ms, over {len(timed.fill_s)} steps"
+                    f"json_schema run: {elapsed:.2f} s, {num_tokens / elapsed:.1f} tok/s, {cpu_s:.1f} CPU s, "
+                    f"{steps_line}; bitmask fill per step "
+                    f"min {min(timed.fill_s) * 1e3:.2f} / median {statistics.median(timed.fill_s) * 1e3:.2f} ms, "
+                    "engine wait "
+                    f"after the forward pass median {statistics.median(timed.wait_s) * 1e3:.2f} ms, sampler mask "
+                    "(add) min "
+                    f"{min(timed.apply_s) * 1e3:.2f} / median {statistics.median(timed.apply_s) * 1e3:.2f} ms, over "
+                    f"{len(timed.fill_s)} steps"
                 )
             else:
                 print(f"free run: {elapsed:.2f} s, {num_tokens / elapsed:.1f} tok/s, {cpu_s:.1f} CPU s, {steps_line}")
     free_rate, json_rate = statistics.median(results["free"]), statistics.median(results["json_schema"])
     components = time_components(llm, spec, token_ids)
     unconstrained = [
-        Request(request_id=str(i), prompt_token_ids=p, sampling_params=free, max_tokens=args.output_len, eos_token_ids=frozenset())
+        Request(
+            request_id=str(i),
+            prompt_token_ids=p,
+            sampling_params=free,
+            max_tokens=args.output_len,
+            eos_token_ids=frozenset(),
+        )
         for i, p in enumerate(prompts)
     ]
     runner = llm.engine.runner
     check_us = min(timeit.repeat(lambda: runner._start_bitmask(unconstrained), number=10_000, repeat=5)) / 10_000 * 1e6
-    print(json.dumps({
-        **components,
-        "unconstrained_step_check_us": round(check_us, 2), "torch_threads": torch.get_num_threads(),
-        "load_average_1m_at_end": os.getloadavg()[0],  # other work on the machine skews every figure
-        "batch_size": args.batch_size, "output_len": args.output_len, "schema_compile_s": round(compile_s, 3),
-        "free_tok_s": [round(r, 1) for r in results["free"]], "json_schema_tok_s": [round(r, 1) for r in results["json_schema"]],
-        "free_cpu_s": [round(c, 1) for c in cpu["free"]], "json_schema_cpu_s": [round(c, 1) for c in cpu["json_schema"]],
-        "free_step_ms_min_median": [round(min(steps["free"]) * 1e3, 1), round(statistics.median(steps["free"]) * 1e3, 1)],
-        "json_schema_step_ms_min_median": [round(min(steps["json_schema"]) * 1e3, 1), round(statistics.median(steps["json_schema"]) * 1e3, 1)],
-        "min_step_cost": f"{(min(steps['json_schema']) / min(steps['free']) - 1) * 100:.1f}%",
-        "median_cost": f"{(1 - json_rate / free_rate) * 100:.1f}%",
-        "median_cpu_cost": f"{(statistics.median(cpu['json_schema']) / statistics.median(cpu['free']) - 1) * 100:.1f}%",
-    }))
+    median_cpu = {kind: statistics.median(seconds) for kind, seconds in cpu.items()}
+    print(
+        json.dumps(
+            {
+                **components,
+                "unconstrained_step_check_us": round(check_us, 2),
+                "torch_threads": torch.get_num_threads(),
+                "load_average_1m_at_end": os.getloadavg()[0],  # other work on the machine skews every figure
+                "batch_size": args.batch_size,
+                "output_len": args.output_len,
+                "schema_compile_s": round(compile_s, 3),
+                "free_tok_s": [round(r, 1) for r in results["free"]],
+                "json_schema_tok_s": [round(r, 1) for r in results["json_schema"]],
+                "free_cpu_s": [round(c, 1) for c in cpu["free"]],
+                "json_schema_cpu_s": [round(c, 1) for c in cpu["json_schema"]],
+                "free_step_ms_min_median": [
+                    round(min(steps["free"]) * 1e3, 1),
+                    round(statistics.median(steps["free"]) * 1e3, 1),
+                ],
+                "json_schema_step_ms_min_median": [
+                    round(min(steps["json_schema"]) * 1e3, 1),
+                    round(statistics.median(steps["json_schema"]) * 1e3, 1),
+                ],
+                "min_step_cost": f"{(min(steps['json_schema']) / min(steps['free']) - 1) * 100:.1f}%",
+                "median_cost": f"{(1 - json_rate / free_rate) * 100:.1f}%",
+                "median_cpu_cost": f"{(median_cpu['json_schema'] / median_cpu['free'] - 1) * 100:.1f}%",
+            }
+        )
+    )
     return 0
 
 

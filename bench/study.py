@@ -37,14 +37,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--request-rates", default="0.15,0.25,0.35,0.5,0.7,1.0")
     parser.add_argument("--num-prompts", type=int, default=32, help="measured requests per rate")
-    parser.add_argument("--mix", default="1024-2048:32:1,128:256:1", help="bench serve --mix: long prompts and chatty requests")
-    parser.add_argument("--goodput", default="ttft:5000 tpot:100", help="SLOs in ms, as bench serve --goodput takes them")
+    parser.add_argument(
+        "--mix", default="1024-2048:32:1,128:256:1", help="bench serve --mix: long prompts and chatty requests"
+    )
+    parser.add_argument(
+        "--goodput", default="ttft:5000 tpot:100", help="SLOs in ms, as bench serve --goodput takes them"
+    )
     parser.add_argument("--prefill-cpus", default="0")
     parser.add_argument("--decode-cpus", default="1")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CPU")
     parser.add_argument("--modes", default="colocated,disaggregated")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--report-only", action="store_true", help="plot and tabulate the results already in --output-dir")
+    parser.add_argument(
+        "--report-only", action="store_true", help="plot and tabulate the results already in --output-dir"
+    )
     return parser.parse_args(argv)
 
 
@@ -57,18 +63,58 @@ def up_flags(mode: str, args: argparse.Namespace) -> list[str]:
 def run_mode(mode: str, args: argparse.Namespace) -> None:
     port = free_port()
     log = open(args.output_dir / f"{mode}-server.log", "w")  # noqa: SIM115 - closed below
-    command = [sys.executable, "-m", "engine.cli", "--log-level", "WARNING", "up", "--port", str(port),
-               "--grpc-port", str(free_port()), "--dtype", args.dtype, *up_flags(mode, args)]
-    print(f"[{mode}] {' '.join(command[2:])}", flush=True)  # noqa: T201 - a script's progress
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPLITSERVE_API_KEY": ""})
+    command = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--dtype",
+        args.dtype,
+        *up_flags(mode, args),
+    ]
+    print(f"[{mode}] {' '.join(command[2:])}", flush=True)
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPLITSERVE_API_KEY": ""}
+    )
     try:
         wait_ready(f"http://127.0.0.1:{port}", server)
-        sweep = [sys.executable, "-m", "engine.cli", "bench", "sweep", "--base-url", f"http://127.0.0.1:{port}",
-                 "--dataset", "mixed", "--mix", args.mix, "--num-prompts", str(args.num_prompts),
-                 "--request-rates", args.request_rates, "--num-warmups", "6", "--seed", str(args.seed),
-                 "--goodput", *args.goodput.split(), "--metric-percentiles", "50,90,99", "--label", mode,
-                 "--result-dir", str(args.output_dir / mode), "--disable-tqdm"]
-        print(f"[{mode}] {' '.join(sweep[2:])}", flush=True)  # noqa: T201
+        sweep = [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "bench",
+            "sweep",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--dataset",
+            "mixed",
+            "--mix",
+            args.mix,
+            "--num-prompts",
+            str(args.num_prompts),
+            "--request-rates",
+            args.request_rates,
+            "--num-warmups",
+            "6",
+            "--seed",
+            str(args.seed),
+            "--goodput",
+            *args.goodput.split(),
+            "--metric-percentiles",
+            "50,90,99",
+            "--label",
+            mode,
+            "--result-dir",
+            str(args.output_dir / mode),
+            "--disable-tqdm",
+        ]
+        print(f"[{mode}] {' '.join(sweep[2:])}", flush=True)
         subprocess.run(sweep, check=True)
     finally:
         server.send_signal(signal.SIGTERM)
@@ -95,17 +141,22 @@ def wait_ready(url: str, server: subprocess.Popen[bytes], path: str = "/ready") 
 def summary(args: argparse.Namespace, modes: list[str]) -> str:
     """One markdown row per run. "met" is the share of requests meeting every SLO
     (goodput / request throughput); p99.9 and max ITL come from the per-request gaps."""
-    rows = ["| mode | rate (req/s) | achieved (req/s) | TTFT p50 / p99 (ms) | ITL p50 / p99 / p99.9 / max (ms) | TPOT mean (ms) "
-            "| output tok/s | goodput (req/s) | met SLOs |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| mode | rate (req/s) | achieved (req/s) | TTFT p50 / p99 (ms) | ITL p50 / p99 / p99.9 / max (ms) | TPOT "
+        "mean (ms) "
+        "| output tok/s | goodput (req/s) | met SLOs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for mode in modes:
         results = [json.loads(p.read_text()) for p in sorted((args.output_dir / mode).glob("*.json"))]
         for r in sorted(results, key=lambda r: float(r["request_rate"])):
             gaps_ms = np.array([gap for gaps in r["itls"] for gap in gaps]) * 1000
             met = r["request_goodput"] / r["request_throughput"] if r["request_throughput"] else 0.0
             rows.append(
-                f"| {mode} | {r['request_rate']} | {r['request_throughput']:.3f} | {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} "
-                f"| {r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} / {np.percentile(gaps_ms, 99.9):.0f} / {gaps_ms.max():.0f} "
+                f"| {mode} | {r['request_rate']} | {r['request_throughput']:.3f} | {r['median_ttft_ms']:.0f} / "
+                f"{r['p99_ttft_ms']:.0f} "
+                f"| {r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} / {np.percentile(gaps_ms, 99.9):.0f} / "
+                f"{gaps_ms.max():.0f} "
                 f"| {r['mean_tpot_ms']:.0f} | {r['output_throughput']:.1f} | {r['request_goodput']:.3f} | {met:.0%} |"
             )
     return "\n".join(rows)
@@ -125,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     top = max(float(rate) for rate in args.request_rates.split(","))
     at_top = [p for p in files if float(json.loads(Path(p).read_text())["request_rate"]) == top]
     subprocess.run([*plot, *at_top, "--output-dir", str(args.output_dir / f"plots-at-{top:g}")], check=True)
-    print(summary(args, modes))  # noqa: T201
+    print(summary(args, modes))
     return 0
 
 

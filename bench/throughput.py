@@ -83,7 +83,8 @@ def run_splitserve(
 ) -> tuple[float, int]:
     """Returns (elapsed seconds, output tokens) of the timed run."""
     overrides = {
-        k: v for k in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
+        k: v
+        for k in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
         if (v := getattr(args, k)) is not None
     }
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **overrides)
@@ -102,8 +103,8 @@ def left_pad(batch: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, t
     input_ids = torch.full((len(batch), max_len), pad_token_id, dtype=torch.long)  # [batch, max_len]
     attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
     for row, prompt in enumerate(batch):
-        input_ids[row, max_len - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, max_len - len(prompt):] = 1
+        input_ids[row, max_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, max_len - len(prompt) :] = 1
     return input_ids, attention_mask
 
 
@@ -132,7 +133,7 @@ def run_transformers(
     def generate_all(batch_prompts: list[list[int]], output_len: int) -> int:
         num_generated = 0
         for start in range(0, len(batch_prompts), batch_size):
-            input_ids, attention_mask = left_pad(batch_prompts[start:start + batch_size], pad_token_id)
+            input_ids, attention_mask = left_pad(batch_prompts[start : start + batch_size], pad_token_id)
             output_ids = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
@@ -141,7 +142,7 @@ def run_transformers(
                 min_new_tokens=output_len,  # masks EOS until output_len: the ignore_eos equivalent
                 pad_token_id=pad_token_id,
             )
-            num_generated += count_generated(output_ids[:, input_ids.shape[1]:].cpu(), eos_token_ids)
+            num_generated += count_generated(output_ids[:, input_ids.shape[1] :].cpu(), eos_token_ids)
         return num_generated
 
     if warmup_prompts:
@@ -171,7 +172,9 @@ def run_vllm(
         json.dump(request, file)
         file.flush()
         script = Path(__file__).with_name("vllm_offline.py")
-        completed = subprocess.run([args.vllm_python, str(script), file.name], env=env, stdout=subprocess.PIPE, check=True, text=True)
+        completed = subprocess.run(
+            [args.vllm_python, str(script), file.name], env=env, stdout=subprocess.PIPE, check=True, text=True
+        )
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     return float(result["elapsed_s"]), int(result["num_output_tokens"])
 
@@ -190,7 +193,9 @@ def format_table(results: list[RunResult]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=get_args(DTypeName))
     parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -199,11 +204,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine default when omitted")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine default when omitted")
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes on CPU; engine default when omitted")
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=None, help="KV cache bytes on CPU; engine default when omitted"
+    )
     parser.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
-    parser.add_argument("--baseline-batch-size", type=int, default=None, help="transformers batch (default: all prompts)")
+    parser.add_argument(
+        "--baseline-batch-size", type=int, default=None, help="transformers batch (default: all prompts)"
+    )
     parser.add_argument("--warmup", action="store_true", help="run a small untimed warm-up through each engine first")
-    parser.add_argument("--vllm-python", default=None, help="also run vLLM, with the Python of an environment that has it")
+    parser.add_argument(
+        "--vllm-python", default=None, help="also run vLLM, with the Python of an environment that has it"
+    )
     parser.add_argument("--vllm-cpus", default="0-1", help="vLLM's VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--output-json", type=Path, default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
@@ -225,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     # distinct from them, so the warm-up seeds no prefix-cache hits.
     warmup_prompts = random_prompts(rng, _WARMUP_NUM_PROMPTS, args.input_len, vocab_size) if args.warmup else []
 
-    logger.info("splitserve: %d prompts x %d in / %d out, %s", args.num_prompts, args.input_len, args.output_len, args.dtype)
+    logger.info(
+        "splitserve: %d prompts x %d in / %d out, %s", args.num_prompts, args.input_len, args.output_len, args.dtype
+    )
     elapsed, num_output_tokens = run_splitserve(args, prompts, warmup_prompts)
     results = [make_result("splitserve", elapsed, prompts, num_output_tokens, args.output_len)]
     gc.collect()  # free the engine's weights and KV cache before loading the baseline
@@ -244,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     ours = results[0].rates()["output_tokens_per_s"]
     for baseline in results[1:]:
         ratio = ours / baseline.rates()["output_tokens_per_s"]
-        report["output_tokens_per_s_ratio" if baseline.engine == "transformers" else f"output_tokens_per_s_ratio_{baseline.engine}"] = ratio
+        report[
+            "output_tokens_per_s_ratio"
+            if baseline.engine == "transformers"
+            else f"output_tokens_per_s_ratio_{baseline.engine}"
+        ] = ratio
         table += f"\nsplitserve / {baseline.engine} output tok/s: {ratio:.2f}x"
     sys.stdout.write(table + "\n")
     if args.output_json is not None:

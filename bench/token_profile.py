@@ -42,7 +42,10 @@ _RULES: list[tuple[str, re.Pattern[str]]] = [
     ("waiting for events (idle)", re.compile(r"\(\S*selectors\.py:\d+\)")),
     ("linear layers", re.compile(r"CPUKernels\.linear |engine/models/cpu_linear\.py|torch/nn/modules/linear\.py")),
     ("attention", re.compile(r"CPUKernels\.(paged_decode_attention|store_kv) |engine/attention/")),
-    ("norm / rotary / SiLU kernels", re.compile(r"engine/models/ops\.py|engine/models/rotary\.py|engine/cpu_kernels\.py")),
+    (
+        "norm / rotary / SiLU kernels",
+        re.compile(r"engine/models/ops\.py|engine/models/rotary\.py|engine/cpu_kernels\.py"),
+    ),
     ("embedding, logits", re.compile(r"engine/models/llama\.py")),
     ("sampling", re.compile(r"engine/sampler\.py")),
     ("input preparation", re.compile(r"engine/model_runner\.py")),
@@ -114,9 +117,13 @@ def process_label(pid: int) -> str:
 
 def stream_requests(url: str, stop: threading.Event, counts: list[int]) -> None:
     """One completion after another, streamed; counts the tokens that arrive."""
-    body = json.dumps({"prompt": "word " * 127, "max_tokens": 128, "ignore_eos": True, "stream": True, "temperature": 0}).encode()
+    body = json.dumps(
+        {"prompt": "word " * 127, "max_tokens": 128, "ignore_eos": True, "stream": True, "temperature": 0}
+    ).encode()
     while not stop.is_set():
-        request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             for line in response:
                 if line.startswith(b"data: {"):
@@ -127,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.token_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=30.0, help="seconds sampled, after a 10 s warm-up stream")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
-    parser.add_argument("--pd", action="store_true", help="serve disaggregated (P on core 0, D on core 1), not colocated")
+    parser.add_argument(
+        "--pd", action="store_true", help="serve disaggregated (P on core 0, D on core 1), not colocated"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout")
     parser.add_argument("--output-json", type=Path, default=None)
@@ -137,7 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("py-spy is not installed: pip install py-spy")
 
     port = free_port()
-    command = [sys.executable, "-m", "engine.cli", "up", "--port", str(port), "--grpc-port", str(free_port()), "--dtype", args.dtype]
+    command = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "up",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--dtype",
+        args.dtype,
+    ]
     command += ["--prefill-cpus", "0", "--decode-cpus", "1"] if args.pd else ["--colocated"]
     cwd = (args.source_dir or Path.cwd()).resolve()
     env = {**os.environ, "SPLITSERVE_API_KEY": "", "PYTHONPATH": f"{cwd}{os.pathsep}{cwd / 'proto'}"}
@@ -154,9 +174,25 @@ def main(argv: list[str] | None = None) -> int:
         pids = {pid: process_label(pid) for pid in child_pids(server.pid)}
         spies = {
             pid: subprocess.Popen(
-                [py_spy, "record", "--pid", str(pid), "--duration", str(int(args.duration)), "--rate", str(args.rate),
-                 "--format", "raw", "--threads", "--full-filenames", "--nonblocking", "--output", str(workdir / f"{pid}.txt")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    py_spy,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--duration",
+                    str(int(args.duration)),
+                    "--rate",
+                    str(args.rate),
+                    "--format",
+                    "raw",
+                    "--threads",
+                    "--full-filenames",
+                    "--nonblocking",
+                    "--output",
+                    str(workdir / f"{pid}.txt"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             for pid in pids
         }
@@ -171,8 +207,16 @@ def main(argv: list[str] | None = None) -> int:
         server.wait(timeout=60)
         log.close()
 
-    report: dict[str, object] = {"output_tokens": num_tokens, "duration_s": args.duration, "rate": args.rate, "processes": {}}
-    sys.stdout.write(f"{num_tokens} tokens streamed in {args.duration:.0f} s: {args.duration * 1e3 / max(num_tokens, 1):.1f} ms/token\n")
+    report: dict[str, object] = {
+        "output_tokens": num_tokens,
+        "duration_s": args.duration,
+        "rate": args.rate,
+        "processes": {},
+    }
+    sys.stdout.write(
+        f"{num_tokens} tokens streamed in {args.duration:.0f} s: {args.duration * 1e3 / max(num_tokens, 1):.1f} "
+        "ms/token\n"
+    )
     for pid, label in sorted(pids.items(), key=lambda item: item[1]):
         path = workdir / f"{pid}.txt"
         counts_by_part = breakdown(path.read_text() if path.exists() else "")
@@ -180,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         if not total:
             continue
         rows = []
-        sys.stdout.write(f"\n{label} (pid {pid}): {total} samples\n\n| thread | part | share | ms per token |\n|---|---|---|---|\n")
+        sys.stdout.write(
+            f"\n{label} (pid {pid}): {total} samples\n\n| thread | part | share | ms per token |\n|---|---|---|---|\n"
+        )
         for (thread, part), count in counts_by_part.most_common():
             ms_per_token = count / args.rate * 1e3 / max(num_tokens, 1)
             rows.append({"thread": thread, "part": part, "samples": count, "ms_per_token": ms_per_token})

@@ -17,10 +17,10 @@ import time
 
 
 def main(argv: list[str]) -> int:
-    from vllm import LLM, SamplingParams  # noqa: PLC0415 - only in the vLLM environment
-    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    request = json.loads(open(argv[1]).read())  # noqa: SIM115, PTH123 - a one-shot read
+    request = json.loads(open(argv[1]).read())  # noqa: SIM115 - a one-shot read
     llm = LLM(model=request["model"], dtype=request["dtype"], max_model_len=request["max_model_len"], seed=0)
 
     def generate(prompts: list[list[int]], output_len: int) -> int:

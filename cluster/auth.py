@@ -86,7 +86,9 @@ def load_cluster_secret(secret: str | None, secret_file: str | None) -> ClusterS
         try:
             secret = Path(secret_file).read_text()
         except OSError as error:
-            raise ValueError(f"cannot read the cluster secret from --cluster-secret-file {secret_file}: {error}") from None
+            raise ValueError(
+                f"cannot read the cluster secret from --cluster-secret-file {secret_file}: {error}"
+            ) from None
     return ClusterSecret.from_text(secret) if secret else None
 
 
@@ -102,26 +104,28 @@ class _AddsToken:
     def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(METADATA_KEY, self._token)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
 class _UnaryUnary(_AddsToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201 - grpc's signature
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._with_token(client_call_details), request)
 
 
 class _UnaryStream(_AddsToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._with_token(client_call_details), request)
 
 
 class _StreamUnary(_AddsToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # noqa: ANN001, ANN201
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(self._with_token(client_call_details), request_iterator)
 
 
 class _StreamStream(_AddsToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # noqa: ANN001, ANN201
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(self._with_token(client_call_details), request_iterator)
 
 
@@ -148,14 +152,18 @@ class ClusterTokenCheck(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
-        if method.startswith(OPEN_METHOD_PREFIXES) or self._secret.accepts(_metadata_value(handler_call_details.invocation_metadata)):
+        if method.startswith(OPEN_METHOD_PREFIXES) or self._secret.accepts(
+            _metadata_value(handler_call_details.invocation_metadata)
+        ):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:
             return None  # an unknown method: UNIMPLEMENTED, as without the check
         self.num_refused += 1
         if self.num_refused % _LOG_REFUSALS_EVERY == 1:
-            logger.warning("refused a call to %s without the cluster secret (%d refused since start)", method, self.num_refused)
+            logger.warning(
+                "refused a call to %s without the cluster secret (%d refused since start)", method, self.num_refused
+            )
         return _refusal(handler, method)
 
 

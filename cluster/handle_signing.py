@@ -86,8 +86,15 @@ def _signed_bytes(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequenc
             [
                 fingerprint.model.encode(),
                 fingerprint.dtype.encode(),
-                _ints([fingerprint.block_size, fingerprint.num_layers, fingerprint.num_kv_heads,
-                       fingerprint.head_dim, fingerprint.tensor_parallel_size]),
+                _ints(
+                    [
+                        fingerprint.block_size,
+                        fingerprint.num_layers,
+                        fingerprint.num_kv_heads,
+                        fingerprint.head_dim,
+                        fingerprint.tensor_parallel_size,
+                    ]
+                ),
             ]
         ),
         struct.pack("<d", handle.lease_s),

@@ -35,17 +35,35 @@ logger = logging.getLogger(__name__)
 
 def add_internal_plane_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    parser.add_argument("--cluster-secret", default=env("SPLITSERVE_CLUSTER_SECRET") or None,
-                        help="shared secret every internal gRPC call carries and KV handles are signed with; the same on "
-                             "gateway, prefill and decode (env SPLITSERVE_CLUSTER_SECRET; prefer it, or the file, to this flag)")
-    parser.add_argument("--cluster-secret-file", default=env("SPLITSERVE_CLUSTER_SECRET_FILE") or None,
-                        help="read the cluster secret from this file, e.g. /run/secrets/cluster_secret (env SPLITSERVE_CLUSTER_SECRET_FILE)")
-    parser.add_argument("--tls-cert", default=env("SPLITSERVE_TLS_CERT") or None,
-                        help="PEM certificate for internal gRPC: served by instances, presented as client certificate by all (env SPLITSERVE_TLS_CERT)")
-    parser.add_argument("--tls-key", default=env("SPLITSERVE_TLS_KEY") or None, help="PEM private key of --tls-cert (env SPLITSERVE_TLS_KEY)")
-    parser.add_argument("--tls-ca", default=env("SPLITSERVE_TLS_CA") or None,
-                        help="PEM CA certificates peers are checked against; on an instance it also requires client "
-                             "certificates (mutual TLS) (env SPLITSERVE_TLS_CA)")
+    parser.add_argument(
+        "--cluster-secret",
+        default=env("SPLITSERVE_CLUSTER_SECRET") or None,
+        help="shared secret every internal gRPC call carries and KV handles are signed with; the same on "
+        "gateway, prefill and decode (env SPLITSERVE_CLUSTER_SECRET; prefer it, or the file, to this flag)",
+    )
+    parser.add_argument(
+        "--cluster-secret-file",
+        default=env("SPLITSERVE_CLUSTER_SECRET_FILE") or None,
+        help="read the cluster secret from this file, e.g. /run/secrets/cluster_secret (env "
+        "SPLITSERVE_CLUSTER_SECRET_FILE)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=env("SPLITSERVE_TLS_CERT") or None,
+        help="PEM certificate for internal gRPC: served by instances, presented as client certificate by all (env "
+        "SPLITSERVE_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=env("SPLITSERVE_TLS_KEY") or None,
+        help="PEM private key of --tls-cert (env SPLITSERVE_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=env("SPLITSERVE_TLS_CA") or None,
+        help="PEM CA certificates peers are checked against; on an instance it also requires client "
+        "certificates (mutual TLS) (env SPLITSERVE_TLS_CA)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +85,9 @@ class InternalPlane:
         """A channel to an instance: TLS when configured, the call token on every call."""
         interceptors = cluster_token_interceptors(self.secret) if self.secret is not None else None
         if self.tls is not None:
-            return grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=list(options), interceptors=interceptors)
+            return grpc.aio.secure_channel(
+                address, self.tls.channel_credentials(), options=list(options), interceptors=interceptors
+            )
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
     def server(self, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
@@ -84,9 +104,11 @@ class InternalPlane:
         """Say loudly, at start, what an unsecured plane lets others do."""
         if self.secret is None:
             logger.warning(
-                "%s: NO CLUSTER SECRET: the internal plane is open. Anyone who reaches this process's ports can release "
+                "%s: NO CLUSTER SECRET: the internal plane is open. Anyone who reaches this process's ports can "
+                "release "
                 "or abort any request's KV, and hand decode instances KV of their own. Set SPLITSERVE_CLUSTER_SECRET "
-                "(the same on gateway, prefill and decode) everywhere but on a single trusted host; see docs/security.md",
+                "(the same on gateway, prefill and decode) everywhere but on a single trusted host; see "
+                "docs/security.md",
                 who,
             )
         if self.tls is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,16 @@ async def _call_by_id(method: grpc.aio.UnaryUnaryMultiCallable, name: str, reque
     try:
         await method(disaggregation_pb2.RequestRef(request_id=request_id), timeout=CONTROL_TIMEOUT_S)
     except grpc.aio.AioRpcError as error:
-        logger.warning("%s of %s on %s failed (%s); its lease frees the blocks", name, request_id, address, error.code().name)
+        logger.warning(
+            "%s of %s on %s failed (%s); its lease frees the blocks", name, request_id, address, error.code().name
+        )
         return False
     return True
 
 
-async def renew_kv(channel: grpc.aio.Channel, request_ids: list[str], address: str, timeout_s: float) -> list[str] | None:
+async def renew_kv(
+    channel: grpc.aio.Channel, request_ids: list[str], address: str, timeout_s: float
+) -> list[str] | None:
     """Extend the leases of ``request_ids`` on P. Returns the ids P no longer holds, or
     None when P did not answer (it may be gone: the pulls will tell)."""
     try:

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as redis
 from redis.exceptions import AuthenticationError, NoPermissionError
-from splitserve.v1 import disaggregation_pb2
 
 from kv_connector.store_urls import redact_url, with_password_file
+from splitserve.v1 import disaggregation_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,9 @@ def registry_client(url: str) -> redis.Redis:
     """A client for the registry at ``url`` (its password may come from a file:
     :func:`with_password_file`); raises ValueError for a URL that is not Redis."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"--registry-url must be redis://[USER:PASSWORD@]HOST:PORT or rediss://..., got {redact_url(url)!r}")
+        raise ValueError(
+            f"--registry-url must be redis://[USER:PASSWORD@]HOST:PORT or rediss://..., got {redact_url(url)!r}"
+        )
     return redis.from_url(with_password_file(url))
 
 
@@ -115,7 +117,9 @@ class RegistryHeartbeat:
         try:
             await self._client.delete(self._key)
         except (redis.RedisError, OSError) as error:
-            logger.warning("could not deregister %s (its key expires by itself): %s", self._key, registry_error(error, self._url))
+            logger.warning(
+                "could not deregister %s (its key expires by itself): %s", self._key, registry_error(error, self._url)
+            )
         await self._client.aclose()
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 
-from splitserve.v1 import generation_pb2
-
 from engine.sampling_params import SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
+from splitserve.v1 import generation_pb2
 
 # proto3 ``optional`` fields: unset keeps the engine's default.
 _OPTIONAL_FIELDS = (

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+
 @dataclass(frozen=True, slots=True)
 class TLSFiles:
     """PEM bytes, read once at start."""
@@ -33,7 +34,9 @@ class TLSFiles:
         if not (cert or key or ca):
             return None
         if bool(cert) != bool(key):
-            raise ValueError("--tls-cert and --tls-key go together: give both (the certificate and its private key) or neither")
+            raise ValueError(
+                "--tls-cert and --tls-key go together: give both (the certificate and its private key) or neither"
+            )
         return cls(cert=_read(cert, "--tls-cert"), key=_read(key, "--tls-key"), ca=_read(ca, "--tls-ca"))
 
     @property
@@ -43,11 +46,18 @@ class TLSFiles:
 
     def server_credentials(self) -> grpc.ServerCredentials:
         if self.cert is None or self.key is None:
-            raise ValueError("an instance serving TLS needs its own certificate: give --tls-cert and --tls-key (--tls-ca alone only checks peers)")
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.mutual)
+            raise ValueError(
+                "an instance serving TLS needs its own certificate: give --tls-cert and --tls-key (--tls-ca alone "
+                "only checks peers)"
+            )
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.mutual
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 def _read(path: str | None, flag: str) -> bytes | None:

@@ -99,14 +99,19 @@ class LeaseKeeper:
 
     async def _renew(self, address: str, batch: list[tuple[str, HeldKV]]) -> None:
         timeout_s = min(held.lease_s for _, held in batch) * RENEW_FRACTION
-        unknown = await renew_kv(self._channel(address), [held.prefill_request_id for _, held in batch], address, timeout_s)
+        unknown = await renew_kv(
+            self._channel(address), [held.prefill_request_id for _, held in batch], address, timeout_s
+        )
         if unknown is None:
             return  # P did not answer; the next tick tries again, and a pull would fail clearly
         lost = set(unknown)
         for decode_request_id, held in batch:
             if held.prefill_request_id in lost and self._held.get(decode_request_id) is held:
                 del self._held[decode_request_id]
-                self._on_lost(decode_request_id, f"prefill instance {address} no longer holds the KV of {held.prefill_request_id!r}")
+                self._on_lost(
+                    decode_request_id,
+                    f"prefill instance {address} no longer holds the KV of {held.prefill_request_id!r}",
+                )
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)

@@ -50,16 +50,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from cluster.handle_signing import HandleRejected, verify_handle
 from cluster.sampling_proto import sampling_params_from_proto
 from decode_svc.leases import LeaseKeeper
 from engine.scheduler_output import KVLoad
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error
 from kv_connector.fingerprint import FingerprintMismatchError
 from serving.convert import kv_source_from_proto, output_to_proto
-from cluster.handle_signing import HandleRejected, verify_handle
 from serving.instance import Instance, add_instance_arguments, engine_config, serve
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +106,15 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
 
     # -------------------------------------------------------------- the RPC
 
-    async def Decode(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+    async def Decode(self, request, context):  # noqa: N802 - gRPC signature
         request_id = request.request_id
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         local = not request.HasField("kv")  # conditional disaggregation: prefill here
         handle = request.kv
-        source = None if local else kv_source_from_proto(handle.request_id or request_id, handle, request.prompt_token_ids)
+        source = (
+            None if local else kv_source_from_proto(handle.request_id or request_id, handle, request.prompt_token_ids)
+        )
         try:
             params = sampling_params_from_proto(request.sampling)
             if source is not None:
@@ -165,7 +167,9 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             self.leases.release(request_id)  # a no-op once the pull released P
             await stream.aclose()  # aborts the request now if it has not finished
 
-    def _check_handle(self, handle: disaggregation_pb2.KVHandle, source: KVSource, prompt_token_ids: Sequence[int]) -> None:
+    def _check_handle(
+        self, handle: disaggregation_pb2.KVHandle, source: KVSource, prompt_token_ids: Sequence[int]
+    ) -> None:
         """Raise HandleRejected (the handle is not one a prefill instance of this cluster issued),
         FingerprintMismatchError or ValueError for a handle this instance cannot pull. Runs
         before anything is allocated: what a refused handle names is never pulled nor cached."""
@@ -175,14 +179,23 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             verify_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)
         num_prompt_tokens = len(prompt_token_ids)
         if handle.num_tokens != num_prompt_tokens:
-            raise ValueError(f"the KV handle holds the KV of {handle.num_tokens} tokens; this call's prompt has {num_prompt_tokens}")
+            raise ValueError(
+                f"the KV handle holds the KV of {handle.num_tokens} tokens; this call's prompt has {num_prompt_tokens}"
+            )
         self.instance.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
         if handle.connector and handle.connector != self.connector.name:
-            raise ValueError(f"the KV handle is for the {handle.connector!r} connector; this decode instance uses {self.connector.name!r}")
-        if (mismatch := block_count_error(len(source.block_ids), num_prompt_tokens, self.instance.fingerprint.block_size)) is not None:
+            raise ValueError(
+                f"the KV handle is for the {handle.connector!r} connector; this decode instance uses "
+                f"{self.connector.name!r}"
+            )
+        if (
+            mismatch := block_count_error(
+                len(source.block_ids), num_prompt_tokens, self.instance.fingerprint.block_size
+            )
+        ) is not None:
             raise ValueError(f"the KV handle does not fit this call's prompt: {mismatch}")
 
-    async def Abort(self, request, context):  # noqa: ANN001, N802
+    async def Abort(self, request, context):  # noqa: N802
         found = request.request_id in self._calls
         self.instance.engine.abort(request.request_id)
         return disaggregation_pb2.AbortResponse(found=found)
@@ -203,7 +216,9 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
 
     async def _pull(self, load: KVLoad, call: DecodeCall) -> None:
         try:
-            stats = await self.connector.pull(call.source, load.block_ids, load.num_local_hit_blocks, self.pull_timeout_s)
+            stats = await self.connector.pull(
+                call.source, load.block_ids, load.num_local_hit_blocks, self.pull_timeout_s
+            )
         except KVTransferError as error:
             self._pull_failed(load, call, str(error))
         else:
@@ -212,7 +227,11 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             self.instance.engine.finish_kv_load(load.request_id, success=True)
             logger.info(
                 "pulled %d blocks (%d bytes, %d messages) for %s in %.4f s",
-                stats.num_blocks, stats.num_bytes, stats.num_messages, load.request_id, stats.seconds,
+                stats.num_blocks,
+                stats.num_bytes,
+                stats.num_messages,
+                load.request_id,
+                stats.seconds,
             )
         finally:
             self.leases.release(load.request_id)
@@ -228,7 +247,12 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             self.instance.engine.finish_kv_load(load.request_id, success=False)
         elif call.allow_recompute:
             logger.warning("KV pull for %s failed, failing the request: %s", load.request_id, reason)
-            self._end(load.request_id, call, grpc.StatusCode.UNAVAILABLE, f"KV transfer from the prefill instance failed: {reason}")
+            self._end(
+                load.request_id,
+                call,
+                grpc.StatusCode.UNAVAILABLE,
+                f"KV transfer from the prefill instance failed: {reason}",
+            )
         else:
             self._hand_back(load.request_id, call, reason)
 
@@ -242,7 +266,12 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
     def _hand_back(self, request_id: str, call: DecodeCall, reason: str) -> None:
         logger.warning("KV of %s cannot be pulled (%s): handing it back for another prefill", request_id, reason)
         self.instance.counters.num_kv_handbacks += 1
-        self._end(request_id, call, grpc.StatusCode.DATA_LOSS, f"the prompt's KV could not be pulled ({reason}); prefill it again")
+        self._end(
+            request_id,
+            call,
+            grpc.StatusCode.DATA_LOSS,
+            f"the prompt's KV could not be pulled ({reason}); prefill it again",
+        )
 
     def _end(self, request_id: str, call: DecodeCall, code: grpc.StatusCode, message: str) -> None:
         call.end_code, call.end_message = code, message
@@ -261,13 +290,21 @@ def _transfer_proto(stats: TransferStats, num_local_hit_blocks: int, recomputed:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_instance_arguments(parser, DEFAULT_PORT)
-    parser.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
-                        help="when a pull fails on a call that allows recompute (the gateway's last hand-off attempt): "
-                             "recompute the prompt here, in chunks, or fail the request")
+    parser.add_argument(
+        "--kv-failure-policy",
+        default="recompute",
+        choices=["recompute", "fail"],
+        help="when a pull fails on a call that allows recompute (the gateway's last hand-off attempt): "
+        "recompute the prompt here, in chunks, or fail the request",
+    )
     parser.add_argument("--kv-pull-timeout", type=float, default=10.0, help="seconds before a KV pull counts as failed")
-    parser.add_argument("--decode-recompute-chunk", type=int, default=DEFAULT_RECOMPUTE_CHUNK,
-                        help="prompt tokens a step computes at most beside its decodes (recomputes, preempted requests), "
-                             "so running streams wait at most one chunk per step")
+    parser.add_argument(
+        "--decode-recompute-chunk",
+        type=int,
+        default=DEFAULT_RECOMPUTE_CHUNK,
+        help="prompt tokens a step computes at most beside its decodes (recomputes, preempted requests), "
+        "so running streams wait at most one chunk per step",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

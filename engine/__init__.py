@@ -35,7 +35,18 @@ _EXPORTS = {
     "SpeculativeConfig": "engine.spec_decode.config",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "EngineConfig",
+    "EngineCore",
+    "AsyncEngine",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineCoreOutput",
+    "SpeculativeConfig",
+]
+assert set(__all__) == set(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

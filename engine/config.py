@@ -54,7 +54,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_prefill_tokens is not None and self.max_num_prefill_tokens < 2:
-            raise ValueError(f"max_num_prefill_tokens must be >= 2 (or None for no cap), got {self.max_num_prefill_tokens}")
+            raise ValueError(
+                f"max_num_prefill_tokens must be >= 2 (or None for no cap), got {self.max_num_prefill_tokens}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.role not in ("colocated", "prefill", "decode"):

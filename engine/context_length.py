@@ -22,7 +22,8 @@ def resolve_max_tokens(
     ``max_tokens_param``: what the caller's API calls ``max_tokens``, for the message."""
     if num_prompt_tokens >= max_model_len:
         raise ContextLengthExceeded(
-            f"this model's maximum context length is {max_model_len} tokens, but the prompt has {num_prompt_tokens} tokens "
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has {num_prompt_tokens} "
+            "tokens "
             "(one more is needed for the output); shorten the prompt",
             param="prompt",
         )

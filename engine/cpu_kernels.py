@@ -94,7 +94,9 @@ class CPUKernels:
         num_seqs, num_heads, head_dim = query.shape
         block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
         if not (layer_cache[0, 0].is_contiguous() and block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
-            raise RuntimeError("paged_decode_attention needs contiguous cache blocks, block tables rows and seq_lens (bug)")
+            raise RuntimeError(
+                "paged_decode_attention needs contiguous cache blocks, block tables rows and seq_lens (bug)"
+            )
         query = query.contiguous()
         out = torch.empty_like(query)
         key_ptr = layer_cache.data_ptr()
@@ -117,7 +119,9 @@ class CPUKernels:
         )
         return out if status == 0 else None
 
-    def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    def store_kv(
+        self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> bool:
         """Write key, value: [T, H_kv, D] (rows may be strided) into their slots of layer_cache:
         [2, num_blocks, block_size, H_kv, D]; slot_mapping: [T] int64. Returns False, having
         written nothing, for layouts the kernel does not take (the caller writes them itself)."""

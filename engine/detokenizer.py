@@ -138,7 +138,7 @@ class IncrementalDetokenizer:
             seed_ids = []
         stream = DecodeStream(ids=seed_ids, skip_special_tokens=self._skip_special_tokens)
         if len(seed_ids) < len(context_ids):
-            stream.step(self._backend, context_ids[len(seed_ids):])
+            stream.step(self._backend, context_ids[len(seed_ids) :])
         return stream
 
     def _step(self, token_id: int) -> str | None:

@@ -24,8 +24,8 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import KVLoad
-from engine.structured_output.manager import StructuredOutputManager
 from engine.spec_decode.ngram import NgramProposer
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,9 @@ class EngineCore:
         # Bounded at a few times the pool: a gateway polling twice a second falls behind it
         # only when the whole cache turns over several times in between (it then resyncs).
         self.kv_events = KVEventLog(max_events=4 * self.runner.num_blocks + 1024)
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -81,7 +83,11 @@ class EngineCore:
             self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, spec.num_speculative_tokens)
         if self.speculative is not None:
             spec = self.speculative
-            drafter = f"n-gram lookup of {spec.ngram_min}-{spec.ngram_max} tokens" if self.ngram else f"draft model {spec.model}"
+            drafter = (
+                f"n-gram lookup of {spec.ngram_min}-{spec.ngram_max} tokens"
+                if self.ngram
+                else f"draft model {spec.model}"
+            )
             logger.info("speculative decoding: up to %d drafts per step from %s", spec.num_speculative_tokens, drafter)
 
     # ----------------------------------------------------------------- intake
@@ -124,7 +130,10 @@ class EngineCore:
         Reads only the configuration: safe to call from any thread."""
         num_prompt = len(prompt_token_ids)
         if first_token_id is not None and self.config.role != "decode":
-            raise ValueError(f"first_token_id continues a remotely prefilled prompt: decode role only, this engine is {self.config.role}")
+            raise ValueError(
+                "first_token_id continues a remotely prefilled prompt: decode role only, this engine is "
+                f"{self.config.role}"
+            )
         if num_prompt == 0:
             raise ValueError("the prompt is empty; send at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]

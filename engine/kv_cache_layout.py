@@ -16,7 +16,13 @@ import torch
 
 
 def allocate_kv_cache(
-    num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    num_blocks: int,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     """A zeroed cache in the layout above."""
     return torch.zeros((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)

@@ -16,7 +16,9 @@ class KVCacheManager:
     path calls exactly once.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, events: KVEventLog | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, events: KVEventLog | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching, events)

@@ -19,9 +19,7 @@ def cdiv(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
-def hash_block_tokens(
-    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
-) -> BlockHash:
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
     """Hash one full block. ``extra_keys`` (a cache salt, say) matter only for the
     first block: every later hash inherits them through the chain."""
     hasher = xxhash.xxh3_128()

@@ -63,7 +63,11 @@ class KVEventLog:
         with self._lock:
             oldest_kept = self._events[0][0] if self._events else self._last_seq + 1
             # Events after_seq+1 .. last_seq must all still be in the log.
-            if epoch != self.epoch or after_seq > self._last_seq or (after_seq < self._last_seq and after_seq + 1 < oldest_kept):
+            if (
+                epoch != self.epoch
+                or after_seq > self._last_seq
+                or (after_seq < self._last_seq and after_seq + 1 < oldest_kept)
+            ):
                 return KVEventBatch(self.epoch, self._last_seq, True, list(self._cached), [])
             changed: set[BlockHash] = set()
             for seq, block_hash in reversed(self._events):

@@ -79,9 +79,7 @@ class LLM:
         # tracked is in prompt order already
         return [item.output for item in tracked.values() if item.output is not None]
 
-    def chat(
-        self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None
-    ) -> RequestOutput:
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """One conversation through the model's chat template."""
         encoded = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
@@ -126,9 +124,7 @@ class LLM:
         return None, list(prompt)
 
 
-def _broadcast(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
+def _broadcast(sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
     if sampling_params is None:
         return [SamplingParams() for _ in range(count)]
     if isinstance(sampling_params, SamplingParams):

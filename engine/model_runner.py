@@ -97,7 +97,9 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         shape = self.shape
-        return allocate_kv_cache(num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device)
+        return allocate_kv_cache(
+            num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device
+        )
 
     def _profile_free_gpu_memory(self) -> int:
         """Memory left for KV after the weights and the activations of the largest step.
@@ -261,7 +263,11 @@ class ModelRunner:
         verified = self.rejection_sampler(
             logits,
             SamplingMetadata(
-                params, prompts, outputs, generators, eos_token_ids,
+                params,
+                prompts,
+                outputs,
+                generators,
+                eos_token_ids,
                 grammar_rows=[first_rows[i] for i in bitmask.rows] if bitmask else [],
                 grammar_bias=bitmask.result() if bitmask else None,
             ),

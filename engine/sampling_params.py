@@ -61,9 +61,7 @@ class SamplingParams:
             )
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        _check(
-            -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]"
-        )
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]")
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")

@@ -128,7 +128,9 @@ class Scheduler:
         cache now): counted in full, a queue of requests sharing a cached system prompt looked
         like a queue of whole prompts, and cache-aware routing sent the next one elsewhere."""
         waiting = sum(
-            r.num_tokens - r.num_computed_tokens - (self.kv_cache_manager.num_cached_prefix_tokens(r) if not r.num_computed_tokens else 0)
+            r.num_tokens
+            - r.num_computed_tokens
+            - (self.kv_cache_manager.num_cached_prefix_tokens(r) if not r.num_computed_tokens else 0)
             for r in self.waiting
             if not r.num_external_tokens
         )
@@ -182,15 +184,20 @@ class Scheduler:
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             if request.num_external_tokens:
-                if kv.allocate_slots(
-                    request, request.num_external_tokens - num_hit_tokens, computed_blocks, cache_new_blocks=False
-                ) is None:
+                if (
+                    kv.allocate_slots(
+                        request, request.num_external_tokens - num_hit_tokens, computed_blocks, cache_new_blocks=False
+                    )
+                    is None
+                ):
                     break
                 self.waiting.pop(0)
                 request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.waiting_for_kv[request.request_id] = request
-                kv_loads.append(KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), len(computed_blocks)))
+                kv_loads.append(
+                    KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), len(computed_blocks))
+                )
                 continue
             num_new_tokens = _chunk(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
@@ -313,12 +320,15 @@ class Scheduler:
     def _num_drafts(self, request: Request, budget: int) -> int:
         """How many of the request's wanted drafts to verify this step: no more than the budget
         left, and none past what max_tokens or the context would keep."""
-        return max(0, min(
-            request.num_spec_tokens,
-            budget,
-            request.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-        ))
+        return max(
+            0,
+            min(
+                request.num_spec_tokens,
+                budget,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            ),
+        )
 
     def kv_handoff(self, request: Request) -> KVHandoff:
         """Prefill role: the pinned blocks holding a finished-prefill request's prompt KV."""
@@ -352,7 +362,9 @@ class Scheduler:
         # Worth seeing in the logs: each one costs a recompute of the request's tokens.
         logger.info(
             "preempted %s for lack of KV blocks: %d tokens to recompute (%d preemptions since start)",
-            request.request_id, request.num_tokens, self.num_preemptions,
+            request.request_id,
+            request.num_tokens,
+            self.num_preemptions,
         )
         taken_back = scheduled.pop(request.request_id, None)
         return taken_back.num_new_tokens if taken_back else 0

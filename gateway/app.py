@@ -61,11 +61,18 @@ def create_app(
             raise unknown_model(model, model_name)
 
     @app.middleware("http")
-    async def require_api_key(request: Request, call_next):  # noqa: ANN001, ANN202 - starlette's signature
-        if api_key is not None and request.url.path not in _OPEN_PATHS:
-            if not bearer_matches(request.headers.get("authorization", ""), api_key):
-                error = APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
-                return _error_response(error)
+    async def require_api_key(request: Request, call_next):
+        if (
+            api_key is not None
+            and request.url.path not in _OPEN_PATHS
+            and not bearer_matches(request.headers.get("authorization", ""), api_key)
+        ):
+            error = APIError(
+                HTTPStatus.UNAUTHORIZED,
+                "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+            return _error_response(error)
         return await call_next(request)
 
     # Outermost: an oversized body is refused before the key check or any parsing reads it.
@@ -124,7 +131,9 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=model_root or model_name, max_model_len=service.max_model_len)])
+        return ModelList(
+            data=[ModelCard(id=model_name, root=model_root or model_name, max_model_len=service.max_model_len)]
+        )
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
@@ -147,7 +156,10 @@ def create_app(
         tokenizer = service.tokenizer
         if isinstance(request, TokenizeChatRequest):
             tokens = await tokenizer.encode_chat(
-                request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.chat_template_kwargs,
             )
         else:
             tokens = await tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)

@@ -80,7 +80,9 @@ class ChatTemplate:
         for key, value in (template_kwargs or {}).items():
             param = f"chat_template_kwargs.{key}"
             if key == "chat_template":
-                raise bad_request("custom chat templates are not accepted; the model's own template is used", param=param)
+                raise bad_request(
+                    "custom chat templates are not accepted; the model's own template is used", param=param
+                )
             if key in self.reserved:
                 raise bad_request(f"chat_template_kwargs may not set {key!r}: the gateway sets it", param=param)
             if key in _FLAGS:
@@ -94,11 +96,15 @@ class ChatTemplate:
                 continue
             kwargs[key] = value
         if ignored:
-            logger.info("ignoring chat_template_kwargs the model's template does not read: %s", ", ".join(sorted(ignored)))
+            logger.info(
+                "ignoring chat_template_kwargs the model's template does not read: %s", ", ".join(sorted(ignored))
+            )
         kwargs.setdefault("add_generation_prompt", add_generation_prompt)
         kwargs.setdefault("continue_final_message", continue_final_message)
         if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
-            raise bad_request("continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message")
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
+            )
         conversation = [_message_dict(message, index) for index, message in enumerate(messages)]
         return partial(self._render, conversation, kwargs)
 
@@ -116,7 +122,11 @@ def _undeclared_variables(source: str) -> set[str]:
     try:
         return jinja2.meta.find_undeclared_variables(environment.parse(_GENERATION_TAG.sub("", source)))
     except jinja2.TemplateSyntaxError as error:
-        logger.warning("cannot parse the model's chat template (%s); chat_template_kwargs other than %s are ignored", error, _FLAGS + _LISTS)
+        logger.warning(
+            "cannot parse the model's chat template (%s); chat_template_kwargs other than %s are ignored",
+            error,
+            _FLAGS + _LISTS,
+        )
         return set()
 
 

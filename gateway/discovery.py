@@ -9,10 +9,10 @@ import logging
 import grpc
 import redis.asyncio as redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from cluster.registration import registry_client, registry_error, scan_registrations
 from gateway.instances import ROLES, InstancePool, Role
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,10 @@ class DiscoveryLoop:
     @staticmethod
     def _ended(task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            logger.error("instance discovery stopped: the gateway no longer learns of instances; /health answers 503", exc_info=task.exception())
+            logger.error(
+                "instance discovery stopped: the gateway no longer learns of instances; /health answers 503",
+                exc_info=task.exception(),
+            )
 
 
 class StaticDiscovery:
@@ -71,7 +74,9 @@ class StaticDiscovery:
         try:
             health, report = await asyncio.gather(
                 health_pb2_grpc.HealthStub(state.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout),
-                disaggregation_pb2_grpc.LoadStub(state.channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=timeout),
+                disaggregation_pb2_grpc.LoadStub(state.channel).GetLoadReport(
+                    disaggregation_pb2.LoadReportRequest(), timeout=timeout
+                ),
             )
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNAUTHENTICATED and address not in self._refused_by:
@@ -82,7 +87,9 @@ class StaticDiscovery:
                 self.pool.record_unreachable(address)
             return
         if report.role and report.role != state.role:
-            logger.error("%s was given as a %s instance but reports role %r; not using it", address, state.role, report.role)
+            logger.error(
+                "%s was given as a %s instance but reports role %r; not using it", address, state.role, report.role
+            )
             self.pool.record_unreachable(address)
             return
         self._refused_by.discard(address)

@@ -33,7 +33,6 @@ from http import HTTPStatus
 from typing import Literal
 
 import grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from cluster.background import BackgroundTasks
 from cluster.prefill_control import abort_prefill, release_kv
@@ -42,6 +41,7 @@ from gateway.errors import APIError, no_instance
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_index import PromptBlocks
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,9 @@ class Dispatcher:
         if max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {max_migrations}")
         if disagg_min_prompt_tokens < 0:
-            raise ValueError(f"--disagg-min-prompt-tokens must be >= 0 (0: always disaggregate), got {disagg_min_prompt_tokens}")
+            raise ValueError(
+                f"--disagg-min-prompt-tokens must be >= 0 (0: always disaggregate), got {disagg_min_prompt_tokens}"
+            )
         self.pool = pool
         self.metrics = metrics
         self.max_migrations = max_migrations
@@ -179,7 +181,9 @@ class Dispatcher:
             num_cached_tokens=prefilled.num_cached_tokens,
         )
         if first.finish_reason is None and not prefilled.HasField("kv"):
-            raise RuntimeError(f"prefill instance {prefill.address} returned neither a KV handle nor a finish reason (bug)")
+            raise RuntimeError(
+                f"prefill instance {prefill.address} returned neither a KV handle nor a finish reason (bug)"
+            )
         if first.finish_reason is not None:
             yield first
             return
@@ -208,7 +212,9 @@ class Dispatcher:
             return "decode", "cached_on_decode"
         return "disaggregated", "uncached_prompt"
 
-    async def _decode_and_migrate(self, request: DispatchRequest, pinned: _Pinned | None, output_token_ids: list[int]) -> AsyncIterator[TokenEvent]:
+    async def _decode_and_migrate(
+        self, request: DispatchRequest, pinned: _Pinned | None, output_token_ids: list[int]
+    ) -> AsyncIterator[TokenEvent]:
         """Decode after ``output_token_ids`` (the tokens already sent; P's first token after a
         prefill there), from P's pinned KV, or prefilling on D itself when ``pinned`` is None.
         A lost KV goes back to prefill; a D that fails after streaming hands the request to
@@ -223,7 +229,9 @@ class Dispatcher:
                     if pinned is None:
                         stream = self._decode(current)
                     else:
-                        stream = self._decode(current, pinned.handle, output_token_ids[-1], allow_recompute=handoff >= MAX_HANDOFFS)
+                        stream = self._decode(
+                            current, pinned.handle, output_token_ids[-1], allow_recompute=handoff >= MAX_HANDOFFS
+                        )
                     async for event in stream:
                         decoding = True
                         output_token_ids.extend(event.token_ids)
@@ -231,8 +239,14 @@ class Dispatcher:
                     return
                 except _KVLost as lost:
                     if pinned is None or handoff >= MAX_HANDOFFS:
-                        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"no decode instance could take the KV: {lost}", code="instance_failed") from None
-                    logger.warning("hand-off %d of %s lost its KV (%s); prefilling it again", handoff, request.request_id, lost)
+                        raise APIError(
+                            HTTPStatus.SERVICE_UNAVAILABLE,
+                            f"no decode instance could take the KV: {lost}",
+                            code="instance_failed",
+                        ) from None
+                    logger.warning(
+                        "hand-off %d of %s lost its KV (%s); prefilling it again", handoff, request.request_id, lost
+                    )
                     if self.metrics is not None:
                         self.metrics.kv_reprefills.inc()
                     self._free_in_background(pinned)  # a no-op if D's release got there first
@@ -253,15 +267,23 @@ class Dispatcher:
                     if resumed is None:  # the failed D had sent every token but not the finish
                         yield TokenEvent(token_ids=[], logprobs=[], finish_reason="length")
                         return
-                    logger.warning("decode of %s failed after %d tokens (%s); migrating it (%d of at most %d)",
-                                   request.request_id, len(output_token_ids), lost.api_error.message, num_migrations, self.max_migrations)
+                    logger.warning(
+                        "decode of %s failed after %d tokens (%s); migrating it (%d of at most %d)",
+                        request.request_id,
+                        len(output_token_ids),
+                        lost.api_error.message,
+                        num_migrations,
+                        self.max_migrations,
+                    )
                     if self.metrics is not None:
                         self.metrics.migrations.labels(outcome="resumed").inc()
                     # The failed D took P's KV over when it streamed; the new KV is the resumed prompt's,
                     # prefilled on a P whatever the first path was (it is long by now, and mostly cached).
                     decoding, handoff = False, 0
                     current = resumed
-                    prefer = pinned.prefill if pinned is not None and self.pool.routing == "load" else None  # kv routing finds the prefix itself
+                    prefer = (
+                        pinned.prefill if pinned is not None and self.pool.routing == "load" else None
+                    )  # kv routing finds the prefix itself
                     pinned = await self._reprefill(current, f"{request.request_id}.m{num_migrations}", prefer=prefer)
         finally:
             if not decoding and pinned is not None:
@@ -292,7 +314,11 @@ class Dispatcher:
         for _ in range(MAX_ATTEMPTS):
             prefill = self._admit(
                 lambda: self.pool.pick_prefill(
-                    exclude=tried, num_prompt_tokens=num_prompt_tokens, prefer=prefer, admitted=kv_only, prompt=request.blocks
+                    exclude=tried,
+                    num_prompt_tokens=num_prompt_tokens,
+                    prefer=prefer,
+                    admitted=kv_only,
+                    prompt=request.blocks,
                 )
             )
             if prefill is None:
@@ -300,7 +326,9 @@ class Dispatcher:
             tried.append(prefill)
             try:
                 with prefill.call():
-                    response = await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(message, timeout=_remaining(request))
+                    response = await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(
+                        message, timeout=_remaining(request)
+                    )
                 return response, prefill
             except grpc.aio.AioRpcError as error:
                 last_error = self._failed(prefill, error, "prefill")
@@ -312,7 +340,9 @@ class Dispatcher:
 
     async def _reprefill(self, request: DispatchRequest, prefill_request_id: str, prefer: InstanceState) -> _Pinned:
         """The prompt's KV again, pinned under a new id; the token P samples is not used."""
-        prefilled, prefill = await self._prefill(request, prefill_request_id, request.sampling, kv_only=True, prefer=prefer)
+        prefilled, prefill = await self._prefill(
+            request, prefill_request_id, request.sampling, kv_only=True, prefer=prefer
+        )
         if not prefilled.HasField("kv"):
             raise RuntimeError(f"prefill instance {prefill.address} pinned nothing for a kv_only prefill (bug)")
         return _Pinned(prefill, _with_request_id(prefilled.kv, prefill_request_id))
@@ -346,9 +376,15 @@ class Dispatcher:
         async for event in self._stream_with_failover(
             "decode",
             lambda tried: self.pool.pick(
-                "decode", exclude=tried, fingerprint=fingerprint, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks
+                "decode",
+                exclude=tried,
+                fingerprint=fingerprint,
+                num_prompt_tokens=num_prompt_tokens,
+                prompt=request.blocks,
             ),
-            lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(message, timeout=_remaining(request)),
+            lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
+                message, timeout=_remaining(request)
+            ),
         ):
             yield event
 
@@ -365,8 +401,12 @@ class Dispatcher:
         num_prompt_tokens = len(request.prompt_token_ids)
         async for event in self._stream_with_failover(
             "colocated",
-            lambda tried: self.pool.pick("colocated", exclude=tried, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks),
-            lambda instance: generation_pb2_grpc.GenerationStub(instance.channel).Generate(message, timeout=_remaining(request)),
+            lambda tried: self.pool.pick(
+                "colocated", exclude=tried, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks
+            ),
+            lambda instance: generation_pb2_grpc.GenerationStub(instance.channel).Generate(
+                message, timeout=_remaining(request)
+            ),
         ):
             yield event
 
@@ -420,7 +460,10 @@ class Dispatcher:
             if self.metrics is not None:
                 self.metrics.rejected.inc()
             raise APIError(
-                HTTPStatus.TOO_MANY_REQUESTS, f"{overloaded}; retry later", code="overloaded", retry_after_s=overloaded.retry_after_s
+                HTTPStatus.TOO_MANY_REQUESTS,
+                f"{overloaded}; retry later",
+                code="overloaded",
+                retry_after_s=overloaded.retry_after_s,
             ) from None
 
     def _failed(self, instance: InstanceState, error: grpc.aio.AioRpcError, phase: str) -> grpc.aio.AioRpcError:
@@ -428,7 +471,9 @@ class Dispatcher:
         code = error.code()
         if code not in _RETRYABLE:
             raise _as_api_error(error, f"{phase} instance {instance.instance_id}")
-        logger.warning("%s on %s failed (%s: %s); trying another instance", phase, instance.address, code.name, error.details())
+        logger.warning(
+            "%s on %s failed (%s: %s); trying another instance", phase, instance.address, code.name, error.details()
+        )
         if code in _INSTANCE_DOWN:
             self.pool.record_failure(instance)
         return error
@@ -451,7 +496,9 @@ def _with_request_id(handle: disaggregation_pb2.KVHandle, prefill_request_id: st
     return handle
 
 
-def _token_event(response: disaggregation_pb2.DecodeResponse | generation_pb2.GenerateResponse, first: bool) -> TokenEvent:
+def _token_event(
+    response: disaggregation_pb2.DecodeResponse | generation_pb2.GenerateResponse, first: bool
+) -> TokenEvent:
     event = TokenEvent(
         token_ids=list(response.token_ids),
         logprobs=list(response.logprobs),

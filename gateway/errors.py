@@ -76,7 +76,12 @@ def internal_error(where: str) -> APIError:
 
 
 def unknown_model(model: str, served: str) -> APIError:
-    return APIError(HTTPStatus.NOT_FOUND, f"the model {model!r} does not exist; this server serves {served!r}", "model", "model_not_found")
+    return APIError(
+        HTTPStatus.NOT_FOUND,
+        f"the model {model!r} does not exist; this server serves {served!r}",
+        "model",
+        "model_not_found",
+    )
 
 
 def no_instance(role: str) -> APIError:

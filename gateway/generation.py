@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from prometheus_client import Gauge
-from splitserve.v1 import generation_pb2
 
 from cluster.sampling_proto import sampling_params_to_proto
 from engine.context_length import ContextLengthExceeded, resolve_max_tokens
@@ -44,6 +43,7 @@ from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.structured_request import GrammarValidator
 from gateway.tokenizer import ModelTokenizer
+from splitserve.v1 import generation_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,9 @@ class GenerationService:
         self.num_pending = 0
         # Here rather than in GatewayMetrics: the count lives in this object.
         Gauge(
-            "splitserve_num_pending_requests", "Requests holding a pending slot (--max-pending-requests)", registry=metrics.registry
+            "splitserve_num_pending_requests",
+            "Requests holding a pending slot (--max-pending-requests)",
+            registry=metrics.registry,
         ).set_function(lambda: self.num_pending)
 
     @property
@@ -173,7 +175,11 @@ class GenerationService:
         whenever it fails); closing the stream early aborts the request everywhere."""
         if not self.pool.is_ready():
             job.timer.finished("error_503")
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "no healthy instances to serve the request; retry later", code="no_healthy_instance")
+            raise APIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "no healthy instances to serve the request; retry later",
+                code="no_healthy_instance",
+            )
         if self.num_pending >= self.max_pending_requests:
             job.timer.finished("error_429")
             raise APIError(
@@ -207,7 +213,9 @@ class GenerationService:
                     job.kv_transfer_s = event.kv_transfer.seconds
                     job.timer.kv_transfer(event.kv_transfer)
                 update = detokenizer.update(event.token_ids)
-                delta = Generated(update.text_delta, event.token_ids, event.logprobs, event.finish_reason, event.stop_token_id)
+                delta = Generated(
+                    update.text_delta, event.token_ids, event.logprobs, event.finish_reason, event.stop_token_id
+                )
                 if update.stop_string is not None:
                     delta.finish_reason, delta.stop_reason = "stop", update.stop_string
                 elif event.finish_reason is not None:

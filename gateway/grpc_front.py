@@ -17,12 +17,12 @@ from http import HTTPStatus
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 from cluster.sampling_proto import sampling_params_from_proto
 from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
 from gateway.generation import GenerationJob, GenerationService
 from gateway.protocol import MAX_CACHE_SALT_CHARS
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_name = model_name
         self.api_key = api_key
 
-    async def Generate(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+    async def Generate(self, request, context):  # noqa: N802 - gRPC signature
         try:
             self._authorize(context)
             if request.model and request.model != self.model_name:
@@ -48,7 +48,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             error = internal_error("while generating")
             await context.abort(error.grpc_code, error.message)
 
-    async def _responses(self, request: generation_pb2.GenerateRequest, job: GenerationJob) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _responses(
+        self, request: generation_pb2.GenerateRequest, job: GenerationJob
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id or job.request_id
         is_text = request.WhichOneof("prompt") == "text"
         first_token_at: float | None = None
@@ -90,7 +92,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return
         metadata = dict(context.invocation_metadata() or ())
         if not bearer_matches(str(metadata.get("authorization", "")), self.api_key):
-            raise APIError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'")
+            raise APIError(
+                HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'"
+            )
 
     async def _job(self, request: generation_pb2.GenerateRequest) -> GenerationJob:
         try:
@@ -98,9 +102,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as error:
             raise bad_request(str(error)) from error
         if params.structured is not None:
-            await self.service.grammars.check(params.structured, f"sampling.{request.sampling.WhichOneof('structured')}")
+            await self.service.grammars.check(
+                params.structured, f"sampling.{request.sampling.WhichOneof('structured')}"
+            )
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
-            raise bad_request(f"cache_salt has {len(request.cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}", "cache_salt")
+            raise bad_request(
+                f"cache_salt has {len(request.cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}",
+                "cache_salt",
+            )
         if request.WhichOneof("prompt") == "text":
             token_ids = await self.service.tokenizer.encode(request.text, param="text")
         else:
@@ -109,7 +118,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.service.prepare(token_ids, params, priority=request.priority, cache_salt=request.cache_salt or None)
 
 
-async def start_grpc_front(service: GenerationService, model_name: str, api_key: str | None, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_grpc_front(
+    service: GenerationService, model_name: str, api_key: str | None, host: str, port: int
+) -> tuple[grpc.aio.Server, int]:
     # The REST body limit applies to gRPC messages too (gRPC answers RESOURCE_EXHAUSTED beyond it).
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", service.limits.max_body_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, model_name, api_key), server)

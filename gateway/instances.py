@@ -18,13 +18,21 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
-from splitserve.v1 import disaggregation_pb2
 
 from cluster.background import BackgroundTasks
 from cluster.internal_grpc import InternalPlane
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
-from gateway.routing import WAITING_WEIGHT, Routing, decode_cost, num_evicted_blocks, num_hit_tokens, num_new_blocks, prefill_cost_s
+from gateway.routing import (
+    WAITING_WEIGHT,
+    Routing,
+    decode_cost,
+    num_evicted_blocks,
+    num_hit_tokens,
+    num_new_blocks,
+    prefill_cost_s,
+)
+from splitserve.v1 import disaggregation_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +43,11 @@ _UNMEASURED_PREFILL_TOKENS_PER_S = 1000.0
 CHANNEL_CLOSE_GRACE_S = 30.0
 # gRPC backs off up to minutes between reconnects by default; an instance that comes
 # (back) up should be routable within a poll or two.
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 @dataclass(slots=True, eq=False)
@@ -103,7 +115,11 @@ class InstanceState:
     def score(self) -> int:
         if self.report is None:
             return WAITING_WEIGHT * self.num_dispatched
-        return WAITING_WEIGHT * (self.report.num_waiting + self.num_dispatched) + self.report.num_running + self.num_started
+        return (
+            WAITING_WEIGHT * (self.report.num_waiting + self.num_dispatched)
+            + self.report.num_running
+            + self.num_started
+        )
 
     def is_healthy(self, now: float, stale_after_s: float) -> bool:
         if not self.serving or self.report is None or now - self.reported_at > stale_after_s:
@@ -128,7 +144,9 @@ class InstancePool:
             if state is not None:
                 self._close(state)
                 self.index.forget(address)
-            state = self.instances[address] = InstanceState(address, role, self.plane.channel(address, options=_CHANNEL_OPTIONS))
+            state = self.instances[address] = InstanceState(
+                address, role, self.plane.channel(address, options=_CHANNEL_OPTIONS)
+            )
             logger.info("%s instance %s added", role, address)
         return state
 
@@ -147,7 +165,13 @@ class InstancePool:
             return
         if report.engine_error:
             if state.report is None or not state.report.engine_error:  # said once, not at every poll
-                logger.error("%s instance %s (%s) has lost its engine (%s); routing nothing to it", state.role, address, report.instance_id, report.engine_error)
+                logger.error(
+                    "%s instance %s (%s) has lost its engine (%s); routing nothing to it",
+                    state.role,
+                    address,
+                    report.instance_id,
+                    report.engine_error,
+                )
             serving = False
         was_healthy = state.is_healthy(time.monotonic(), self.stale_after_s)
         state.report, state.serving, state.reported_at = report, serving, time.monotonic()
@@ -186,7 +210,9 @@ class InstancePool:
         is no candidate at all; :class:`Overloaded` when every candidate is over a limit."""
         excluded = {id(s) for s in exclude}
         candidates = [
-            s for s in self.healthy(role) if id(s) not in excluded and (fingerprint is None or s.report.fingerprint == fingerprint)
+            s
+            for s in self.healthy(role)
+            if id(s) not in excluded and (fingerprint is None or s.report.fingerprint == fingerprint)
         ]
         return self._admit(role, candidates, num_prompt_tokens, prefer, prompt=prompt)
 
@@ -232,15 +258,22 @@ class InstancePool:
         if not admissible:
             if excess_waits:
                 raise Overloaded(
-                    f"every {role} instance has more than --max-queue-delay {limits.max_queue_delay_s:g} s of prompts queued",
+                    f"every {role} instance has more than --max-queue-delay {limits.max_queue_delay_s:g} s of prompts "
+                    "queued",
                     retry_after_s(min(excess_waits)),
                 )
-            raise Overloaded(f"every {role} instance has --max-inflight-per-instance {limits.max_inflight_per_instance} calls outstanding", 1)
+            raise Overloaded(
+                f"every {role} instance has --max-inflight-per-instance {limits.max_inflight_per_instance} calls "
+                "outstanding",
+                1,
+            )
         kv = self.routing == "kv" and prompt is not None
         if prefer in admissible:
             chosen = prefer
         elif kv:
-            chosen = min(admissible, key=lambda s: (self._kv_cost(role, s, admissible, num_prompt_tokens, prompt), s.score))
+            chosen = min(
+                admissible, key=lambda s: (self._kv_cost(role, s, admissible, num_prompt_tokens, prompt), s.score)
+            )
         else:
             chosen = min(admissible, key=lambda s: s.score)
         charge = num_prompt_tokens
@@ -256,13 +289,25 @@ class InstancePool:
             self.index.predict(chosen.address, prompt, self._max_blocks(chosen))
         return chosen
 
-    def _kv_cost(self, role: Role, state: InstanceState, candidates: list[InstanceState], num_prompt_tokens: int, prompt: PromptBlocks) -> float:
+    def _kv_cost(
+        self,
+        role: Role,
+        state: InstanceState,
+        candidates: list[InstanceState],
+        num_prompt_tokens: int,
+        prompt: PromptBlocks,
+    ) -> float:
         """``gateway.routing``'s cost of sending the prompt to ``state``; lower is better."""
         report = state.report
         if role == "decode":
             block_size = self._block_size(state)
             num_new = num_new_blocks(num_prompt_tokens, self.index.num_hit_blocks(state.address, prompt), block_size)
-            return decode_cost(report.num_waiting + state.num_dispatched, report.num_running + state.num_started, num_new, report.num_free_blocks)
+            return decode_cost(
+                report.num_waiting + state.num_dispatched,
+                report.num_running + state.num_started,
+                num_new,
+                report.num_free_blocks,
+            )
         measured = [s.report.prefill_tokens_per_s for s in candidates if s.report.prefill_tokens_per_s > 0]
         fallback_rate = sum(measured) / len(measured) if measured else _UNMEASURED_PREFILL_TOKENS_PER_S
         block_size = self._block_size(state)
@@ -271,19 +316,28 @@ class InstancePool:
         num_new = num_new_blocks(num_prompt_tokens, num_hit_blocks, block_size)
         num_evicted = num_evicted_blocks(num_new, report.num_total_blocks, self.index.num_cached_blocks(state.address))
         return prefill_cost_s(
-            report.num_pending_prefill_tokens + state.num_dispatched_tokens, report.prefill_tokens_per_s, num_uncached,
-            num_evicted * block_size, fallback_rate,
+            report.num_pending_prefill_tokens + state.num_dispatched_tokens,
+            report.prefill_tokens_per_s,
+            num_uncached,
+            num_evicted * block_size,
+            fallback_rate,
         )
 
     def _num_hit_tokens(self, state: InstanceState, num_prompt_tokens: int, prompt: PromptBlocks) -> int:
-        return num_hit_tokens(self.index.num_hit_blocks(state.address, prompt), self._block_size(state), num_prompt_tokens)
+        return num_hit_tokens(
+            self.index.num_hit_blocks(state.address, prompt), self._block_size(state), num_prompt_tokens
+        )
 
     def _block_size(self, state: InstanceState) -> int:
         return self.index.block_size(state.address) or state.report.fingerprint.block_size or 16
 
     @staticmethod
     def _max_blocks(state: InstanceState) -> int:
-        return state.report.num_total_blocks if state.report is not None and state.report.num_total_blocks else DEFAULT_MAX_BLOCKS
+        return (
+            state.report.num_total_blocks
+            if state.report is not None and state.report.num_total_blocks
+            else DEFAULT_MAX_BLOCKS
+        )
 
     def min_decode_uncached_tokens(self, num_prompt_tokens: int, prompt: PromptBlocks) -> int | None:
         """Prompt tokens the healthy decode instance with the longest cached prefix of this prompt

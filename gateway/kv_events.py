@@ -13,10 +13,10 @@ import asyncio
 import logging
 
 import grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from gateway.instances import InstancePool
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,19 @@ class KVEventsSync:
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED and address not in self._unsupported:
                 self._unsupported.add(address)
-                logger.warning("%s instance %s publishes no KV events (an older version?): routed by load only", state.role, address)
+                logger.warning(
+                    "%s instance %s publishes no KV events (an older version?): routed by load only",
+                    state.role,
+                    address,
+                )
             return  # health and load polling decide whether it is usable
         if address not in self.pool.instances:  # removed while the call ran
             return
-        max_blocks = state.report.num_total_blocks if state.report is not None and state.report.num_total_blocks else DEFAULT_MAX_BLOCKS
+        max_blocks = (
+            state.report.num_total_blocks
+            if state.report is not None and state.report.num_total_blocks
+            else DEFAULT_MAX_BLOCKS
+        )
         self.index.apply(address, events, max_blocks)
 
 

@@ -42,7 +42,14 @@ class RequestLimits:
     chat_template_timeout_s: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompts", "max_prompt_chars", "max_stop", "max_stop_chars", "chat_template_timeout_s"):
+        for name in (
+            "max_body_bytes",
+            "max_prompts",
+            "max_prompt_chars",
+            "max_stop",
+            "max_stop_chars",
+            "chat_template_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -124,7 +131,9 @@ class BodySizeLimit:
             f"the request body is over the limit of {self.max_bytes} bytes (--max-request-body-bytes); send less",
             code="request_too_large",
         )
-        response = JSONResponse(error.to_response().model_dump(), status_code=error.status, headers={"Connection": "close"})
+        response = JSONResponse(
+            error.to_response().model_dump(), status_code=error.status, headers={"Connection": "close"}
+        )
         await response(scope, receive, send)
 
 

@@ -10,13 +10,34 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from splitserve.v1 import disaggregation_pb2
 
 from gateway.instances import ROLES, InstancePool
 from gateway.status import RecentLatencies
+from splitserve.v1 import disaggregation_pb2
 
 # Latency buckets (seconds) spanning a CPU-served small model to a fast GPU.
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -24,9 +45,21 @@ class GatewayMetrics:
     def __init__(self, pool: InstancePool) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Arrival to the first token sent", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Gap between successive output tokens", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Arrival to the last token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "splitserve_time_to_first_token_seconds",
+            "Arrival to the first token sent",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "splitserve_inter_token_latency_seconds",
+            "Gap between successive output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "splitserve_e2e_request_latency_seconds", "Arrival to the last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.queue = Histogram(
             "splitserve_request_queue_time_seconds",
             "Arrival to the request's dispatch to an instance (tokenizing, templating, admission)",
@@ -35,15 +68,23 @@ class GatewayMetrics:
         )
         self.requests = Counter("splitserve_requests", "Finished requests by outcome", ["status"], registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.cached_prompt_tokens = Counter("splitserve_cached_prompt_tokens", "Prompt tokens served by a prefix cache", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "splitserve_cached_prompt_tokens", "Prompt tokens served by a prefix cache", registry=r
+        )
         self.generation_tokens = Counter("splitserve_generation_tokens", "Output tokens sent", registry=r)
-        self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved from prefill to decode", registry=r)
+        self.kv_transfer_bytes = Counter(
+            "splitserve_kv_transfer_bytes", "KV bytes moved from prefill to decode", registry=r
+        )
         self.kv_transfer_seconds = Histogram(
             "splitserve_kv_transfer_seconds", "Duration of one request's KV pull", buckets=_TRANSFER_BUCKETS, registry=r
         )
-        self.kv_recomputes = Counter("splitserve_kv_recomputes", "Hand-offs where decode recomputed the prompt", registry=r)
+        self.kv_recomputes = Counter(
+            "splitserve_kv_recomputes", "Hand-offs where decode recomputed the prompt", registry=r
+        )
         self.kv_reprefills = Counter(
-            "splitserve_kv_reprefills", "Hand-offs whose KV a decode instance could not pull, prefilled again", registry=r
+            "splitserve_kv_reprefills",
+            "Hand-offs whose KV a decode instance could not pull, prefilled again",
+            registry=r,
         )
         self.pd_decisions = Counter(
             "splitserve_pd_decision",
@@ -54,13 +95,16 @@ class GatewayMetrics:
         )
         self.migrations = Counter(
             "splitserve_migrations",
-            "Requests whose decode instance failed mid-stream: resumed on another one, or failed (exhausted: --max-migrations spent; "
+            "Requests whose decode instance failed mid-stream: resumed on another one, or failed (exhausted: "
+            "--max-migrations spent; "
             "unsupported: a structured output)",
             ["outcome"],
             registry=r,
         )
         self.rejected = Counter(
-            "splitserve_requests_rejected", "Requests refused with 429 by admission control (queue delay, in-flight cap)", registry=r
+            "splitserve_requests_rejected",
+            "Requests refused with 429 by admission control (queue delay, in-flight cap)",
+            registry=r,
         )
         r.register(_InstanceCollector(pool))
         self.recent = RecentLatencies()  # points in time for the status page (gateway/status.py)
@@ -123,30 +167,55 @@ class _InstanceCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["instance", "role", "address"]
         gauges = {
-            "healthy": GaugeMetricFamily("splitserve_instance_healthy", "1 if the gateway routes to this instance", labels=labels),
-            "waiting": GaugeMetricFamily("splitserve_instance_num_waiting", "Requests waiting on the instance", labels=labels),
-            "running": GaugeMetricFamily("splitserve_instance_num_running", "Requests running on the instance", labels=labels),
+            "healthy": GaugeMetricFamily(
+                "splitserve_instance_healthy", "1 if the gateway routes to this instance", labels=labels
+            ),
+            "waiting": GaugeMetricFamily(
+                "splitserve_instance_num_waiting", "Requests waiting on the instance", labels=labels
+            ),
+            "running": GaugeMetricFamily(
+                "splitserve_instance_num_running", "Requests running on the instance", labels=labels
+            ),
             "free": GaugeMetricFamily("splitserve_instance_free_kv_blocks", "Free KV blocks", labels=labels),
             "total": GaugeMetricFamily("splitserve_instance_total_kv_blocks", "Total KV blocks", labels=labels),
-            "hit": GaugeMetricFamily("splitserve_instance_prefix_cache_hit_rate", "Prefix-cache hit rate since start", labels=labels),
-            "bytes": GaugeMetricFamily("splitserve_instance_kv_transfer_bytes", "KV bytes pulled by this instance since start", labels=labels),
-            "seconds": GaugeMetricFamily("splitserve_instance_kv_transfer_seconds", "Seconds spent pulling KV since start", labels=labels),
+            "hit": GaugeMetricFamily(
+                "splitserve_instance_prefix_cache_hit_rate", "Prefix-cache hit rate since start", labels=labels
+            ),
+            "bytes": GaugeMetricFamily(
+                "splitserve_instance_kv_transfer_bytes", "KV bytes pulled by this instance since start", labels=labels
+            ),
+            "seconds": GaugeMetricFamily(
+                "splitserve_instance_kv_transfer_seconds", "Seconds spent pulling KV since start", labels=labels
+            ),
             "pending": GaugeMetricFamily(
-                "splitserve_instance_pending_prefill_tokens", "Prompt tokens queued or mid-prefill on the instance", labels=labels
+                "splitserve_instance_pending_prefill_tokens",
+                "Prompt tokens queued or mid-prefill on the instance",
+                labels=labels,
             ),
             "rate": GaugeMetricFamily(
-                "splitserve_instance_prefill_tokens_per_second", "Prompt tokens per second over the instance's recent steps", labels=labels
+                "splitserve_instance_prefill_tokens_per_second",
+                "Prompt tokens per second over the instance's recent steps",
+                labels=labels,
             ),
-            "inflight": GaugeMetricFamily("splitserve_instance_inflight_calls", "Calls from this gateway outstanding on the instance", labels=labels),
+            "inflight": GaugeMetricFamily(
+                "splitserve_instance_inflight_calls",
+                "Calls from this gateway outstanding on the instance",
+                labels=labels,
+            ),
             "indexed": GaugeMetricFamily(
-                "splitserve_instance_indexed_kv_blocks", "Prefix-cache blocks the gateway's index holds for the instance (kv routing)", labels=labels
+                "splitserve_instance_indexed_kv_blocks",
+                "Prefix-cache blocks the gateway's index holds for the instance (kv routing)",
+                labels=labels,
             ),
             "acceptance": GaugeMetricFamily(
-                "splitserve_instance_spec_acceptance_rate", "Speculative decoding: accepted over verified draft tokens since start",
+                "splitserve_instance_spec_acceptance_rate",
+                "Speculative decoding: accepted over verified draft tokens since start",
                 labels=labels,
             ),
         }
-        picked = CounterMetricFamily("splitserve_instance_routed_requests", "Requests this gateway routed to the instance", labels=labels)
+        picked = CounterMetricFamily(
+            "splitserve_instance_routed_requests", "Requests this gateway routed to the instance", labels=labels
+        )
         # The instance's own event counts since it started: counters, though they reset with it.
         counters = {
             name: CounterMetricFamily(f"splitserve_instance_{name}", help_text, labels=labels)
@@ -172,7 +241,9 @@ class _InstanceCollector(Collector):
             gauges["rate"].add_metric(values, report.prefill_tokens_per_s)
             gauges["inflight"].add_metric(values, state.num_inflight)
             num_drafts = report.counters.num_spec_draft_tokens
-            gauges["acceptance"].add_metric(values, report.counters.num_spec_accepted_tokens / num_drafts if num_drafts else 0.0)
+            gauges["acceptance"].add_metric(
+                values, report.counters.num_spec_accepted_tokens / num_drafts if num_drafts else 0.0
+            )
             for name, counter in counters.items():
                 counter.add_metric(values, getattr(report.counters, f"num_{name}"))
         yield from gauges.values()

@@ -11,7 +11,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import bad_request
 from gateway.generation import Generated, GenerationJob, GenerationService
-from gateway.openai_common import cancel_on_disconnect, checked_sampling_params, first_then_rest, merged, sse, sse_response, usage_info
+from gateway.openai_common import (
+    cancel_on_disconnect,
+    checked_sampling_params,
+    first_then_rest,
+    merged,
+    sse,
+    sse_response,
+    usage_info,
+)
 from gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -26,6 +34,7 @@ from gateway.protocol import (
 )
 from gateway.tokenizer import ModelTokenizer
 
+
 def _logprobs(tokenizer: ModelTokenizer, delta: Generated) -> ChatLogprobs:
     content = []
     for entry in delta.logprobs:
@@ -36,7 +45,9 @@ def _logprobs(tokenizer: ModelTokenizer, delta: Generated) -> ChatLogprobs:
                 logprob=entry.logprob,
                 bytes=list(token.encode()),
                 top_logprobs=[
-                    TopLogprob(token=(text := tokenizer.token_text(t.token_id)), logprob=t.logprob, bytes=list(text.encode()))
+                    TopLogprob(
+                        token=(text := tokenizer.token_text(t.token_id)), logprob=t.logprob, bytes=list(text.encode())
+                    )
                     for t in entry.top
                 ],
             )
@@ -81,7 +92,11 @@ async def create_chat_completion(
 async def _collect(
     request: ChatCompletionRequest, completion_id: str, model_name: str, service: GenerationService, job: GenerationJob
 ) -> ChatCompletionResponse:
-    choice = ChatChoice(index=0, message=ChatResponseMessage(content=""), logprobs=ChatLogprobs(content=[]) if request.logprobs else None)
+    choice = ChatChoice(
+        index=0,
+        message=ChatResponseMessage(content=""),
+        logprobs=ChatLogprobs(content=[]) if request.logprobs else None,
+    )
     async for _, delta in merged(service, [job]):
         choice.message.content = (choice.message.content or "") + delta.text
         if choice.logprobs is not None and choice.logprobs.content is not None:

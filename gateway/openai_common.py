@@ -65,7 +65,10 @@ def sampling_params(
 
 
 async def checked_sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, service: GenerationService, max_tokens: int | None, logprobs: int | None
+    request: CompletionRequest | ChatCompletionRequest,
+    service: GenerationService,
+    max_tokens: int | None,
+    logprobs: int | None,
 ) -> SamplingParams:
     """:func:`sampling_params`, plus the structured output the request asks for, compiled
     here first. Raises APIError 400 for bad values, an invalid schema, regex or grammar."""

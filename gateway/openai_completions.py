@@ -12,7 +12,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import bad_request
 from gateway.generation import Generated, GenerationJob, GenerationService
-from gateway.openai_common import cancel_on_disconnect, checked_sampling_params, first_then_rest, merged, sse, sse_response, usage_info
+from gateway.openai_common import (
+    cancel_on_disconnect,
+    checked_sampling_params,
+    first_then_rest,
+    merged,
+    sse,
+    sse_response,
+    usage_info,
+)
 from gateway.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from gateway.tokenizer import ModelTokenizer
 
@@ -63,14 +71,25 @@ async def create_completion(
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await _prompts(request, service)
     jobs = []
-    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs)  # validated (and extras logged) once
+    params = await checked_sampling_params(
+        request, service, request.max_tokens, request.logprobs
+    )  # validated (and extras logged) once
     for index, (token_ids, _) in enumerate(prompts):
         request_id = completion_id if len(prompts) == 1 else f"{completion_id}-{index}"
         # Each job gets its own copy: prepare fills in max_tokens from its prompt's length.
         jobs.append(
-            service.prepare(token_ids, replace(params), request_id=request_id, priority=request.priority, cache_salt=request.cache_salt)
+            service.prepare(
+                token_ids,
+                replace(params),
+                request_id=request_id,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
         )
-    echoes = [(text if text is not None else await service.tokenizer.decode(ids)) if request.echo else "" for ids, text in prompts]
+    echoes = [
+        (text if text is not None else await service.tokenizer.decode(ids)) if request.echo else ""
+        for ids, text in prompts
+    ]
     if request.stream:
         deltas = await first_then_rest(merged(service, jobs))
         return sse_response(_stream(request, completion_id, model_name, service, jobs, echoes, deltas))
@@ -79,7 +98,12 @@ async def create_completion(
 
 
 async def _collect(
-    request: CompletionRequest, completion_id: str, model_name: str, service: GenerationService, jobs: list[GenerationJob], echoes: list[str]
+    request: CompletionRequest,
+    completion_id: str,
+    model_name: str,
+    service: GenerationService,
+    jobs: list[GenerationJob],
+    echoes: list[str],
 ) -> CompletionResponse:
     choices = [CompletionChoice(index=i, text=echoes[i]) for i in range(len(jobs))]
     builders = [CompletionLogprobsBuilder(service.tokenizer, len(echoes[i])) for i in range(len(jobs))]
@@ -94,7 +118,9 @@ async def _collect(
                 getattr(choice.logprobs, name).extend(getattr(built, name))
         if delta.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-    return CompletionResponse(id=completion_id, model=model_name, choices=choices, usage=usage_info([job.usage for job in jobs]))
+    return CompletionResponse(
+        id=completion_id, model=model_name, choices=choices, usage=usage_info([job.usage for job in jobs])
+    )
 
 
 async def _stream(
@@ -128,4 +154,8 @@ async def _stream(
         )
         yield sse(chunk)
     if include_usage:
-        yield sse(CompletionResponse(id=completion_id, model=model_name, choices=[], usage=usage_info([job.usage for job in jobs])))
+        yield sse(
+            CompletionResponse(
+                id=completion_id, model=model_name, choices=[], usage=usage_info([job.usage for job in jobs])
+            )
+        )

@@ -22,9 +22,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from splitserve.v1 import disaggregation_pb2
-
 from engine.kv_cache_utils import BlockHash, extend_block_hashes
+from splitserve.v1 import disaggregation_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +88,9 @@ class PrefixIndex:
             if len(blocks.cached) >= max_blocks:
                 if not blocks.overflowed:
                     blocks.overflowed = True
-                    logger.warning("instance %s reports more cached blocks than its %d; ignoring the excess", address, max_blocks)
+                    logger.warning(
+                        "instance %s reports more cached blocks than its %d; ignoring the excess", address, max_blocks
+                    )
                 break
             block_hash = _block_hash(raw)
             blocks.cached.add(block_hash)

@@ -88,7 +88,9 @@ class SamplingExtras(OpenAIRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int32 = 0  # lower runs first; nonzero only with the gateway's --enable-priority
-    cache_salt: CacheSalt | None = None  # vLLM's: salts the prefix-cache hashes, so only requests with the same salt share blocks
+    cache_salt: CacheSalt | None = (
+        None  # vLLM's: salts the prefix-cache hashes, so only requests with the same salt share blocks
+    )
     # Structured outputs (gateway/structured_request.py turns these into one spec). OpenAI's
     # response_format (vLLM takes it on completions too), vLLM's structured_outputs, and
     # vLLM's older guided_* fields.

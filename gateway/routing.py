@@ -64,7 +64,11 @@ def num_evicted_blocks(num_new_blocks: int, num_total_blocks: int, num_cached_bl
 
 
 def prefill_cost_s(
-    num_pending_tokens: int, prefill_tokens_per_s: float, num_uncached_tokens: int, num_evicted_tokens: int, fallback_rate: float
+    num_pending_tokens: int,
+    prefill_tokens_per_s: float,
+    num_uncached_tokens: int,
+    num_evicted_tokens: int,
+    fallback_rate: float,
 ) -> float:
     rate = prefill_tokens_per_s if prefill_tokens_per_s > 0 else fallback_rate
     return (num_pending_tokens + num_uncached_tokens + num_evicted_tokens) / rate
@@ -72,4 +76,3 @@ def prefill_cost_s(
 
 def decode_cost(num_waiting: int, num_running: int, num_new_blocks: int, num_free_blocks: int) -> float:
     return WAITING_WEIGHT * num_waiting + num_running + WAITING_WEIGHT * num_new_blocks / max(num_free_blocks, 1)
-

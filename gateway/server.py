@@ -16,14 +16,14 @@ from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from gateway import limits
 from gateway.admission import AdmissionLimits
 from gateway.app import create_app
-from gateway.dispatch import DEFAULT_MAX_MIGRATIONS
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
+from gateway.dispatch import DEFAULT_MAX_MIGRATIONS
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instances import InstancePool
 from gateway.kv_events import KVEventsSync, run_kv_events
-from gateway.routing import ROUTINGS
 from gateway.metrics import GatewayMetrics
+from gateway.routing import ROUTINGS
 from gateway.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,61 +33,160 @@ DEFAULT_GRPC_PORT = 50051
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local Hugging Face folder whose tokenizer the gateway uses (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--served-model-name", default=None, help="model name clients send and /v1/models lists (default: the folder's name)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face folder whose tokenizer the gateway uses (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients send and /v1/models lists (default: the folder's name)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind the REST and gRPC fronts to")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="REST port")
-    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC Generation port (0: any free port, -1: off)")
-    parser.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY") or None, help="require 'Authorization: Bearer KEY' (env SPLITSERVE_API_KEY)")
-    parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill instance (repeatable); static routing")
-    parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode instance (repeatable); static routing")
-    parser.add_argument("--colocated", action="append", default=[], metavar="HOST:PORT", help="an instance doing both phases (repeatable)")
-    parser.add_argument("--registry-url", default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""),
-                        help="redis://[USER:PASSWORD@]HOST:PORT (or rediss:// for TLS) where instances register, instead of static lists "
-                             "(env SPLITSERVE_REGISTRY_URL, which keeps a password off the command line)")
+    parser.add_argument(
+        "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC Generation port (0: any free port, -1: off)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SPLITSERVE_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' (env SPLITSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a prefill instance (repeatable); static routing",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a decode instance (repeatable); static routing",
+    )
+    parser.add_argument(
+        "--colocated",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="an instance doing both phases (repeatable)",
+    )
+    parser.add_argument(
+        "--registry-url",
+        default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""),
+        help="redis://[USER:PASSWORD@]HOST:PORT (or rediss:// for TLS) where instances register, instead of static "
+        "lists "
+        "(env SPLITSERVE_REGISTRY_URL, which keeps a password off the command line)",
+    )
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between load polls of each instance")
-    parser.add_argument("--stale-after", type=float, default=3.0, help="seconds without a fresh load report before an instance is skipped")
-    parser.add_argument("--max-pending-requests", type=int, default=1024, help="requests in flight at once; beyond this the gateway answers 429")
-    parser.add_argument("--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)")
+    parser.add_argument(
+        "--stale-after",
+        type=float,
+        default=3.0,
+        help="seconds without a fresh load report before an instance is skipped",
+    )
+    parser.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="requests in flight at once; beyond this the gateway answers 429",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)"
+    )
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take end to end")
     # Admission control (gateway.admission): refuse at once rather than queue for minutes.
-    parser.add_argument("--max-queue-delay", type=float, default=None, metavar="SECONDS",
-                        help="answer 429 with Retry-After when every prefill instance's queued prompts would delay a new "
-                             "request's prefill by more than this (estimated from their load reports; default: off)")
-    parser.add_argument("--max-inflight-per-instance", type=int, default=None, metavar="N",
-                        help="calls this gateway keeps outstanding on one prefill (or colocated) instance at most; "
-                             "a request finding every instance at the cap gets 429 (default: off)")
-    parser.add_argument("--routing", default="kv", choices=ROUTINGS,
-                        help="how instances are ranked (gateway/routing.py): 'load' by queue only, 'kv' by queued prompt work "
-                             "after the prompt's prefix-cache hit on each instance, learnt from their KV events")
-    parser.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
-                        help="times one request may resume on another decode instance after its own failed mid-stream "
-                             "(its prompt plus the tokens sent so far prefilled again; 0: fail the request instead)")
-    parser.add_argument("--disagg-min-prompt-tokens", type=int, default=0, metavar="N",
-                        help="conditional disaggregation: a prompt with fewer than N tokens the best decode instance lacks "
-                             "(short, or mostly in its prefix cache with --routing kv) is prefilled on that decode instance, "
-                             "in chunks inside its step budget, instead of on a prefill instance (0: always disaggregate)")
+    parser.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="answer 429 with Retry-After when every prefill instance's queued prompts would delay a new "
+        "request's prefill by more than this (estimated from their load reports; default: off)",
+    )
+    parser.add_argument(
+        "--max-inflight-per-instance",
+        type=int,
+        default=None,
+        metavar="N",
+        help="calls this gateway keeps outstanding on one prefill (or colocated) instance at most; "
+        "a request finding every instance at the cap gets 429 (default: off)",
+    )
+    parser.add_argument(
+        "--routing",
+        default="kv",
+        choices=ROUTINGS,
+        help="how instances are ranked (gateway/routing.py): 'load' by queue only, 'kv' by queued prompt work "
+        "after the prompt's prefix-cache hit on each instance, learnt from their KV events",
+    )
+    parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=DEFAULT_MAX_MIGRATIONS,
+        help="times one request may resume on another decode instance after its own failed mid-stream "
+        "(its prompt plus the tokens sent so far prefilled again; 0: fail the request instead)",
+    )
+    parser.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="conditional disaggregation: a prompt with fewer than N tokens the best decode instance lacks "
+        "(short, or mostly in its prefix cache with --routing kv) is prefilled on that decode instance, "
+        "in chunks inside its step budget, instead of on a prefill instance (0: always disaggregate)",
+    )
     # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
-    parser.add_argument("--enable-priority", action="store_true",
-                        help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400")
-    parser.add_argument("--max-request-body-bytes", type=int, default=limits.DEFAULT_MAX_BODY_BYTES,
-                        help="largest request body (REST) or message (gRPC); beyond it the gateway answers 413")
-    parser.add_argument("--max-prompts-per-request", type=int, default=limits.DEFAULT_MAX_PROMPTS,
-                        help="prompts in one /v1/completions request")
-    parser.add_argument("--max-prompt-chars", type=int, default=limits.DEFAULT_MAX_PROMPT_CHARS,
-                        help="characters of one prompt (or rendered conversation) before tokenizing")
-    parser.add_argument("--max-stop-sequences", type=int, default=limits.DEFAULT_MAX_STOP,
-                        help="stop strings, and separately stop token ids, in one request")
-    parser.add_argument("--max-stop-chars", type=int, default=limits.DEFAULT_MAX_STOP_CHARS, help="characters of one stop string")
-    parser.add_argument("--chat-template-timeout", type=float, default=limits.DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
-                        help="seconds the chat template may take to render one conversation")
+    parser.add_argument(
+        "--enable-priority",
+        action="store_true",
+        help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=limits.DEFAULT_MAX_BODY_BYTES,
+        help="largest request body (REST) or message (gRPC); beyond it the gateway answers 413",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=limits.DEFAULT_MAX_PROMPTS,
+        help="prompts in one /v1/completions request",
+    )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=limits.DEFAULT_MAX_PROMPT_CHARS,
+        help="characters of one prompt (or rendered conversation) before tokenizing",
+    )
+    parser.add_argument(
+        "--max-stop-sequences",
+        type=int,
+        default=limits.DEFAULT_MAX_STOP,
+        help="stop strings, and separately stop token ids, in one request",
+    )
+    parser.add_argument(
+        "--max-stop-chars", type=int, default=limits.DEFAULT_MAX_STOP_CHARS, help="characters of one stop string"
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=limits.DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
+        help="seconds the chat template may take to render one conversation",
+    )
     # The internal plane: the cluster secret and TLS of the gateway's calls to instances.
     add_internal_plane_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if not (args.prefill or args.decode or args.colocated or args.registry_url):
-        raise ValueError("no instances to route to: give --registry-url redis://HOST:PORT, or --prefill and --decode HOST:PORT (or --colocated)")
+        raise ValueError(
+            "no instances to route to: give --registry-url redis://HOST:PORT, or --prefill and --decode HOST:PORT (or "
+            "--colocated)"
+        )
     if bool(args.prefill) != bool(args.decode):
         raise ValueError("static routing needs both --prefill and --decode instances (or --colocated)")
     asyncio.run(serve(args))
@@ -98,7 +197,9 @@ async def serve(args: argparse.Namespace) -> None:
     """Serve REST and gRPC until SIGTERM/SIGINT, then let in-flight requests finish."""
     model_path = Path(args.model) if args.model else default_model_path()
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    admission = AdmissionLimits(max_queue_delay_s=args.max_queue_delay, max_inflight_per_instance=args.max_inflight_per_instance)
+    admission = AdmissionLimits(
+        max_queue_delay_s=args.max_queue_delay, max_inflight_per_instance=args.max_inflight_per_instance
+    )
     plane = InternalPlane.from_args(args)
     plane.warn_if_open("gateway")
     pool = InstancePool(stale_after_s=args.stale_after, limits=admission, plane=plane, routing=args.routing)
@@ -106,7 +207,9 @@ async def serve(args: argparse.Namespace) -> None:
         discovery: RedisDiscovery | StaticDiscovery = RedisDiscovery(pool, args.registry_url, args.poll_interval)
         await discovery.first_poll()
     else:
-        discovery = StaticDiscovery(pool, {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}, args.poll_interval)
+        discovery = StaticDiscovery(
+            pool, {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}, args.poll_interval
+        )
         await discovery.poll_once()
     discovery_loop = DiscoveryLoop(discovery)
     kv_events_task = None
@@ -125,14 +228,23 @@ async def serve(args: argparse.Namespace) -> None:
     )
     tokenizer = ModelTokenizer(model_path, request_limits)
     service = GenerationService(
-        pool, tokenizer, metrics, args.max_pending_requests, args.request_timeout, args.max_model_len, args.enable_priority,
-        args.max_migrations, args.disagg_min_prompt_tokens,
+        pool,
+        tokenizer,
+        metrics,
+        args.max_pending_requests,
+        args.request_timeout,
+        args.max_model_len,
+        args.enable_priority,
+        args.max_migrations,
+        args.disagg_min_prompt_tokens,
     )
     grpc_server = None
     if args.grpc_port >= 0:
         grpc_server, grpc_port = await start_grpc_front(service, model_name, args.api_key, args.host, args.grpc_port)
         logger.info("gRPC Generation API on %s:%d", args.host, grpc_port)
-    app = create_app(service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive, model_root=str(model_path))
+    app = create_app(
+        service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive, model_root=str(model_path)
+    )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
     try:

@@ -15,9 +15,9 @@ from importlib import resources
 from typing import Literal
 
 from pydantic import BaseModel
-from splitserve.v1 import disaggregation_pb2
 
 from gateway.instances import ROLES, InstancePool
+from splitserve.v1 import disaggregation_pb2
 
 RECENT_POINTS = 300  # per series: a few minutes of traffic on a small deployment
 
@@ -88,12 +88,21 @@ def status_snapshot(pool: InstancePool, recent: RecentLatencies, model_name: str
                 num_free_blocks=report.num_free_blocks if report is not None else None,
                 num_total_blocks=report.num_total_blocks if report is not None else None,
                 kv_usage=used / report.num_total_blocks if report is not None and report.num_total_blocks else None,
-                fingerprint=describe_fingerprint(report.fingerprint) if report is not None and report.HasField("fingerprint") else None,
+                fingerprint=describe_fingerprint(report.fingerprint)
+                if report is not None and report.HasField("fingerprint")
+                else None,
                 engine_error=report.engine_error if report is not None else "",
                 report_age_s=round(now - state.reported_at, 3) if report is not None else None,
             )
         )
-    return StatusResponse(model=model_name, ready=ready, time=time.time(), instances=instances, ttft=list(recent.ttft), itl=list(recent.itl))
+    return StatusResponse(
+        model=model_name,
+        ready=ready,
+        time=time.time(),
+        instances=instances,
+        ttft=list(recent.ttft),
+        itl=list(recent.itl),
+    )
 
 
 def status_page() -> str:

@@ -37,7 +37,12 @@ def structured_request(request: CompletionRequest | ChatCompletionRequest) -> St
             found.append(_from_response_format(request.response_format))
         if request.structured_outputs is not None:
             found.extend(_from_structured_outputs(request.structured_outputs))
-        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        for name, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
             value = getattr(request, name)
             if value is not None:
                 found.append(_spec(kind, value, name))
@@ -81,7 +86,9 @@ def _from_structured_outputs(options: StructuredOutputsParams) -> list[Structure
     if options.json_object:
         found.append(StructuredRequest(StructuredOutputSpec("json_object"), "structured_outputs.json_object"))
     if not found:
-        raise _ParamError("structured_outputs is empty; set one of json, regex, choice, grammar, json_object", "structured_outputs")
+        raise _ParamError(
+            "structured_outputs is empty; set one of json, regex, choice, grammar, json_object", "structured_outputs"
+        )
     return found
 
 
@@ -128,6 +135,7 @@ class GrammarValidator:
     async def _get_compiler(self) -> GrammarCompiler:
         async with self._lock:
             if self._compiler is None:
-                self._compiler = await self.tokenizer.run(lambda: GrammarCompiler.from_hf_tokenizer(self.tokenizer.tokenizer))
+                self._compiler = await self.tokenizer.run(
+                    lambda: GrammarCompiler.from_hf_tokenizer(self.tokenizer.tokenizer)
+                )
             return self._compiler
-

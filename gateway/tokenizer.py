@@ -40,7 +40,9 @@ T = TypeVar("T")
 class ModelTokenizer:
     def __init__(self, model_path: Path, limits: RequestLimits | None = None) -> None:
         if not (model_path / "tokenizer.json").is_file():
-            raise ValueError(f"{model_path} has no tokenizer.json; the gateway needs a fast tokenizer from the model folder")
+            raise ValueError(
+                f"{model_path} has no tokenizer.json; the gateway needs a fast tokenizer from the model folder"
+            )
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_path))
         self.chat_template = ChatTemplate(self.tokenizer)
         self.limits = limits or RequestLimits()
@@ -61,13 +63,16 @@ class ModelTokenizer:
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation through the model's chat template, as token ids."""
-        render = self.chat_template.render_call(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        render = self.chat_template.render_call(
+            messages, add_generation_prompt, continue_final_message, template_kwargs
+        )
         timeout_s = self.limits.chat_template_timeout_s
         try:
             text = await asyncio.wait_for(self.run(render), timeout_s)
         except TimeoutError:
             raise bad_request(
-                f"rendering the chat template took over {timeout_s} s (--chat-template-timeout); shorten the conversation",
+                f"rendering the chat template took over {timeout_s} s (--chat-template-timeout); shorten the "
+                "conversation",
                 param="messages",
             ) from None
         self.limits.check_prompt_chars(text, "messages")
@@ -98,4 +103,3 @@ class ModelTokenizer:
 
     async def run(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
-

@@ -69,7 +69,10 @@ class KVConnector(abc.ABC):
 
     def __init__(self, kv_cache: torch.Tensor, fingerprint: Fingerprint) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or not kv_cache.is_contiguous():
-            raise ValueError(f"kv_cache must be a contiguous [blocks, layers, 2, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+            raise ValueError(
+                "kv_cache must be a contiguous [blocks, layers, 2, block_size, kv_heads, head_dim], got "
+                f"{tuple(kv_cache.shape)}"
+            )
         self.kv_cache = kv_cache
         self.fingerprint = fingerprint
         # Bytes of one block across all layers, K and V: one contiguous ``kv_cache[b]``.
@@ -89,7 +92,9 @@ class KVConnector(abc.ABC):
     def check_block_ids(self, block_ids: list[int]) -> None:
         """Refuse ids outside this side's cache (a bug in the caller: ids come from the engine)."""
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
-            raise RuntimeError(f"block ids {min(block_ids)}..{max(block_ids)} outside a cache of {self.num_blocks} blocks (bug)")
+            raise RuntimeError(
+                f"block ids {min(block_ids)}..{max(block_ids)} outside a cache of {self.num_blocks} blocks (bug)"
+            )
 
     # ------------------------------------------------------------- prefill side
 
@@ -99,7 +104,9 @@ class KVConnector(abc.ABC):
         Returns the address peers should use (P) or an empty string (D)."""
 
     @abc.abstractmethod
-    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None) -> None:
+    def publish(
+        self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None
+    ) -> None:
         """P, right after prefill, while the engine keeps ``block_ids`` pinned: make the
         prompt KV they hold (``token_ids``' KV) available to pulls for ``request_id``.
 
@@ -118,7 +125,9 @@ class KVConnector(abc.ABC):
     # -------------------------------------------------------------- decode side
 
     @abc.abstractmethod
-    async def pull(self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float) -> TransferStats:
+    async def pull(
+        self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
+    ) -> TransferStats:
         """D: copy the KV of ``source.block_ids[num_local_hit_blocks:]`` into its own
         ``block_ids[num_local_hit_blocks:]`` (the blocks before are hits in D's own prefix
         cache, already holding that KV: not pulled). Raises

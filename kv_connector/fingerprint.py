@@ -42,9 +42,7 @@ class Fingerprint:
             if mine != theirs
         ]
         if differences:
-            raise FingerprintMismatchError(
-                "KV caches are incompatible, refusing to pair: " + "; ".join(differences)
-            )
+            raise FingerprintMismatchError("KV caches are incompatible, refusing to pair: " + "; ".join(differences))
 
 
 def model_identity(model_path: Path) -> str:

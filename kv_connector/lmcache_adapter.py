@@ -15,11 +15,11 @@ from typing import Any
 # lmcache reports usage to its authors unless told not to; a server must not phone home.
 os.environ["LMCACHE_TRACK_USAGE"] = "false"
 
-import torch  # noqa: E402
-from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
-from lmcache.v1.memory_management import MemoryObj  # noqa: E402
+import torch
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryObj
 
-from kv_connector.base import KVTransferError  # noqa: E402
+from kv_connector.base import KVTransferError
 
 
 class PagedKVAdapter(GPUConnectorInterface):
@@ -56,7 +56,9 @@ class PagedKVAdapter(GPUConnectorInterface):
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
             blocks, offsets = token_slots(block_ids, start, end, self.block_size, self.kv_cache.device)
             tokens = self.kv_cache[blocks, :, :, offsets]  # [n, layers, 2, kv_heads, head_dim]
-            self._checked(memory_obj, start, end).copy_(tokens.permute(2, 1, 0, 3, 4).reshape(self.get_shape(end - start)))
+            self._checked(memory_obj, start, end).copy_(
+                tokens.permute(2, 1, 0, 3, 4).reshape(self.get_shape(end - start))
+            )
 
     def batched_to_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
         """Inside ``retrieve`` on D: copy each fetched chunk into the staging tensor."""
@@ -72,11 +74,15 @@ class PagedKVAdapter(GPUConnectorInterface):
         expected = self.get_shape(end - start)
         if tensor is None or tensor.shape != expected or tensor.dtype != self.kv_cache.dtype:
             found = "nothing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
-            raise KVTransferError(f"LMCache holds {found} for tokens [{start}, {end}), expected {tuple(expected)} {self.kv_cache.dtype}")
+            raise KVTransferError(
+                f"LMCache holds {found} for tokens [{start}, {end}), expected {tuple(expected)} {self.kv_cache.dtype}"
+            )
         return tensor
 
 
-def token_slots(block_ids: list[int], start: int, end: int, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def token_slots(
+    block_ids: list[int], start: int, end: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(block id, offset in block) of prompt tokens ``start..end-1``, as index tensors on ``device``."""
     positions = torch.arange(start, end)
     blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]

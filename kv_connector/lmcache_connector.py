@@ -53,17 +53,17 @@ os.environ["LMCACHE_TRACK_USAGE"] = "false"
 # lmcache logs store URLs, passwords included, at INFO (module docstring).
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-import redis  # noqa: E402
-import torch  # noqa: E402
-from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+import redis
+import torch
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.metadata import LMCacheMetadata
 
-from engine.kv_cache_utils import cdiv  # noqa: E402
-from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error, bounded_transfer  # noqa: E402
-from kv_connector.fingerprint import Fingerprint  # noqa: E402
-from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks  # noqa: E402
-from kv_connector.store_urls import redact_url, with_password_file  # noqa: E402
+from engine.kv_cache_utils import cdiv
+from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error, bounded_transfer
+from kv_connector.fingerprint import Fingerprint
+from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks
+from kv_connector.store_urls import redact_url, with_password_file
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,9 @@ class LMCacheConnector(KVConnector):
         super().__init__(kv_cache, fingerprint)
         block_size = self.block_size
         if fingerprint.block_size != block_size:
-            raise ValueError(f"fingerprint block_size {fingerprint.block_size} does not match the KV cache's {block_size}")
+            raise ValueError(
+                f"fingerprint block_size {fingerprint.block_size} does not match the KV cache's {block_size}"
+            )
         self.remote_url = with_password_file(remote_url or os.environ.get(URL_ENV, ""))
         self.shown_url = redact_url(self.remote_url)  # what logs, errors and handles may show
         if urlsplit(self.remote_url).scheme not in SUPPORTED_SCHEMES:
@@ -113,7 +115,9 @@ class LMCacheConnector(KVConnector):
         self._bytes_per_token = self.bytes_per_block // block_size
         cache_bytes = kv_cache.numel() * kv_cache.element_size()
         # Two spare chunks absorb the allocator's per-object alignment.
-        self._buffer_bytes = buffer_bytes or min(cache_bytes, _MAX_DEFAULT_BUFFER_BYTES) + 2 * self.chunk_size * self._bytes_per_token
+        self._buffer_bytes = (
+            buffer_bytes or min(cache_bytes, _MAX_DEFAULT_BUFFER_BYTES) + 2 * self.chunk_size * self._bytes_per_token
+        )
         self._adapter = PagedKVAdapter(kv_cache)
         self._instance_id = f"splitserve-{uuid.uuid4().hex[:12]}"
         self._engine: LMCacheEngine | None = None
@@ -131,7 +135,12 @@ class LMCacheConnector(KVConnector):
         if error is not None:
             raise KVTransferError(f"LMCache store {self.shown_url} is unreachable: {error}")
         self._engine = await asyncio.to_thread(run_on_daemon_thread, self._build_engine, None)
-        logger.info("LMCache KV connector on %s, chunks of %d tokens, keys for %s", self.shown_url, self.chunk_size, key_model_name(self.fingerprint))
+        logger.info(
+            "LMCache KV connector on %s, chunks of %d tokens, keys for %s",
+            self.shown_url,
+            self.chunk_size,
+            key_model_name(self.fingerprint),
+        )
         return self.shown_url
 
     async def close(self) -> None:
@@ -144,13 +153,21 @@ class LMCacheConnector(KVConnector):
             # were started as daemons (run_on_daemon_thread), so they end with the process.
             return
         try:
-            await asyncio.to_thread(run_on_daemon_thread, lambda: LMCacheEngineBuilder.destroy(self._instance_id), _CLOSE_TIMEOUT_S)
+            await asyncio.to_thread(
+                run_on_daemon_thread, lambda: LMCacheEngineBuilder.destroy(self._instance_id), _CLOSE_TIMEOUT_S
+            )
         except TimeoutError:
-            logger.warning("LMCache engine %s did not close within %.0f s; leaving it to process exit", self._instance_id, _CLOSE_TIMEOUT_S)
+            logger.warning(
+                "LMCache engine %s did not close within %.0f s; leaving it to process exit",
+                self._instance_id,
+                _CLOSE_TIMEOUT_S,
+            )
 
     # ------------------------------------------------------------- prefill side
 
-    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None) -> None:
+    def publish(
+        self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None
+    ) -> None:
         """P, right after prefill: store the KV of ``token_ids`` (held in ``block_ids``, the
         last block possibly partial) and wait until the store confirms every chunk, so a
         pull that follows finds it. Blocks the caller for that round trip (bounded by
@@ -174,7 +191,11 @@ class LMCacheConnector(KVConnector):
         if num_stored < len(tokens):
             logger.error(
                 "LMCache stored the KV of %d of %d prompt tokens of %s in %s (%s); decode instances will miss it",
-                num_stored, len(tokens), request_id, self.shown_url, reason,
+                num_stored,
+                len(tokens),
+                request_id,
+                self.shown_url,
+                reason,
             )
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
@@ -184,24 +205,33 @@ class LMCacheConnector(KVConnector):
 
     # -------------------------------------------------------------- decode side
 
-    async def pull(self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float) -> TransferStats:
+    async def pull(
+        self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
+    ) -> TransferStats:
         """D: retrieve the KV of ``source.token_ids`` from the store and write blocks
         ``num_local_hit_blocks:`` of it into ``block_ids[num_local_hit_blocks:]``; earlier
-        blocks (D's own prefix-cache hits) are not touched. Raises :class:`KVTransferError` on a fingerprint mismatch, a miss (not
-        stored, evicted, or stored under another fingerprint), an unreachable store or
-        the timeout; D's blocks are then untouched."""
+        blocks (D's own prefix-cache hits) are not touched. Raises :class:`KVTransferError`
+        on a fingerprint mismatch, a miss (not stored, evicted, or stored under another
+        fingerprint), an unreachable store or the timeout; D's blocks are then untouched."""
         engine = self._started()
         tokens = [int(token) for token in source.token_ids]
         block_size = self.block_size
         if not tokens:
-            raise KVTransferError(f"no prompt token ids for {source.request_id!r}; the lmcache connector retrieves by tokens")
+            raise KVTransferError(
+                f"no prompt token ids for {source.request_id!r}; the lmcache connector retrieves by tokens"
+            )
         if len(tokens) != source.num_tokens:
-            raise KVTransferError(f"{len(tokens)} prompt token ids for the KV of {source.num_tokens} tokens of {source.request_id!r} (bug)")
+            raise KVTransferError(
+                f"{len(tokens)} prompt token ids for the KV of {source.num_tokens} tokens of {source.request_id!r} "
+                "(bug)"
+            )
         if (mismatch := block_count_error(len(block_ids), len(tokens), block_size)) is not None:
             raise KVTransferError(f"local blocks of {source.request_id!r}: {mismatch} (bug)")
         num_blocks = len(block_ids)
         if not 0 <= num_local_hit_blocks <= num_blocks:
-            raise KVTransferError(f"{num_local_hit_blocks} local hit blocks outside the prompt's {num_blocks} blocks (bug)")
+            raise KVTransferError(
+                f"{num_local_hit_blocks} local hit blocks outside the prompt's {num_blocks} blocks (bug)"
+            )
         if num_local_hit_blocks == num_blocks:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
         self.check_source(source)
@@ -254,7 +284,9 @@ class LMCacheConnector(KVConnector):
         # LMCacheEngine forces the "spawn" start method process-wide; keep this process's choice.
         start_method = multiprocessing.get_start_method(allow_none=True)
         try:
-            engine = LMCacheEngineBuilder.get_or_create(self._instance_id, config, metadata, self._adapter, _single_rank, _single_rank)
+            engine = LMCacheEngineBuilder.get_or_create(
+                self._instance_id, config, metadata, self._adapter, _single_rank, _single_rank
+            )
             engine.post_init()
         finally:
             multiprocessing.set_start_method(start_method, force=True)
@@ -283,7 +315,9 @@ class LMCacheConnector(KVConnector):
             time.sleep(delay_s)
             delay_s = min(2 * delay_s, 0.05)
 
-    def _retrieve(self, engine: LMCacheEngine, tokens: list[int], fetch_start: int, staging: torch.Tensor, request_id: str) -> torch.Tensor:
+    def _retrieve(
+        self, engine: LMCacheEngine, tokens: list[int], fetch_start: int, staging: torch.Tensor, request_id: str
+    ) -> torch.Tensor:
         """Worker thread: fill ``staging`` from token ``fetch_start`` on. Returns LMCache's
         per-token hit mask (bool, on CPU)."""
         mask = None
@@ -297,7 +331,11 @@ class LMCacheConnector(KVConnector):
         error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
         if error is not None:
             return KVTransferError(f"LMCache store {self.shown_url} is unreachable: {error}")
-        where = self.shown_url if source.address in ("", self.shown_url) else f"{self.shown_url} (prefill stored to {source.address})"
+        where = (
+            self.shown_url
+            if source.address in ("", self.shown_url)
+            else f"{self.shown_url} (prefill stored to {source.address})"
+        )
         return KVTransferError(
             f"LMCache at {where} has no KV for tokens {first_missing}..{num_tokens - 1} of {source.request_id!r} "
             f"under {key_model_name(self.fingerprint)}: not stored, evicted, or stored for another fingerprint"
@@ -337,7 +375,10 @@ def check_credentials(url: str, timeout_s: float) -> str | None:
     try:
         client.ping()
     except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as error:
-        return f"it refused our credentials ({error}): put the store's password in the URL, redis://:PASSWORD@HOST:PORT (or USER:PASSWORD for an ACL user)"
+        return (
+            f"it refused our credentials ({error}): put the store's password in the URL, "
+            "redis://:PASSWORD@HOST:PORT (or USER:PASSWORD for an ACL user)"
+        )
     except (redis.RedisError, OSError) as error:
         return f"{type(error).__name__}: {error}"
     finally:

@@ -33,7 +33,9 @@ def with_password_file(url: str) -> str:
     if not password:
         raise ValueError(f"{PASSWORD_FILE_ENV}={path} is empty: write the Redis password (requirepass) in it")
     user, _, hostport = parts.netloc.rpartition("@")
-    return urlunsplit((parts.scheme, f"{user}:{quote(password, safe='')}@{hostport}", parts.path, parts.query, parts.fragment))
+    return urlunsplit(
+        (parts.scheme, f"{user}:{quote(password, safe='')}@{hostport}", parts.path, parts.query, parts.fragment)
+    )
 
 
 def redact_url(url: str) -> str:
@@ -52,5 +54,9 @@ def redact_url(url: str) -> str:
         f"{key}={REDACTED}" if key.lower() == "password" else f"{key}={value}" if sep else key
         for key, sep, value in (item.partition("=") for item in parts.query.split("&") if item)
     )
-    shown = f"{parts.scheme}://{netloc}{parts.path}" if "://" in url else urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    shown = (
+        f"{parts.scheme}://{netloc}{parts.path}"
+        if "://" in url
+        else urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    )
     return shown + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")

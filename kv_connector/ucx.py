@@ -158,14 +158,18 @@ class UCXConnector(KVConnector):
 
     async def start(self, host: str, port: int) -> str:
         if limit_to_loopback(host):
-            logger.info("UCX data lanes limited to the loopback device (UCX_NET_DEVICES=lo): %s is a loopback address", host)
+            logger.info(
+                "UCX data lanes limited to the loopback device (UCX_NET_DEVICES=lo): %s is a loopback address", host
+            )
         ucxx = ucxx_for_running_loop()
         self._listener = ucxx.create_listener(self._serve, port=port or None)
         address = f"{host}:{self._listener.port}"
         logger.info("UCX KV connector listening on %s", address)
         return address
 
-    def publish(self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None) -> None:
+    def publish(
+        self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None
+    ) -> None:
         self._published[request_id] = _Published(frozenset(block_ids), pull_token)
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
@@ -196,7 +200,7 @@ class UCXConnector(KVConnector):
 
     # ------------------------------------------------------------ P: serving
 
-    async def _serve(self, endpoint) -> None:  # noqa: ANN001 - ucxx endpoint
+    async def _serve(self, endpoint) -> None:
         """One D connection: serve its pulls in order until D closes it."""
         self._serving.add(endpoint)
         try:
@@ -213,7 +217,7 @@ class UCXConnector(KVConnector):
                 except WireError as error:
                     logger.warning("closing a KV connection that sent %s", error)
                     return
-                except Exception:  # noqa: BLE001 - D closed the connection (or died): the normal end
+                except Exception:
                     logger.debug("KV connection closed by the decode side", exc_info=True)
                     return
                 pull_number += 1
@@ -224,7 +228,9 @@ class UCXConnector(KVConnector):
                 # Registered before the next await, so an unpublish from here on finds it.
                 sending = asyncio.ensure_future(self._send_blocks(endpoint, pull_number, reply, request))
                 self._readers.setdefault(request.request_id, set()).add(sending)
-                sending.add_done_callback(lambda task, request_id=request.request_id: self._forget_reader(request_id, task))
+                sending.add_done_callback(
+                    lambda task, request_id=request.request_id: self._forget_reader(request_id, task)
+                )
                 try:
                     await asyncio.wait([sending])
                 except BaseException:  # the listener is shutting down: stop reading the blocks too
@@ -237,13 +243,13 @@ class UCXConnector(KVConnector):
                 if sending.exception() is not None:  # a broken peer must never take the listener down
                     logger.warning("serving a KV pull failed; closing its connection", exc_info=sending.exception())
                     return
-        except Exception:  # noqa: BLE001 - the reply could not be sent: D is gone
+        except Exception:
             logger.debug("KV connection failed", exc_info=True)
         finally:
             self._serving.discard(endpoint)
             await abandon(endpoint, [])
 
-    async def _send_blocks(self, endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:  # noqa: ANN001
+    async def _send_blocks(self, endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:
         """Send the reply, then every message straight from the cache. On any failure or
         cancellation the connection is closed before this returns, which ends every send."""
         self._num_transfers += 1
@@ -262,7 +268,7 @@ class UCXConnector(KVConnector):
         finally:
             self._num_transfers -= 1
 
-    def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:  # noqa: ANN001 - ucxx endpoint
+    def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:
         return asyncio.ensure_future(endpoint.send(blocks, tag=tag))
 
     def _forget_reader(self, request_id: str, task: asyncio.Task) -> None:
@@ -284,12 +290,18 @@ class UCXConnector(KVConnector):
             return PullReply(ok=False, error=str(error)), None
         published = self._published.get(request.request_id)
         if published is None:
-            return PullReply(ok=False, error=f"no KV published for request {request.request_id!r} (released or expired)"), None
+            return PullReply(
+                ok=False, error=f"no KV published for request {request.request_id!r} (released or expired)"
+            ), None
         if published.pull_token is not None and not _token_matches(request.pull_token, published.pull_token):
             logger.warning("refused a pull of %s that did not present its pull token", request.request_id)
-            return PullReply(ok=False, error=f"the pull token for request {request.request_id!r} does not match the KV handle's"), None
+            return PullReply(
+                ok=False, error=f"the pull token for request {request.request_id!r} does not match the KV handle's"
+            ), None
         if not published.block_ids.issuperset(request.block_ids):
-            return PullReply(ok=False, error=f"blocks {sorted(set(request.block_ids) - published.block_ids)} are not the request's"), None
+            return PullReply(
+                ok=False, error=f"blocks {sorted(set(request.block_ids) - published.block_ids)} are not the request's"
+            ), None
         if not request.block_ids:
             return PullReply(ok=False, error="a pull must name at least one block"), None
         if (error := consecutive_runs_error(request.block_ids, request.message_blocks)) is not None:
@@ -308,7 +320,9 @@ class UCXConnector(KVConnector):
 
     # ------------------------------------------------------------- D: pulling
 
-    async def pull(self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float) -> TransferStats:
+    async def pull(
+        self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
+    ) -> TransferStats:
         remote_blocks = list(source.block_ids[num_local_hit_blocks:])
         local_blocks = block_ids[num_local_hit_blocks:]
         if len(remote_blocks) != len(local_blocks):
@@ -320,7 +334,9 @@ class UCXConnector(KVConnector):
         start = time.perf_counter()
         message_blocks = plan_messages(remote_blocks, local_blocks, self.max_message_blocks)
         await bounded_transfer(
-            self._pull(source, remote_blocks, local_blocks, message_blocks), timeout_s, f"pulling {len(remote_blocks)} blocks from {source.address}"
+            self._pull(source, remote_blocks, local_blocks, message_blocks),
+            timeout_s,
+            f"pulling {len(remote_blocks)} blocks from {source.address}",
         )
         return TransferStats(
             num_blocks=len(local_blocks),
@@ -329,7 +345,9 @@ class UCXConnector(KVConnector):
             num_messages=len(message_blocks),
         )
 
-    async def _pull(self, source: KVSource, remote_blocks: list[int], local_blocks: list[int], message_blocks: list[int]) -> None:
+    async def _pull(
+        self, source: KVSource, remote_blocks: list[int], local_blocks: list[int], message_blocks: list[int]
+    ) -> None:
         """On an idle connection if there is one; if that one turns out stale, once more on a new one."""
         self._num_transfers += 1
         try:
@@ -373,7 +391,9 @@ class UCXConnector(KVConnector):
             receives.append(asyncio.ensure_future(endpoint.recv(buffer, tag=message_tag(pull_number, num_posted))))
             num_posted += 1
 
-        request = PullRequest(source.request_id, remote_blocks, self.fingerprint, message_blocks, source.pull_token.hex())
+        request = PullRequest(
+            source.request_id, remote_blocks, self.fingerprint, message_blocks, source.pull_token.hex()
+        )
         try:
             try:
                 # Posted together, in order, when this task next yields: request, reply, first messages.
@@ -419,7 +439,8 @@ class UCXConnector(KVConnector):
         expected_dtype = str(self.kv_cache.dtype).removeprefix("torch.")
         if reply.shape != expected_shape or reply.num_bytes != expected_bytes or reply.dtype != expected_dtype:
             raise KVTransferError(
-                f"prefill instance {source.address} offers blocks of {reply.shape} ({reply.num_bytes} bytes of {reply.dtype}), "
+                f"prefill instance {source.address} offers blocks of {reply.shape} ({reply.num_bytes} bytes of "
+                f"{reply.dtype}), "
                 f"expected {expected_shape} ({expected_bytes} bytes of {expected_dtype})"
             )
 

@@ -57,7 +57,9 @@ def ucxx_for_running_loop() -> ModuleType:
         try:
             ucxx.reset()  # the previous loop is finished; its futures cannot serve this one
         except ucxx.exceptions.UCXError as error:
-            raise RuntimeError(f"ucxx is still in use by a previous event loop (close its connectors first): {error}") from None
+            raise RuntimeError(
+                f"ucxx is still in use by a previous event loop (close its connectors first): {error}"
+            ) from None
     try:
         ucxx.init(progress_mode="thread", enable_python_future=True)
     except RuntimeError as error:
@@ -70,7 +72,7 @@ def ucxx_for_running_loop() -> ModuleType:
         # The notifier thread is not a daemon: stop it when the interpreter shuts down, before
         # it joins non-daemon threads (the hook concurrent.futures uses for its workers), or
         # the process never exits.
-        threading._register_atexit(ucxx.stop_notifier_thread)  # noqa: SLF001
+        threading._register_atexit(ucxx.stop_notifier_thread)
         _exit_hook_registered = True
     return ucxx
 
@@ -90,6 +92,8 @@ def limit_to_loopback(host: str) -> bool:
     except RuntimeError:
         running = None
     if _loop_ref is not None and running is not None and _loop_ref() is running:
-        logger.warning("ucxx is already initialised for this event loop; UCX_NET_DEVICES=lo applies from the next one only")
+        logger.warning(
+            "ucxx is already initialised for this event loop; UCX_NET_DEVICES=lo applies from the next one only"
+        )
     os.environ["UCX_NET_DEVICES"] = "lo"
     return True

@@ -82,7 +82,7 @@ def wire_buffer(tensor: torch.Tensor) -> object:
     return flat.numpy() if flat.device.type == "cpu" else flat
 
 
-def send_header(endpoint, message: PullRequest | PullReply) -> asyncio.Future:  # noqa: ANN001 - ucxx endpoint
+def send_header(endpoint, message: PullRequest | PullReply) -> asyncio.Future:
     """Post a header as one message: the body's size, then the JSON body."""
     body = encode(message)
     frame = np.empty(_SIZE_BYTES + len(body), dtype=np.uint8)
@@ -91,7 +91,7 @@ def send_header(endpoint, message: PullRequest | PullReply) -> asyncio.Future:  
     return asyncio.ensure_future(endpoint.send(frame))
 
 
-async def recv_header(endpoint, buffer: np.ndarray) -> bytes:  # noqa: ANN001 - ucxx endpoint
+async def recv_header(endpoint, buffer: np.ndarray) -> bytes:
     """Receive one header (as :func:`send_header` frames it) into ``buffer`` (from
     :func:`header_buffer`, reused): a larger message fails in UCX as truncated.
 
@@ -122,12 +122,12 @@ async def cancel_tasks(tasks: list[asyncio.Future]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def abandon(endpoint, tasks: list[asyncio.Future]) -> None:  # noqa: ANN001 - ucxx endpoint
+async def abandon(endpoint, tasks: list[asyncio.Future]) -> None:
     """Drop a connection mid-transfer. The tasks awaiting its requests are cancelled and
     finished first (a ucxx receive that sees its endpoint close would otherwise fall back to
     receiving a queued message on the worker), then closing cancels the requests still posted."""
     await cancel_tasks(tasks)
     try:
         await endpoint.close()
-    except Exception:  # noqa: BLE001 - closing a broken endpoint may itself fail; nothing is left to do
+    except Exception:
         logger.debug("closing a UCX endpoint failed", exc_info=True)

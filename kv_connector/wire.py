@@ -79,7 +79,11 @@ def decode_pull_request(data: bytes) -> PullRequest:
     if len(pull_token) > _MAX_PULL_TOKEN_CHARS:
         raise WireError(f"pull_token of {len(pull_token)} characters (at most {_MAX_PULL_TOKEN_CHARS})")
     return PullRequest(
-        request_id=request_id, block_ids=block_ids, fingerprint=parsed_fingerprint, message_blocks=message_blocks, pull_token=pull_token
+        request_id=request_id,
+        block_ids=block_ids,
+        fingerprint=parsed_fingerprint,
+        message_blocks=message_blocks,
+        pull_token=pull_token,
     )
 
 
@@ -113,7 +117,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _require(value: object, kind: type, name: str):  # noqa: ANN202 - returns value narrowed to kind
+def _require(value: object, kind: type, name: str):
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise WireError(f"{name} must be {kind.__name__}, got {type(value).__name__}")
     return value

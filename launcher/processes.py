@@ -61,7 +61,12 @@ def splitserve_command(*argv: str) -> list[str]:
 
 class Child:
     def __init__(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None, stop_stage: int = 1
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cpus: set[int] | None = None,
+        stop_stage: int = 1,
     ) -> None:
         self.name = name
         self.stop_stage = stop_stage  # children stop in stages, lowest first: each waits for the one before
@@ -71,7 +76,7 @@ class Child:
             # threads on a pinned process would fight over its cores.
             child_env["OMP_NUM_THREADS"] = str(len(cpus))
         logger.info("starting %s: %s", name, " ".join(argv))
-        self.process = subprocess.Popen(argv, env=child_env, preexec_fn=_child_setup(cpus))  # noqa: PLW1509 - prctl must run in the child
+        self.process = subprocess.Popen(argv, env=child_env, preexec_fn=_child_setup(cpus))
 
     @property
     def exited(self) -> bool:

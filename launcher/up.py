@@ -33,43 +33,88 @@ LOCAL_UCX_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default="127.0.0.1", help="address the gateway binds to (instances stay on 127.0.0.1)")
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the gateway binds to (instances stay on 127.0.0.1)"
+    )
     parser.add_argument("--port", type=int, default=8000, help="REST port")
     parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port")
-    parser.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY") or None,
-                        help="require 'Authorization: Bearer KEY' on the API (env SPLITSERVE_API_KEY)")
-    parser.add_argument("--kv-connector", default="ucx", choices=["ucx", "lmcache"], help="how KV moves from prefill to decode")
-    parser.add_argument("--lmcache-url", default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
-                        help="lmcache store (redis://[USER:PASSWORD@]HOST:PORT, rediss://, lm://; env SPLITSERVE_LMCACHE_URL); default: a local redis-server started here")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SPLITSERVE_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on the API (env SPLITSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--kv-connector", default="ucx", choices=["ucx", "lmcache"], help="how KV moves from prefill to decode"
+    )
+    parser.add_argument(
+        "--lmcache-url",
+        default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
+        help="lmcache store (redis://[USER:PASSWORD@]HOST:PORT, rediss://, lm://; env SPLITSERVE_LMCACHE_URL); "
+        "default: a local redis-server started here",
+    )
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill instances")
     parser.add_argument("--num-decode", type=int, default=1, help="decode instances")
-    parser.add_argument("--colocated", action="store_true", help="one instance doing both phases instead of prefill + decode")
+    parser.add_argument(
+        "--colocated", action="store_true", help="one instance doing both phases instead of prefill + decode"
+    )
     # float32 by default, like `splitserve generate`: SmolLM2's bf16 rounding ties its first
     # answer tokens. Pass --dtype auto (bf16 on CPU) for speed.
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per instance on CPU")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    parser.add_argument("--prefill-cpus", default=None, help="CPU list for prefill instances, e.g. '0' or '0-3' (taskset)")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
+    )
+    parser.add_argument(
+        "--prefill-cpus", default=None, help="CPU list for prefill instances, e.g. '0' or '0-3' (taskset)"
+    )
     parser.add_argument("--decode-cpus", default=None, help="CPU list for decode instances")
     parser.add_argument("--colocated-cpus", default=None, help="CPU list for the colocated instance")
-    parser.add_argument("--max-queue-delay", type=float, default=None, metavar="SECONDS",
-                        help="gateway: answer 429 with Retry-After when a new request would queue longer than this for "
-                             "its prefill (default: off)")
-    parser.add_argument("--max-inflight-per-instance", type=int, default=None, metavar="N",
-                        help="gateway: calls outstanding on one prefill or colocated instance at most (default: off)")
-    parser.add_argument("--routing", default=None, choices=["load", "kv"],
-                        help="gateway: rank instances by load only, or by load and the prompt's cached prefix (default: the gateway's)")
-    parser.add_argument("--disagg-min-prompt-tokens", type=int, default=None, metavar="N",
-                        help="gateway: prefill prompts with fewer than N uncached tokens on the decode instance itself (default: the gateway's)")
+    parser.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="gateway: answer 429 with Retry-After when a new request would queue longer than this for "
+        "its prefill (default: off)",
+    )
+    parser.add_argument(
+        "--max-inflight-per-instance",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gateway: calls outstanding on one prefill or colocated instance at most (default: off)",
+    )
+    parser.add_argument(
+        "--routing",
+        default=None,
+        choices=["load", "kv"],
+        help="gateway: rank instances by load only, or by load and the prompt's cached prefix (default: the gateway's)",
+    )
+    parser.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gateway: prefill prompts with fewer than N uncached tokens on the decode instance itself (default: the "
+        "gateway's)",
+    )
     add_speculative_arguments(parser)  # passed to the decode (or colocated) instances
 
 
 def run(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         raise ValueError("--num-prefill and --num-decode must be at least 1")
-    cpus = {role: parse_cpu_list(spec) if spec else None for role, spec in
-            (("prefill", args.prefill_cpus), ("decode", args.decode_cpus), ("colocated", args.colocated_cpus))}
+    cpus = {
+        role: parse_cpu_list(spec) if spec else None
+        for role, spec in (
+            ("prefill", args.prefill_cpus),
+            ("decode", args.decode_cpus),
+            ("colocated", args.colocated_cpus),
+        )
+    }
     model = Path(args.model) if args.model else _default_model()
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -79,8 +124,20 @@ def run(args: argparse.Namespace) -> int:
     children: list[Child] = []
     try:
         routes = _start_instances(args, model, cpus, children, cluster_env)
-        gateway_argv = splitserve_command("--log-level", args.log_level, "gateway", "--model", str(model), "--host", args.host,
-                        "--port", str(args.port), "--grpc-port", str(args.grpc_port), *routes)
+        gateway_argv = splitserve_command(
+            "--log-level",
+            args.log_level,
+            "gateway",
+            "--model",
+            str(model),
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--grpc-port",
+            str(args.grpc_port),
+            *routes,
+        )
         if args.model is None:
             gateway_argv += ["--served-model-name", model.name]
         if args.max_model_len:
@@ -94,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
         if args.disagg_min_prompt_tokens is not None:
             gateway_argv += ["--disagg-min-prompt-tokens", str(args.disagg_min_prompt_tokens)]
         # The key travels in the environment, not argv, where any local user could read it.
-        children.append(Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or "", **cluster_env}, stop_stage=0))
+        children.append(
+            Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or "", **cluster_env}, stop_stage=0)
+        )
         url = f"http://{_dial_host(args.host)}:{args.port}"
         if not _wait_ready(url, children, stop):
             return 0 if stop.is_set() else 1  # stopped by the user before it was ready: not a failure
@@ -117,7 +176,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start_instances(
-    args: argparse.Namespace, model: Path, cpus: dict[str, set[int] | None], children: list[Child], cluster_env: dict[str, str]
+    args: argparse.Namespace,
+    model: Path,
+    cpus: dict[str, set[int] | None],
+    children: list[Child],
+    cluster_env: dict[str, str],
 ) -> list[str]:
     """Start the engines, each with ``cluster_env``; return the gateway's routing flags for them."""
     common = ["--model", str(model), "--dtype", args.dtype]
@@ -127,7 +190,9 @@ def _start_instances(
         common += ["--max-model-len", str(args.max_model_len)]
     if args.colocated:
         port = free_port()
-        argv = splitserve_command("--log-level", args.log_level, "colocated", *common, *speculative_argv(args), "--port", str(port))
+        argv = splitserve_command(
+            "--log-level", args.log_level, "colocated", *common, *speculative_argv(args), "--port", str(port)
+        )
         children.append(Child("colocated", argv, env=cluster_env, cpus=cpus["colocated"]))
         return ["--colocated", f"127.0.0.1:{port}"]
     connector = ["--kv-connector", args.kv_connector]
@@ -142,7 +207,18 @@ def _start_instances(
             port = free_port()
             # Only decode instances speculate; prefill ones sample one token per request.
             spec = speculative_argv(args) if role == "decode" else []
-            argv = splitserve_command("--log-level", args.log_level, role, *common, *connector, *spec, "--port", str(port), "--instance-id", f"{role}-{index}")
+            argv = splitserve_command(
+                "--log-level",
+                args.log_level,
+                role,
+                *common,
+                *connector,
+                *spec,
+                "--port",
+                str(port),
+                "--instance-id",
+                f"{role}-{index}",
+            )
             child_env = dict(env)
             if gpus:
                 # One GPU per instance, round robin, so prefill and decode do not share one when there are several.
@@ -168,25 +244,39 @@ def _visible_gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        listing = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        listing = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [line.strip() for line in listing.stdout.splitlines() if line.strip().isdigit()] if listing.returncode == 0 else []
+    return (
+        [line.strip() for line in listing.stdout.splitlines() if line.strip().isdigit()]
+        if listing.returncode == 0
+        else []
+    )
 
 
 def _start_redis(children: list[Child]) -> str:
     """A throwaway Redis on loopback for the lmcache connector's store (no persistence)."""
     if shutil.which("redis-server") is None:
-        raise ValueError("--kv-connector lmcache needs a store: pass --lmcache-url, or install redis-server to have one started here")
+        raise ValueError(
+            "--kv-connector lmcache needs a store: pass --lmcache-url, or install redis-server to have one started here"
+        )
     port = free_port()
-    children.append(Child("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"], stop_stage=2))
+    children.append(
+        Child(
+            "redis",
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+            stop_stage=2,
+        )
+    )
     return f"redis://127.0.0.1:{port}"
 
 
 def _default_model() -> Path:
     # Converting the embedded GGUF (once) imports torch; doing it here keeps the
     # instances from racing to convert it.
-    from engine.default_model import default_model_path  # noqa: PLC0415
+    from engine.default_model import default_model_path
 
     return default_model_path()
 
@@ -216,9 +306,14 @@ def _wait_ready(url: str, children: list[Child], stop: threading.Event) -> bool:
 
 def _print_banner(args: argparse.Namespace, url: str, model: Path) -> None:
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-    example = json.dumps({"model": model.name if args.model is None else args.model,
-                          "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
-    print(  # noqa: T201 - the user-facing banner of an interactive command
+    example = json.dumps(
+        {
+            "model": model.name if args.model is None else args.model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32,
+        }
+    )
+    print(
         f"\nsplitserve is up: OpenAI API at {url}/v1, gRPC Generation at {_dial_host(args.host)}:{args.grpc_port}\n"
         f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{example}'\n"
         "Ctrl-C stops everything.\n",

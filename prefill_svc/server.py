@@ -28,15 +28,15 @@ import asyncio
 import logging
 
 import grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from cluster.background import BackgroundTasks
+from cluster.handle_signing import new_pull_token, sign_handle
 from cluster.sampling_proto import sampling_params_from_proto
 from engine.outputs import EngineCoreOutput, KVHandoff
 from engine.sampling_params import SamplingParams
 from serving.convert import fingerprint_to_proto, logprobs_to_proto
-from cluster.handle_signing import new_pull_token, sign_handle
 from serving.instance import Instance, add_instance_arguments, serve
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,14 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         self._prefilling: dict[str, bool] = {}  # Prefill calls in progress -> aborted meanwhile
         self._freeing = BackgroundTasks()
 
-    async def Prefill(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+    async def Prefill(self, request, context):  # noqa: N802 - gRPC signature
         request_id = request.request_id
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         if request_id in self._prefilling or request_id in self._leases:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already prefilling or pinned here")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already prefilling or pinned here"
+            )
         self._prefilling[request_id] = False
         final: EngineCoreOutput | None = None
         try:
@@ -128,7 +130,11 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
     def _expire(self, request_id: str) -> None:
         if self._unpin(request_id, grace_s=0.0):
             self.instance.counters.num_lease_expiries += 1
-            logger.warning("KV lease of %s expired after %.0f s without a release or renewal: blocks freed", request_id, self.lease_s)
+            logger.warning(
+                "KV lease of %s expired after %.0f s without a release or renewal: blocks freed",
+                request_id,
+                self.lease_s,
+            )
 
     def _unpin(self, request_id: str, grace_s: float) -> bool:
         """Stop the lease and free the blocks in the background, giving a pull still reading
@@ -146,11 +152,11 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
 
     # ------------------------------------------------------ control calls
 
-    async def ReleaseKV(self, request, context):  # noqa: ANN001, N802
+    async def ReleaseKV(self, request, context):  # noqa: N802
         # D releases once its pull is over: a send P has not yet seen complete is finishing.
         return disaggregation_pb2.ReleaseKVResponse(released=self._unpin(request.request_id, RELEASE_GRACE_S))
 
-    async def RenewKV(self, request, context):  # noqa: ANN001, N802
+    async def RenewKV(self, request, context):  # noqa: N802
         unknown = []
         for request_id in request.request_ids:
             lease = self._leases.get(request_id)
@@ -162,7 +168,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             self.instance.counters.num_lease_renewals += 1
         return disaggregation_pb2.RenewKVResponse(unknown_request_ids=unknown)
 
-    async def Abort(self, request, context):  # noqa: ANN001, N802
+    async def Abort(self, request, context):  # noqa: N802
         request_id = request.request_id
         prefilling = request_id in self._prefilling
         if prefilling:
@@ -180,12 +186,23 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_instance_arguments(parser, DEFAULT_PORT)
-    parser.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_S,
-                        help="free pinned KV after this long without a release or a renewal from the decode instance")
+    parser.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help="free pinned KV after this long without a release or a renewal from the decode instance",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     instance = Instance.create(args, "prefill")
     servicer = PrefillServicer(instance, args.lease_seconds)
-    asyncio.run(serve(instance, args, lambda server: disaggregation_pb2_grpc.add_PrefillServicer_to_server(servicer, server), on_stop=servicer.close))
+    asyncio.run(
+        serve(
+            instance,
+            args,
+            lambda server: disaggregation_pb2_grpc.add_PrefillServicer_to_server(servicer, server),
+            on_stop=servicer.close,
+        )
+    )
     return 0

@@ -12,11 +12,11 @@ import asyncio
 import time
 
 import grpc
-from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 from cluster.sampling_proto import sampling_params_from_proto
 from serving.convert import output_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 DEFAULT_PORT = 50081
 
@@ -25,9 +25,11 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, instance: Instance) -> None:
         self.instance = instance
 
-    async def Generate(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+    async def Generate(self, request, context):  # noqa: N802 - gRPC signature
         if request.WhichOneof("prompt") != "token_ids":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this instance takes token ids; send text through the gateway")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "this instance takes token ids; send text through the gateway"
+            )
         prompt = list(request.token_ids.ids)
         arrival = time.monotonic()
         num_completion = 0
@@ -37,7 +39,11 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         stream = self.instance.engine.generate(
-            prompt, params, request_id=request.request_id or None, priority=request.priority, cache_salt=request.cache_salt or None
+            prompt,
+            params,
+            request_id=request.request_id or None,
+            priority=request.priority,
+            cache_salt=request.cache_salt or None,
         )
         try:
             async for output in stream:
@@ -46,11 +52,17 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
                     first_token_at = time.monotonic()
                 response = output_to_proto(output, generation_pb2.GenerateResponse)
                 response.usage.CopyFrom(
-                    generation_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_completion, cached_tokens=output.num_cached_tokens)
+                    generation_pb2.Usage(
+                        prompt_tokens=len(prompt),
+                        completion_tokens=num_completion,
+                        cached_tokens=output.num_cached_tokens,
+                    )
                 )
                 if output.finished:
                     now = time.monotonic()
-                    response.timings.CopyFrom(generation_pb2.Timings(ttft_s=(first_token_at or now) - arrival, e2e_s=now - arrival))
+                    response.timings.CopyFrom(
+                        generation_pb2.Timings(ttft_s=(first_token_at or now) - arrival, e2e_s=now - arrival)
+                    )
                 yield response
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -65,5 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     instance = Instance.create(args, "colocated")
     servicer = ColocatedServicer(instance)
-    asyncio.run(serve(instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)))
+    asyncio.run(
+        serve(instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server))
+    )
     return 0

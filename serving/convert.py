@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from splitserve.v1 import disaggregation_pb2, generation_pb2
-
 from engine.outputs import EngineCoreOutput
 from engine.sampler import TokenLogprobs
 from kv_connector.base import KVSource
 from kv_connector.fingerprint import Fingerprint
+from splitserve.v1 import disaggregation_pb2, generation_pb2
 
 # The streamed responses that carry an engine output's tokens: the colocated and the decode instance's.
 TokenResponse = TypeVar("TokenResponse", generation_pb2.GenerateResponse, disaggregation_pb2.DecodeResponse)
@@ -64,7 +63,9 @@ def fingerprint_from_proto(message: disaggregation_pb2.Fingerprint) -> Fingerpri
     )
 
 
-def kv_source_from_proto(request_id: str, handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int]) -> KVSource:
+def kv_source_from_proto(
+    request_id: str, handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int]
+) -> KVSource:
     """``prompt_token_ids``: the Decode call's prompt, whose KV the handle holds."""
     return KVSource(
         request_id=request_id,

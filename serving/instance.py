@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.registration import RegistryHeartbeat
@@ -35,6 +34,7 @@ from kv_connector.store_urls import redact_url
 from serving.convert import fingerprint_to_proto
 from serving.metrics import MetricsServer
 from serving.warmup import warm_up
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +44,28 @@ ENGINE_WATCH_S = 0.5  # how often the server checks that the engine's step loop 
 
 def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     """Flags both roles take; the names match compose/ and the gateway's expectations."""
-    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind the gRPC server and the KV connector to")
     parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free port)")
     parser.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
     parser.add_argument("--kv-connector", default="ucx", choices=sorted(BACKENDS))
     parser.add_argument("--kv-port", type=int, default=0, help="KV connector port (0: any free port)")
-    parser.add_argument("--lmcache-url", default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
-                        help="lmcache connector: the store P and D share, redis://HOST:PORT or lm://HOST:PORT")
+    parser.add_argument(
+        "--lmcache-url",
+        default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
+        help="lmcache connector: the store P and D share, redis://HOST:PORT or lm://HOST:PORT",
+    )
     parser.add_argument("--instance-id", default=None, help="name in load reports (default: random)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--kv-cache-memory", type=int, default=None,
-                        help=f"KV cache bytes: the size on CPU (default {DEFAULT_KV_CACHE_MEMORY}), a cap on GPU (default: none)")
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help=f"KV cache bytes: the size on CPU (default {DEFAULT_KV_CACHE_MEMORY}), a cap on GPU (default: none)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-blocks", type=int, default=None, help="override the KV block count")
     parser.add_argument("--block-size", type=int, default=16)
@@ -64,12 +73,23 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--registry-url", default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""),
-                        help="redis://HOST:PORT to register in (with a heartbeat) so gateways find this instance")
-    parser.add_argument("--heartbeat-seconds", type=float, default=1.0,
-                        help="seconds between registry heartbeats; an entry expires after three missed ones")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve this instance's Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free port)")
+    parser.add_argument(
+        "--registry-url",
+        default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""),
+        help="redis://HOST:PORT to register in (with a heartbeat) so gateways find this instance",
+    )
+    parser.add_argument(
+        "--heartbeat-seconds",
+        type=float,
+        default=1.0,
+        help="seconds between registry heartbeats; an entry expires after three missed ones",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve this instance's Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free port)",
+    )
     add_speculative_arguments(parser)
     add_internal_plane_arguments(parser)
 
@@ -217,10 +237,10 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
     def __init__(self, instance: Instance) -> None:
         self.instance = instance
 
-    async def GetLoadReport(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+    async def GetLoadReport(self, request, context):  # noqa: N802 - gRPC signature
         return await self.instance.load_report()
 
-    async def GetKVEvents(self, request, context):  # noqa: ANN001, N802 - gRPC signature
+    async def GetKVEvents(self, request, context):  # noqa: N802 - gRPC signature
         """Prefix-cache changes since the caller's cursor (engine/kv_events.py); answers at once
         (the log has its own lock and never waits for an engine step)."""
         batch = self.instance.engine.core.kv_events.read(request.epoch, request.after_seq)
@@ -266,10 +286,18 @@ async def serve(
     await server.start()
     instance.grpc_address = f"{advertise}:{port}"
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    logger.info("%s %s serving gRPC on %s, KV on %s", instance.role, instance.instance_id, instance.grpc_address, instance.connector_address)
+    logger.info(
+        "%s %s serving gRPC on %s, KV on %s",
+        instance.role,
+        instance.instance_id,
+        instance.grpc_address,
+        instance.connector_address,
+    )
     heartbeat = None
     if args.registry_url:
-        heartbeat = RegistryHeartbeat(args.registry_url, instance.instance_id, instance.grpc_address, instance.load_report, args.heartbeat_seconds)
+        heartbeat = RegistryHeartbeat(
+            args.registry_url, instance.instance_id, instance.grpc_address, instance.load_report, args.heartbeat_seconds
+        )
         await heartbeat.register()  # registered before we say we are up
         heartbeat.start()
         logger.info("registered as %s in %s", instance.instance_id, redact_url(args.registry_url))
@@ -302,13 +330,19 @@ async def serve(
     logger.info("stopped after draining for %.1f s", time.monotonic() - started)
 
 
-async def _watch_engine(instance: Instance, health_servicer: health.aio.HealthServicer, heartbeat: RegistryHeartbeat | None) -> None:
+async def _watch_engine(
+    instance: Instance, health_servicer: health.aio.HealthServicer, heartbeat: RegistryHeartbeat | None
+) -> None:
     """Until the engine's step loop dies; then say NOT_SERVING (health and registry), so that
     gateways stop routing here and an orchestrator can restart the instance."""
     while instance.engine.is_alive:
         await asyncio.sleep(ENGINE_WATCH_S)
-    logger.error("%s %s: the engine's step loop has died (%s); answering NOT_SERVING from now on: restart this instance",
-                 instance.role, instance.instance_id, instance.engine_error or "stopped")
+    logger.error(
+        "%s %s: the engine's step loop has died (%s); answering NOT_SERVING from now on: restart this instance",
+        instance.role,
+        instance.instance_id,
+        instance.engine_error or "stopped",
+    )
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     if heartbeat is not None:
         heartbeat.set_serving(False)  # sent with the next heartbeat

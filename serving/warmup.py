@@ -28,4 +28,9 @@ async def warm_up(engine: AsyncEngine) -> None:
     async for _ in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), request_id="warmup"):
         pass
     rate = engine.latest_load_report().prefill_tokens_per_s
-    logger.info("warm-up prefill of %d tokens took %.2f s (%.0f prompt tokens/s)", num_tokens, time.perf_counter() - started, rate)
+    logger.info(
+        "warm-up prefill of %d tokens took %.2f s (%.0f prompt tokens/s)",
+        num_tokens,
+        time.perf_counter() - started,
+        rate,
+    )

@@ -63,15 +63,30 @@ class Browser:
 def headless_chromium(width: int = 1280, height: int = 900) -> Iterator[Browser]:
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if chromium is None or driver is None:
-        pytest.skip("headless Chromium needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; .ci/run does)")
+        pytest.skip(
+            "headless Chromium needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; "
+            ".ci/run does)"
+        )
     port = free_port()
     process = subprocess.Popen([driver, f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, process, 30.0)
         driver_url = f"http://127.0.0.1:{port}"
-        options = {"binary": chromium, "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                                                f"--window-size={width},{height}"]}
-        reply = httpx.post(f"{driver_url}/session", json={"capabilities": {"alwaysMatch": {"goog:chromeOptions": options}}}, timeout=120)
+        options = {
+            "binary": chromium,
+            "args": [
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                f"--window-size={width},{height}",
+            ],
+        }
+        reply = httpx.post(
+            f"{driver_url}/session",
+            json={"capabilities": {"alwaysMatch": {"goog:chromeOptions": options}}},
+            timeout=120,
+        )
         value = reply.json()["value"]
         if reply.status_code != 200:
             raise RuntimeError(f"chromedriver could not start Chromium: {value.get('message')}")

@@ -34,8 +34,14 @@ _COMMON = dict(
 )
 # Large enough that prefilling a 2048-token prompt takes a second or more on one CPU core
 # (the overload tests hold instances busy with it).
-LONG_MODEL = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, max_position_embeddings=4096)
+LONG_MODEL = dict(
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 
 
 def tiny_config(architecture: str, **overrides: object):
@@ -66,13 +72,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     corpus = ["The quick brown fox jumps over the lazy dog. Paris is the capital of France."] * 20
     tokenizer.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
 def make_checkpoint(
-    directory: Path, architecture: str = "LlamaForCausalLM", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: object
+    directory: Path,
+    architecture: str = "LlamaForCausalLM",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **overrides: object,
 ) -> Path:
     """Write a random-weight model of ``architecture`` into ``directory`` and return it."""
     torch.manual_seed(seed)

@@ -57,7 +57,9 @@ def _shape(device: str, namespace: str | None, rate: str, delay_us: int) -> str:
     )
     errors = []
     for qdisc in attempts:
-        result = subprocess.run([*prefix, "tc", "qdisc", "add", "dev", device, "root", *qdisc], capture_output=True, text=True, timeout=30)
+        result = subprocess.run(
+            [*prefix, "tc", "qdisc", "add", "dev", device, "root", *qdisc], capture_output=True, text=True, timeout=30
+        )
         if result.returncode == 0:
             return " ".join(qdisc[:5] if qdisc[0] == "netem" else qdisc[:3])
         errors.append(f"{qdisc[0]}: {result.stderr.strip()}")
@@ -95,8 +97,13 @@ def separate_nodes(parts: tuple[str, ...], rate: str = "10gbit", delay_us: int =
             network.shaping = _shape(host_end, None, rate, delay_us)
             _shape("eth0", namespace, rate, delay_us)
             network.nodes[part] = Node(namespace, f"{subnet}.{index}")
-        logger.warning("separate nodes %s on %s.0/24 through %s, links shaped with %s",
-                       {p: n.address for p, n in network.nodes.items()}, subnet, bridge, network.shaping)
+        logger.warning(
+            "separate nodes %s on %s.0/24 through %s, links shaped with %s",
+            {p: n.address for p, n in network.nodes.items()},
+            subnet,
+            bridge,
+            network.shaping,
+        )
         yield network
     finally:
         for undo in reversed(network._made):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,7 +35,9 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float) -> Non
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
-def start_redis(password: str | None = None, tls: tuple[Path, Path, Path] | None = None) -> tuple[subprocess.Popen, str]:
+def start_redis(
+    password: str | None = None, tls: tuple[Path, Path, Path] | None = None
+) -> tuple[subprocess.Popen, str]:
     """A Redis server on a free loopback port and its URL; with ``password`` it requires it
     (``--requirepass``) and the URL carries it; with ``tls`` (certificate, key, CA) it speaks
     only TLS, and the URL is ``rediss://`` trusting that CA."""
@@ -46,13 +48,26 @@ def start_redis(password: str | None = None, tls: tuple[Path, Path, Path] | None
     options = ["--requirepass", password] if password else []
     if tls is not None:
         cert, key, ca = tls
-        options += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-                    "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+        options += [
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(ca),
+            "--tls-auth-clients",
+            "no",
+        ]
     else:
         options += ["--port", str(port)]
     process = subprocess.Popen(
         [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *options],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     wait_for_port(port, process, 10.0)
     credentials = f":{password}@" if password else ""
@@ -73,14 +88,14 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float 
     return process.returncode
 
 
-
-
 def start_lm_server() -> tuple[subprocess.Popen, str]:
     """LMCache's own cache server (``python -m lmcache.v1.server HOST PORT``)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port)],
-        env=LMCACHE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=LMCACHE_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     wait_for_port(port, process, 30.0)
     return process, f"lm://127.0.0.1:{port}"

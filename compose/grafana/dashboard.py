@@ -42,7 +42,12 @@ def panel(title: str, unit: str, description: str, *queries: prometheus.Dataquer
         .draw_style(GraphDrawStyle.LINE)
         .line_width(1)
         .fill_opacity(10)
-        .legend(common.VizLegendOptions().display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM).show_legend(True))
+        .legend(
+            common.VizLegendOptions()
+            .display_mode(LegendDisplayMode.LIST)
+            .placement(LegendPlacement.BOTTOM)
+            .show_legend(True)
+        )
     )
     for item in queries:
         built = built.with_target(item)
@@ -51,7 +56,9 @@ def panel(title: str, unit: str, description: str, *queries: prometheus.Dataquer
 
 def percentiles(metric: str, title: str, description: str) -> timeseries.Panel:
     queries = [
-        query(f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket[$__rate_interval])))", name, chr(ord("A") + i))
+        query(
+            f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket[$__rate_interval])))", name, chr(ord("A") + i)
+        )
         for i, (name, q) in enumerate(QUANTILES)
     ]
     return panel(title, "s", description, *queries)
@@ -65,54 +72,167 @@ def build() -> dashboard.Dashboard:
     return (
         dashboard.Dashboard("splitserve")
         .uid("splitserve")
-        .description("Disaggregated prefill/decode serving: latency as clients see it, P and D load, KV transfers, failures")
+        .description(
+            "Disaggregated prefill/decode serving: latency as clients see it, P and D load, KV transfers, failures"
+        )
         .tags(["splitserve"])
         .refresh("10s")
         .time("now-30m", "now")
         .timezone("browser")
         .with_row(dashboard.Row("Latency at the gateway"))
-        .with_panel(percentiles("splitserve_time_to_first_token_seconds", "Time to first token", "Arrival to the first token sent"))
-        .with_panel(percentiles("splitserve_inter_token_latency_seconds", "Inter-token latency", "Gap between successive output tokens"))
-        .with_panel(percentiles("splitserve_e2e_request_latency_seconds", "End-to-end latency", "Arrival to the last token"))
+        .with_panel(
+            percentiles(
+                "splitserve_time_to_first_token_seconds", "Time to first token", "Arrival to the first token sent"
+            )
+        )
+        .with_panel(
+            percentiles(
+                "splitserve_inter_token_latency_seconds", "Inter-token latency", "Gap between successive output tokens"
+            )
+        )
+        .with_panel(
+            percentiles("splitserve_e2e_request_latency_seconds", "End-to-end latency", "Arrival to the last token")
+        )
         .with_row(dashboard.Row("Prefill and decode instances"))
-        .with_panel(panel("Waiting requests", "short", "Queued on each instance (D: holding a KV handle, not yet pulled)",
-                          per_instance("splitserve_engine_num_waiting")))
-        .with_panel(panel("Running requests", "short", "Running on each instance", per_instance("splitserve_engine_num_running")))
-        .with_panel(panel("KV cache use", "percentunit", "Share of each instance's KV blocks in use",
-                          per_instance("splitserve_engine_kv_usage")))
-        .with_panel(panel("Step time", "s", "Mean model time of one engine step",
-                          per_instance("rate(splitserve_engine_step_seconds_total[$__rate_interval])"
-                                       " / rate(splitserve_engine_steps_total[$__rate_interval])")))
-        .with_panel(panel("Prefill throughput", "short", "Prompt tokens per second over each prefill instance's recent steps",
-                          per_instance('splitserve_engine_prefill_tokens_per_second{role="prefill"}')))
-        .with_panel(panel("Requests", "reqps", "Finished requests per second by outcome, and requests refused with 429",
-                          query("sum by (status) (rate(splitserve_requests_total[$__rate_interval]))", "{{status}}", "A"),
-                          query("rate(splitserve_requests_rejected_total[$__rate_interval])", "rejected (429)", "B")))
+        .with_panel(
+            panel(
+                "Waiting requests",
+                "short",
+                "Queued on each instance (D: holding a KV handle, not yet pulled)",
+                per_instance("splitserve_engine_num_waiting"),
+            )
+        )
+        .with_panel(
+            panel(
+                "Running requests", "short", "Running on each instance", per_instance("splitserve_engine_num_running")
+            )
+        )
+        .with_panel(
+            panel(
+                "KV cache use",
+                "percentunit",
+                "Share of each instance's KV blocks in use",
+                per_instance("splitserve_engine_kv_usage"),
+            )
+        )
+        .with_panel(
+            panel(
+                "Step time",
+                "s",
+                "Mean model time of one engine step",
+                per_instance(
+                    "rate(splitserve_engine_step_seconds_total[$__rate_interval])"
+                    " / rate(splitserve_engine_steps_total[$__rate_interval])"
+                ),
+            )
+        )
+        .with_panel(
+            panel(
+                "Prefill throughput",
+                "short",
+                "Prompt tokens per second over each prefill instance's recent steps",
+                per_instance('splitserve_engine_prefill_tokens_per_second{role="prefill"}'),
+            )
+        )
+        .with_panel(
+            panel(
+                "Requests",
+                "reqps",
+                "Finished requests per second by outcome, and requests refused with 429",
+                query("sum by (status) (rate(splitserve_requests_total[$__rate_interval]))", "{{status}}", "A"),
+                query("rate(splitserve_requests_rejected_total[$__rate_interval])", "rejected (429)", "B"),
+            )
+        )
         .with_row(dashboard.Row("KV transfers"))
-        .with_panel(panel("KV transfer bytes", "Bps", "KV bytes per second each decode instance pulls from prefill",
-                          per_instance('rate(splitserve_engine_kv_transfer_bytes_total{role="decode"}[$__rate_interval])')))
-        .with_panel(panel("KV transfer time", "s", "Mean duration of one pull, and the gateway's p90 over hand-offs",
-                          per_instance('rate(splitserve_engine_kv_transfer_seconds_total{role="decode"}[$__rate_interval])'
-                                       ' / rate(splitserve_engine_kv_transfers_total{role="decode"}[$__rate_interval])'),
-                          query("histogram_quantile(0.9, sum by (le) (rate(splitserve_kv_transfer_seconds_bucket[$__rate_interval])))",
-                                "p90 (gateway)", "B")))
-        .with_panel(panel("Leases", "short", "KV leases renewed and expired on each prefill instance, per second",
-                          query('rate(splitserve_engine_lease_renewals_total{role="prefill"}[$__rate_interval])', "renewals {{instance}}", "A"),
-                          query('rate(splitserve_engine_lease_expiries_total{role="prefill"}[$__rate_interval])', "expiries {{instance}}", "B")))
+        .with_panel(
+            panel(
+                "KV transfer bytes",
+                "Bps",
+                "KV bytes per second each decode instance pulls from prefill",
+                per_instance('rate(splitserve_engine_kv_transfer_bytes_total{role="decode"}[$__rate_interval])'),
+            )
+        )
+        .with_panel(
+            panel(
+                "KV transfer time",
+                "s",
+                "Mean duration of one pull, and the gateway's p90 over hand-offs",
+                per_instance(
+                    'rate(splitserve_engine_kv_transfer_seconds_total{role="decode"}[$__rate_interval])'
+                    ' / rate(splitserve_engine_kv_transfers_total{role="decode"}[$__rate_interval])'
+                ),
+                query(
+                    "histogram_quantile(0.9, sum by (le) "
+                    "(rate(splitserve_kv_transfer_seconds_bucket[$__rate_interval])))",
+                    "p90 (gateway)",
+                    "B",
+                ),
+            )
+        )
+        .with_panel(
+            panel(
+                "Leases",
+                "short",
+                "KV leases renewed and expired on each prefill instance, per second",
+                query(
+                    'rate(splitserve_engine_lease_renewals_total{role="prefill"}[$__rate_interval])',
+                    "renewals {{instance}}",
+                    "A",
+                ),
+                query(
+                    'rate(splitserve_engine_lease_expiries_total{role="prefill"}[$__rate_interval])',
+                    "expiries {{instance}}",
+                    "B",
+                ),
+            )
+        )
         .with_row(dashboard.Row("Errors"))
-        .with_panel(panel("Failed requests", "reqps", "Requests that ended other than by a stop or the length limit",
-                          query('sum by (status) (rate(splitserve_requests_total{status!~"stop|length"}[$__rate_interval]))', "{{status}}", "A")))
-        .with_panel(panel("KV failures", "short", "Per second: failed pulls, recomputes, hand-backs, refused handles, pulls cut off",
-                          *[query(f"sum(rate(splitserve_engine_{name}_total[$__rate_interval]))", name.replace("_", " "), chr(ord("A") + i))
-                            for i, name in enumerate(("kv_pull_failures", "kv_recomputes", "kv_handbacks", "kv_handles_refused", "pulls_cut_off"))]))
-        .with_panel(panel("Instances up", "short", "1 while an instance's engine runs (its scrape), and Prometheus's own view of each target",
-                          per_instance("splitserve_engine_up"),
-                          query("up", "{{job}} {{instance}} scrape", "B")))
+        .with_panel(
+            panel(
+                "Failed requests",
+                "reqps",
+                "Requests that ended other than by a stop or the length limit",
+                query(
+                    'sum by (status) (rate(splitserve_requests_total{status!~"stop|length"}[$__rate_interval]))',
+                    "{{status}}",
+                    "A",
+                ),
+            )
+        )
+        .with_panel(
+            panel(
+                "KV failures",
+                "short",
+                "Per second: failed pulls, recomputes, hand-backs, refused handles, pulls cut off",
+                *[
+                    query(
+                        f"sum(rate(splitserve_engine_{name}_total[$__rate_interval]))",
+                        name.replace("_", " "),
+                        chr(ord("A") + i),
+                    )
+                    for i, name in enumerate(
+                        ("kv_pull_failures", "kv_recomputes", "kv_handbacks", "kv_handles_refused", "pulls_cut_off")
+                    )
+                ],
+            )
+        )
+        .with_panel(
+            panel(
+                "Instances up",
+                "short",
+                "1 while an instance's engine runs (its scrape), and Prometheus's own view of each target",
+                per_instance("splitserve_engine_up"),
+                query("up", "{{job}} {{instance}} scrape", "B"),
+            )
+        )
     )
 
 
 def dashboard_json() -> str:
-    return json.dumps(json.loads(JSONEncoder(sort_keys=True, indent=2).encode(build().build())), indent=2, sort_keys=True) + "\n"
+    return (
+        json.dumps(json.loads(JSONEncoder(sort_keys=True, indent=2).encode(build().build())), indent=2, sort_keys=True)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def write_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     layer_cache[1].index_put_(slots, value)
 
 
-def gather_context(layer_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    layer_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's K and V, each [context_len, num_kv_heads, head_dim], read from its blocks."""
     block_size, num_kv_heads, head_dim = layer_cache.shape[2:]
     num_blocks = cdiv(context_len, block_size)
@@ -39,16 +41,16 @@ def gather_context(layer_cache: torch.Tensor, block_table: torch.Tensor, context
     return blocks[0], blocks[1]
 
 
-def decode_attention_bias(
-    seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, padded_len: int
-) -> torch.Tensor:
+def decode_attention_bias(seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, padded_len: int) -> torch.Tensor:
     """Additive float32 mask [num_seqs, num_heads, padded_len * num_kv_heads] for
     :func:`paged_decode_attention`: 0 where query head h may attend (its own KV head,
     a position inside the sequence), -inf elsewhere. Depends only on the step's
     sequence lengths, so it is built once per step and shared by every layer."""
     group = num_heads // num_kv_heads
     device = seq_lens.device
-    own_kv_head = torch.arange(num_kv_heads, device=device)[None, :] == (torch.arange(num_heads, device=device) // group)[:, None]
+    own_kv_head = (
+        torch.arange(num_kv_heads, device=device)[None, :] == (torch.arange(num_heads, device=device) // group)[:, None]
+    )
     in_sequence = torch.arange(padded_len, device=device)[None, :] < seq_lens[:, None]  # [num_seqs, padded_len]
     allowed = own_kv_head[None, :, None, :] & in_sequence[:, None, :, None]  # [num_seqs, H, padded_len, H_kv]
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
@@ -74,7 +76,6 @@ def paged_decode_attention(
     CPU that beats SDPA with a padding mask (a slow generic path) by ~5x.
     """
     num_seqs, num_heads, head_dim = query.shape
-    num_blocks = block_tables.shape[1]
     # Gather the sequences' blocks: [2, num_seqs * num_blocks, block_size * H_kv * D]
     kv = layer_cache.flatten(2).index_select(1, block_tables.flatten())
     kv = kv.view(2, num_seqs, -1, head_dim)  # [2, num_seqs, padded_len * H_kv, D], rows are (position, kv head)
@@ -157,8 +158,11 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         """query: [T, H, D]; key, value: [T, H_kv, D] (this step's new tokens). Returns [T, H, D]."""
-        if not (self.cpu_kernels is not None and key.device.type == "cpu"
-                and self.cpu_kernels.store_kv(layer_cache, key, value, metadata.slot_mapping)):
+        if not (
+            self.cpu_kernels is not None
+            and key.device.type == "cpu"
+            and self.cpu_kernels.store_kv(layer_cache, key, value, metadata.slot_mapping)
+        ):
             write_kv(layer_cache, key, value, metadata.slot_mapping)
         num_decodes = metadata.num_decodes
         decode_output = self._decode(query[:num_decodes], layer_cache, metadata, scale) if num_decodes else None

@@ -36,9 +36,17 @@ def _store_kv_kernel(
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
     cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens]
-    stride_key_token, stride_key_head, stride_key_dim,
-    stride_value_token, stride_value_head, stride_value_dim,
-    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head, stride_cache_dim,
+    stride_key_token,
+    stride_key_head,
+    stride_key_dim,
+    stride_value_token,
+    stride_value_head,
+    stride_value_dim,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_cache_dim,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -99,9 +107,17 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
-    stride_out_token, stride_out_head, stride_out_dim,
-    stride_query_token, stride_query_head, stride_query_dim,
-    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head, stride_cache_dim,
+    stride_out_token,
+    stride_out_head,
+    stride_out_dim,
+    stride_query_token,
+    stride_query_head,
+    stride_query_dim,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_cache_dim,
     stride_block_tables_seq,
     NUM_QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
     HEADS_PAD: tl.constexpr,  # next power of two >= NUM_QUERIES_PER_KV
@@ -168,9 +184,7 @@ def _paged_attention_kernel(
         # One block id per key: a tile may span several small blocks.
         block_ids = tl.load(block_table_ptr + kv_pos // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
         slot_offsets = (
-            block_ids * stride_cache_block
-            + (kv_pos % BLOCK_SIZE) * stride_cache_token
-            + kv_head * stride_cache_head
+            block_ids * stride_cache_block + (kv_pos % BLOCK_SIZE) * stride_cache_token + kv_head * stride_cache_head
         )  # [TILE_N]
         k_t = tl.load(
             cache_ptr + slot_offsets[None, :] + dims[:, None] * stride_cache_dim,
@@ -237,7 +251,10 @@ def store_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, layer_cache, slot_mapping,
+        key,
+        value,
+        layer_cache,
+        slot_mapping,
         *key.stride(),
         *value.stride(),
         *layer_cache.stride(),
@@ -318,7 +335,12 @@ def paged_attention(
 
     grid = (num_seqs, triton.cdiv(max(max_query_len, 1), block_q), num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, layer_cache, block_tables, seq_lens, query_start_loc,
+        out,
+        query,
+        layer_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
         scale * 1.4426950408889634,  # log2(e)
         *out.stride(),
         *query.stride(),

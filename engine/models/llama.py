@@ -106,7 +106,9 @@ class DecoderLayer(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Rotation writes fresh contiguous q [T, H, D] and k [T, H_kv, D], as the backends prefer.
         q, k = self.rotary(
-            q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim), positions
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            positions,
         )
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = self.backend.forward(q, k, v, layer_cache, metadata, self.scale)  # [T, H, D]
@@ -185,7 +187,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             if rows_loaded[target] + dest.shape[0] > param.shape[0]:
                 raise ValueError(f"checkpoint tensor {name!r} appears more than once")
             if dest.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
             dest.copy_(tensor)
             rows_loaded[target] += dest.shape[0]
         missing = [name for name, param in params.items() if rows_loaded[name] != param.shape[0]]
@@ -200,6 +204,6 @@ def _map_name(name: str, fused: dict[str, tuple[str, int | None, int | None]]) -
         _, index, rest = name.split(".", 2)
         for hf_name, (ours, offset, rows) in fused.items():
             if rest.startswith(hf_name + "."):
-                return f"layers.{index}.{ours}{rest[len(hf_name):]}", offset, rows
+                return f"layers.{index}.{ours}{rest[len(hf_name) :]}", offset, rows
         return f"layers.{index}.{rest}", None, None
     return name, None, None

@@ -92,7 +92,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = safetensors_files(path)
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safetensors handles have keys(), not __iter__
                 yield name, handle.get_tensor(name)
 
 

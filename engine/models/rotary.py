@@ -43,9 +43,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", (freqs.sin() * scaling).to(dtype), persistent=False)
         self.ops = ops
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, H_kv, D] (rows may be strided); positions: [T].
         Returns both rotated, contiguous."""
         return self.ops.rotary(q, k, self.cos, self.sin, positions)

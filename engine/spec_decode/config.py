@@ -31,7 +31,8 @@ class SpeculativeConfig:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
-                f"need 1 <= --speculative-ngram-min <= --speculative-ngram-max, got {self.ngram_min} and {self.ngram_max}"
+                f"need 1 <= --speculative-ngram-min <= --speculative-ngram-max, got {self.ngram_min} and "
+                f"{self.ngram_max}"
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError("draft-model speculation needs --speculative-model, a local Hugging Face folder")
@@ -42,10 +43,17 @@ class SpeculativeConfig:
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of every command that runs a decoding engine (decode, colocated, up, generate)."""
     group = parser.add_argument_group("speculative decoding (off unless one of the first two is given)")
-    group.add_argument("--num-speculative-tokens", type=int, default=None,
-                       help="drafts verified per step; alone, turns on n-gram (prompt lookup) drafting (try 4)")
-    group.add_argument("--speculative-model", default=None,
-                       help="draft model: a local Hugging Face folder with the target's vocabulary (default: n-gram)")
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="drafts verified per step; alone, turns on n-gram (prompt lookup) drafting (try 4)",
+    )
+    group.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft model: a local Hugging Face folder with the target's vocabulary (default: n-gram)",
+    )
     group.add_argument("--speculative-ngram-min", type=int, default=2, help="shortest suffix n-gram looked up")
     group.add_argument("--speculative-ngram-max", type=int, default=4, help="longest suffix n-gram looked up")
 

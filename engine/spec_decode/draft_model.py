@@ -48,7 +48,9 @@ class DraftModelProposer:
     def __init__(self, spec: SpeculativeConfig, target: ModelRunner) -> None:
         path = Path(spec.model or "").expanduser()
         if not (path / "config.json").is_file():
-            raise ValueError(f"--speculative-model must be a local Hugging Face folder with config.json; {path} has none")
+            raise ValueError(
+                f"--speculative-model must be a local Hugging Face folder with config.json; {path} has none"
+            )
         self.target = target
         self.block_size = target.block_size
         backend = select_backend(target.config.attention_backend, target.device)
@@ -67,12 +69,21 @@ class DraftModelProposer:
             )
         shape = self.model.shape
         self.kv_cache = allocate_kv_cache(
-            target.num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, target.dtype, target.device
+            target.num_blocks,
+            shape.num_layers,
+            self.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            target.dtype,
+            target.device,
         )
         self.layer_caches = layer_views(self.kv_cache)
         logger.info(
             "draft model %s: %d layers, its own KV cache of %.1f MiB over the target's %d block ids",
-            path, shape.num_layers, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, target.num_blocks,
+            path,
+            shape.num_layers,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            target.num_blocks,
         )
 
     @torch.inference_mode()
@@ -98,7 +109,9 @@ class DraftModelProposer:
             active = [i for i, n in enumerate(num_drafts) if n > j]
             ones = np.ones(len(active), dtype=np.int64)
             positions = np.asarray([requests[i].num_tokens + j - 1 for i in active], dtype=np.int64)
-            logits = self._forward([drafts[i][-1] for i in active], ones, positions, [items[i].block_ids for i in active])
+            logits = self._forward(
+                [drafts[i][-1] for i in active], ones, positions, [items[i].block_ids for i in active]
+            )
             self._pick(logits, [requests[i] for i in active], [greedy[i] for i in active], drafts, probs, active)
 
         for request, request_drafts, n in zip(requests, drafts, num_drafts):
@@ -137,7 +150,9 @@ class DraftModelProposer:
         token_ids = logits.argmax(-1).tolist()
         random_rows = [row for row, g in enumerate(greedy) if not g]
         if random_rows:
-            row_probs = processed_probs(logits[random_rows].float(), [requests[row].sampling_params for row in random_rows])
+            row_probs = processed_probs(
+                logits[random_rows].float(), [requests[row].sampling_params for row in random_rows]
+            )
             row_probs.div_(row_probs.sum(-1, keepdim=True))
             for k, row in enumerate(random_rows):
                 q = row_probs[k]

@@ -21,8 +21,8 @@ class NgramProposer:
     def propose(self, token_ids: list[int], max_num_drafts: int | None = None) -> list[int]:
         """Drafts to follow ``token_ids`` (prompt and output so far): the tokens after the latest
         earlier occurrence of the longest suffix n-gram (``ngram_max`` down to ``ngram_min``
-        tokens) that has a full run of drafts after it; empty when no suffix occurred before. At most ``max_num_drafts`` (default
-        ``num_speculative_tokens``) tokens."""
+        tokens) that has a full run of drafts after it; empty when no suffix occurred before.
+        At most ``max_num_drafts`` (default ``num_speculative_tokens``) tokens."""
         k = self.num_speculative_tokens if max_num_drafts is None else min(max_num_drafts, self.num_speculative_tokens)
         num_tokens = len(token_ids)
         if k <= 0 or num_tokens <= self.ngram_min:

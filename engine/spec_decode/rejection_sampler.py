@@ -102,7 +102,11 @@ class RejectionSampler:
             else:
                 q = None if draft_probs is None else draft_probs[index]
                 accepted, token_id = self._verify_sampled(
-                    probs, random_row_index[row], drafts, q, metadata.generators[row]  # type: ignore[arg-type]
+                    probs,
+                    random_row_index[row],
+                    drafts,
+                    q,
+                    metadata.generators[row],  # type: ignore[arg-type]
                 )
             out.accepted_token_ids.append(accepted)
             out.token_ids.append(token_id)
@@ -115,7 +119,9 @@ class RejectionSampler:
             position = {r: i for i, r in enumerate(logprob_rows)}
             rows = [r for r in emitted_rows if r in position]
             if rows:
-                ids = torch.tensor([t for r, t in zip(emitted_rows, emitted_ids) if r in position], device=logits.device)
+                ids = torch.tensor(
+                    [t for r, t in zip(emitted_rows, emitted_ids) if r in position], device=logits.device
+                )
                 entries = _gather_logprobs(raw_logprobs[[position[r] for r in rows]], ids, params, rows)
                 logprobs_of = dict(zip(rows, entries))
         row = 0
@@ -145,7 +151,9 @@ class RejectionSampler:
                 accept_prob = (p_draft / q_draft.clamp_min(torch.finfo(torch.float32).tiny)).clamp_max(1.0)
             else:
                 accept_prob = p_draft
-            uniforms = torch.rand(k, generator=generator or self.sampler.generator, device=_generator_device(generator, probs))
+            uniforms = torch.rand(
+                k, generator=generator or self.sampler.generator, device=_generator_device(generator, probs)
+            )
             accepts = (uniforms.to(probs.device) < accept_prob).tolist()
             for j, ok in enumerate(accepts):
                 if not ok:

@@ -27,6 +27,7 @@ import torch
 
 from engine.structured_output.grammar_state import GrammarState
 
+
 class PendingBitmask:
     """The token masks of one step's constrained rows, being computed."""
 
@@ -74,7 +75,9 @@ class BitmaskWorker:
             self._bitmask = np.zeros((num_rows, self._words), dtype=np.int32)
             self._bias = np.zeros((num_rows, self._words * 32), dtype=np.float32)
         bitmask, bias = self._bitmask[:num_rows], self._bias[:num_rows]
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self._executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask
+        )
         # Little-endian words: byte k of a row holds tokens 8k..8k+7, lowest bit first.
         np.take(_BIAS_OF_BYTE, bitmask.view(np.uint8), axis=0, out=bias.reshape(num_rows, self._words * 4, 8))
         return fit_to_vocab(torch.from_numpy(bias), self.model_vocab_size)

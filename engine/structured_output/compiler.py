@@ -62,7 +62,10 @@ class GrammarCompiler:
 
     @classmethod
     def from_hf_tokenizer(
-        cls, tokenizer: PreTrainedTokenizerFast, eos_token_ids: Iterable[int] | None = None, cache_size: int = DEFAULT_CACHE_SIZE
+        cls,
+        tokenizer: PreTrainedTokenizerFast,
+        eos_token_ids: Iterable[int] | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> GrammarCompiler:
         """``eos_token_ids``: what ends a request on this model (the engine's, from
         generation_config.json); by default the tokenizer's EOS."""

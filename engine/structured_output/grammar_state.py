@@ -38,7 +38,12 @@ class GrammarState:
         was_broken = self.matcher.is_error()
         if not self.matcher.consume_token(token_id) and not was_broken:
             error = self.matcher.get_error().splitlines()
-            logger.warning("request %s: token %d is outside its grammar, ending it: %s", self.request_id, token_id, error[0] if error else "")
+            logger.warning(
+                "request %s: token %d is outside its grammar, ending it: %s",
+                self.request_id,
+                token_id,
+                error[0] if error else "",
+            )
 
     @property
     def is_finished(self) -> bool:

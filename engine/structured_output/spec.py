@@ -29,7 +29,9 @@ class StructuredOutputSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_OUTPUT_KINDS:
-            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {self.kind!r}")
+            raise ValueError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {self.kind!r}"
+            )
         if self.kind != "json_object" and not self.spec.strip():
             raise ValueError(f"the structured output {self.kind} is empty; send a non-empty {self.kind}")
 

@@ -23,22 +23,40 @@ def make_tokenizer(directory: Path) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(directory)
     return directory
 
 
-def make_record(ttft: float = 0.1, itl: list[float] | None = None, output_tokens: int | None = None,
-                prompt_len: int = 10, start_time: float = 0.0, error: str | None = None,
-                workload: str = "") -> RequestRecord:
+def make_record(
+    ttft: float = 0.1,
+    itl: list[float] | None = None,
+    output_tokens: int | None = None,
+    prompt_len: int = 10,
+    start_time: float = 0.0,
+    error: str | None = None,
+    workload: str = "",
+) -> RequestRecord:
     """A finished request: content chunks at ``ttft`` then ``itl`` gaps; latency is their sum."""
     itl = list(itl or [])
     chunks = 1 + len(itl)
     return RequestRecord(
-        prompt_len=prompt_len, output_len=output_tokens or chunks, workload=workload, start_time=start_time,
-        ttft=ttft, itl=itl, latency=ttft + sum(itl), output_tokens=output_tokens, num_content_chunks=chunks,
-        generated_text="x" * chunks, error=error,
+        prompt_len=prompt_len,
+        output_len=output_tokens or chunks,
+        workload=workload,
+        start_time=start_time,
+        ttft=ttft,
+        itl=itl,
+        latency=ttft + sum(itl),
+        output_tokens=output_tokens,
+        num_content_chunks=chunks,
+        generated_text="x" * chunks,
+        error=error,
     )

@@ -93,10 +93,7 @@ class FakeOpenAIServer:
         if index in self.config.http_error_at:
             return web.json_response({"error": {"message": "fake overload", "type": "server_error"}}, status=500)
         chat = request.path.endswith("/chat/completions")
-        if chat:
-            prompt_words = sum(len(m["content"].split()) for m in body["messages"])
-        else:
-            prompt_words = len(body["prompt"].split())
+        prompt_words = sum(len(m["content"].split()) for m in body["messages"]) if chat else len(body["prompt"].split())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
 
@@ -123,8 +120,11 @@ class FakeOpenAIServer:
                 return response
         await send({"choices": [choice("", "length")]})
         if self.config.send_usage:
-            usage = {"prompt_tokens": prompt_words, "completion_tokens": num_tokens,
-                     "total_tokens": prompt_words + num_tokens}
+            usage = {
+                "prompt_tokens": prompt_words,
+                "completion_tokens": num_tokens,
+                "total_tokens": prompt_words + num_tokens,
+            }
             await send({"choices": [], "usage": usage})
         await send("[DONE]")
         await response.write_eof()

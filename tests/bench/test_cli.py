@@ -33,8 +33,21 @@ def test_serve_defaults_and_the_api_key_from_the_environment(monkeypatch: pytest
 def test_mixed_and_shared_prefix_workloads_from_arguments() -> None:
     mixed = serve_config(_parse("serve", "--dataset", "mixed", "--mix", "1024-2048:32:0.5,128:256:0.5")).workload
     assert [c.name for c in mixed.classes] == ["1024-2048:32", "128:256"]
-    shared = serve_config(_parse("serve", "--dataset", "shared-prefix", "--num-prefixes", "4",
-                                 "--prefix-len", "512", "--suffix-len", "64", "--output-len", "16")).workload
+    shared = serve_config(
+        _parse(
+            "serve",
+            "--dataset",
+            "shared-prefix",
+            "--num-prefixes",
+            "4",
+            "--prefix-len",
+            "512",
+            "--suffix-len",
+            "64",
+            "--output-len",
+            "16",
+        )
+    ).workload
     assert (shared.num_prefixes, shared.prefix_len, shared.suffix_len, shared.output_len) == (4, 512, 64, 16)
 
 

@@ -19,8 +19,8 @@ from bench.datasets import (
     parse_mix,
     random_class,
     sample_classes,
-    sample_sharegpt,
     sample_shared_prefix,
+    sample_sharegpt,
     sample_workload,
 )
 from bench.prompt_text import PromptSynthesizer, load_tokenizer
@@ -54,8 +54,10 @@ def test_the_seed_fixes_the_prompts(tokenizer: PreTrainedTokenizerFast) -> None:
 
 def test_mixed_classes_come_in_exact_proportions(tokenizer: PreTrainedTokenizerFast) -> None:
     classes = parse_mix("1024-2048:32:0.5, 128:256:0.5")
-    assert classes == [WorkloadClass(TokenRange(1024, 2048), TokenRange(32, 32), 0.5),
-                       WorkloadClass(TokenRange(128, 128), TokenRange(256, 256), 0.5)]
+    assert classes == [
+        WorkloadClass(TokenRange(1024, 2048), TokenRange(32, 32), 0.5),
+        WorkloadClass(TokenRange(128, 128), TokenRange(256, 256), 0.5),
+    ]
     requests = sample_classes(PromptSynthesizer(tokenizer), classes, 10, random.Random(0))
     assert Counter(r.workload for r in requests) == {"1024-2048:32": 5, "128:256": 5}
     for request in requests:
@@ -68,7 +70,10 @@ def test_mixed_classes_come_in_exact_proportions(tokenizer: PreTrainedTokenizerF
 
 
 def test_class_counts_use_largest_remainders() -> None:
-    one, two = WorkloadClass(TokenRange(1, 1), TokenRange(1, 1), 1), WorkloadClass(TokenRange(1, 1), TokenRange(1, 1), 2)
+    one, two = (
+        WorkloadClass(TokenRange(1, 1), TokenRange(1, 1), 1),
+        WorkloadClass(TokenRange(1, 1), TokenRange(1, 1), 2),
+    )
     assert class_counts([one, two], 7) == [2, 5]
     assert class_counts([one, two], 3) == [1, 2]
     assert class_counts([one], 4) == [4]
@@ -81,8 +86,15 @@ def test_bad_mix_specs_are_user_errors(spec: str) -> None:
 
 
 def test_shared_prefix_groups_share_an_exact_length_system_prompt(tokenizer: PreTrainedTokenizerFast) -> None:
-    requests = sample_shared_prefix(PromptSynthesizer(tokenizer), num_requests=12, num_prefixes=3, prefix_len=200,
-                                    suffix_len=30, output_len=8, rng=random.Random(0))
+    requests = sample_shared_prefix(
+        PromptSynthesizer(tokenizer),
+        num_requests=12,
+        num_prefixes=3,
+        prefix_len=200,
+        suffix_len=30,
+        output_len=8,
+        rng=random.Random(0),
+    )
     prefixes = Counter(r.system_prompt for r in requests)
     assert len(prefixes) == 3 and set(prefixes.values()) == {4}
     for prefix in prefixes:
@@ -95,20 +107,41 @@ def test_shared_prefix_groups_share_an_exact_length_system_prompt(tokenizer: Pre
 
 def _write_sharegpt(path: Path) -> Path:
     conversations = [
-        {"id": "ok1", "conversations": [{"from": "human", "value": "tell me about " + "kalo " * 10},
-                                        {"from": "gpt", "value": "sure " + "tive " * 20}]},
-        {"id": "ok2", "messages": [{"role": "user", "content": "pusi teru puro tive refe"},
-                                   {"role": "assistant", "content": "lovo lode loda rege repe pufi"}]},
-        {"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there you"}]},
-        {"id": "gpt-first", "conversations": [{"from": "gpt", "value": "kalo " * 9}, {"from": "human", "value": "x " * 9}]},
+        {
+            "id": "ok1",
+            "conversations": [
+                {"from": "human", "value": "tell me about " + "kalo " * 10},
+                {"from": "gpt", "value": "sure " + "tive " * 20},
+            ],
+        },
+        {
+            "id": "ok2",
+            "messages": [
+                {"role": "user", "content": "pusi teru puro tive refe"},
+                {"role": "assistant", "content": "lovo lode loda rege repe pufi"},
+            ],
+        },
+        {
+            "id": "short",
+            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there you"}],
+        },
+        {
+            "id": "gpt-first",
+            "conversations": [{"from": "gpt", "value": "kalo " * 9}, {"from": "human", "value": "x " * 9}],
+        },
         {"id": "one-turn", "conversations": [{"from": "human", "value": "kalo " * 9}]},
-        {"id": "too-long", "conversations": [{"from": "human", "value": "kalo " * 1100}, {"from": "gpt", "value": "ok " * 9}]},
+        {
+            "id": "too-long",
+            "conversations": [{"from": "human", "value": "kalo " * 1100}, {"from": "gpt", "value": "ok " * 9}],
+        },
     ]
     path.write_text(json.dumps(conversations), encoding="utf-8")
     return path
 
 
-def test_sharegpt_takes_first_exchanges_and_prunes_like_vllm(tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
+def test_sharegpt_takes_first_exchanges_and_prunes_like_vllm(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
     path = _write_sharegpt(tmp_path / "sharegpt.json")
     requests = sample_sharegpt(tokenizer, path, 2, random.Random(0))
     assert sorted(r.prompt[:4] for r in requests) == ["pusi", "tell"]

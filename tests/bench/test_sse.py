@@ -23,7 +23,7 @@ STREAM = (
     'data: {"choices": [{"text": "caf\u00e9 \u65e5\u672c"}]}\r\n\r\n'
     "event: error\n"
     'data: {"a":\n'
-    'data: 1}\n\n'
+    "data: 1}\n\n"
     "data:no-space\r\r"
     "data: [DONE]\n\n"
 ).encode()
@@ -65,14 +65,16 @@ def _run(events: list[tuple[float, SSEEvent]], sent_at: float = 10.0) -> Request
 
 def test_completion_stream_times_ttft_itl_and_latency_on_content_chunks() -> None:
     usage = {"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}
-    record = _run([
-        (10.25, _completion(" a")),
-        (10.35, _completion(" b")),
-        (10.60, _completion(" c")),
-        (10.70, _completion("", "length")),  # finish chunk: no token, times nothing
-        (10.71, _data(usage)),
-        (10.72, _data("[DONE]")),
-    ])
+    record = _run(
+        [
+            (10.25, _completion(" a")),
+            (10.35, _completion(" b")),
+            (10.60, _completion(" c")),
+            (10.70, _completion("", "length")),  # finish chunk: no token, times nothing
+            (10.71, _data(usage)),
+            (10.72, _data("[DONE]")),
+        ]
+    )
     assert record.success and record.error is None
     assert record.ttft == pytest.approx(0.25)
     assert record.itl == pytest.approx([0.10, 0.25])
@@ -85,13 +87,15 @@ def test_chat_role_delta_is_not_the_first_token() -> None:
     def delta(**fields: str) -> SSEEvent:
         return _data({"choices": [{"index": 0, "delta": fields, "finish_reason": None}]})
 
-    record = _run([
-        (10.01, delta(role="assistant", content="")),
-        (10.50, delta(content="Hi")),
-        (10.60, delta(reasoning_content="hmm")),
-        (10.80, delta(content="!")),
-        (10.81, _data("[DONE]")),
-    ])
+    record = _run(
+        [
+            (10.01, delta(role="assistant", content="")),
+            (10.50, delta(content="Hi")),
+            (10.60, delta(reasoning_content="hmm")),
+            (10.80, delta(content="!")),
+            (10.81, _data("[DONE]")),
+        ]
+    )
     assert record.success
     assert record.ttft == pytest.approx(0.50)
     assert record.itl == pytest.approx([0.10, 0.20])

@@ -14,7 +14,7 @@ import pytest
 
 from bench.throughput import make_result, run_vllm
 
-FAKE_VLLM = '''
+FAKE_VLLM = """
 from dataclasses import dataclass
 
 @dataclass
@@ -37,14 +37,18 @@ class LLM:
 
     def generate(self, prompts, params, use_tqdm):
         return [_Output([_Completion(list(range(params.max_tokens)))]) for _ in prompts]
-'''
+"""
 
 
-def test_vllm_leg_runs_in_its_own_python_and_reports_the_timed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vllm_leg_runs_in_its_own_python_and_reports_the_timed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     package = tmp_path / "vllm"
     (package / "inputs").mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_VLLM)
-    (package / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    (package / "inputs" / "__init__.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
+    )
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     args = argparse.Namespace(vllm_python=sys.executable, vllm_cpus="0", dtype="float32", input_len=8, output_len=4)
     prompts = [[5] * 8, [6] * 8, [7] * 8]

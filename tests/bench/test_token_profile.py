@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from bench.token_profile import breakdown, classify
 
-ENGINE = "thread (0x1): engine-step-loop;AsyncEngine._run (/src/engine/async_engine.py:259);EngineCore.step (/src/engine/engine_core.py:141)"
+ENGINE = (
+    "thread (0x1): engine-step-loop;AsyncEngine._run (/src/engine/async_engine.py:259);"
+    "EngineCore.step (/src/engine/engine_core.py:141)"
+)
 
 
 def test_the_innermost_frame_that_names_a_part_decides() -> None:
-    linear = [*ENGINE.split(";")[1:], "PackedLinear.forward (/src/engine/models/cpu_linear.py:72)", "CPUKernels.linear (/src/engine/cpu_kernels.py:186)"]
-    norm = [*ENGINE.split(";")[1:], "NativeCPUOps.add_rms_norm (/src/engine/models/ops.py:66)", "CPUKernels.add_rms_norm (/src/engine/cpu_kernels.py:160)"]
+    linear = [
+        *ENGINE.split(";")[1:],
+        "PackedLinear.forward (/src/engine/models/cpu_linear.py:72)",
+        "CPUKernels.linear (/src/engine/cpu_kernels.py:186)",
+    ]
+    norm = [
+        *ENGINE.split(";")[1:],
+        "NativeCPUOps.add_rms_norm (/src/engine/models/ops.py:66)",
+        "CPUKernels.add_rms_norm (/src/engine/cpu_kernels.py:160)",
+    ]
     assert classify(linear) == "linear layers"
     assert classify(norm) == "norm / rotary / SiLU kernels"
     assert classify(ENGINE.split(";")[1:]) == "engine core, outputs"
@@ -17,13 +28,18 @@ def test_the_innermost_frame_that_names_a_part_decides() -> None:
 
 
 def test_samples_are_summed_by_thread_kind_and_part() -> None:
-    raw = "\n".join([
-        f"{ENGINE};ModelRunner.execute (/src/engine/model_runner.py:128);CPUKernels.linear (/src/engine/cpu_kernels.py:186) 70",
-        f"{ENGINE};ModelRunner.execute (/src/engine/model_runner.py:128);CPUKernels.linear (/src/engine/cpu_kernels.py:186) 5",
-        f"{ENGINE};Sampler.forward (/src/engine/sampler.py:40) 3",
-        "thread (0x2): MainThread;run (/src/serving/colocated.py:73);EpollSelector.select (/usr/lib/python3.11/selectors.py:468) 20",
-        "not a stack line",
-    ])
+    raw = "\n".join(
+        [
+            f"{ENGINE};ModelRunner.execute (/src/engine/model_runner.py:128);CPUKernels.linear "
+            "(/src/engine/cpu_kernels.py:186) 70",
+            f"{ENGINE};ModelRunner.execute (/src/engine/model_runner.py:128);CPUKernels.linear "
+            "(/src/engine/cpu_kernels.py:186) 5",
+            f"{ENGINE};Sampler.forward (/src/engine/sampler.py:40) 3",
+            "thread (0x2): MainThread;run (/src/serving/colocated.py:73);EpollSelector.select "
+            "(/usr/lib/python3.11/selectors.py:468) 20",
+            "not a stack line",
+        ]
+    )
     assert breakdown(raw) == {
         ("engine step thread", "linear layers"): 75,
         ("engine step thread", "sampling"): 3,

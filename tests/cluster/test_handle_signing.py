@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
-from splitserve.v1 import disaggregation_pb2
 
 from cluster.auth import ClusterSecret
 from cluster.handle_signing import PULL_TOKEN_BYTES, HandleRejected, new_pull_token, sign_handle, verify_handle
+from splitserve.v1 import disaggregation_pb2
 
 PROMPT = list(range(40))
 KEY = ClusterSecret.from_text("a-cluster-secret-for-tests").handle_key
@@ -24,7 +24,13 @@ def make_handle() -> disaggregation_pb2.KVHandle:
         block_ids=[7, 3, 9],
         num_tokens=40,
         fingerprint=disaggregation_pb2.Fingerprint(
-            model="m-0123", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, tensor_parallel_size=1
+            model="m-0123",
+            dtype="bfloat16",
+            block_size=16,
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=8,
+            tensor_parallel_size=1,
         ),
         prefill_address="10.0.0.1:50061",
         lease_s=30.0,
@@ -42,7 +48,9 @@ def test_a_signed_handle_verifies() -> None:
     handle = signed()
     assert len(handle.signature) == 32
     verify_handle(handle, PROMPT, KEY)
-    verify_handle(disaggregation_pb2.KVHandle.FromString(handle.SerializeToString()), tuple(PROMPT), KEY)  # as it crosses the wire
+    verify_handle(
+        disaggregation_pb2.KVHandle.FromString(handle.SerializeToString()), tuple(PROMPT), KEY
+    )  # as it crosses the wire
 
 
 def test_unsigned_and_foreign_handles_are_refused() -> None:
@@ -72,7 +80,9 @@ def altered(name: str, handle: disaggregation_pb2.KVHandle) -> None:
         setattr(handle, name, getattr(handle, name) + 1)
 
 
-@pytest.mark.parametrize("name", [f.name for f in disaggregation_pb2.KVHandle.DESCRIPTOR.fields if f.name != "signature"])
+@pytest.mark.parametrize(
+    "name", [f.name for f in disaggregation_pb2.KVHandle.DESCRIPTOR.fields if f.name != "signature"]
+)
 def test_every_field_is_covered_by_the_signature(name: str) -> None:
     """A field added to KVHandle later fails here until handle_signing covers it."""
     handle = signed()

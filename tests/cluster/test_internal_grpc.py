@@ -13,11 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from cluster.auth import METADATA_KEY, ClusterSecret
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.tls import TLSFiles
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 SECRET = "the-cluster-secret-of-these-tests"
 
@@ -28,11 +28,11 @@ class EchoDecode(disaggregation_pb2_grpc.DecodeServicer):
     def __init__(self) -> None:
         self.num_calls = 0
 
-    async def Decode(self, request, context):  # noqa: ANN001, N802
+    async def Decode(self, request, context):  # noqa: N802
         self.num_calls += 1
         yield disaggregation_pb2.DecodeResponse(request_id=request.request_id, token_ids=[1, 2])
 
-    async def Abort(self, request, context):  # noqa: ANN001, N802
+    async def Abort(self, request, context):  # noqa: N802
         self.num_calls += 1
         return disaggregation_pb2.AbortResponse(found=True)
 
@@ -54,7 +54,11 @@ async def with_server(plane: InternalPlane, test: Callable[[str, EchoDecode], Aw
 
 async def decode_and_abort(channel: grpc.aio.Channel) -> tuple[list[int], bool]:
     stub = disaggregation_pb2_grpc.DecodeStub(channel)
-    tokens = [t async for response in stub.Decode(disaggregation_pb2.DecodeRequest(request_id="r"), timeout=5) for t in response.token_ids]
+    tokens = [
+        t
+        async for response in stub.Decode(disaggregation_pb2.DecodeRequest(request_id="r"), timeout=5)
+        for t in response.token_ids
+    ]
     found = (await stub.Abort(disaggregation_pb2.RequestRef(request_id="r"), timeout=5)).found
     return tokens, found
 
@@ -69,7 +73,10 @@ def test_secret_must_be_long_enough_and_is_never_shown() -> None:
     secret = ClusterSecret.from_text(SECRET)
     assert SECRET not in repr(secret) and secret.call_token not in repr(secret)
     # Neither derived key is the secret, and they differ: the token on the wire does not sign handles.
-    assert secret.call_token.encode() != secret.handle_key and SECRET.encode() not in (secret.call_token.encode(), secret.handle_key)
+    assert secret.call_token.encode() != secret.handle_key and SECRET.encode() not in (
+        secret.call_token.encode(),
+        secret.handle_key,
+    )
     assert secret.accepts(secret.call_token) and not secret.accepts(SECRET) and not secret.accepts(None)
 
 
@@ -89,7 +96,9 @@ def test_calls_without_the_secret_are_unauthenticated_and_never_reach_the_servic
                 assert unary.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert "needs the cluster secret" in unary.value.details()
                 with pytest.raises(grpc.aio.AioRpcError) as streaming:
-                    async for _ in stub.Decode(disaggregation_pb2.DecodeRequest(request_id="r"), timeout=5, metadata=metadata):
+                    async for _ in stub.Decode(
+                        disaggregation_pb2.DecodeRequest(request_id="r"), timeout=5, metadata=metadata
+                    ):
                         pass
                 assert streaming.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 # Health checks stay open for orchestrators.
@@ -148,8 +157,12 @@ def test_mutual_tls_refuses_peers_without_a_certificate_from_the_cluster_ca(tmp_
         refused = {
             "plaintext": InternalPlane(secret),
             "no client certificate": InternalPlane(secret, TLSFiles.load(None, None, str(ca.ca_path))),
-            "a certificate from another CA": InternalPlane(secret, TLSFiles.load(str(rogue_files.cert), str(rogue_files.key), str(ca.ca_path))),
-            "a server it does not trust": InternalPlane(secret, TLSFiles.load(str(member_files.cert), str(member_files.key), str(rogue_ca.ca_path))),
+            "a certificate from another CA": InternalPlane(
+                secret, TLSFiles.load(str(rogue_files.cert), str(rogue_files.key), str(ca.ca_path))
+            ),
+            "a server it does not trust": InternalPlane(
+                secret, TLSFiles.load(str(member_files.cert), str(member_files.key), str(rogue_ca.ca_path))
+            ),
         }
         for what, plane in refused.items():
             async with plane.channel(address) as channel:

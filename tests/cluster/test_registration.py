@@ -10,12 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from splitserve.v1 import disaggregation_pb2
 
 from cluster.registration import RegistryHeartbeat, scan_registrations
 from gateway.discovery import RedisDiscovery
 from gateway.instances import InstancePool
 from kv_connector.store_urls import PASSWORD_FILE_ENV, redact_url, with_password_file
+from splitserve.v1 import disaggregation_pb2
 from tests.stores import start_redis, stop
 
 PASSWORD = "registry-password-8c1d2"
@@ -50,7 +50,9 @@ async def register_and_discover(url: str) -> None:
         await pool.close()
 
 
-def test_registration_with_the_password_is_found_by_the_gateway(protected_url: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_registration_with_the_password_is_found_by_the_gateway(
+    protected_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.DEBUG):
         asyncio.run(register_and_discover(protected_url))
     assert PASSWORD not in caplog.text
@@ -62,7 +64,9 @@ def test_without_the_password_instance_and_gateway_fail_with_the_fix(protected_u
 
     async def scenario() -> None:
         heartbeat = RegistryHeartbeat(url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0)
-        with pytest.raises(ValueError, match=r"refused us .*: put its password in the URL, redis://:PASSWORD@HOST:PORT") as instance_error:
+        with pytest.raises(
+            ValueError, match=r"refused us .*: put its password in the URL, redis://:PASSWORD@HOST:PORT"
+        ) as instance_error:
             await heartbeat.register()
         await heartbeat.stop()
         pool = InstancePool(stale_after_s=5.0)
@@ -79,7 +83,10 @@ def test_without_the_password_instance_and_gateway_fail_with_the_fix(protected_u
 
 def test_urls_are_shown_without_their_password() -> None:
     assert redact_url("redis://:s3cret@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
-    assert redact_url("rediss://splitserve:s3cret@redis:6380?ssl_ca_certs=/ca.pem") == "rediss://splitserve:***@redis:6380?ssl_ca_certs=/ca.pem"
+    assert (
+        redact_url("rediss://splitserve:s3cret@redis:6380?ssl_ca_certs=/ca.pem")
+        == "rediss://splitserve:***@redis:6380?ssl_ca_certs=/ca.pem"
+    )
     assert redact_url("redis://redis:6379?password=s3cret&db=1") == "redis://redis:6379?password=***&db=1"
     assert redact_url("lm://cache:65432") == "lm://cache:65432"
     assert "s3cret" not in redact_url("redis://:s3cret@[::1")  # malformed: shown as its scheme only
@@ -102,7 +109,10 @@ def test_a_password_file_fills_only_urls_without_one(tmp_path: Path, monkeypatch
     assert with_password_file("redis://redis:6379") == "redis://redis:6379"  # no file named: unchanged
     monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))
     assert with_password_file("redis://redis:6379/0") == "redis://:p%40ss%2Fword@redis:6379/0"
-    assert with_password_file("rediss://splitserve@redis:6380?ssl_ca_certs=/ca.pem") == "rediss://splitserve:p%40ss%2Fword@redis:6380?ssl_ca_certs=/ca.pem"
+    assert (
+        with_password_file("rediss://splitserve@redis:6380?ssl_ca_certs=/ca.pem")
+        == "rediss://splitserve:p%40ss%2Fword@redis:6380?ssl_ca_certs=/ca.pem"
+    )
     assert with_password_file("redis://:inline@redis:6379") == "redis://:inline@redis:6379"  # the URL's own wins
     assert with_password_file("lm://cache:65432") == "lm://cache:65432"
     secret.write_text("\n")
@@ -121,6 +131,7 @@ def test_registration_over_tls(tmp_path: Path) -> None:
     files = ca.issue("redis")
     process, url = start_redis(PASSWORD, tls=(files.cert, files.key, ca.ca_path))
     try:
+
         async def scenario() -> None:
             heartbeat = RegistryHeartbeat(url, "prefill-0", "127.0.0.1:50061", report, interval_s=1.0)
             await heartbeat.register()
@@ -131,7 +142,9 @@ def test_registration_over_tls(tmp_path: Path) -> None:
             await heartbeat.stop()
             await discovery.close()
             await pool.close()
-            untrusted = RegistryHeartbeat(url.replace(str(ca.ca_path), str(TestCA(tmp_path, "other CA").ca_path)), "p", "a:1", report, 1.0)
+            untrusted = RegistryHeartbeat(
+                url.replace(str(ca.ca_path), str(TestCA(tmp_path, "other CA").ca_path)), "p", "a:1", report, 1.0
+            )
             with pytest.raises(ValueError, match="certificate verify failed"):
                 await untrusted.register()
             await untrusted.stop()

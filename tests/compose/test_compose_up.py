@@ -77,7 +77,9 @@ class Stack:
         argv = ["podman-compose", "--env-file", "local.env", "-p", self.project, *FILES, *args]
         result = subprocess.run(argv, cwd=COMPOSE_DIR, env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if result.returncode != 0:
-            raise AssertionError(f"{' '.join(argv)} exited with {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+            raise AssertionError(
+                f"{' '.join(argv)} exited with {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+            )
         return result
 
     def podman(self, *args: str, check: bool = True) -> str:
@@ -137,7 +139,11 @@ def scrape(stack: Stack) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 def instance_samples(samples: dict, name: str, role: str) -> dict[str, float]:
     """{instance id: value} of one per-instance series for a role."""
-    return {dict(labels)["instance"]: value for (sample, labels), value in samples.items() if sample == name and dict(labels).get("role") == role}
+    return {
+        dict(labels)["instance"]: value
+        for (sample, labels), value in samples.items()
+        if sample == name and dict(labels).get("role") == role
+    }
 
 
 def chat_and_stream(stack: Stack) -> None:
@@ -147,12 +153,21 @@ def chat_and_stream(stack: Stack) -> None:
     (model,) = [card.id for card in client.models.list()]  # compose serves the model under its folder's path
     prompt = "List the planets of the solar system, one per line, in order from the Sun."
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0,
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=16,
+        temperature=0,
     )
     assert reply.choices[0].message.content, reply
-    assert reply.usage.completion_tokens > 1 and reply.usage.prompt_tokens > 16, reply.usage  # more than one KV block moved
+    assert reply.usage.completion_tokens > 1 and reply.usage.prompt_tokens > 16, (
+        reply.usage
+    )  # more than one KV block moved
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0, stream=True,
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
     )
     pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     assert len([piece for piece in pieces if piece]) > 1, pieces
@@ -177,13 +192,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     }
     # Free host ports; inside the containers the defaults, which prometheus.yml scrapes.
     gateway_port, prometheus_port = free_port(), free_port()
-    env |= {"GATEWAY_PUBLISHED_PORT": str(gateway_port), "GATEWAY_GRPC_PUBLISHED_PORT": str(free_port()),
-            "PROMETHEUS_PUBLISHED_PORT": str(prometheus_port)}
-    stack = Stack(project=f"splitserve-test-{os.getpid()}", env=env, gateway_port=gateway_port, prometheus_port=prometheus_port)
+    env |= {
+        "GATEWAY_PUBLISHED_PORT": str(gateway_port),
+        "GATEWAY_GRPC_PUBLISHED_PORT": str(free_port()),
+        "PROMETHEUS_PUBLISHED_PORT": str(prometheus_port),
+    }
+    stack = Stack(
+        project=f"splitserve-test-{os.getpid()}", env=env, gateway_port=gateway_port, prometheus_port=prometheus_port
+    )
 
     started = time.monotonic()
     for script in ("local-base.sh", "local-context.sh"):
-        result = subprocess.run([str(COMPOSE_DIR / script)], env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        result = subprocess.run(
+            [str(COMPOSE_DIR / script)], env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
         assert result.returncode == 0, f"compose/{script}:\n{result.stdout}\n{result.stderr}"
     stack.timed("local base images", started)
     started = time.monotonic()
@@ -214,7 +236,11 @@ def test_chat_and_streaming_run_through_prefill_and_decode_containers(stack: Sta
     assert running["prefill"] != running["decode"]
     samples = scrape(stack)
     # The gateway reaches P and D by their service names across the compose network.
-    addresses = {dict(labels)["role"]: dict(labels)["address"] for (name, labels) in samples if name == "splitserve_instance_healthy"}
+    addresses = {
+        dict(labels)["role"]: dict(labels)["address"]
+        for (name, labels) in samples
+        if name == "splitserve_instance_healthy"
+    }
     assert addresses == {"prefill": "prefill:50061", "decode": "decode:50071"}, addresses
     assert samples[("splitserve_kv_transfer_bytes_total", frozenset())] > 0, "no KV moved from P to D"
     # D's own count, as the gateway last heard it (a heartbeat a second).
@@ -235,16 +261,23 @@ def test_prometheus_scrapes_every_target_and_the_dashboard_series_arrive(stack: 
         names = set(httpx.get(f"{prometheus}/label/__name__/values", timeout=10).json()["data"])
         if health == {"gateway": "up", "prefill": "up", "decode": "up"} and wanted <= names:
             break
-        assert time.monotonic() < deadline, f"targets {health}; series the dashboard needs and Prometheus lacks: {sorted(wanted - names)}"
+        assert time.monotonic() < deadline, (
+            f"targets {health}; series the dashboard needs and Prometheus lacks: {sorted(wanted - names)}"
+        )
         time.sleep(2)
     # The instances' own series, per instance: D's pulls as D counts them.
-    result = httpx.get(f"{prometheus}/query", params={"query": 'splitserve_engine_kv_transfer_bytes_total{role="decode"}'}, timeout=10).json()
+    result = httpx.get(
+        f"{prometheus}/query", params={"query": 'splitserve_engine_kv_transfer_bytes_total{role="decode"}'}, timeout=10
+    ).json()
     assert [float(sample["value"][1]) for sample in result["data"]["result"]][0] > 0
 
 
 def test_status_page_lists_both_containers(stack: Stack) -> None:
     status = httpx.get(f"{stack.url}/status.json", timeout=10).json()
-    assert {(i["role"], i["address"], i["healthy"]) for i in status["instances"]} == {("prefill", "prefill:50061", True), ("decode", "decode:50071", True)}
+    assert {(i["role"], i["address"], i["healthy"]) for i in status["instances"]} == {
+        ("prefill", "prefill:50061", True),
+        ("decode", "decode:50071", True),
+    }
     assert status["ttft"] and status["itl"], "the requests above drew no latency points"
     shot = os.environ.get("SPLITSERVE_STATUS_SCREENSHOT")
     if shot:  # docs/images/status-page.png comes from here: the real model in real containers
@@ -265,7 +298,9 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
     # podman (as docker with unless-stopped) restarts nothing. The container's init (init: true)
     # is State.Pid; splitserve is its child.
     init_pid = stack.inspect(decode)["State"]["Pid"]
-    (decode_pid,) = subprocess.run(["pgrep", "-P", str(init_pid)], capture_output=True, text=True, check=True).stdout.split()
+    (decode_pid,) = subprocess.run(
+        ["pgrep", "-P", str(init_pid)], capture_output=True, text=True, check=True
+    ).stdout.split()
     os.kill(int(decode_pid), signal.SIGKILL)
     deadline = time.monotonic() + RESTART_TIMEOUT_S
     while True:
@@ -280,7 +315,9 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
         healthy = instance_samples(scrape(stack), "splitserve_instance_healthy", "decode")
         if any(instance not in before and value == 1 for instance, value in healthy.items()):
             break
-        assert time.monotonic() < deadline, f"the gateway never saw the restarted decode instance: {healthy}\n{stack.logs('decode')}"
+        assert time.monotonic() < deadline, (
+            f"the gateway never saw the restarted decode instance: {healthy}\n{stack.logs('decode')}"
+        )
         time.sleep(1)
     stack.timed("decode back after kill", started)
     transferred = scrape(stack)[("splitserve_kv_transfer_bytes_total", frozenset())]
@@ -289,7 +326,11 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
     assert samples[("splitserve_kv_transfer_bytes_total", frozenset())] > transferred
     deadline = time.monotonic() + 10
     while True:
-        pulled = {i: v for i, v in instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes", "decode").items() if i not in before}
+        pulled = {
+            i: v
+            for i, v in instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes", "decode").items()
+            if i not in before
+        }
         if pulled and all(pulled.values()):
             break
         assert time.monotonic() < deadline, f"the restarted decode instance pulled no KV: {pulled}"

@@ -34,13 +34,20 @@ def dashboard_module() -> ModuleType:
 def scrape_targets() -> dict[str, str]:
     """{component label: target} of prometheus.yml."""
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-    return {group["labels"]["component"]: target for job in config["scrape_configs"] for group in job["static_configs"] for target in group["targets"]}
+    return {
+        group["labels"]["component"]: target
+        for job in config["scrape_configs"]
+        for group in job["static_configs"]
+        for target in group["targets"]
+    }
 
 
 def test_promtool_accepts_the_config() -> None:
     if shutil.which("promtool") is None:
         pytest.skip("promtool is not installed (apt-get install prometheus; .ci/run does)")
-    result = subprocess.run(["promtool", "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["promtool", "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -62,16 +69,24 @@ def test_observability_services_mount_what_compose_ships() -> None:
     mounts = {name: [str(volume).split(":")[0] for volume in service["volumes"]] for name, service in services.items()}
     assert "./prometheus/prometheus.yml" in mounts["prometheus"]
     assert {"./grafana/provisioning", "./grafana/dashboards"} <= set(mounts["grafana"])
-    datasource = yaml.safe_load((COMPOSE_DIR / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    datasource = yaml.safe_load(
+        (COMPOSE_DIR / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )
     (source,) = datasource["datasources"]
     assert source["url"] == "http://prometheus:9090"
-    uids = {target["datasource"]["uid"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel.get("targets", [])}
+    uids = {
+        target["datasource"]["uid"]
+        for panel in json.loads(DASHBOARD.read_text())["panels"]
+        for target in panel.get("targets", [])
+    }
     assert uids == {source["uid"]}
 
 
 def test_dashboard_json_is_what_the_sdk_builds() -> None:
     module = dashboard_module()
-    assert DASHBOARD.read_text() == module.dashboard_json(), "regenerate: python compose/grafana/dashboard.py > compose/grafana/dashboards/splitserve.json"
+    assert DASHBOARD.read_text() == module.dashboard_json(), (
+        "regenerate: python compose/grafana/dashboard.py > compose/grafana/dashboards/splitserve.json"
+    )
 
 
 def test_dashboard_loads_into_the_sdk_model() -> None:
@@ -82,8 +97,17 @@ def test_dashboard_loads_into_the_sdk_model() -> None:
     loaded = Dashboard.from_json(data)
     assert loaded.title == "splitserve" and loaded.uid == "splitserve"
     titles = [panel["title"] for panel in data["panels"] if panel["type"] != "row"]
-    for wanted in ("Time to first token", "Inter-token latency", "End-to-end latency", "Waiting requests", "KV cache use",
-                   "KV transfer bytes", "KV transfer time", "Failed requests", "KV failures"):
+    for wanted in (
+        "Time to first token",
+        "Inter-token latency",
+        "End-to-end latency",
+        "Waiting requests",
+        "KV cache use",
+        "KV transfer bytes",
+        "KV transfer time",
+        "Failed requests",
+        "KV failures",
+    ):
         assert wanted in titles
 
 
@@ -97,9 +121,19 @@ def exported_names() -> set[str]:
     from serving.metrics import InstanceCollector
 
     engine = SimpleNamespace(latest_load_report=lambda: LoadReport(0, 0, 10, 10, 0.0))
-    instance = SimpleNamespace(instance_id="prefill-1", role="prefill", engine_error="", engine=engine,
-                               counters=ServiceCounters(), transfers=TransferCounters(), connector=None)
-    families = [*GatewayMetrics(InstancePool(stale_after_s=1.0)).registry.collect(), *InstanceCollector(instance).collect()]
+    instance = SimpleNamespace(
+        instance_id="prefill-1",
+        role="prefill",
+        engine_error="",
+        engine=engine,
+        counters=ServiceCounters(),
+        transfers=TransferCounters(),
+        connector=None,
+    )
+    families = [
+        *GatewayMetrics(InstancePool(stale_after_s=1.0)).registry.collect(),
+        *InstanceCollector(instance).collect(),
+    ]
     names = set()
     for family in families:
         names |= {sample.name for sample in family.samples} | {family.name}

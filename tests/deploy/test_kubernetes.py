@@ -24,7 +24,9 @@ PORTS = {"prefill": 50061, "decode": 50071, "gateway": 8000}
 
 def resources() -> list[dict[str, Any]]:
     listed = yaml.safe_load((KUBERNETES_DIR / "kustomization.yaml").read_text())["resources"]
-    return [document for name in listed for document in yaml.safe_load_all((KUBERNETES_DIR / name).read_text()) if document]
+    return [
+        document for name in listed for document in yaml.safe_load_all((KUBERNETES_DIR / name).read_text()) if document
+    ]
 
 
 def by_kind(kind: str) -> dict[str, dict[str, Any]]:
@@ -37,7 +39,9 @@ def container(name: str) -> dict[str, Any]:
 
 
 def validate(documents: list[dict[str, Any]]) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (in the test extras)")
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (in the test extras)"
+    )
     for document in documents:
         try:
             kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)

@@ -53,7 +53,9 @@ def make_scheduler(
     speculative: bool = False,
 ) -> Scheduler:
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len, role, max_num_prefill_tokens, speculative)  # type: ignore[arg-type]
+    return Scheduler(
+        manager, max_num_seqs, max_num_batched_tokens, max_model_len, role, max_num_prefill_tokens, speculative
+    )  # type: ignore[arg-type]
 
 
 def sample(output: SchedulerOutput, token_id: int = 7) -> ModelOutput:
@@ -74,7 +76,9 @@ def in_block_major_cache(layer_cache: torch.Tensor, num_layers: int = 3, layer: 
     lie a whole cross-layer block apart. The other layers hold NaN, so a kernel that strays
     into them poisons its output."""
     _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
-    full = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), float("nan"), dtype=layer_cache.dtype)
+    full = torch.full(
+        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), float("nan"), dtype=layer_cache.dtype
+    )
     view = layer_view(full, layer)
     view.copy_(layer_cache)
     return view

@@ -173,7 +173,7 @@ def test_requests_queued_during_a_step_count_in_the_load_report_at_once(model_pa
 
     async def main() -> None:
         async with AsyncEngine(config(model_path, role="prefill")) as engine:
-            engine._submit(lambda: time.sleep(0.5))  # noqa: SLF001 - holds the engine thread as a long step would
+            engine._submit(lambda: time.sleep(0.5))
             streams = [engine.generate(prompt, GREEDY) for prompt in prompts]
             tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
             await asyncio.sleep(0.05)

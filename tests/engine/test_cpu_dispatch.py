@@ -62,7 +62,10 @@ def test_amx_cpu_takes_the_avx512_bf16_kernels() -> None:
     assert features.kernel_isa == "avx512_bf16"
     assert features.supported_isas == ("generic", "avx2", "avx512", "avx512_bf16")
     assert resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), CPU, features) == torch.bfloat16
-    assert resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), torch.device("cuda"), features) == torch.bfloat16
+    assert (
+        resolve_dtype("auto", tiny_config("LlamaForCausalLM", dtype="bfloat16"), torch.device("cuda"), features)
+        == torch.bfloat16
+    )
 
 
 def test_aarch64_takes_the_generic_build_and_float32_by_default() -> None:

@@ -12,7 +12,12 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend, decode_attention_bias, paged_decode_attention, write_kv
+from engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    decode_attention_bias,
+    paged_decode_attention,
+    write_kv,
+)
 from engine.cpu_features import CAP_ENV, cpu_features
 from engine.models.ops import NativeCPUOps, TorchOps
 from tests.engine.factories import in_block_major_cache
@@ -58,7 +63,9 @@ def random_case(
     generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     num_blocks_per_seq = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * num_blocks_per_seq + 3
-    cache = in_block_major_cache(torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype))
+    cache = in_block_major_cache(
+        torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    )
     # Each sequence owns a shuffled, non-contiguous set of blocks.
     block_tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * num_blocks_per_seq]
     block_tables = block_tables.view(len(seq_lens), num_blocks_per_seq).to(torch.int32)
@@ -80,23 +87,34 @@ def reference(query, cache, block_tables, seq_lens, scale):
     [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 32, 8), (6, 2, 48, 32), (4, 2, 40, 16), (2, 1, 20, 16)],
 )
 def test_decode_kernel_matches_reference(
-    kernels: cpu_kernels.CPUKernels, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    kernels: cpu_kernels.CPUKernels,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
 ) -> None:
     seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 70]
     query, cache, block_tables, lens = random_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
     scale = head_dim**-0.5
     out = kernels.paged_decode_attention(query, cache, block_tables, lens, scale)
     assert out is not None and out.dtype == dtype
-    torch.testing.assert_close(out.float(), reference(query, cache, block_tables, lens, scale), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        out.float(), reference(query, cache, block_tables, lens, scale), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_decode_kernel_on_a_batch_big_enough_for_the_thread_team(kernels: cpu_kernels.CPUKernels, dtype: torch.dtype) -> None:
+def test_decode_kernel_on_a_batch_big_enough_for_the_thread_team(
+    kernels: cpu_kernels.CPUKernels, dtype: torch.dtype
+) -> None:
     """Small batches run on the calling thread; this one is past the kernel's threshold for threads."""
     seq_lens = [300, 17, 290, 511, 64, 1, 333, 250]
     query, cache, block_tables, lens = random_case(seq_lens, 8, 2, 128, 16, dtype)
     out = kernels.paged_decode_attention(query, cache, block_tables, lens, 0.09)
-    torch.testing.assert_close(out.float(), reference(query, cache, block_tables, lens, 0.09), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        out.float(), reference(query, cache, block_tables, lens, 0.09), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
 
 
 def test_block_table_row_stride_is_honoured(kernels: cpu_kernels.CPUKernels) -> None:
@@ -136,7 +154,9 @@ def test_backend_with_and_without_kernel_agree(dtype: torch.dtype) -> None:
     native = TorchAttentionBackend(use_cpu_kernels=True)
     assert native.cpu_kernels is not None
     fast = native.forward(query, key, value, in_block_major_cache(cache), metadata(), 0.125)
-    slow = TorchAttentionBackend(use_cpu_kernels=False).forward(query, key, value, in_block_major_cache(cache), metadata(), 0.125)
+    slow = TorchAttentionBackend(use_cpu_kernels=False).forward(
+        query, key, value, in_block_major_cache(cache), metadata(), 0.125
+    )
     torch.testing.assert_close(fast.float(), slow.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -186,7 +206,9 @@ def test_fused_add_rms_norm_matches_reference(
     x = torch.randn(num_rows, hidden, generator=generator).to(dtype)
     residual = torch.randn(num_rows, hidden, generator=generator).to(dtype) if with_residual else None
     weight = torch.randn(hidden, generator=generator).to(dtype)
-    expected, expected_residual = TorchOps().add_rms_norm(x, None if residual is None else residual.clone(), weight, 1e-5)
+    expected, expected_residual = TorchOps().add_rms_norm(
+        x, None if residual is None else residual.clone(), weight, 1e-5
+    )
     out, new_residual = NativeCPUOps(kernels).add_rms_norm(x, residual, weight, 1e-5)
     # The residual add rounds exactly like PyTorch's; the norm's float32 sum may differ in order.
     torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
@@ -202,7 +224,10 @@ def test_fused_silu_and_mul_matches_reference(
     gate_up = (torch.randn(num_rows, 2 * intermediate, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: rounds once, transformers twice
     torch.testing.assert_close(
-        NativeCPUOps(kernels).silu_and_mul(gate_up).float(), TorchOps().silu_and_mul(gate_up).float(), atol=tolerance, rtol=tolerance
+        NativeCPUOps(kernels).silu_and_mul(gate_up).float(),
+        TorchOps().silu_and_mul(gate_up).float(),
+        atol=tolerance,
+        rtol=tolerance,
     )
 
 
@@ -214,7 +239,9 @@ def test_fused_rotary_matches_reference_on_strided_rows(
     generator = torch.Generator().manual_seed(3)
     num_heads, num_kv_heads = 4, 2
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(dtype)
-    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # strided rows, as the model hands them over
+    q = qkv[:, : num_heads * head_dim].view(
+        num_tokens, num_heads, head_dim
+    )  # strided rows, as the model hands them over
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
     cos = torch.randn(512, head_dim // 2, generator=generator).to(dtype)
     sin = torch.randn(512, head_dim // 2, generator=generator).to(dtype)
@@ -230,7 +257,12 @@ def test_fused_rotary_matches_reference_on_strided_rows(
 @pytest.mark.parametrize(("in_features", "out_features"), [(100, 37), (576, 960)], ids=["small", "threaded"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_few_row_linear_matches_a_float32_matmul(
-    kernels: cpu_kernels.CPUKernels, dtype: torch.dtype, num_rows: int, in_features: int, out_features: int, with_bias: bool
+    kernels: cpu_kernels.CPUKernels,
+    dtype: torch.dtype,
+    num_rows: int,
+    in_features: int,
+    out_features: int,
+    with_bias: bool,
 ) -> None:
     """576 x 960 is past the kernel's threshold for threads; 100 leaves a tail after the last vector.
     The input rows are strided, as a slice of a wider activation would be."""
@@ -244,4 +276,6 @@ def test_few_row_linear_matches_a_float32_matmul(
     assert out.dtype == dtype and out.shape == (num_rows, out_features)
     # float32: another summation order. bf16: rounded once from that float32 sum, within one step.
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
-    torch.testing.assert_close(out.float(), expected, atol=max(tolerance, 1e-2 if dtype == torch.bfloat16 else 0), rtol=tolerance)
+    torch.testing.assert_close(
+        out.float(), expected, atol=max(tolerance, 1e-2 if dtype == torch.bfloat16 else 0), rtol=tolerance
+    )

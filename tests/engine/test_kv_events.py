@@ -46,7 +46,7 @@ def test_a_reader_that_missed_events_gets_a_snapshot(reason: str) -> None:
     log = KVEventLog(max_events=2)
     pool = BlockPool(num_blocks=4, enable_prefix_caching=True, events=log)
     cursor = log.read(0, 0)
-    hashes = [_cache(pool, [i, i])for i in range(3)]
+    hashes = [_cache(pool, [i, i]) for i in range(3)]
     if reason == "other epoch":
         batch = log.read(cursor.epoch + 1, cursor.last_seq + 3)
         assert batch.snapshot and sorted(batch.stored) == sorted(hashes)

@@ -128,7 +128,9 @@ def smollm2() -> tuple[LLM, Reference]:
 def test_smollm2_batched(smollm2: tuple[LLM, Reference]) -> None:
     llm, reference = smollm2
     vocab_size = llm.engine.vocab_size
-    prompts = random_prompts([3, 16, 17, 40, 64, 65, 100, 130, 9, 33, 50, 75, 20, 31, 48, 90], seed=5, vocab_size=vocab_size)
+    prompts = random_prompts(
+        [3, 16, 17, 40, 64, 65, 100, 130, 9, 33, 50, 75, 20, 31, 48, 90], seed=5, vocab_size=vocab_size
+    )
     assert_matches(llm, prompts, reference)
 
 
@@ -143,8 +145,14 @@ def test_smollm2_text_prompt(smollm2: tuple[LLM, Reference]) -> None:
 
 def test_llama3_rope_scaling_tied_embeddings_sharded(tmp_path: Path) -> None:
     """Llama 3 style: llama3 RoPE scaling, tied embeddings, weights split over several safetensors files."""
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 500000.0,
+    }
     single = make_checkpoint(tmp_path / "llama3", tie_word_embeddings=True, rope_parameters=rope)
     model = AutoModelForCausalLM.from_pretrained(single)
     path = tmp_path / "llama3-sharded"
@@ -161,7 +169,9 @@ def test_float16_generates_like_transformers_on_short_prompts(tmp_path: Path) ->
     """float16 runs the torch reference paths on CPU; short prompts keep rounding drift out of argmax."""
     path = make_checkpoint(tmp_path / "fp16")
     llm = LLM(model=str(path), dtype="float16", kv_cache_memory=1 << 22)
-    outputs = llm.generate(random_prompts([4, 9], seed=7), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    outputs = llm.generate(
+        random_prompts([4, 9], seed=7), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
     assert llm.engine.runner.dtype == torch.float16
     assert_no_leaks(llm)

@@ -236,7 +236,14 @@ def test_decode_role_abort_while_pulling_frees_blocks() -> None:
 def test_prefill_cap_leaves_decodes_their_step_and_chunks_the_rest() -> None:
     """A decode instance recomputing a prompt (a failed pull) computes at most one chunk per
     step beside its running decodes, however large the step budget."""
-    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_model_len=128, role="decode", max_num_prefill_tokens=8)
+    scheduler = make_scheduler(
+        num_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        role="decode",
+        max_num_prefill_tokens=8,
+    )
     for index in range(2):
         scheduler.add_request(make_request(f"stream-{index}", 5, first_token_id=50, max_tokens=40))
     scheduler.add_request(make_request("recompute", 30, first_token_id=51, max_tokens=40))
@@ -282,7 +289,9 @@ def test_a_pulled_request_preempted_on_decode_recomputes_and_never_pulls_again()
     while scheduler.requests:
         outputs.append(run_step(scheduler))
     assert all(not output.kv_loads for output in outputs)
-    recompute = [s.num_new_tokens for output in outputs for s in output.scheduled if s.request is new and s.num_new_tokens > 1]
+    recompute = [
+        s.num_new_tokens for output in outputs for s in output.scheduled if s.request is new and s.num_new_tokens > 1
+    ]
     assert recompute == [5]  # 9 tokens, the first block a prefix-cache hit
     assert new.output_token_ids == [51] + [7] * 7
     assert_all_free(scheduler)
@@ -292,7 +301,9 @@ def test_pending_prefill_tokens_count_queued_and_unfinished_prompts() -> None:
     scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=6)
     scheduler.add_request(make_request("a", list(range(10, 20)), max_tokens=2))
     scheduler.add_request(make_request("b", list(range(20, 25)), max_tokens=2))
-    scheduler.add_request(make_request("pulled", list(range(30, 39)), first_token_id=50))  # a decode-role style hand-off: not prefill work
+    scheduler.add_request(
+        make_request("pulled", list(range(30, 39)), first_token_id=50)
+    )  # a decode-role style hand-off: not prefill work
     assert scheduler.num_pending_prefill_tokens == 15
     run_step(scheduler)  # 6 of a's 10
     assert scheduler.num_pending_prefill_tokens == 4 + 5
@@ -305,7 +316,9 @@ def test_a_waiting_prompts_cached_prefix_is_not_pending_work() -> None:
     scheduler.add_request(make_request("a", list(range(10, 22)), max_tokens=1))
     while scheduler.has_unfinished_requests():
         run_step(scheduler)
-    scheduler.add_request(make_request("b", list(range(10, 18)) + [90, 91, 92], max_tokens=1))  # two cached blocks, then 3 new tokens
+    scheduler.add_request(
+        make_request("b", list(range(10, 18)) + [90, 91, 92], max_tokens=1)
+    )  # two cached blocks, then 3 new tokens
     assert scheduler.num_pending_prefill_tokens == 3
     scheduler.add_request(make_request("c", list(range(40, 51)), max_tokens=1))
     assert scheduler.num_pending_prefill_tokens == 3 + 11

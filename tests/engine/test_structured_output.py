@@ -69,13 +69,25 @@ def compiler(model: Path) -> GrammarCompiler:
 
 
 def test_every_output_of_a_mixed_batch_parses_or_matches(llm: LLM) -> None:
-    specs = [json_spec(), StructuredOutputSpec("regex", REGEX), StructuredOutputSpec.from_choices(CHOICES), StructuredOutputSpec("grammar", GRAMMAR), None]
+    specs = [
+        json_spec(),
+        StructuredOutputSpec("regex", REGEX),
+        StructuredOutputSpec.from_choices(CHOICES),
+        StructuredOutputSpec("grammar", GRAMMAR),
+        None,
+    ]
     params = []
     for index in range(20):
         spec = specs[index % len(specs)]
         # Greedy and sampled rows, seeded so a failure reproduces.
         params.append(
-            SamplingParams(temperature=0.0 if index % 2 else 1.0, seed=index, max_tokens=80, ignore_eos=spec is None, structured=spec)
+            SamplingParams(
+                temperature=0.0 if index % 2 else 1.0,
+                seed=index,
+                max_tokens=80,
+                ignore_eos=spec is None,
+                structured=spec,
+            )
         )
     prompts = ["The quick brown fox", "Paris is the capital", "lazy dog", "of France."] * 5
     outputs = llm.generate(prompts, params)
@@ -86,7 +98,9 @@ def test_every_output_of_a_mixed_batch_parses_or_matches(llm: LLM) -> None:
             check_output(p.structured, completion.text)
     # The unconstrained rows are left alone: they run to their budget, writing no JSON.
     unconstrained = [o.outputs[0] for p, o in zip(params, outputs) if p.structured is None]
-    assert all(c.finish_reason == "length" and len(c.token_ids) == 80 and not c.text.startswith("{") for c in unconstrained)
+    assert all(
+        c.finish_reason == "length" and len(c.token_ids) == 80 and not c.text.startswith("{") for c in unconstrained
+    )
 
 
 def test_constrained_rows_do_not_change_unconstrained_ones(llm: LLM) -> None:
@@ -94,27 +108,39 @@ def test_constrained_rows_do_not_change_unconstrained_ones(llm: LLM) -> None:
     alone = llm.generate(["The quick brown fox"], plain)[0].outputs[0].token_ids
     mixed = llm.generate(
         ["Paris is", "The quick brown fox", "lazy dog"],
-        [SamplingParams(temperature=0.0, max_tokens=40, structured=json_spec()), plain, SamplingParams(temperature=0.0, max_tokens=40, structured=StructuredOutputSpec("regex", REGEX))],
+        [
+            SamplingParams(temperature=0.0, max_tokens=40, structured=json_spec()),
+            plain,
+            SamplingParams(temperature=0.0, max_tokens=40, structured=StructuredOutputSpec("regex", REGEX)),
+        ],
     )
     assert mixed[1].outputs[0].token_ids == alone
 
 
 def test_a_grammar_cut_short_by_max_tokens_finishes_with_length(llm: LLM) -> None:
-    output = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=5, structured=StructuredOutputSpec("regex", "a{50}")))[0]
+    output = llm.generate(
+        ["The quick"], SamplingParams(temperature=0.0, max_tokens=5, structured=StructuredOutputSpec("regex", "a{50}"))
+    )[0]
     completion = output.outputs[0]
     assert completion.finish_reason == "length"
     assert completion.text == "a" * len(completion.text) and len(completion.token_ids) == 5
 
 
 def test_a_complete_grammar_stops_without_waiting_for_eos(llm: LLM) -> None:
-    completion = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutputSpec.from_choices(["yes"])))[0].outputs[0]
+    completion = llm.generate(
+        ["The quick"],
+        SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutputSpec.from_choices(["yes"])),
+    )[0].outputs[0]
     assert (completion.text, completion.finish_reason, completion.stop_reason) == ("yes", "stop", None)
     assert 2 not in completion.token_ids  # no EOS step was needed
 
 
 def test_json_object_output_is_an_object_or_cut_by_length(llm: LLM) -> None:
     for seed in range(4):
-        completion = llm.generate(["Paris"], SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured=StructuredOutputSpec("json_object")))[0].outputs[0]
+        completion = llm.generate(
+            ["Paris"],
+            SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured=StructuredOutputSpec("json_object")),
+        )[0].outputs[0]
         assert completion.text.startswith("{")
         if completion.finish_reason == "stop":
             assert isinstance(json.loads(completion.text), dict)
@@ -180,7 +206,9 @@ def test_compiled_grammars_are_cached_by_kind_and_spec(model: Path) -> None:
         (StructuredOutputSpec("grammar", 'root ::= "a" undefined_rule'), r"(?s)the grammar .*undefined_rule"),
     ],
 )
-def test_a_spec_that_does_not_compile_names_the_problem(compiler: GrammarCompiler, spec: StructuredOutputSpec, message: str) -> None:
+def test_a_spec_that_does_not_compile_names_the_problem(
+    compiler: GrammarCompiler, spec: StructuredOutputSpec, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         compiler.compile(spec)
 
@@ -192,7 +220,9 @@ def test_bad_specs_are_refused_before_any_work(llm: LLM) -> None:
         StructuredOutputSpec.from_choices([])
     with pytest.raises(ValueError, match="the structured output regex is empty"):
         StructuredOutputSpec("regex", " ")
-    assert llm.generate(["Paris"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].finish_reason == "length"
+    assert (
+        llm.generate(["Paris"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].finish_reason == "length"
+    )
 
 
 def test_the_bitmask_masks_only_its_rows_and_ids_beyond_the_grammar_vocabulary() -> None:
@@ -220,10 +250,20 @@ def test_the_sampler_picks_only_allowed_tokens_greedy_or_sampled() -> None:
     bitmask = np.zeros((2, 2), dtype=np.int32)
     bitmask[0, 1] = 1 << 7  # row 1: only token 39
     bitmask[1, 0] = 0b1010  # row 3: tokens 1 or 3
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0),
+    ]
     metadata = SamplingMetadata(
-        params=params, prompt_token_ids=[[]] * 4, output_token_ids=[[]] * 4, generators=[None] * 4,
-        eos_token_ids=frozenset(), grammar_rows=[1, 3], grammar_bias=token_bias(bitmask, 64),
+        params=params,
+        prompt_token_ids=[[]] * 4,
+        output_token_ids=[[]] * 4,
+        generators=[None] * 4,
+        eos_token_ids=frozenset(),
+        grammar_rows=[1, 3],
+        grammar_bias=token_bias(bitmask, 64),
     )
     tokens = Sampler(seed=0)(logits, metadata).token_ids
     assert tokens[0] == int(logits[0].argmax()) and tokens[1] == 39 and tokens[3] in (1, 3)

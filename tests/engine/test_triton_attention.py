@@ -142,9 +142,7 @@ def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_hea
     query, _, _ = make_qkv(len(seq_lens), num_heads, num_kv_heads, head_dim, dtype)
     scale = 1 / math.sqrt(head_dim)
 
-    out = paged_attention(
-        query, cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, 1, scale
-    )
+    out = paged_attention(query, cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, 1, scale)
 
     block_size = cache.shape[2]
     num_blocks = -(-metadata.max_seq_len // block_size)

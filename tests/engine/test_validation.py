@@ -106,7 +106,9 @@ def test_stop_strings_and_logprobs_through_the_offline_api(llm: LLM) -> None:
     (plain,) = llm.generate([[5, 6, 7]], params)
     completion = plain.outputs[0]
     assert len(completion.logprobs) == 8
-    assert all(lp.token_id == t and len(lp.top_logprobs) == 2 for lp, t in zip(completion.logprobs, completion.token_ids))
+    assert all(
+        lp.token_id == t and len(lp.top_logprobs) == 2 for lp, t in zip(completion.logprobs, completion.token_ids)
+    )
     assert all(lp.rank == 1 for lp in completion.logprobs)  # greedy picks the most likely token
     text = completion.text
     stop = text[len(text) // 2 : len(text) // 2 + 2]

@@ -33,17 +33,22 @@ from tests.services.processes import Service
 
 MODEL_NAME = "tiny"
 
-_SLOW_LOOPS = "{%- if slow_loops %}{% for i in range(slow_loops) %}{% for j in range(1000) %}{% set x = i * j %}{% endfor %}{% endfor %}{% endif -%}"
+_SLOW_LOOPS = (
+    "{%- if slow_loops %}{% for i in range(slow_loops) %}"
+    "{% for j in range(1000) %}{% set x = i * j %}{% endfor %}"
+    "{% endfor %}{% endif -%}"
+)
 # Reads enable_thinking (a kwarg clients may set), raises on a misplaced system message
 # (a template error the client caused), and burns time on request (for the time limit).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' and not loop.first -%}{{ raise_exception('the system message must come first') }}{%- endif -%}"
+    "{%- if message['role'] == 'system' and not loop.first -%}{{ raise_exception('the system message must come "
+    "first') }}{%- endif -%}"
     "{{ message['role'] + ': ' + message['content'] + '\n' }}"
     "{%- endfor -%}"
     "{%- if enable_thinking %}{{ 'think: ' }}{% endif -%}"
-    + _SLOW_LOOPS +
-    "{%- if add_generation_prompt %}{{ 'assistant:' }}{% endif -%}"
+    + _SLOW_LOOPS
+    + "{%- if add_generation_prompt %}{{ 'assistant:' }}{% endif -%}"
 )
 
 
@@ -78,7 +83,9 @@ async def inprocess_gateway(
     await discovery.poll_once()
     polling = asyncio.create_task(discovery.run())
     tokenizer = ModelTokenizer(model, limits)
-    service = GenerationService(pool, tokenizer, GatewayMetrics(pool), max_pending_requests, 60.0, None, enable_priority)
+    service = GenerationService(
+        pool, tokenizer, GatewayMetrics(pool), max_pending_requests, 60.0, None, enable_priority
+    )
     grpc_server, grpc_port = await start_grpc_front(service, MODEL_NAME, None, "127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
     # A server logs what the app raises after its 500 went out; here the response is what counts.

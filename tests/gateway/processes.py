@@ -20,13 +20,18 @@ from tests.stores import free_port, stop
 
 
 class HTTPProcess:
-    def __init__(self, name: str, *argv: str, port: int, env: dict[str, str] | None = None, ready_path: str = "/ready") -> None:
+    def __init__(
+        self, name: str, *argv: str, port: int, env: dict[str, str] | None = None, ready_path: str = "/ready"
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(f"/tmp/splitserve-test-{name}-{port}.log", "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "engine.cli", *argv],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **SERVICE_ENV, **(env or {})},
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SERVICE_ENV, **(env or {})},
         )
         self._wait(ready_path)
 
@@ -61,10 +66,26 @@ def routes(*instances: Service) -> list[str]:
 
 
 @contextmanager
-def running_gateway(model: Path, *extra: str, ready_path: str = "/ready", env: dict[str, str] | None = None) -> Iterator[HTTPProcess]:
+def running_gateway(
+    model: Path, *extra: str, ready_path: str = "/ready", env: dict[str, str] | None = None
+) -> Iterator[HTTPProcess]:
     port = free_port()
-    gateway = HTTPProcess("gateway", "gateway", "--model", str(model), "--port", str(port), "--grpc-port", "-1",
-                          "--poll-interval", "0.2", *extra, port=port, env=env, ready_path=ready_path)
+    gateway = HTTPProcess(
+        "gateway",
+        "gateway",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--grpc-port",
+        "-1",
+        "--poll-interval",
+        "0.2",
+        *extra,
+        port=port,
+        env=env,
+        ready_path=ready_path,
+    )
     try:
         yield gateway
     finally:
@@ -74,7 +95,9 @@ def running_gateway(model: Path, *extra: str, ready_path: str = "/ready", env: d
 def stream_until(url: str, body: dict[str, object], num_chunks: int) -> tuple[httpx.Client, httpx.Response]:
     """Open a streaming completion and read a few chunks; the caller closes it."""
     client = httpx.Client(timeout=120)
-    response = client.send(client.build_request("POST", f"{url}/v1/completions", json={**body, "stream": True}), stream=True)
+    response = client.send(
+        client.build_request("POST", f"{url}/v1/completions", json={**body, "stream": True}), stream=True
+    )
     assert response.status_code == 200
     lines = response.iter_lines()
     seen = 0

@@ -26,7 +26,10 @@ VOCAB = range(3, 300)
 
 @pytest.fixture(scope="module")
 def pair(model: Path) -> Iterator[tuple[Service, Service]]:
-    with running("prefill", model, "--lease-seconds", "10") as prefill, running("decode", model, "--decode-recompute-chunk", "32") as decode:
+    with (
+        running("prefill", model, "--lease-seconds", "10") as prefill,
+        running("decode", model, "--decode-recompute-chunk", "32") as decode,
+    ):
         yield prefill, decode
 
 
@@ -44,7 +47,10 @@ def _complete(gateway: HTTPProcess, prompt: list[int] | str) -> dict:
 
 def _decisions(gateway: HTTPProcess) -> dict[tuple[str, str], float]:
     text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-    return {(m[1], m[2]): float(m[3]) for m in re.finditer(r'splitserve_pd_decision_total\{path="(\w+)",reason="(\w+)"\} (\S+)', text)}
+    return {
+        (m[1], m[2]): float(m[3])
+        for m in re.finditer(r'splitserve_pd_decision_total\{path="(\w+)",reason="(\w+)"\} (\S+)', text)
+    }
 
 
 def _decode_blocks_indexed(gateway: HTTPProcess) -> bool:
@@ -52,7 +58,9 @@ def _decode_blocks_indexed(gateway: HTTPProcess) -> bool:
     return re.search(r'splitserve_instance_indexed_kv_blocks\{[^}]*role="decode"[^}]*\} [1-9]', text) is not None
 
 
-def test_a_short_prompt_is_prefilled_on_the_decode_instance_with_the_same_text(model: Path, pair: tuple[Service, Service]) -> None:
+def test_a_short_prompt_is_prefilled_on_the_decode_instance_with_the_same_text(
+    model: Path, pair: tuple[Service, Service]
+) -> None:
     prefill, decode = pair
     # Load routing: the gateway knows nothing of D's cache, so only the length decides (with kv
     # routing the long prompt, pulled by D in the first run, would count as cached there).

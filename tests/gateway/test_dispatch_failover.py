@@ -31,7 +31,6 @@ from typing import Any
 
 import grpc
 import pytest
-from splitserve.v1 import disaggregation_pb2, generation_pb2
 
 from gateway.admission import AdmissionLimits
 from gateway.dispatch import MAX_ATTEMPTS, MAX_HANDOFFS, Dispatcher, DispatchRequest
@@ -39,18 +38,29 @@ from gateway.errors import APIError
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
 from gateway.openai_common import SSE_DONE, sse, sse_response
+from splitserve.v1 import disaggregation_pb2, generation_pb2
 
 Code = grpc.StatusCode
 
 # The classification under test, spelled out rather than imported: a code moved between the
 # sets must fail a test here.
-RETRYABLE = [Code.UNAVAILABLE, Code.CANCELLED, Code.ABORTED, Code.RESOURCE_EXHAUSTED, Code.UNKNOWN, Code.INTERNAL, Code.FAILED_PRECONDITION]
+RETRYABLE = [
+    Code.UNAVAILABLE,
+    Code.CANCELLED,
+    Code.ABORTED,
+    Code.RESOURCE_EXHAUSTED,
+    Code.UNKNOWN,
+    Code.INTERNAL,
+    Code.FAILED_PRECONDITION,
+]
 INSTANCE_DOWN = {Code.UNAVAILABLE, Code.CANCELLED, Code.UNKNOWN}  # skipped until the instance reports again
 NOT_RETRYABLE = [code for code in Code if code not in RETRYABLE and code != Code.OK]
 # DATA_LOSS from D before any token is a lost KV, not a failure (test_a_lost_kv_...).
 NOT_RETRYABLE_ON_DECODE = [code for code in NOT_RETRYABLE if code != Code.DATA_LOSS]
 
-FINGERPRINT = disaggregation_pb2.Fingerprint(model="m", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16)
+FINGERPRINT = disaggregation_pb2.Fingerprint(
+    model="m", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16
+)
 PROMPT = [5, 6, 7, 8]
 MAX_TOKENS = 16
 FIRST = 100  # the first token, P's
@@ -67,7 +77,11 @@ def rpc_error(code: grpc.StatusCode, details: str = DETAILS) -> grpc.aio.AioRpcE
 
 
 def request(request_id: str = "r") -> DispatchRequest:
-    return DispatchRequest(request_id=request_id, prompt_token_ids=list(PROMPT), sampling=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+    return DispatchRequest(
+        request_id=request_id,
+        prompt_token_ids=list(PROMPT),
+        sampling=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+    )
 
 
 def tokens(*token_ids: int, finish_reason: str = "") -> dict[str, Any]:
@@ -116,7 +130,7 @@ class FakePrefill(FakeInstance):
         self.released: list[str] = []
         self.aborted: list[str] = []
 
-    async def Prefill(self, request: disaggregation_pb2.PrefillRequest) -> disaggregation_pb2.PrefillResponse:
+    async def Prefill(self, request: disaggregation_pb2.PrefillRequest) -> disaggregation_pb2.PrefillResponse:  # noqa: N802 - the stub calls it by the RPC name
         self.requests.append(request)
         outcome = self.outcomes.pop(0) if self.outcomes else None
         if isinstance(outcome, grpc.aio.AioRpcError):
@@ -126,16 +140,18 @@ class FakePrefill(FakeInstance):
         if isinstance(outcome, Do):
             outcome.action()
         kv = disaggregation_pb2.KVHandle(
-            prefill_address=self.address, request_id=request.request_id,
-            num_tokens=len(request.prompt_token_ids), fingerprint=FINGERPRINT,
+            prefill_address=self.address,
+            request_id=request.request_id,
+            num_tokens=len(request.prompt_token_ids),
+            fingerprint=FINGERPRINT,
         )
         return disaggregation_pb2.PrefillResponse(request_id=request.request_id, first_token_id=FIRST, kv=kv)
 
-    async def ReleaseKV(self, request: disaggregation_pb2.RequestRef) -> disaggregation_pb2.ReleaseKVResponse:
+    async def ReleaseKV(self, request: disaggregation_pb2.RequestRef) -> disaggregation_pb2.ReleaseKVResponse:  # noqa: N802 - the stub calls it by the RPC name
         self.released.append(request.request_id)
         return disaggregation_pb2.ReleaseKVResponse(released=True)
 
-    async def Abort(self, request: disaggregation_pb2.RequestRef) -> disaggregation_pb2.AbortResponse:
+    async def Abort(self, request: disaggregation_pb2.RequestRef) -> disaggregation_pb2.AbortResponse:  # noqa: N802 - the stub calls it by the RPC name
         self.aborted.append(request.request_id)
         return disaggregation_pb2.AbortResponse(found=True)
 
@@ -164,10 +180,10 @@ class FakeDecode(FakeInstance):
             else:
                 yield response_type(request_id=request.request_id, **step)
 
-    def Decode(self, request: disaggregation_pb2.DecodeRequest) -> AsyncIterator[disaggregation_pb2.DecodeResponse]:
+    def Decode(self, request: disaggregation_pb2.DecodeRequest) -> AsyncIterator[disaggregation_pb2.DecodeResponse]:  # noqa: N802 - the stub calls it by the RPC name
         return self._play(request, disaggregation_pb2.DecodeResponse)
 
-    def Generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    def Generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:  # noqa: N802 - the stub calls it by the RPC name
         return self._play(request, generation_pb2.GenerateResponse)
 
 
@@ -214,7 +230,13 @@ class FakeChannel:
     def __init__(self, servicer: FakePrefill | FakeDecode) -> None:
         self.servicer = servicer
 
-    def unary_unary(self, method: str, request_serializer: Callable[[Any], bytes], response_deserializer: Callable[[bytes], Any], **_: Any):
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes],
+        response_deserializer: Callable[[bytes], Any],
+        **_: Any,
+    ):
         async def call(request: Any, timeout: float | None = None, **__: Any) -> Any:
             handler = getattr(self.servicer, method.rsplit("/", 1)[1])
             response = await handler(type(request).FromString(request_serializer(request)))
@@ -222,10 +244,18 @@ class FakeChannel:
 
         return call
 
-    def unary_stream(self, method: str, request_serializer: Callable[[Any], bytes], response_deserializer: Callable[[bytes], Any], **_: Any):
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes],
+        response_deserializer: Callable[[bytes], Any],
+        **_: Any,
+    ):
         def call(request: Any, timeout: float | None = None, **__: Any) -> FakeStreamCall:
             handler = getattr(self.servicer, method.rsplit("/", 1)[1])
-            stream = FakeStreamCall(handler(type(request).FromString(request_serializer(request))), response_deserializer)
+            stream = FakeStreamCall(
+                handler(type(request).FromString(request_serializer(request))), response_deserializer
+            )
             self.servicer.calls.append(stream)
             return stream
 
@@ -255,7 +285,9 @@ def make_pool(
 
 def set_load(pool: InstancePool, fake: FakeInstance, num_waiting: int) -> None:
     state = pool.instances[fake.address]
-    report = disaggregation_pb2.LoadReport(instance_id=fake.address, role=state.role, num_waiting=num_waiting, fingerprint=FINGERPRINT)
+    report = disaggregation_pb2.LoadReport(
+        instance_id=fake.address, role=state.role, num_waiting=num_waiting, fingerprint=FINGERPRINT
+    )
     pool.record_report(fake.address, report, serving=True)
 
 
@@ -324,7 +356,9 @@ async def test_a_prefill_failing_with_a_retryable_code_moves_to_another_prefill_
 
 @pytest.mark.parametrize("code", RETRYABLE, ids=name)
 @in_loop
-async def test_a_decode_failing_before_its_first_token_with_a_retryable_code_moves_to_another_decode_instance(code: grpc.StatusCode) -> None:
+async def test_a_decode_failing_before_its_first_token_with_a_retryable_code_moves_to_another_decode_instance(
+    code: grpc.StatusCode,
+) -> None:
     prefill, failing, answering = FakePrefill(), FakeDecode([rpc_error(code)]), FakeDecode()
     pool = make_pool(prefill=[prefill], decode=[failing, answering])
     token_ids, error = await collect(Dispatcher(pool))
@@ -392,13 +426,21 @@ async def test_an_instance_error_becomes_the_http_answer_the_mapping_names(code:
 async def test_no_instance_answers_503_and_instances_at_their_limit_429() -> None:
     _, error = await collect(Dispatcher(make_pool(decode=[FakeDecode()])))
     assert error is not None
-    assert (error.status, error.code, error.grpc_code) == (HTTPStatus.SERVICE_UNAVAILABLE, "no_healthy_instance", Code.UNAVAILABLE)
+    assert (error.status, error.code, error.grpc_code) == (
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        "no_healthy_instance",
+        Code.UNAVAILABLE,
+    )
 
     prefill = FakePrefill()
     pool = make_pool(prefill=[prefill], decode=[FakeDecode()], limits=AdmissionLimits(max_inflight_per_instance=1))
     pool.instances[prefill.address].num_inflight = 1
     _, error = await collect(Dispatcher(pool))
-    assert error is not None and (error.status, error.code, error.retry_after_s) == (HTTPStatus.TOO_MANY_REQUESTS, "overloaded", 1)
+    assert error is not None and (error.status, error.code, error.retry_after_s) == (
+        HTTPStatus.TOO_MANY_REQUESTS,
+        "overloaded",
+        1,
+    )
     assert prefill.requests == []
 
 
@@ -446,7 +488,11 @@ async def test_a_decode_failing_after_tokens_migrates_and_sends_no_token_twice()
     assert [r.request_id for r in prefill.requests] == ["r", "r.m1"]
     assert prefill.requests[1].kv_only and list(prefill.requests[1].prompt_token_ids) == [*PROMPT, FIRST, 11]
     resumed = survivor.requests[0]
-    assert resumed.request_id == "r" and list(resumed.prompt_token_ids) == [*PROMPT, FIRST, 11] and resumed.first_token_id == 12
+    assert (
+        resumed.request_id == "r"
+        and list(resumed.prompt_token_ids) == [*PROMPT, FIRST, 11]
+        and resumed.first_token_id == 12
+    )
     assert resumed.kv.request_id == "r.m1" and resumed.sampling.max_tokens == MAX_TOKENS - 2
     assert counter(metrics, "splitserve_migrations_total", outcome="resumed") == 1
 
@@ -502,14 +548,19 @@ async def test_a_lost_kv_is_prefilled_again_on_the_same_prefill_instance_and_han
     first, second = FakePrefill(), FakePrefill()
     # While D pulls, the first P reports a long queue: the re-prefill still goes there, where
     # its prefix cache holds the prompt.
-    decode = FakeDecode([Do(lambda: set_load(pool, first, num_waiting=10)), rpc_error(Code.DATA_LOSS, "the pull failed")])
+    decode = FakeDecode(
+        [Do(lambda: set_load(pool, first, num_waiting=10)), rpc_error(Code.DATA_LOSS, "the pull failed")]
+    )
     pool = make_pool(prefill=[first, second], decode=[decode])
     metrics = GatewayMetrics(pool)
     token_ids, error = await collect(Dispatcher(pool, metrics))
     assert error is None and token_ids == [FIRST, *DECODED]  # P's token once, the re-prefill's never
     assert [(r.request_id, r.kv_only) for r in first.requests] == [("r", False), ("r.kv1", True)]
     assert first.requests[1].prompt_token_ids == first.requests[0].prompt_token_ids and second.requests == []
-    assert [(r.kv.request_id, r.first_token_id, r.allow_recompute) for r in decode.requests] == [("r", FIRST, False), ("r.kv1", FIRST, False)]
+    assert [(r.kv.request_id, r.first_token_id, r.allow_recompute) for r in decode.requests] == [
+        ("r", FIRST, False),
+        ("r.kv1", FIRST, False),
+    ]
     assert first.released == ["r"]  # the lost KV freed once; D took the new one over
     assert is_healthy(pool, decode)  # D is fine: the KV was lost
     assert counter(metrics, "splitserve_kv_reprefills_total") == 1
@@ -548,7 +599,9 @@ async def test_after_max_handoffs_lost_kvs_the_request_fails_and_only_the_last_m
     assert "no decode instance could take the KV" in error.message
     prefill_ids = ["r", *[f"r.kv{i}" for i in range(1, MAX_HANDOFFS)]]
     assert [r.request_id for r in prefill.requests] == prefill_ids
-    assert [(r.kv.request_id, r.allow_recompute) for r in decode.requests] == [(i, i == prefill_ids[-1]) for i in prefill_ids]
+    assert [(r.kv.request_id, r.allow_recompute) for r in decode.requests] == [
+        (i, i == prefill_ids[-1]) for i in prefill_ids
+    ]
     assert sorted(prefill.released) == sorted(prefill_ids)  # every KV pinned, released once
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.gateway.processes import HTTPProcess, routes, running_gateway
 from tests.services.client import assert_all_free
 from tests.services.processes import Service
@@ -34,7 +34,9 @@ GREEDY = generation_pb2.SamplingParams(temperature=0, max_tokens=300, ignore_eos
 def gateway(model: Path, instances: tuple[Service, Service]) -> Iterator[HTTPProcess]:
     grpc_port = free_port()
     prefill, decode = instances
-    with running_gateway(model, *routes(prefill, decode), "--grpc-port", str(grpc_port), "--served-model-name", MODEL_NAME) as process:
+    with running_gateway(
+        model, *routes(prefill, decode), "--grpc-port", str(grpc_port), "--served-model-name", MODEL_NAME
+    ) as process:
         process.grpc_port = grpc_port  # type: ignore[attr-defined]
         yield process
 
@@ -44,9 +46,13 @@ def unique_prompt(num_tokens: int) -> list[int]:
     return random.Random().choices(range(3, NUM_TEXT_TOKENS), k=num_tokens)
 
 
-def test_grpc_callers_with_the_same_request_id_get_independent_streams(gateway: HTTPProcess, instances: tuple[Service, Service]) -> None:
+def test_grpc_callers_with_the_same_request_id_get_independent_streams(
+    gateway: HTTPProcess, instances: tuple[Service, Service]
+) -> None:
     prompt = unique_prompt(12)
-    request = generation_pb2.GenerateRequest(request_id="same", token_ids=generation_pb2.TokenIds(ids=prompt), sampling=GREEDY)
+    request = generation_pb2.GenerateRequest(
+        request_id="same", token_ids=generation_pb2.TokenIds(ids=prompt), sampling=GREEDY
+    )
     with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:  # type: ignore[attr-defined]
         stub = generation_pb2_grpc.GenerationStub(channel)
         expected = [t for response in stub.Generate(request, timeout=60) for t in response.token_ids]
@@ -89,7 +95,9 @@ def test_cache_salt_separates_prefix_caches(gateway: HTTPProcess, instances: tup
 
     def cached_tokens(salt: str | None) -> int:
         extra = {"cache_salt": salt} if salt is not None else None
-        response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        response = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
         return response.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
 
     assert cached_tokens("tenant-a") == 0
@@ -99,7 +107,8 @@ def test_cache_salt_separates_prefix_caches(gateway: HTTPProcess, instances: tup
     # The gRPC front takes the salt too.
     with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:  # type: ignore[attr-defined]
         request = generation_pb2.GenerateRequest(
-            token_ids=generation_pb2.TokenIds(ids=prompt), sampling=generation_pb2.SamplingParams(temperature=0, max_tokens=2),
+            token_ids=generation_pb2.TokenIds(ids=prompt),
+            sampling=generation_pb2.SamplingParams(temperature=0, max_tokens=2),
             cache_salt="tenant-b",
         )
         final = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60))[-1]
@@ -115,16 +124,24 @@ def test_decode_salts_its_own_prefix_cache_lookups(instances: tuple[Service, Ser
 
     def hand_off(request_id: str, salt: str) -> disaggregation_pb2.KVTransfer:
         prefilled = disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(
-            disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, cache_salt=salt),
+            disaggregation_pb2.PrefillRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling, cache_salt=salt
+            ),
             timeout=30,
         )
-        responses = list(disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
-            disaggregation_pb2.DecodeRequest(
-                request_id=request_id, prompt_token_ids=prompt, first_token_id=prefilled.first_token_id, sampling=sampling,
-                kv=prefilled.kv, cache_salt=salt,
-            ),
-            timeout=60,
-        ))
+        responses = list(
+            disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
+                disaggregation_pb2.DecodeRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    first_token_id=prefilled.first_token_id,
+                    sampling=sampling,
+                    kv=prefilled.kv,
+                    cache_salt=salt,
+                ),
+                timeout=60,
+            )
+        )
         assert responses[-1].finish_reason == "length"
         return next(r.kv_transfer for r in responses if r.HasField("kv_transfer"))
 

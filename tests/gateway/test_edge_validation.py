@@ -19,16 +19,23 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 from gateway.dispatch import DispatchRequest, TokenEvent
 from gateway.limits import RequestLimits
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.gateway.inprocess import InProcessGateway, make_chat_checkpoint, run_inprocess
 from tests.services.processes import Service
 
 pytest.importorskip("ucxx")
 
-LIMITS = RequestLimits(max_body_bytes=64 << 10, max_prompts=8, max_prompt_chars=2000, max_stop=4, max_stop_chars=16, chat_template_timeout_s=0.5)
+LIMITS = RequestLimits(
+    max_body_bytes=64 << 10,
+    max_prompts=8,
+    max_prompt_chars=2000,
+    max_stop=4,
+    max_stop_chars=16,
+    chat_template_timeout_s=0.5,
+)
 GOOD = {"prompt": "The capital of France is", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 BIG = 2**31
@@ -51,14 +58,37 @@ HOSTILE: list[tuple[str, dict[str, object] | bytes, int, str | None]] = [
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": BIG}, 400, "max_completion_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', 400, "temperature"),
     ("/v1/completions", b'{"prompt": "hi", "top_p": NaN}', 400, "top_p"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -Infinity}', 400, "frequency_penalty"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -Infinity}',
+        400,
+        "frequency_penalty",
+    ),
     ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": Infinity}}', 400, "logit_bias.5"),
-    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs.tokenize"),
-    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "INJECTED {{ 7*7 }}"}}, 400,
-     "chat_template_kwargs.chat_template"),
-    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs.messages"),
-    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "INJECTED {{ 7*7 }}"}}, 400,
-     "chat_template_kwargs.chat_template"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}},
+        400,
+        "chat_template_kwargs.tokenize",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "chat_template_kwargs": {"chat_template": "INJECTED {{ 7*7 }}"}},
+        400,
+        "chat_template_kwargs.chat_template",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "chat_template_kwargs": {"messages": []}},
+        400,
+        "chat_template_kwargs.messages",
+    ),
+    (
+        "/tokenize",
+        {"messages": CHAT, "chat_template_kwargs": {"chat_template": "INJECTED {{ 7*7 }}"}},
+        400,
+        "chat_template_kwargs.chat_template",
+    ),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {**GOOD, "stop": "x" * 17}, 400, "stop"),
     ("/v1/completions", {**GOOD, "stop_token_ids": [1, 2, 3, 4, 5]}, 400, "stop_token_ids"),
@@ -90,14 +120,16 @@ def assert_error(response: httpx.Response, status: int, param: str | None) -> di
     return error
 
 
-def test_thousands_of_hostile_requests_get_400_and_cost_no_slot(model: Path, instances: tuple[Service, Service]) -> None:
+def test_thousands_of_hostile_requests_get_400_and_cost_no_slot(
+    model: Path, instances: tuple[Service, Service]
+) -> None:
     async def scenario(gateway: InProcessGateway) -> None:
         rounds = 100  # 3,100 requests, 50 at a time
         for _ in range(rounds):
             for batch_start in range(0, len(HOSTILE), 50):
                 batch = HOSTILE[batch_start : batch_start + 50]
                 responses = await asyncio.gather(*(post(gateway, path, body) for path, body, _, _ in batch))
-                for (path, _, status, param), response in zip(batch, responses, strict=True):
+                for (_, _, status, param), response in zip(batch, responses, strict=True):
                     assert_error(response, status, param)
         assert gateway.service.num_pending == 0
         # Four slots (max_pending_requests) and all of them free: a good request runs.
@@ -131,7 +163,9 @@ def test_a_chunked_body_over_the_limit_gets_413(model: Path, instances: tuple[Se
         yield b'"}'
 
     async def scenario(gateway: InProcessGateway) -> None:
-        response = await gateway.client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        response = await gateway.client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
         assert "content-length" not in response.request.headers
         assert_error(response, 413, None)
         assert (await post(gateway, "/v1/completions", GOOD)).status_code == 200
@@ -161,27 +195,53 @@ def test_chat_template_kwargs(model: Path, instances: tuple[Service, Service]) -
     async def scenario(gateway: InProcessGateway) -> None:
         assert await text(gateway) == "user: What is the capital of France?\nassistant:"
         # A variable the template reads passes; so do the two flags, overriding the request's fields.
-        assert await text(gateway, chat_template_kwargs={"enable_thinking": True}) == "user: What is the capital of France?\nthink: assistant:"
-        assert await text(gateway, chat_template_kwargs={"add_generation_prompt": False}) == "user: What is the capital of France?\n"
+        assert (
+            await text(gateway, chat_template_kwargs={"enable_thinking": True})
+            == "user: What is the capital of France?\nthink: assistant:"
+        )
+        assert (
+            await text(gateway, chat_template_kwargs={"add_generation_prompt": False})
+            == "user: What is the capital of France?\n"
+        )
         # A key the template does not read is ignored (and logged), as unknown request fields are.
         assert await tokens(gateway, chat_template_kwargs={"no_such_variable": 1}) == await tokens(gateway)
         # Keywords that steer rendering or tokenizing, or names the renderer binds, are refused.
-        for key, value in (("tokenize", False), ("return_dict", False), ("chat_template", "{{ 7*7 }}"), ("bos_token", "x"),
-                           ("raise_exception", 1), ("padding", True)):
-            response = await post(gateway, "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {key: value}})
+        for key, value in (
+            ("tokenize", False),
+            ("return_dict", False),
+            ("chat_template", "{{ 7*7 }}"),
+            ("bos_token", "x"),
+            ("raise_exception", 1),
+            ("padding", True),
+        ):
+            response = await post(
+                gateway, "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {key: value}}
+            )
             assert_error(response, 400, f"chat_template_kwargs.{key}")
-        assert_error(await post(gateway, "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": "x"}}),
-                     400, "chat_template_kwargs.tools")
-        assert_error(await post(gateway, "/v1/chat/completions",
-                                {"messages": CHAT, "chat_template_kwargs": {"continue_final_message": "yes"}}),
-                     400, "chat_template_kwargs.continue_final_message")
+        assert_error(
+            await post(gateway, "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": "x"}}),
+            400,
+            "chat_template_kwargs.tools",
+        )
+        assert_error(
+            await post(
+                gateway,
+                "/v1/chat/completions",
+                {"messages": CHAT, "chat_template_kwargs": {"continue_final_message": "yes"}},
+            ),
+            400,
+            "chat_template_kwargs.continue_final_message",
+        )
         # The template's own error (raise_exception) is the client's to fix.
         misplaced = [*CHAT, {"role": "system", "content": "late"}]
         error = assert_error(await post(gateway, "/v1/chat/completions", {"messages": misplaced}), 400, "messages")
         assert "the system message must come first" in str(error["message"])
         # A chat completion through the template still runs.
-        response = await post(gateway, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "ignore_eos": True,
-                                                                 "chat_template_kwargs": {"enable_thinking": True}})
+        response = await post(
+            gateway,
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_tokens": 4, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": True}},
+        )
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4, response.text
         assert gateway.service.num_pending == 0
 
@@ -190,7 +250,10 @@ def test_chat_template_kwargs(model: Path, instances: tuple[Service, Service]) -
 
 def test_a_slow_chat_template_times_out_off_the_event_loop(model: Path, instances: tuple[Service, Service]) -> None:
     async def scenario(gateway: InProcessGateway) -> None:
-        body = {"messages": CHAT, "chat_template_kwargs": {"slow_loops": 20_000}}  # 20 million Jinja loop turns: about 3 s
+        body = {
+            "messages": CHAT,
+            "chat_template_kwargs": {"slow_loops": 20_000},
+        }  # 20 million Jinja loop turns: about 3 s
         started = time.monotonic()
         slow = asyncio.create_task(post(gateway, "/v1/chat/completions", body))
         await asyncio.sleep(0.1)
@@ -206,7 +269,7 @@ def test_a_slow_chat_template_times_out_off_the_event_loop(model: Path, instance
     run_inprocess(instances, model, scenario, LIMITS)
 
 
-def _failing_dispatch(num_tokens: int):  # noqa: ANN202 - an async generator function
+def _failing_dispatch(num_tokens: int):
     """Stands in for the dispatcher: streams a few tokens, then fails as a bug would."""
 
     async def generate(request: DispatchRequest) -> AsyncIterator[TokenEvent]:
@@ -217,7 +280,9 @@ def _failing_dispatch(num_tokens: int):  # noqa: ANN202 - an async generator fun
     return generate
 
 
-def test_an_unexpected_failure_mid_stream_ends_with_an_error_event(model: Path, instances: tuple[Service, Service]) -> None:
+def test_an_unexpected_failure_mid_stream_ends_with_an_error_event(
+    model: Path, instances: tuple[Service, Service]
+) -> None:
     async def scenario(gateway: InProcessGateway) -> None:
         gateway.service.dispatcher.generate = _failing_dispatch(3)  # type: ignore[method-assign]
         response = await post(gateway, "/v1/completions", {**GOOD, "stream": True})
@@ -233,7 +298,9 @@ def test_an_unexpected_failure_mid_stream_ends_with_an_error_event(model: Path, 
         assert gateway.service.num_pending == 0
         # gRPC: INTERNAL with the same message, after the tokens that made it.
         stub = generation_pb2_grpc.GenerationStub(gateway.grpc_channel)
-        call = stub.Generate(generation_pb2.GenerateRequest(text="hello", sampling=generation_pb2.SamplingParams(max_tokens=8)))
+        call = stub.Generate(
+            generation_pb2.GenerateRequest(text="hello", sampling=generation_pb2.SamplingParams(max_tokens=8))
+        )
         received = []
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             async for response_message in call:
@@ -250,7 +317,9 @@ def test_grpc_refuses_non_finite_floats_and_disabled_priority(model: Path, insta
         stub = generation_pb2_grpc.GenerationStub(gateway.grpc_channel)
         for request in (
             generation_pb2.GenerateRequest(text="hi", sampling=generation_pb2.SamplingParams(temperature=float("inf"))),
-            generation_pb2.GenerateRequest(text="hi", sampling=generation_pb2.SamplingParams(repetition_penalty=float("nan"))),
+            generation_pb2.GenerateRequest(
+                text="hi", sampling=generation_pb2.SamplingParams(repetition_penalty=float("nan"))
+            ),
             generation_pb2.GenerateRequest(text="hi", priority=3),
             generation_pb2.GenerateRequest(text="x" * 2001),
             generation_pb2.GenerateRequest(text="hi", sampling=generation_pb2.SamplingParams(stop=["a"] * 5)),

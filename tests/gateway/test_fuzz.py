@@ -43,7 +43,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stack(model: Path, instances: tuple[Service, Service]) -> Iterator[tuple[HTTPProcess, Service, Service]]:
     prefill, decode = instances
-    with running_gateway(model, *routes(prefill, decode), "--max-model-len", str(MAX_MODEL_LEN), "--max-pending-requests", "8") as gateway:
+    with running_gateway(
+        model, *routes(prefill, decode), "--max-model-len", str(MAX_MODEL_LEN), "--max-pending-requests", "8"
+    ) as gateway:
         yield gateway, prefill, decode
 
 

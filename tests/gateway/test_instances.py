@@ -7,24 +7,40 @@ import time
 from collections.abc import Callable
 
 import pytest
-from splitserve.v1 import disaggregation_pb2
 
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s
 from gateway.instances import InstancePool
 from gateway.prefix_index import PromptBlocks
+from splitserve.v1 import disaggregation_pb2
 
-FINGERPRINT = disaggregation_pb2.Fingerprint(model="m", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16)
-OTHER = disaggregation_pb2.Fingerprint(model="other", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16)
+FINGERPRINT = disaggregation_pb2.Fingerprint(
+    model="m", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16
+)
+OTHER = disaggregation_pb2.Fingerprint(
+    model="other", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16
+)
 
 
-def report(role: str, waiting: int = 0, running: int = 0, fingerprint: disaggregation_pb2.Fingerprint = FINGERPRINT, max_model_len: int = 2048):
+def report(
+    role: str,
+    waiting: int = 0,
+    running: int = 0,
+    fingerprint: disaggregation_pb2.Fingerprint = FINGERPRINT,
+    max_model_len: int = 2048,
+):
     return disaggregation_pb2.LoadReport(
-        instance_id=f"{role}-{waiting}-{running}", role=role, num_waiting=waiting, num_running=running,
-        fingerprint=fingerprint, max_model_len=max_model_len,
+        instance_id=f"{role}-{waiting}-{running}",
+        role=role,
+        num_waiting=waiting,
+        num_running=running,
+        fingerprint=fingerprint,
+        max_model_len=max_model_len,
     )
 
 
-def with_pool(test: Callable[[InstancePool], None], stale_after_s: float = 5.0, limits: AdmissionLimits | None = None) -> None:
+def with_pool(
+    test: Callable[[InstancePool], None], stale_after_s: float = 5.0, limits: AdmissionLimits | None = None
+) -> None:
     """grpc.aio channels need a running loop; the pool itself is synchronous."""
 
     async def body() -> None:
@@ -217,7 +233,9 @@ def test_admission_limits_are_checked() -> None:
 def test_kv_routing_weighs_the_cached_prefix_against_queued_work() -> None:
     prompt = PromptBlocks(list(range(1024)))
     chain = prompt.chain(16)
-    stored = disaggregation_pb2.KVEvents(epoch=1, last_seq=1, snapshot=True, block_size=16, stored=[h.to_bytes(16, "little") for h in chain[:60]])
+    stored = disaggregation_pb2.KVEvents(
+        epoch=1, last_seq=1, snapshot=True, block_size=16, stored=[h.to_bytes(16, "little") for h in chain[:60]]
+    )
     empty = disaggregation_pb2.KVEvents(epoch=1, last_seq=1, snapshot=True, block_size=16)
 
     def check(pool: InstancePool) -> None:
@@ -252,8 +270,17 @@ def test_kv_routing_sends_decode_where_the_prompt_needs_fewest_new_blocks() -> N
             message = report("decode", running=1)
             message.num_free_blocks, message.num_total_blocks = 40, 64
             pool.record_report(address, message, serving=True)
-            pool.index.apply(address, disaggregation_pb2.KVEvents(
-                epoch=1, last_seq=1, snapshot=True, block_size=16, stored=[h.to_bytes(16, "little") for h in chain[:hits]]), 64)
+            pool.index.apply(
+                address,
+                disaggregation_pb2.KVEvents(
+                    epoch=1,
+                    last_seq=1,
+                    snapshot=True,
+                    block_size=16,
+                    stored=[h.to_bytes(16, "little") for h in chain[:hits]],
+                ),
+                64,
+            )
         # d:1: 1 + 4 * 20 / 40 = 3; d:2: 1 + 0
         assert pool.pick("decode", num_prompt_tokens=320, prompt=prompt).address == "d:2"
         assert pool.instances["d:2"].charged_tokens == 0
@@ -264,7 +291,11 @@ def test_kv_routing_sends_decode_where_the_prompt_needs_fewest_new_blocks() -> N
 def test_kv_routing_puts_a_prompt_cached_nowhere_where_it_evicts_least() -> None:
     prompt = PromptBlocks(list(range(1024)))  # 64 blocks
     full = disaggregation_pb2.KVEvents(
-        epoch=1, last_seq=1, snapshot=True, block_size=16, stored=[(10_000 + i).to_bytes(16, "little") for i in range(100)]
+        epoch=1,
+        last_seq=1,
+        snapshot=True,
+        block_size=16,
+        stored=[(10_000 + i).to_bytes(16, "little") for i in range(100)],
     )
     empty = disaggregation_pb2.KVEvents(epoch=1, last_seq=1, snapshot=True, block_size=16)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.checkpoints import make_checkpoint
 from tests.gateway.processes import HTTPProcess, routes, running_gateway
 from tests.services.client import GREEDY, assert_all_free
@@ -32,8 +32,14 @@ VOCAB = range(3, 300)  # ids the tiny tokenizer knows, past its special tokens
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Wider than the other tests' model: a long prompt's prefill takes a good part of a second,
     # so a burst really queues (with the tiny one each prefill is over before the next arrives).
-    return make_checkpoint(tmp_path_factory.mktemp("llama"), hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                           num_attention_heads=8, num_key_value_heads=4)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("llama"),
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +60,11 @@ def _prompt(seed: int, num_tokens: int) -> list[int]:
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}, timeout=120)
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
+        timeout=120,
+    )
 
 
 def _routed(gateway: HTTPProcess) -> dict[str, float]:
@@ -66,7 +76,7 @@ def _routed(gateway: HTTPProcess) -> dict[str, float]:
 
 def _healthy(gateway: HTTPProcess, address: str) -> bool:
     text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-    found = re.search(r'splitserve_instance_healthy\{[^}]*address="%s"[^}]*\} (\S+)' % re.escape(address), text)
+    found = re.search(rf'splitserve_instance_healthy\{{[^}}]*address="{re.escape(address)}"[^}}]*\}} (\S+)', text)
     return found is not None and float(found[1]) == 1.0
 
 
@@ -92,8 +102,11 @@ def test_a_shared_prefix_lands_on_the_instance_that_holds_it(model: Path, cluste
     holder = prefills[1]  # the one load routing would not pick first among equals
     system = _prompt(100, 512)
     warm = disaggregation_pb2_grpc.PrefillStub(holder.channel).Prefill(
-        disaggregation_pb2.PrefillRequest(request_id="warm", prompt_token_ids=system + [7], sampling=GREEDY), timeout=30)
-    disaggregation_pb2_grpc.PrefillStub(holder.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="warm"), timeout=10)
+        disaggregation_pb2.PrefillRequest(request_id="warm", prompt_token_ids=system + [7], sampling=GREEDY), timeout=30
+    )
+    disaggregation_pb2_grpc.PrefillStub(holder.channel).ReleaseKV(
+        disaggregation_pb2.RequestRef(request_id="warm"), timeout=10
+    )
     assert warm.HasField("kv")
     with running_gateway(model, *routes(*prefills, *decodes), "--routing", "kv") as gateway:
         time.sleep(0.5)  # a KV event poll or two

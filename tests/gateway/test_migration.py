@@ -25,15 +25,26 @@ pytest.importorskip("ucxx")
 
 logger = logging.getLogger(__name__)
 
-BODY = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "logprobs": 0}
+BODY = {
+    "prompt": "Once upon a time, in a land far away,",
+    "max_tokens": 300,
+    "ignore_eos": True,
+    "temperature": 0,
+    "logprobs": 0,
+}
 
 
-def _stream_killing(gateway: HTTPProcess, decodes: list[Service], after_chunks: int) -> tuple[list[dict[str, object]], Service]:
+def _stream_killing(
+    gateway: HTTPProcess, decodes: list[Service], after_chunks: int
+) -> tuple[list[dict[str, object]], Service]:
     """Stream BODY, SIGKILL the decode instance serving it once ``after_chunks`` chunks arrived;
     return every chunk of the stream and the surviving instance."""
     chunks: list[dict[str, object]] = []
     survivor = None
-    with httpx.Client(timeout=120) as client, client.stream("POST", f"{gateway.url}/v1/completions", json={**BODY, "stream": True}) as response:
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{gateway.url}/v1/completions", json={**BODY, "stream": True}) as response,
+    ):
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line.startswith("data: {"):
@@ -62,7 +73,9 @@ def two_decodes(model: Path) -> Iterator[list[Service]]:
 
 def _text_and_tokens(chunks: list[dict[str, object]]) -> tuple[str, list[str]]:
     choices = [chunk["choices"][0] for chunk in chunks if chunk.get("choices")]
-    return "".join(c["text"] for c in choices), [t for c in choices if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+    return "".join(c["text"] for c in choices), [
+        t for c in choices if c.get("logprobs") for t in c["logprobs"]["tokens"]
+    ]
 
 
 def _migrations(gateway: HTTPProcess) -> dict[str, float]:
@@ -70,7 +83,9 @@ def _migrations(gateway: HTTPProcess) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r'splitserve_migrations_total\{outcome="(\w+)"\} (\S+)', text)}
 
 
-def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupted_run(model: Path, prefill: Service) -> None:
+def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupted_run(
+    model: Path, prefill: Service
+) -> None:
     with two_decodes(model) as decodes:
         with running_gateway(model, *routes(prefill, *decodes)) as gateway:
             uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]

@@ -12,10 +12,10 @@ import grpc
 import httpx
 import openai
 import pytest
-from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 from engine import LLM, SamplingParams
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.gateway.processes import HTTPProcess
 from tests.stores import free_port
 
@@ -33,8 +33,19 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def stack() -> Iterator[HTTPProcess]:
     port, grpc_port = free_port(), free_port()
     up = HTTPProcess(
-        "up", "up", "--port", str(port), "--grpc-port", str(grpc_port), "--api-key", API_KEY,
-        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(64 << 20), port=port,
+        "up",
+        "up",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory",
+        str(64 << 20),
+        port=port,
     )
     up.grpc_port = grpc_port  # type: ignore[attr-defined]
     try:
@@ -93,21 +104,32 @@ def test_completion_equals_offline_engine(client: openai.OpenAI, offline: LLM, p
 
 def test_streamed_completion_equals_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.generate([PROMPTS[1]], greedy())[0]
-    chunks = list(client.completions.create(
-        model=DEFAULT_MODEL_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            prompt=PROMPTS[1],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.outputs[0].finish_reason
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None
-    assert (usage.prompt_tokens, usage.completion_tokens) == (len(expected.prompt_token_ids), len(expected.outputs[0].token_ids))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        len(expected.prompt_token_ids),
+        len(expected.outputs[0].token_ids),
+    )
 
 
 def test_chat_equals_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.chat(CHAT, greedy())
-    response = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    response = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0
+    )
     assert response.object == "chat.completion"
     message = response.choices[0].message
     assert message.role == "assistant" and message.content == expected.outputs[0].text
@@ -118,10 +140,16 @@ def test_chat_equals_offline_engine(client: openai.OpenAI, offline: LLM) -> None
 
 def test_streamed_chat_equals_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.chat(CHAT, greedy())
-    chunks = list(client.chat.completions.create(
-        model=DEFAULT_MODEL_NAME, messages=CHAT, max_completion_tokens=MAX_TOKENS, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            messages=CHAT,
+            max_completion_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.outputs[0].text
@@ -131,21 +159,27 @@ def test_streamed_chat_equals_offline_engine(client: openai.OpenAI, offline: LLM
 def test_stop_string_ends_the_text(client: openai.OpenAI, offline: LLM) -> None:
     full = offline.generate([PROMPTS[1]], greedy())[0].outputs[0].text
     stop = full.strip()[3:5]  # two characters from inside the greedy text
-    response = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    response = client.completions.create(
+        model=DEFAULT_MODEL_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.text == full[: full.index(stop)]
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
-    response = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
+    response = client.completions.create(
+        model=DEFAULT_MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2
+    )
     logprobs = response.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
     assert "".join(logprobs.tokens) == response.choices[0].text
     # Greedy: the sampled token is the most likely one.
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-4) and token in top
-    chat = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(entry.top_logprobs) == 3 for entry in content)
 
@@ -191,20 +225,32 @@ def test_unauthorized(stack: HTTPProcess) -> None:
 def test_bad_requests_get_400(stack: HTTPProcess, client: openai.OpenAI) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     url = f"{stack.url}/v1/completions"
-    too_long = _error(httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hello " * 600}), 400)
+    too_long = _error(
+        httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hello " * 600}), 400
+    )
     assert too_long["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in str(too_long["message"])
-    too_many = _error(httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "max_tokens": 1000}), 400)
+    too_many = _error(
+        httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "max_tokens": 1000}), 400
+    )
     assert too_many["param"] == "max_tokens"
-    bad_value = _error(httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "temperature": -1}), 400)
+    bad_value = _error(
+        httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "temperature": -1}), 400
+    )
     assert bad_value["param"] == "temperature"
-    wrong_type = _error(httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "max_tokens": "many"}), 400)
+    wrong_type = _error(
+        httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "max_tokens": "many"}), 400
+    )
     assert wrong_type["param"] == "max_tokens"
-    malformed = _error(httpx.post(url, headers={**headers, "Content-Type": "application/json"}, content=b'{"prompt": "hi"'), 400)
+    malformed = _error(
+        httpx.post(url, headers={**headers, "Content-Type": "application/json"}, content=b'{"prompt": "hi"'), 400
+    )
     assert "JSON" in str(malformed["message"])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CHAT, n=2)
     # Unknown fields are accepted (and logged), as benchmark tools send them.
-    ok = httpx.post(url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "max_tokens": 2, "some_tool_field": 1})
+    ok = httpx.post(
+        url, headers=headers, json={"model": DEFAULT_MODEL_NAME, "prompt": "hi", "max_tokens": 2, "some_tool_field": 1}
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -222,12 +268,24 @@ def test_tokenize_detokenize_and_metrics(stack: HTTPProcess, offline: LLM) -> No
     text = httpx.post(f"{stack.url}/detokenize", headers=headers, json={"tokens": tokens["tokens"]}).json()
     assert text["prompt"] == PROMPTS[0]
     chat = httpx.post(f"{stack.url}/tokenize", headers=headers, json={"messages": CHAT}).json()
-    assert chat["tokens"] == offline.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert (
+        chat["tokens"]
+        == offline.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
     metrics = httpx.get(f"{stack.url}/metrics").text
-    for name in ("splitserve_time_to_first_token_seconds_count", "splitserve_inter_token_latency_seconds_count",
-                 "splitserve_e2e_request_latency_seconds_count", "splitserve_request_queue_time_seconds_count",
-                 'splitserve_requests_total{status="length"}', "splitserve_generation_tokens_total",
-                 "splitserve_kv_transfer_bytes_total", 'splitserve_instance_num_running{', "splitserve_instance_prefix_cache_hit_rate{"):
+    for name in (
+        "splitserve_time_to_first_token_seconds_count",
+        "splitserve_inter_token_latency_seconds_count",
+        "splitserve_e2e_request_latency_seconds_count",
+        "splitserve_request_queue_time_seconds_count",
+        'splitserve_requests_total{status="length"}',
+        "splitserve_generation_tokens_total",
+        "splitserve_kv_transfer_bytes_total",
+        "splitserve_instance_num_running{",
+        "splitserve_instance_prefix_cache_hit_rate{",
+    ):
         assert name in metrics, name
 
 
@@ -238,7 +296,9 @@ def test_several_prompts_in_one_request(client: openai.OpenAI, offline: LLM) -> 
     assert [c.text for c in response.choices] == [e.outputs[0].text for e in expected]
     assert response.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
     streamed = ["", ""]
-    for chunk in client.completions.create(model=DEFAULT_MODEL_NAME, prompt=PROMPTS, max_tokens=8, temperature=0, stream=True):
+    for chunk in client.completions.create(
+        model=DEFAULT_MODEL_NAME, prompt=PROMPTS, max_tokens=8, temperature=0, stream=True
+    ):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == [c.text for c in response.choices]
@@ -248,14 +308,15 @@ def test_instances_only_answer_this_runs_secret(stack: HTTPProcess) -> None:
     """``splitserve up`` made a cluster secret for this run and gave it to every child through
     its environment, never its command line (which other local users can read): the instances
     refuse calls without it."""
-    from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
-
     from cluster.auth import METADATA_KEY, ClusterSecret
+    from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
     secrets = set()
     for pid in child_pids(stack.process.pid):
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+        environ = dict(
+            item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+        )
         secret = environ[b"SPLITSERVE_CLUSTER_SECRET"].decode()
         secrets.add(secret)
         assert not any(secret in arg.decode() for arg in argv) and b"--cluster-secret" not in argv
@@ -267,7 +328,12 @@ def test_instances_only_answer_this_runs_secret(stack: HTTPProcess) -> None:
             stub.GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=10)
         assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
         token = ClusterSecret.from_text(secret).call_token
-        assert stub.GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=10, metadata=[(METADATA_KEY, token)]).num_total_blocks > 0
+        assert (
+            stub.GetLoadReport(
+                disaggregation_pb2.LoadReportRequest(), timeout=10, metadata=[(METADATA_KEY, token)]
+            ).num_total_blocks
+            > 0
+        )
     assert len(secrets) == 1 and len(next(iter(secrets))) >= 32, "one strong secret, the same for the whole run"
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.engine.test_parity import random_prompts
 from tests.gateway.processes import finish_stream, routes, running_gateway, stream_until
 from tests.services.client import assert_all_free
@@ -58,7 +58,9 @@ def completion(prompt: list[int], max_tokens: int, stream: bool = False) -> dict
 def open_stream(url: str, body: dict[str, object]) -> tuple[httpx.Client, httpx.Response, dict[str, object]]:
     """A streaming completion and its first event; the rest is left in ``response.lines``."""
     client = httpx.Client(timeout=120)
-    response = client.send(client.build_request("POST", f"{url}/v1/completions", json={**body, "stream": True}), stream=True)
+    response = client.send(
+        client.build_request("POST", f"{url}/v1/completions", json={**body, "stream": True}), stream=True
+    )
     assert response.status_code == 200
     response.lines = response.iter_lines()  # type: ignore[attr-defined]
     first = next(line for line in response.lines if line.startswith("data: {"))  # type: ignore[attr-defined]
@@ -101,20 +103,30 @@ def test_max_queue_delay_refuses_at_once_with_retry_after(long_model: Path, pref
     with running_gateway(long_model, *routes(prefill, decode), "--max-queue-delay", "0.5") as gateway:
         # P's warm-up and one long prefill measure its rate; then each long prompt is seconds of P's time.
         assert metric(gateway.url, "splitserve_instance_prefill_tokens_per_second") > 0
-        assert httpx.post(f"{gateway.url}/v1/completions", json=completion(prompts[0], 1), timeout=120).status_code == 200
+        assert (
+            httpx.post(f"{gateway.url}/v1/completions", json=completion(prompts[0], 1), timeout=120).status_code == 200
+        )
         deadline = time.monotonic() + 10
-        while metric(gateway.url, "splitserve_instance_pending_prefill_tokens") > 0:  # a report taken mid-prefill says so
+        while (
+            metric(gateway.url, "splitserve_instance_pending_prefill_tokens") > 0
+        ):  # a report taken mid-prefill says so
             assert time.monotonic() < deadline
             time.sleep(0.1)
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(
-                lambda prompt: httpx.post(f"{gateway.url}/v1/completions", json=completion(prompt, 1), timeout=120), prompts[1:]
-            ))
+            answers = list(
+                pool.map(
+                    lambda prompt: httpx.post(f"{gateway.url}/v1/completions", json=completion(prompt, 1), timeout=120),
+                    prompts[1:],
+                )
+            )
         refused = [a for a in answers if a.status_code == 429]
-        assert 1 <= len(answers) - len(refused) and len(refused) >= 2, [a.status_code for a in answers]
+        assert len(answers) - len(refused) >= 1 and len(refused) >= 2, [a.status_code for a in answers]
         assert all(a.status_code in (200, 429) for a in answers)
         for answer in refused:
-            assert answer.json()["error"]["code"] == "overloaded" and "--max-queue-delay" in answer.json()["error"]["message"]
+            assert (
+                answer.json()["error"]["code"] == "overloaded"
+                and "--max-queue-delay" in answer.json()["error"]["message"]
+            )
             assert int(answer.headers["retry-after"]) >= 1
         assert metric(gateway.url, "splitserve_requests_rejected_total") == len(refused)
     assert_all_free(prefill, decode)

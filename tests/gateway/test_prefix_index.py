@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import time
 
-from splitserve.v1 import disaggregation_pb2
-
 from engine.kv_cache_utils import extend_block_hashes
 from gateway.prefix_index import PrefixIndex, PromptBlocks
+from splitserve.v1 import disaggregation_pb2
 
 
 def _raw(hashes: list[int]) -> list[bytes]:
@@ -16,7 +15,14 @@ def _raw(hashes: list[int]) -> list[bytes]:
 
 
 def _events(stored: list[int], removed: list[int] = (), snapshot: bool = False, epoch: int = 7, last_seq: int = 1):
-    return disaggregation_pb2.KVEvents(epoch=epoch, last_seq=last_seq, snapshot=snapshot, stored=_raw(stored), removed=_raw(list(removed)), block_size=4)
+    return disaggregation_pb2.KVEvents(
+        epoch=epoch,
+        last_seq=last_seq,
+        snapshot=snapshot,
+        stored=_raw(stored),
+        removed=_raw(list(removed)),
+        block_size=4,
+    )
 
 
 def test_the_chain_is_the_engines_with_the_salt() -> None:

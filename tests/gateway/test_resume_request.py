@@ -4,9 +4,8 @@ total stays what the client asked."""
 
 from __future__ import annotations
 
-from splitserve.v1 import generation_pb2
-
 from gateway.dispatch import DispatchRequest, resume_request
+from splitserve.v1 import generation_pb2
 
 
 def _request(**sampling: object) -> DispatchRequest:

@@ -38,18 +38,21 @@ def _complete(url: str, body: dict[str, object]) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def test_load_spreads_over_two_decode_instances(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
+def test_load_spreads_over_two_decode_instances(
+    model: Path, prefill: Service, decodes: tuple[Service, Service]
+) -> None:
     before = [d.load().kv_transfers for d in decodes]
-    with running_gateway(model, *routes(prefill, *decodes)) as gateway:
-        with ThreadPoolExecutor(8) as pool:
-            responses = list(pool.map(lambda _: _complete(gateway.url, {**SHORT, "max_tokens": 48}), range(8)))
+    with running_gateway(model, *routes(prefill, *decodes)) as gateway, ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: _complete(gateway.url, {**SHORT, "max_tokens": 48}), range(8)))
     assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48 for r in responses)
     served = [d.load().kv_transfers - b for d, b in zip(decodes, before, strict=True)]
     assert sum(served) == 8 and min(served) >= 2, f"decode instances served {served}"
     assert_all_free(prefill, *decodes)
 
 
-def test_client_disconnect_frees_blocks_at_once(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
+def test_client_disconnect_frees_blocks_at_once(
+    model: Path, prefill: Service, decodes: tuple[Service, Service]
+) -> None:
     with running_gateway(model, *routes(prefill, *decodes)) as gateway:
         client, response = stream_until(gateway.url, LONG, num_chunks=3)
         assert sum(d.load().num_running for d in decodes) == 1
@@ -71,7 +74,9 @@ def test_killed_decode_instance_loses_no_request(model: Path, prefill: Service) 
         try:
             # Slow polling: the gateway still believes the victim healthy when requests reach it,
             # so the hand-off itself must fail over to the survivor.
-            with running_gateway(model, *routes(prefill, victim, survivor), "--poll-interval", "5", "--stale-after", "60") as gateway:
+            with running_gateway(
+                model, *routes(prefill, victim, survivor), "--poll-interval", "5", "--stale-after", "60"
+            ) as gateway:
                 streams = [stream_until(gateway.url, LONG, num_chunks=2) for _ in range(4)]
                 assert victim.load().num_running >= 1 and survivor.load().num_running >= 1
                 victim.stop(signal.SIGKILL)
@@ -117,7 +122,10 @@ def test_no_healthy_instance_gets_503(model: Path) -> None:
 
 def test_mismatched_fingerprints_are_never_paired(tmp_path: Path, model: Path, prefill: Service) -> None:
     other = make_checkpoint(tmp_path / "other", seed=1)
-    with running("decode", other) as decode, running_gateway(model, *routes(prefill, decode), ready_path="/health") as gateway:
+    with (
+        running("decode", other) as decode,
+        running_gateway(model, *routes(prefill, decode), ready_path="/health") as gateway,
+    ):
         time.sleep(0.5)  # a poll or two
         assert httpx.get(f"{gateway.url}/ready").status_code == 503
         assert _complete(gateway.url, SHORT).status_code == 503
@@ -138,15 +146,21 @@ def test_instances_found_through_redis(model: Path, redis_url: str) -> None:
         assert_all_free(prefill)
 
 
-def test_colocated_instance_gives_the_disaggregated_text(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
+def test_colocated_instance_gives_the_disaggregated_text(
+    model: Path, prefill: Service, decodes: tuple[Service, Service]
+) -> None:
     body = {**SHORT, "max_tokens": 40, "logprobs": 1}
     with running_gateway(model, *routes(prefill, *decodes)) as gateway:
         disaggregated = _complete(gateway.url, body).json()
     with running("colocated", model) as colocated, running_gateway(model, "--colocated", colocated.address) as gateway:
         answer = _complete(gateway.url, body).json()
-        streamed = [json.loads(line.removeprefix("data: ")) for line in
-                    httpx.post(f"{gateway.url}/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
-                    if line.startswith("data: {")]
+        streamed = [
+            json.loads(line.removeprefix("data: "))
+            for line in httpx.post(
+                f"{gateway.url}/v1/completions", json={**body, "stream": True}, timeout=60
+            ).text.splitlines()
+            if line.startswith("data: {")
+        ]
         assert_all_free(colocated)
     assert answer["choices"][0]["text"] == disaggregated["choices"][0]["text"]
     assert answer["choices"][0]["logprobs"]["tokens"] == disaggregated["choices"][0]["logprobs"]["tokens"]
@@ -157,7 +171,10 @@ def test_colocated_instance_gives_the_disaggregated_text(model: Path, prefill: S
 def test_first_token_streams_before_decode_starts(model: Path, prefill: Service) -> None:
     # A decode instance that runs one request at a time: the second request's first token
     # (from prefill) must reach the client while decode is still busy with the first.
-    with running("decode", model, "--max-num-seqs", "1") as decode, running_gateway(model, *routes(prefill, decode)) as gateway:
+    with (
+        running("decode", model, "--max-num-seqs", "1") as decode,
+        running_gateway(model, *routes(prefill, decode)) as gateway,
+    ):
         busy_client, busy = stream_until(gateway.url, {**LONG, "max_tokens": 900}, num_chunks=2)
         client = httpx.Client(timeout=120)
         with client.stream("POST", f"{gateway.url}/v1/completions", json={**SHORT, "stream": True}) as response:
@@ -167,7 +184,9 @@ def test_first_token_streams_before_decode_starts(model: Path, prefill: Service)
             # The Decode call may still be on its way; once it lands it must queue behind the first request.
             while (report := decode.load()).num_waiting == 0 and time.monotonic() - first_at < 2.0:
                 time.sleep(0.02)
-            assert (report.num_running, report.num_waiting) == (1, 1), "decode should still be busy with the first request"
+            assert (report.num_running, report.num_waiting) == (1, 1), (
+                "decode should still be busy with the first request"
+            )
             next(chunks)
             assert time.monotonic() - first_at > 0.5  # the rest came only once decode was free
         client.close()

@@ -13,9 +13,9 @@ import sys
 os.environ["LMCACHE_TRACK_USAGE"] = "false"
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-import torch  # noqa: E402
+import torch
 
-from kv_connector.fingerprint import Fingerprint  # noqa: E402
+from kv_connector.fingerprint import Fingerprint
 
 SHAPE = (12, 2, 2, 16, 2, 8)  # blocks, layers, K/V, block_size, kv_heads, head_dim (block-major)
 CHUNK_SIZE = 32  # two blocks per LMCache chunk, so chunk and block edges differ
@@ -24,7 +24,14 @@ PUBLISHED_BLOCKS = [5, 2, 9, 7]
 
 
 def fingerprint(model: str = "tiny-0123") -> Fingerprint:
-    return Fingerprint(model=model, dtype="bfloat16", block_size=SHAPE[3], num_layers=SHAPE[1], num_kv_heads=SHAPE[4], head_dim=SHAPE[5])
+    return Fingerprint(
+        model=model,
+        dtype="bfloat16",
+        block_size=SHAPE[3],
+        num_layers=SHAPE[1],
+        num_kv_heads=SHAPE[4],
+        head_dim=SHAPE[5],
+    )
 
 
 def seeded_cache(seed: int) -> torch.Tensor:

@@ -24,10 +24,10 @@ with warnings.catch_warnings():  # lmcache's opentelemetry import warns about it
     pytest.importorskip("lmcache")
     from kv_connector.lmcache_connector import LMCacheConnector, key_model_name
 
-from kv_connector.base import KVSource, KVTransferError  # noqa: E402
-from kv_connector.registry import make_connector  # noqa: E402
-from tests.stores import LMCACHE_ENV, free_port, start_lm_server, start_redis, stop  # noqa: E402
-from tests.kv_connector.lmcache_peer import CHUNK_SIZE, PROMPT, PUBLISHED_BLOCKS, SHAPE, fingerprint, seeded_cache  # noqa: E402
+from kv_connector.base import KVSource, KVTransferError
+from kv_connector.registry import make_connector
+from tests.kv_connector.lmcache_peer import CHUNK_SIZE, PROMPT, PUBLISHED_BLOCKS, SHAPE, fingerprint, seeded_cache
+from tests.stores import LMCACHE_ENV, free_port, start_lm_server, start_redis, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER_ENV = LMCACHE_ENV
@@ -49,7 +49,11 @@ def prefill_peer(url: str) -> Iterator[None]:
     """A prefill process (seed 7) that has published PROMPT's KV into the store at ``url``."""
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.kv_connector.lmcache_peer", "--url", url, "--seed", "7"],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=PEER_ENV,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=PEER_ENV,
     )
     try:
         assert process.stdout.readline().strip() == "published"
@@ -79,12 +83,24 @@ def store(request: pytest.FixtureRequest) -> str:
 
 def source(tokens: list[int] = PROMPT, model: str = "tiny-0123", address: str = "") -> KVSource:
     return KVSource(
-        request_id="r", address=address, block_ids=tuple(PUBLISHED_BLOCKS), num_tokens=len(tokens),
-        fingerprint=fingerprint(model), token_ids=tuple(tokens),
+        request_id="r",
+        address=address,
+        block_ids=tuple(PUBLISHED_BLOCKS),
+        num_tokens=len(tokens),
+        fingerprint=fingerprint(model),
+        token_ids=tuple(tokens),
     )
 
 
-def pull(cache: torch.Tensor, url: str, src: KVSource, local_blocks: list[int], num_local_hit_blocks: int = 0, model: str = "tiny-0123", timeout_s: float = 10.0):
+def pull(
+    cache: torch.Tensor,
+    url: str,
+    src: KVSource,
+    local_blocks: list[int],
+    num_local_hit_blocks: int = 0,
+    model: str = "tiny-0123",
+    timeout_s: float = 10.0,
+):
     async def run():
         connector = LMCacheConnector(cache, fingerprint(model), remote_url=url, chunk_size=CHUNK_SIZE)
         await connector.start("127.0.0.1", 0)
@@ -111,7 +127,9 @@ def test_pull_copies_the_prompt_into_other_blocks(store: str) -> None:
     assert not local[untouched].any()
 
 
-@pytest.mark.parametrize("num_local_hit_blocks", [1, 2, 3])  # inside a chunk, on a chunk edge, the partial block's chunk
+@pytest.mark.parametrize(
+    "num_local_hit_blocks", [1, 2, 3]
+)  # inside a chunk, on a chunk edge, the partial block's chunk
 def test_local_prefix_hits_are_not_pulled(redis_store: str, num_local_hit_blocks: int) -> None:
     remote = seeded_cache(7)
     local = torch.zeros(SHAPE, dtype=torch.bfloat16)
@@ -130,7 +148,9 @@ def test_fingerprint_mismatch_is_refused(redis_store: str) -> None:
     with pytest.raises(KVTransferError, match="model: decode has 'tiny-9999', prefill has 'tiny-0123'"):
         pull(local, redis_store, source(), [0, 1, 2, 3], model="tiny-9999")
     # ...and when the handle claims what P is not, P's KV is under other keys: only a miss.
-    with pytest.raises(KVTransferError, match=f"no KV for tokens 0..59 of 'r' under {key_model_name(fingerprint('tiny-9999'))}"):
+    with pytest.raises(
+        KVTransferError, match=f"no KV for tokens 0..59 of 'r' under {key_model_name(fingerprint('tiny-9999'))}"
+    ):
         pull(local, redis_store, source(model="tiny-9999"), [0, 1, 2, 3], model="tiny-9999")
     assert not local.any()
 
@@ -154,7 +174,9 @@ def test_source_without_token_ids_is_refused(redis_url: str) -> None:
 
 
 def test_unreachable_store_fails_fast() -> None:
-    connector = LMCacheConnector(torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=f"redis://127.0.0.1:{free_port()}")
+    connector = LMCacheConnector(
+        torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=f"redis://127.0.0.1:{free_port()}"
+    )
     started = time.monotonic()
     with pytest.raises(KVTransferError, match="is unreachable: ConnectionRefusedError"):
         asyncio.run(connector.start("127.0.0.1", 0))
@@ -166,8 +188,12 @@ def test_store_that_goes_away(caplog: pytest.LogCaptureFixture) -> None:
     process, url = start_redis()
 
     async def run() -> None:
-        prefill = LMCacheConnector(seeded_cache(7), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE, publish_timeout_s=2.0)
-        decode = LMCacheConnector(torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE)
+        prefill = LMCacheConnector(
+            seeded_cache(7), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE, publish_timeout_s=2.0
+        )
+        decode = LMCacheConnector(
+            torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE
+        )
         await prefill.start("127.0.0.1", 0)
         await decode.start("127.0.0.1", 0)
         stop(process)
@@ -206,7 +232,9 @@ def test_a_password_protected_store_serves_members_and_refuses_others(capfd: pyt
             with pytest.raises(KVTransferError, match="refused our credentials.*redis://:PASSWORD@HOST:PORT") as raised:
                 asyncio.run(connector.start("127.0.0.1", 0))
             assert "guess" not in str(raised.value)
-        assert LMCacheConnector(torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=url).shown_url == url.replace(password, "***")
+        assert LMCacheConnector(
+            torch.zeros(SHAPE, dtype=torch.bfloat16), fingerprint(), remote_url=url
+        ).shown_url == url.replace(password, "***")
         output = capfd.readouterr()
         assert password not in output.out + output.err
     finally:
@@ -216,7 +244,10 @@ def test_a_password_protected_store_serves_members_and_refuses_others(capfd: pyt
 def test_configuration_errors_say_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
     monkeypatch.delenv("SPLITSERVE_LMCACHE_URL", raising=False)
-    with pytest.raises(ValueError, match=r"set SPLITSERVE_LMCACHE_URL=redis://\[USER:PASSWORD@\]HOST:PORT, rediss://\.\.\. or lm://HOST:PORT"):
+    with pytest.raises(
+        ValueError,
+        match=r"set SPLITSERVE_LMCACHE_URL=redis://\[USER:PASSWORD@\]HOST:PORT, rediss://\.\.\. or lm://HOST:PORT",
+    ):
         LMCacheConnector(cache, fingerprint())
     with pytest.raises(ValueError, match="chunk_size 24 must be a multiple of the block size 16"):
         LMCacheConnector(cache, fingerprint(), remote_url="redis://127.0.0.1:6379", chunk_size=24)
@@ -229,8 +260,17 @@ def test_configuration_errors_say_the_fix(monkeypatch: pytest.MonkeyPatch) -> No
 def test_keys_tell_every_fingerprint_field_apart() -> None:
     base = fingerprint()
     names = {key_model_name(base)}
-    for change in ({"dtype": "float16"}, {"block_size": 32}, {"num_layers": 3}, {"num_kv_heads": 4}, {"head_dim": 16}, {"tensor_parallel_size": 2}):
+    for change in (
+        {"dtype": "float16"},
+        {"block_size": 32},
+        {"num_layers": 3},
+        {"num_kv_heads": 4},
+        {"head_dim": 16},
+        {"tensor_parallel_size": 2},
+    ):
         names.add(key_model_name(type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, **change})))
     assert len(names) == 7
-    odd = key_model_name(type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "model": "a@b%c d/" + "x" * 100}))
+    odd = key_model_name(
+        type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "model": "a@b%c d/" + "x" * 100})
+    )
     assert "@" not in odd and "%" not in odd and " " not in odd and len(odd) <= 81

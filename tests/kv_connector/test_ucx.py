@@ -19,10 +19,10 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from kv_connector.base import KVSource, KVTransferError  # noqa: E402
-from kv_connector.ucx import SETTLE_S, UCXConnector  # noqa: E402
-from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop  # noqa: E402
-from kv_connector.ucx_messages import (  # noqa: E402
+from kv_connector.base import KVSource, KVTransferError
+from kv_connector.ucx import SETTLE_S, UCXConnector
+from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop
+from kv_connector.ucx_messages import (
     consecutive_runs_error,
     header_buffer,
     message_spans,
@@ -30,8 +30,8 @@ from kv_connector.ucx_messages import (  # noqa: E402
     recv_header,
     send_header,
 )
-from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_request, encode  # noqa: E402
-from tests.kv_connector.ucx_peer import (  # noqa: E402
+from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_request, encode
+from tests.kv_connector.ucx_peer import (
     GUARDED_BLOCKS,
     GUARDED_TOKEN,
     PUBLISHED_BLOCKS,
@@ -74,7 +74,11 @@ def running_peer(*args: str, seed: int = 7) -> Iterator[Peer]:
     """A prefill-side connector process (``tests.kv_connector.ucx_peer``), stopped afterwards."""
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.kv_connector.ucx_peer", "--seed", str(seed), *args],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **UCX_ENV},
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **UCX_ENV},
     )
     peer = Peer("", process)
     try:
@@ -118,7 +122,7 @@ def answer(request: PullRequest) -> PullReply:
     connector = UCXConnector(seeded_cache(7), fingerprint())
     connector.publish("r", PUBLISHED_BLOCKS, token_ids=[])
     connector.publish("run", RUN_BLOCKS, token_ids=[])
-    reply, _ = connector._answer(encode(request))  # noqa: SLF001 - the validation on its own
+    reply, _ = connector._answer(encode(request))
     return reply
 
 
@@ -135,12 +139,16 @@ def test_a_connector_on_a_loopback_host_keeps_ucx_data_lanes_on_lo(monkeypatch: 
 
 def test_prefill_side_checks_the_message_plan() -> None:
     ok = answer(PullRequest("run", RUN_BLOCKS, fingerprint(), message_blocks=[2, 2]))
-    assert ok.ok and ok.shape == list(SHAPE[1:]) and ok.num_bytes == 4 * torch.zeros(SHAPE[1:], dtype=torch.bfloat16).nbytes
+    assert (
+        ok.ok
+        and ok.shape == list(SHAPE[1:])
+        and ok.num_bytes == 4 * torch.zeros(SHAPE[1:], dtype=torch.bfloat16).nbytes
+    )
     split = answer(PullRequest("r", PUBLISHED_BLOCKS, fingerprint(), message_blocks=[2, 2]))
     assert not split.ok and split.error == "bad message plan: message 0 names blocks [5, 2], which are not consecutive"
     short = answer(PullRequest("run", RUN_BLOCKS, fingerprint(), message_blocks=[3]))
     assert not short.ok and "messages of 3 blocks in all for 4 blocks" in short.error
-    malformed = UCXConnector(seeded_cache(7), fingerprint())._answer(b'{"version": 2, "request_id": "run"}')[0]  # noqa: SLF001
+    malformed = UCXConnector(seeded_cache(7), fingerprint())._answer(b'{"version": 2, "request_id": "run"}')[0]
     assert not malformed.ok and malformed.error.startswith("bad pull request:")
 
 
@@ -191,23 +199,36 @@ def test_wire_refuses_message_plans_that_are_not_positive_counts() -> None:
 
 
 def source(
-    address: str, request_id: str = "r", blocks: list[int] = PUBLISHED_BLOCKS, model: str = "tiny-0123", pull_token: bytes = b""
+    address: str,
+    request_id: str = "r",
+    blocks: list[int] = PUBLISHED_BLOCKS,
+    model: str = "tiny-0123",
+    pull_token: bytes = b"",
 ) -> KVSource:
     return KVSource(
-        request_id=request_id, address=address, block_ids=tuple(blocks), num_tokens=60, fingerprint=fingerprint(model), pull_token=pull_token
+        request_id=request_id,
+        address=address,
+        block_ids=tuple(blocks),
+        num_tokens=60,
+        fingerprint=fingerprint(model),
+        pull_token=pull_token,
     )
 
 
-def decode_connector(cache: torch.Tensor, model: str = "tiny-0123", max_message_blocks: int | None = None) -> UCXConnector:
+def decode_connector(
+    cache: torch.Tensor, model: str = "tiny-0123", max_message_blocks: int | None = None
+) -> UCXConnector:
     return UCXConnector(cache, fingerprint(model), max_message_blocks=max_message_blocks)
 
 
-def run(scenario) -> object:  # noqa: ANN001 - an async function taking no arguments
+def run(scenario) -> object:
     os.environ.update(UCX_ENV)
     return asyncio.run(scenario())
 
 
-def pull(cache: torch.Tensor, src: KVSource, local_blocks: list[int], num_local_hit_blocks: int = 0, model: str = "tiny-0123"):
+def pull(
+    cache: torch.Tensor, src: KVSource, local_blocks: list[int], num_local_hit_blocks: int = 0, model: str = "tiny-0123"
+):
     async def scenario():
         connector = decode_connector(cache, model)
         try:
@@ -244,7 +265,9 @@ def test_blocks_consecutive_on_both_sides_travel_as_one_message() -> None:
             local = empty_cache()
             sent_before = running.state().messages_sent
 
-            async def scenario(local: torch.Tensor = local, blocks: list[int] = local_blocks, cap: int | None = max_message_blocks):
+            async def scenario(
+                local: torch.Tensor = local, blocks: list[int] = local_blocks, cap: int | None = max_message_blocks
+            ):
                 connector = decode_connector(local, max_message_blocks=cap)
                 try:
                     return await connector.pull(source(running.address, "run", RUN_BLOCKS), blocks, 0, timeout_s=10.0)
@@ -370,7 +393,7 @@ def test_oversized_header_closes_only_that_connection(peer: str) -> None:
         endpoint = await ucxx.create_endpoint(host, int(port))
         try:
             await endpoint.send(np.array([1 << 40], dtype=np.uint64))  # a header size the peer must not allocate
-            with pytest.raises(Exception):  # noqa: B017, PT011 - the peer closes the connection; ucxx names it variously
+            with pytest.raises(Exception):  # noqa: B017 - the peer closes the connection; ucxx names it variously
                 await asyncio.wait_for(endpoint.recv(np.empty(8, dtype=np.uint8)), 10.0)
         finally:
             await endpoint.close()
@@ -429,7 +452,9 @@ def test_unpublish_cuts_off_a_pull_reading_the_blocks() -> None:
         async def scenario() -> None:
             connector = decode_connector(local)
             try:
-                pulling = asyncio.ensure_future(connector.pull(source(running.address, "slow", SLOW_BLOCKS), [0, 1, 2, 3], 0, timeout_s=20.0))
+                pulling = asyncio.ensure_future(
+                    connector.pull(source(running.address, "slow", SLOW_BLOCKS), [0, 1, 2, 3], 0, timeout_s=20.0)
+                )
                 while not local[3].any():  # the last message landed: only the held-back one is outstanding
                     await asyncio.sleep(0.01)
                 started = time.monotonic()

@@ -44,7 +44,14 @@ class PeerState:
 
 
 def fingerprint(model: str = "tiny-0123") -> Fingerprint:
-    return Fingerprint(model=model, dtype="bfloat16", block_size=SHAPE[3], num_layers=SHAPE[1], num_kv_heads=SHAPE[4], head_dim=SHAPE[5])
+    return Fingerprint(
+        model=model,
+        dtype="bfloat16",
+        block_size=SHAPE[3],
+        num_layers=SHAPE[1],
+        num_kv_heads=SHAPE[4],
+        head_dim=SHAPE[5],
+    )
 
 
 def seeded_cache(seed: int) -> torch.Tensor:
@@ -54,13 +61,13 @@ def seeded_cache(seed: int) -> torch.Tensor:
 class StallingConnector(UCXConnector):
     """Counts the messages it sends, and holds back the ``stall_at``-th for ``stall_s`` seconds."""
 
-    def __init__(self, *args, stall_at: int, stall_s: float, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, stall_at: int, stall_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._stall_at = stall_at
         self._stall_s = stall_s
         self.num_sends = 0
 
-    def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:  # noqa: ANN001
+    def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:
         self.num_sends += 1
         if self.num_sends != self._stall_at:
             return super()._send(endpoint, blocks, tag)
@@ -83,7 +90,11 @@ class StallingConnector(UCXConnector):
 async def serve(args: argparse.Namespace) -> None:
     cache = seeded_cache(args.seed)
     connector = StallingConnector(
-        cache, fingerprint(args.model), stall_at=args.stall_at_send, stall_s=args.stall_seconds, idle_timeout_s=args.idle_timeout
+        cache,
+        fingerprint(args.model),
+        stall_at=args.stall_at_send,
+        stall_s=args.stall_seconds,
+        idle_timeout_s=args.idle_timeout,
     )
     address = await connector.start("127.0.0.1", args.port)
     for name, blocks in (("r", PUBLISHED_BLOCKS), ("slow", SLOW_BLOCKS), ("run", RUN_BLOCKS)):
@@ -119,6 +130,13 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--stall-at-send", type=int, default=0, help="0: never stall")
     parser.add_argument("--stall-seconds", type=float, default=0.0)
-    parser.add_argument("--drain-seconds", type=float, default=0.0, help="wait up to this long for open connections to end before reporting")
-    parser.add_argument("--idle-timeout", type=float, default=60.0, help="close connections that carried no pull for this long")
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=0.0,
+        help="wait up to this long for open connections to end before reporting",
+    )
+    parser.add_argument(
+        "--idle-timeout", type=float, default=60.0, help="close connections that carried no pull for this long"
+    )
     asyncio.run(serve(parser.parse_args()))

@@ -34,7 +34,10 @@ def test_messages_round_trip() -> None:
 
     handle = disaggregation_pb2.KVHandle(block_ids=[3, 1, 2], num_tokens=40, pull_token=b"\x01" * 16)
     request = disaggregation_pb2.DecodeRequest(
-        request_id="r", prompt_token_ids=[1, 2], first_token_id=7, kv=handle,
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        first_token_id=7,
+        kv=handle,
         sampling=generation_pb2.SamplingParams(temperature=0.0, max_tokens=8),
     )
     parsed = disaggregation_pb2.DecodeRequest.FromString(request.SerializeToString())

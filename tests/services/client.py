@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 from engine import LLM, SamplingParams
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 from tests.services.processes import Service
 
 MAX_TOKENS = 8
@@ -24,7 +24,9 @@ def run_prefill(
     prefill: Service, request_id: str, prompt: list[int], sampling: generation_pb2.SamplingParams = GREEDY
 ) -> disaggregation_pb2.PrefillResponse:
     stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
-    return stub.Prefill(disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=30)
+    return stub.Prefill(
+        disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=30
+    )
 
 
 def run_decode(
@@ -36,9 +38,19 @@ def run_decode(
     sampling: generation_pb2.SamplingParams = GREEDY,
 ) -> tuple[list[int], list[disaggregation_pb2.DecodeResponse]]:
     stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
-    responses = list(stub.Decode(disaggregation_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=prompt, first_token_id=prefilled.first_token_id,
-        sampling=sampling, kv=prefilled.kv, allow_recompute=allow_recompute), timeout=60))
+    responses = list(
+        stub.Decode(
+            disaggregation_pb2.DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                first_token_id=prefilled.first_token_id,
+                sampling=sampling,
+                kv=prefilled.kv,
+                allow_recompute=allow_recompute,
+            ),
+            timeout=60,
+        )
+    )
     tokens = [prefilled.first_token_id] + [t for r in responses for t in r.token_ids]
     return tokens, responses
 

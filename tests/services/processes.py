@@ -14,9 +14,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from cluster.auth import METADATA_KEY, ClusterSecret
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.stores import free_port, stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,18 +30,26 @@ class _CallToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
         self._metadata = (METADATA_KEY, ClusterSecret.from_text(secret).call_token)
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _Details(details.method, details.timeout, [*(details.metadata or ()), self._metadata], details.credentials,
-                        details.wait_for_ready, details.compression)
+        return _Details(
+            details.method,
+            details.timeout,
+            [*(details.metadata or ()), self._metadata],
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
+    def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
 
-    def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
+    def intercept_unary_stream(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
 
 
 class _Details(
-    collections.namedtuple("_Details", ["method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"]),
+    collections.namedtuple(
+        "_Details", ["method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"]
+    ),
     grpc.ClientCallDetails,
 ):
     pass
@@ -55,7 +63,12 @@ def open_channel(address: str, secret: str | None = None, tls: grpc.ChannelCrede
 
 class Service:
     def __init__(
-        self, role: str, model: Path, *extra: str, secret: str | None = None, tls: grpc.ChannelCredentials | None = None,
+        self,
+        role: str,
+        model: Path,
+        *extra: str,
+        secret: str | None = None,
+        tls: grpc.ChannelCredentials | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         """``secret``: the instance's cluster secret (passed in its environment, as ``splitserve up``
@@ -67,9 +80,23 @@ class Service:
         self.log = open(f"/tmp/splitserve-test-{role}-{self.port}.log", "w")  # noqa: SIM115 - closed in stop()
         secret_env = {"SPLITSERVE_CLUSTER_SECRET": secret} if secret is not None else {}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", role, "--model", str(model), "--port", str(self.port),
-             "--kv-cache-memory", str(1 << 22), *extra],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **SERVICE_ENV, **secret_env, **(env or {})},
+            [
+                sys.executable,
+                "-m",
+                "engine.cli",
+                role,
+                "--model",
+                str(model),
+                "--port",
+                str(self.port),
+                "--kv-cache-memory",
+                str(1 << 22),
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SERVICE_ENV, **secret_env, **(env or {})},
         )
         self.channel = open_channel(self.address, secret, tls)
         self._wait_until_serving()
@@ -79,9 +106,14 @@ class Service:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"service exited with {self.process.returncode}: {Path(self.log.name).read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"service exited with {self.process.returncode}: {Path(self.log.name).read_text()[-3000:]}"
+                )
             try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 time.sleep(0.2)
@@ -89,7 +121,9 @@ class Service:
         raise TimeoutError(f"service on {self.address} not serving after {timeout_s} s")
 
     def load(self) -> disaggregation_pb2.LoadReport:
-        return disaggregation_pb2_grpc.LoadStub(self.channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=5.0)
+        return disaggregation_pb2_grpc.LoadStub(self.channel).GetLoadReport(
+            disaggregation_pb2.LoadReportRequest(), timeout=5.0
+        )
 
     def wait_all_free(self, timeout_s: float = 3.0) -> disaggregation_pb2.LoadReport:
         deadline = time.monotonic() + timeout_s
@@ -108,7 +142,11 @@ class Service:
 
 @contextmanager
 def running(
-    role: str, model: Path, *extra: str, secret: str | None = None, tls: grpc.ChannelCredentials | None = None,
+    role: str,
+    model: Path,
+    *extra: str,
+    secret: str | None = None,
+    tls: grpc.ChannelCredentials | None = None,
     env: dict[str, str] | None = None,
 ) -> Iterator[Service]:
     service = Service(role, model, *extra, secret=secret, tls=tls, env=env)

@@ -29,7 +29,14 @@ class CountingConnector(UCXConnector):
 
 
 async def main(fingerprint: Fingerprint, request_id: str, num_blocks: int) -> None:
-    shape = (NUM_CACHE_BLOCKS, fingerprint.num_layers, 2, fingerprint.block_size, fingerprint.num_kv_heads, fingerprint.head_dim)
+    shape = (
+        NUM_CACHE_BLOCKS,
+        fingerprint.num_layers,
+        2,
+        fingerprint.block_size,
+        fingerprint.num_kv_heads,
+        fingerprint.head_dim,
+    )
     cache = torch.full(shape, POISON, dtype=getattr(torch, fingerprint.dtype))
     connector = CountingConnector(cache, fingerprint)
     print(await connector.start("127.0.0.1", 0), flush=True)

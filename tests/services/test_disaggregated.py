@@ -11,17 +11,25 @@ from pathlib import Path
 
 import grpc
 import pytest
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 from engine import LLM
 from engine.kv_cache_utils import cdiv
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_parity import random_prompts
-from tests.services.client import GREEDY, assert_all_free, assert_altered_handle_refused, expected_tokens, run_decode, run_prefill
+from tests.services.client import (
+    GREEDY,
+    assert_all_free,
+    assert_altered_handle_refused,
+    expected_tokens,
+    run_decode,
+    run_prefill,
+)
 from tests.services.processes import Service, running
 from tests.stores import free_port
 
 pytest.importorskip("ucxx")
+
 
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -55,7 +63,9 @@ def test_disaggregated_output_equals_colocated(prefill: Service, decode: Service
     assert report.kv_transfers >= 5 and report.kv_transfer_bytes > 0
 
 
-def test_structured_output_equals_colocated_token_for_token(model: Path, prefill: Service, decode: Service, colocated: LLM) -> None:
+def test_structured_output_equals_colocated_token_for_token(
+    model: Path, prefill: Service, decode: Service, colocated: LLM
+) -> None:
     """P samples the first token under the grammar, D rebuilds the matcher over it and goes on:
     greedy, the tokens are the colocated engine's, and the text parses or matches."""
     from transformers import PreTrainedTokenizerFast
@@ -67,7 +77,11 @@ def test_structured_output_equals_colocated_token_for_token(model: Path, prefill
     formats = [
         generation_pb2.SamplingParams(temperature=0.0, max_tokens=100, json_schema=json.dumps(PERSON)),
         generation_pb2.SamplingParams(temperature=0.0, max_tokens=100, regex=REGEX),
-        generation_pb2.SamplingParams(temperature=0.0, max_tokens=100, json_schema=json.dumps({"type": "array", "items": {"enum": [1, 22, 333]}, "minItems": 2, "maxItems": 4})),
+        generation_pb2.SamplingParams(
+            temperature=0.0,
+            max_tokens=100,
+            json_schema=json.dumps({"type": "array", "items": {"enum": [1, 22, 333]}, "minItems": 2, "maxItems": 4}),
+        ),
     ]
     for index, prompt in enumerate(random_prompts([5, 17, 30, 9, 40, 12], seed=24)):
         sampling = formats[index % len(formats)]
@@ -102,13 +116,17 @@ def test_unreleased_kv_is_freed_at_lease_expiry(prefill: Service) -> None:
     assert report.num_total_blocks - report.num_free_blocks == 3
     time.sleep(5.5)  # the fixture's lease is 5 s: long enough for every other test's pull on a slow machine
     assert_all_free(prefill)
-    released = disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="lease"))
+    released = disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(
+        disaggregation_pb2.RequestRef(request_id="lease")
+    )
     assert not released.released  # exactly once: the lease already freed them
 
 
 def test_abort_frees_pinned_blocks(prefill: Service) -> None:
     run_prefill(prefill, "abort-pinned", random_prompts([40], seed=25)[0])
-    found = disaggregation_pb2_grpc.PrefillStub(prefill.channel).Abort(disaggregation_pb2.RequestRef(request_id="abort-pinned"))
+    found = disaggregation_pb2_grpc.PrefillStub(prefill.channel).Abort(
+        disaggregation_pb2.RequestRef(request_id="abort-pinned")
+    )
     assert found.found
     assert_all_free(prefill)
 
@@ -118,8 +136,15 @@ def test_client_leaving_mid_decode_frees_both_sides(prefill: Service, decode: Se
     prefilled = run_prefill(prefill, "leave", prompt)
     stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
     long_run = generation_pb2.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
-    call = stub.Decode(disaggregation_pb2.DecodeRequest(
-        request_id="leave", prompt_token_ids=prompt, first_token_id=prefilled.first_token_id, sampling=long_run, kv=prefilled.kv))
+    call = stub.Decode(
+        disaggregation_pb2.DecodeRequest(
+            request_id="leave",
+            prompt_token_ids=prompt,
+            first_token_id=prefilled.first_token_id,
+            sampling=long_run,
+            kv=prefilled.kv,
+        )
+    )
     next(call)
     call.cancel()
     assert_all_free(prefill, decode)
@@ -169,7 +194,9 @@ def test_unreachable_peer_with_fail_policy_is_a_clear_error(model: Path, prefill
     assert_all_free(prefill)  # D still released P's blocks
 
 
-def test_mismatched_fingerprints_refuse_to_pair(other_model: Path, prefill: Service, decode: Service, colocated: LLM) -> None:
+def test_mismatched_fingerprints_refuse_to_pair(
+    other_model: Path, prefill: Service, decode: Service, colocated: LLM
+) -> None:
     prompt = random_prompts([20], seed=29)[0]
     with running("decode", other_model) as stranger:
         prefilled = run_prefill(prefill, "stranger", prompt)
@@ -187,14 +214,25 @@ def test_mismatched_fingerprints_refuse_to_pair(other_model: Path, prefill: Serv
 @pytest.mark.parametrize(
     ("field", "alter", "message"),
     [
-        ("connector", lambda kv: setattr(kv, "connector", "lmcache"),
-         "the KV handle is for the 'lmcache' connector; this decode instance uses 'ucx'"),
-        ("num_tokens", lambda kv: setattr(kv, "num_tokens", kv.num_tokens - 1),
-         "the KV handle holds the KV of 19 tokens; this call's prompt has 20"),
+        (
+            "connector",
+            lambda kv: setattr(kv, "connector", "lmcache"),
+            "the KV handle is for the 'lmcache' connector; this decode instance uses 'ucx'",
+        ),
+        (
+            "num_tokens",
+            lambda kv: setattr(kv, "num_tokens", kv.num_tokens - 1),
+            "the KV handle holds the KV of 19 tokens; this call's prompt has 20",
+        ),
     ],
 )
 def test_a_handle_decode_cannot_pull_is_refused_before_anything_is_allocated(
-    prefill: Service, decode: Service, colocated: LLM, field: str, alter, message: str  # noqa: ANN001
+    prefill: Service,
+    decode: Service,
+    colocated: LLM,
+    field: str,
+    alter,
+    message: str,
 ) -> None:
     prompt = random_prompts([20], seed=31)[0]
     assert_altered_handle_refused(
@@ -209,8 +247,15 @@ def test_sigterm_drains_in_flight_requests(model: Path, prefill: Service) -> Non
         prefilled = run_prefill(prefill, "drain", prompt)  # once D is up: starting it may take longer than the lease
         stub = disaggregation_pb2_grpc.DecodeStub(service.channel)
         longer = generation_pb2.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        call = stub.Decode(disaggregation_pb2.DecodeRequest(
-            request_id="drain", prompt_token_ids=prompt, first_token_id=prefilled.first_token_id, sampling=longer, kv=prefilled.kv))
+        call = stub.Decode(
+            disaggregation_pb2.DecodeRequest(
+                request_id="drain",
+                prompt_token_ids=prompt,
+                first_token_id=prefilled.first_token_id,
+                sampling=longer,
+                kv=prefilled.kv,
+            )
+        )
         first = next(call)
         service.process.send_signal(signal.SIGTERM)
         rest = list(call)
@@ -225,7 +270,9 @@ def test_sigterm_drains_in_flight_requests(model: Path, prefill: Service) -> Non
 def test_first_token_that_finishes_pins_nothing(prefill: Service) -> None:
     stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
     one = generation_pb2.SamplingParams(temperature=0.0, max_tokens=1)
-    response = stub.Prefill(disaggregation_pb2.PrefillRequest(request_id="one", prompt_token_ids=[5, 6, 7], sampling=one))
+    response = stub.Prefill(
+        disaggregation_pb2.PrefillRequest(request_id="one", prompt_token_ids=[5, 6, 7], sampling=one)
+    )
     assert response.finish_reason == "length" and not response.HasField("kv")
     assert_all_free(prefill)
 
@@ -233,8 +280,11 @@ def test_first_token_that_finishes_pins_nothing(prefill: Service) -> None:
 def test_bad_sampling_parameters_are_invalid_argument(prefill: Service) -> None:
     stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
     with pytest.raises(grpc.RpcError) as raised:
-        stub.Prefill(disaggregation_pb2.PrefillRequest(
-            request_id="bad", prompt_token_ids=[5], sampling=generation_pb2.SamplingParams(top_p=1.5)))
+        stub.Prefill(
+            disaggregation_pb2.PrefillRequest(
+                request_id="bad", prompt_token_ids=[5], sampling=generation_pb2.SamplingParams(top_p=1.5)
+            )
+        )
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in raised.value.details()
     with pytest.raises(grpc.RpcError) as raised:
         stub.Prefill(disaggregation_pb2.PrefillRequest(request_id="empty", prompt_token_ids=[], sampling=GREEDY))

@@ -25,7 +25,9 @@ def services(model: Path, redis_url: str) -> Iterator[tuple[Service, Service]]:
         yield prefill, decode
 
 
-def test_lmcache_output_equals_colocated_and_reuses_local_prefixes(services: tuple[Service, Service], colocated: LLM) -> None:
+def test_lmcache_output_equals_colocated_and_reuses_local_prefixes(
+    services: tuple[Service, Service], colocated: LLM
+) -> None:
     prefill, decode = services
     shared = random_prompts([32], seed=41)[0]
     prompts = random_prompts([5, 16, 33, 70], seed=40) + [shared + suffix for suffix in random_prompts([9, 9], seed=42)]

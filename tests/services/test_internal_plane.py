@@ -19,13 +19,20 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 from engine import LLM
 from engine.kv_cache_utils import cdiv
 from serving.convert import fingerprint_from_proto
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.engine.test_parity import random_prompts
-from tests.services.client import GREEDY, assert_all_free, assert_altered_handle_refused, expected_tokens, run_decode, run_prefill
+from tests.services.client import (
+    GREEDY,
+    assert_all_free,
+    assert_altered_handle_refused,
+    expected_tokens,
+    run_decode,
+    run_prefill,
+)
 from tests.services.processes import ROOT, SERVICE_ENV, Service, open_channel, running
 
 pytest.importorskip("ucxx")
@@ -51,11 +58,16 @@ def outsider_calls(service: Service) -> dict[str, object]:
     channel = open_channel(service.address)
     prefill, decode = disaggregation_pb2_grpc.PrefillStub(channel), disaggregation_pb2_grpc.DecodeStub(channel)
     ref = disaggregation_pb2.RequestRef(request_id="x")
-    calls = {"GetLoadReport": lambda: disaggregation_pb2_grpc.LoadStub(channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=10)}
+    calls = {
+        "GetLoadReport": lambda: disaggregation_pb2_grpc.LoadStub(channel).GetLoadReport(
+            disaggregation_pb2.LoadReportRequest(), timeout=10
+        )
+    }
     if service.load().role == "prefill":
         calls |= {
             "Prefill": lambda: prefill.Prefill(
-                disaggregation_pb2.PrefillRequest(request_id="x", prompt_token_ids=list(range(40)), sampling=GREEDY), timeout=10
+                disaggregation_pb2.PrefillRequest(request_id="x", prompt_token_ids=list(range(40)), sampling=GREEDY),
+                timeout=10,
             ),
             "ReleaseKV": lambda: prefill.ReleaseKV(ref, timeout=10),
             "RenewKV": lambda: prefill.RenewKV(disaggregation_pb2.RenewKVRequest(request_ids=["x"]), timeout=10),
@@ -63,7 +75,9 @@ def outsider_calls(service: Service) -> dict[str, object]:
         }
     else:
         calls |= {
-            "Decode": lambda: list(decode.Decode(disaggregation_pb2.DecodeRequest(request_id="x", prompt_token_ids=[1]), timeout=10)),
+            "Decode": lambda: list(
+                decode.Decode(disaggregation_pb2.DecodeRequest(request_id="x", prompt_token_ids=[1]), timeout=10)
+            ),
             "Abort": lambda: decode.Abort(ref, timeout=10),
         }
     return calls
@@ -77,7 +91,9 @@ def test_calls_without_the_secret_are_unauthenticated(prefill: Service, decode: 
             assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
             assert "needs the cluster secret" in raised.value.details()
         # Health stays open, for orchestrators.
-        health = health_pb2_grpc.HealthStub(open_channel(service.address)).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        health = health_pb2_grpc.HealthStub(open_channel(service.address)).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert_all_free(prefill, decode)  # the refused Prefill pinned nothing
 
@@ -100,7 +116,11 @@ def rogue_listener(decode: Service, request_id: str, num_blocks: int) -> Iterato
     fingerprint = json.dumps(asdict(fingerprint_from_proto(decode.load().fingerprint)))
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.services.rogue_prefill", fingerprint, request_id, str(num_blocks)],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **SERVICE_ENV},
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **SERVICE_ENV},
     )
     try:
         yield process.stdout.readline().strip(), process
@@ -120,15 +140,28 @@ def forged_handle(decode: Service, address: str, prompt: list[int]) -> disaggreg
     """What a stranger hands D: its own listener, D's (public) fingerprint, the prompt to poison."""
     num_blocks = cdiv(len(prompt), BLOCK_SIZE)
     return disaggregation_pb2.KVHandle(
-        request_id="forged", connector="ucx", connector_address=address,
-        block_ids=list(range(num_blocks)), num_tokens=len(prompt), fingerprint=decode.load().fingerprint, lease_s=30.0,
+        request_id="forged",
+        connector="ucx",
+        connector_address=address,
+        block_ids=list(range(num_blocks)),
+        num_tokens=len(prompt),
+        fingerprint=decode.load().fingerprint,
+        lease_s=30.0,
     )
 
 
-def decode_with(decode: Service, request_id: str, prompt: list[int], handle: disaggregation_pb2.KVHandle) -> list[disaggregation_pb2.DecodeResponse]:
+def decode_with(
+    decode: Service, request_id: str, prompt: list[int], handle: disaggregation_pb2.KVHandle
+) -> list[disaggregation_pb2.DecodeResponse]:
     stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
-    return list(stub.Decode(disaggregation_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=prompt, first_token_id=1, sampling=GREEDY, kv=handle), timeout=60))
+    return list(
+        stub.Decode(
+            disaggregation_pb2.DecodeRequest(
+                request_id=request_id, prompt_token_ids=prompt, first_token_id=1, sampling=GREEDY, kv=handle
+            ),
+            timeout=60,
+        )
+    )
 
 
 def prefix_hits_of(prefill: Service, decode: Service, request_id: str, prompt: list[int]) -> int:
@@ -138,17 +171,23 @@ def prefix_hits_of(prefill: Service, decode: Service, request_id: str, prompt: l
     return responses[0].kv_transfer.num_local_hit_blocks
 
 
-def test_a_forged_handle_is_refused_and_nothing_enters_the_prefix_cache(model: Path, prefill: Service, decode: Service) -> None:
+def test_a_forged_handle_is_refused_and_nothing_enters_the_prefix_cache(
+    model: Path, prefill: Service, decode: Service
+) -> None:
     prompt = random_prompts([40], seed=62)[0]  # two full blocks, the ones a prefix cache keeps
     with rogue_listener(decode, "forged", 3) as (address, rogue):
         # The attack is real: a decode instance without a secret pulls the stranger's KV and caches it.
         with running("decode", model, "--kv-pull-timeout", "5") as open_decode:
             decode_with(open_decode, "forged", prompt, forged_handle(open_decode, address, prompt))
             assert pulls_served(rogue) == 1
-            assert prefix_hits_of(prefill, open_decode, "after-open", prompt) == 2, "the open instance reuses the poisoned blocks"
+            assert prefix_hits_of(prefill, open_decode, "after-open", prompt) == 2, (
+                "the open instance reuses the poisoned blocks"
+            )
             assert_all_free(open_decode)
         # Its release to P was refused (it has no secret): release P's blocks here.
-        disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="after-open"), timeout=10)
+        disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(
+            disaggregation_pb2.RequestRef(request_id="after-open"), timeout=10
+        )
         # With the secret, D refuses the handle before allocating anything, and never pulls.
         refused_before = decode.load().counters.num_kv_handles_refused
         with pytest.raises(grpc.RpcError) as raised:
@@ -170,10 +209,17 @@ def test_a_forged_handle_is_refused_and_nothing_enters_the_prefix_cache(model: P
         ("pull_token", lambda handle: setattr(handle, "pull_token", bytes(16))),
     ],
 )
-def test_an_altered_handle_is_refused(prefill: Service, decode: Service, colocated: LLM, field: str, alter) -> None:  # noqa: ANN001
+def test_an_altered_handle_is_refused(prefill: Service, decode: Service, colocated: LLM, field: str, alter) -> None:
     prompt = random_prompts([40], seed=63)[0]
     assert_altered_handle_refused(
-        prefill, decode, colocated, f"altered-{field}", prompt, alter, grpc.StatusCode.PERMISSION_DENIED, "signature does not match"
+        prefill,
+        decode,
+        colocated,
+        f"altered-{field}",
+        prompt,
+        alter,
+        grpc.StatusCode.PERMISSION_DENIED,
+        "signature does not match",
     )
 
 
@@ -187,7 +233,9 @@ def test_a_handle_is_good_only_for_its_own_prompt(prefill: Service, decode: Serv
     assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "KV of another prompt than the call's prompt_token_ids" in raised.value.details()
     assert_all_free(decode)
-    disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="replayed"), timeout=10)
+    disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(
+        disaggregation_pb2.RequestRef(request_id="replayed"), timeout=10
+    )
     assert_all_free(prefill)
 
 
@@ -219,9 +267,13 @@ def test_mutual_tls_between_members(model: Path, tmp_path: Path, colocated: LLM)
     def flags(name: str) -> list[str]:
         return ["--tls-cert", str(files[name].cert), "--tls-key", str(files[name].key), "--tls-ca", str(ca.ca_path)]
 
-    client = grpc.ssl_channel_credentials(ca.ca_path.read_bytes(), files["client"].key.read_bytes(), files["client"].cert.read_bytes())
-    with running("prefill", model, *flags("prefill"), secret=SECRET, tls=client) as tls_prefill, \
-            running("decode", model, *flags("decode"), secret=SECRET, tls=client) as tls_decode:
+    client = grpc.ssl_channel_credentials(
+        ca.ca_path.read_bytes(), files["client"].key.read_bytes(), files["client"].cert.read_bytes()
+    )
+    with (
+        running("prefill", model, *flags("prefill"), secret=SECRET, tls=client) as tls_prefill,
+        running("decode", model, *flags("decode"), secret=SECRET, tls=client) as tls_decode,
+    ):
         prompt = random_prompts([40], seed=65)[0]
         prefilled = run_prefill(tls_prefill, "tls", prompt)
         tokens, _ = run_decode(tls_decode, "tls", prompt, prefilled)

@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 from engine import LLM, SamplingParams
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 from tests.engine.test_parity import random_prompts
 from tests.services.client import GREEDY, assert_all_free, run_prefill
 from tests.services.processes import Service, running
@@ -53,16 +53,28 @@ def expected_tokens(colocated: LLM, prompt: list[int], max_tokens: int) -> list[
 
 
 def decode_call(
-    decode: Service, request_id: str, prompt: list[int], prefilled: disaggregation_pb2.PrefillResponse,
-    max_tokens: int, allow_recompute: bool = False,
+    decode: Service,
+    request_id: str,
+    prompt: list[int],
+    prefilled: disaggregation_pb2.PrefillResponse,
+    max_tokens: int,
+    allow_recompute: bool = False,
 ) -> grpc.Future:
     sampling = generation_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(disaggregation_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=prompt, first_token_id=prefilled.first_token_id,
-        sampling=sampling, kv=prefilled.kv, allow_recompute=allow_recompute), timeout=120)
+    return disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
+        disaggregation_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            first_token_id=prefilled.first_token_id,
+            sampling=sampling,
+            kv=prefilled.kv,
+            allow_recompute=allow_recompute,
+        ),
+        timeout=120,
+    )
 
 
-def wait_until(condition, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+def wait_until(condition, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -75,22 +87,35 @@ def test_control_calls_answer_while_prefill_is_inside_a_long_step(prefill: Servi
     pinned = run_prefill(prefill, "ctl-pinned", random_prompts([40], seed=40)[0])
     long_prompt = random_prompts([LONG_PROMPT_TOKENS], seed=41)[0]
     with ThreadPoolExecutor(1) as pool:
-        long_prefill = pool.submit(stub.Prefill, disaggregation_pb2.PrefillRequest(
-            request_id="ctl-long", prompt_token_ids=long_prompt, sampling=GREEDY), timeout=120)
-        wait_until(lambda: prefill.load().num_pending_prefill_tokens >= LONG_PROMPT_TOKENS)  # queued: the step starts now
+        long_prefill = pool.submit(
+            stub.Prefill,
+            disaggregation_pb2.PrefillRequest(request_id="ctl-long", prompt_token_ids=long_prompt, sampling=GREEDY),
+            timeout=120,
+        )
+        wait_until(
+            lambda: prefill.load().num_pending_prefill_tokens >= LONG_PROMPT_TOKENS
+        )  # queued: the step starts now
         time.sleep(0.3)
         latencies: dict[str, float] = {}
 
-        def timed(name: str, call):  # noqa: ANN001, ANN202
+        def timed(name: str, call):
             started = time.perf_counter()
             result = call()
             latencies[name] = time.perf_counter() - started
             return result
 
         report = timed("Load", prefill.load)
-        renewed = timed("RenewKV", lambda: stub.RenewKV(disaggregation_pb2.RenewKVRequest(request_ids=["ctl-pinned", "nobody"]), timeout=5))
-        released = timed("ReleaseKV", lambda: stub.ReleaseKV(disaggregation_pb2.RequestRef(request_id="ctl-pinned"), timeout=5))
-        health = timed("Health", lambda: health_pb2_grpc.HealthStub(prefill.channel).Check(health_pb2.HealthCheckRequest(), timeout=5))
+        renewed = timed(
+            "RenewKV",
+            lambda: stub.RenewKV(disaggregation_pb2.RenewKVRequest(request_ids=["ctl-pinned", "nobody"]), timeout=5),
+        )
+        released = timed(
+            "ReleaseKV", lambda: stub.ReleaseKV(disaggregation_pb2.RequestRef(request_id="ctl-pinned"), timeout=5)
+        )
+        health = timed(
+            "Health",
+            lambda: health_pb2_grpc.HealthStub(prefill.channel).Check(health_pb2.HealthCheckRequest(), timeout=5),
+        )
         aborted = timed("Abort", lambda: stub.Abort(disaggregation_pb2.RequestRef(request_id="ctl-long"), timeout=5))
         # Every answer came while the long prefill was still computing: nothing waited for the step.
         assert not long_prefill.done(), f"the prefill step ended before the control calls were answered: {latencies}"
@@ -156,8 +181,12 @@ def test_kv_lost_while_queued_goes_back_to_prefill_and_the_output_is_unchanged(
     assert running_call.running()  # handed back while still queued, not when its turn came
     assert decode.load().counters.num_kv_handbacks == handbacks_before + 1
     running_call.cancel()
-    again = disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(disaggregation_pb2.PrefillRequest(
-        request_id="lost.kv1", prompt_token_ids=queued, sampling=GREEDY, kv_only=True), timeout=60)
+    again = disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(
+        disaggregation_pb2.PrefillRequest(
+            request_id="lost.kv1", prompt_token_ids=queued, sampling=GREEDY, kv_only=True
+        ),
+        timeout=60,
+    )
     assert again.kv.request_id == "lost.kv1" and again.num_cached_tokens >= 48  # P's prefix cache kept the blocks
     again.first_token_id = prefilled.first_token_id  # the token the client already has
     responses = list(decode_call(decode, "lost", queued, again, max_tokens=8))
@@ -170,8 +199,12 @@ def test_kv_lost_while_queued_goes_back_to_prefill_and_the_output_is_unchanged(
 def test_kv_only_prefill_pins_even_when_its_token_would_finish(prefill: Service) -> None:
     stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
     one = generation_pb2.SamplingParams(temperature=0.0, max_tokens=1)
-    response = stub.Prefill(disaggregation_pb2.PrefillRequest(
-        request_id="kv-only", prompt_token_ids=list(range(5, 40)), sampling=one, kv_only=True), timeout=60)
+    response = stub.Prefill(
+        disaggregation_pb2.PrefillRequest(
+            request_id="kv-only", prompt_token_ids=list(range(5, 40)), sampling=one, kv_only=True
+        ),
+        timeout=60,
+    )
     assert not response.finish_reason and response.HasField("kv") and response.kv.lease_s == 2.0
     assert stub.ReleaseKV(disaggregation_pb2.RequestRef(request_id="kv-only")).released
     assert_all_free(prefill)
@@ -186,8 +219,12 @@ def test_a_forced_recompute_on_decode_runs_in_chunks_beside_running_streams(
     chunk = 256
     long_prompt = random_prompts([LONG_PROMPT_TOKENS], seed=44)[0]
     stream_prompt = random_prompts([20], seed=45)[0]
-    with running("decode", long_model, *KV_MEMORY, "--dtype", "float32", "--decode-recompute-chunk", str(chunk)) as decode:
-        stream_call = decode_call(decode, "stream", stream_prompt, run_prefill(prefill, "stream", stream_prompt), max_tokens=3000)
+    with running(
+        "decode", long_model, *KV_MEMORY, "--dtype", "float32", "--decode-recompute-chunk", str(chunk)
+    ) as decode:
+        stream_call = decode_call(
+            decode, "stream", stream_prompt, run_prefill(prefill, "stream", stream_prompt), max_tokens=3000
+        )
         next(stream_call)
         token_times: list[float] = []
 
@@ -203,7 +240,9 @@ def test_a_forced_recompute_on_decode_runs_in_chunks_beside_running_streams(
         reader.start()
         orphan = run_prefill(prefill, "orphan", long_prompt)
         # P lets go of the KV: the pull is refused at once, and recompute is the last resort.
-        disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="orphan"))
+        disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(
+            disaggregation_pb2.RequestRef(request_id="orphan")
+        )
         started = time.monotonic()
         orphan_call = decode_call(decode, "orphan", long_prompt, orphan, max_tokens=4, allow_recompute=True)
         first = next(orphan_call)

@@ -40,7 +40,9 @@ UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0", "UCX_WARN_UNUSED_EN
 @contextmanager
 def started(node: Node, name: str, argv: list[str], env: dict[str, str], logs: Path) -> Iterator[subprocess.Popen]:
     log = open(logs / f"{name}.log", "w")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(node.command(*argv), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    process = subprocess.Popen(
+        node.command(*argv), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+    )
     try:
         yield process
     finally:
@@ -53,7 +55,9 @@ def wait_ready(url: str, processes: dict[str, subprocess.Popen], logs: Path, tim
     while time.monotonic() < deadline:
         for name, process in processes.items():
             if process.poll() is not None:
-                raise AssertionError(f"{name} exited with {process.returncode}:\n{(logs / f'{name}.log').read_text()[-3000:]}")
+                raise AssertionError(
+                    f"{name} exited with {process.returncode}:\n{(logs / f'{name}.log').read_text()[-3000:]}"
+                )
         try:
             reply = httpx.get(f"{url}/ready", timeout=2)
             if reply.status_code == 200:
@@ -85,27 +89,93 @@ def serving(nodes: dict[str, Node], model: Path, scratch: Path, kv_cache_memory:
     # Redis requires a password, as in compose: off loopback it refuses everyone otherwise.
     password = secrets.token_urlsafe(16)
     (scratch / "redis-password").write_text(password + "\n")
-    env = {"SPLITSERVE_CLUSTER_SECRET": secrets.token_urlsafe(32), "SPLITSERVE_REDIS_PASSWORD_FILE": str(scratch / "redis-password"),
-           "PYTHONUNBUFFERED": "1", **UCX_ENV, "UCX_NET_DEVICES": "lo" if nodes["decode"].namespace is None else "eth0"}
+    env = {
+        "SPLITSERVE_CLUSTER_SECRET": secrets.token_urlsafe(32),
+        "SPLITSERVE_REDIS_PASSWORD_FILE": str(scratch / "redis-password"),
+        "PYTHONUNBUFFERED": "1",
+        **UCX_ENV,
+        "UCX_NET_DEVICES": "lo" if nodes["decode"].namespace is None else "eth0",
+    }
     registry = f"redis://{nodes['registry'].address}:{REDIS_PORT}"
     with ExitStack() as stack:
         processes = {
-            "registry": stack.enter_context(started(nodes["registry"], "registry", [
-                "redis-server", "--bind", nodes["registry"].address, "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
-                "--requirepass", password,
-            ], env, scratch)),
+            "registry": stack.enter_context(
+                started(
+                    nodes["registry"],
+                    "registry",
+                    [
+                        "redis-server",
+                        "--bind",
+                        nodes["registry"].address,
+                        "--port",
+                        str(REDIS_PORT),
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--requirepass",
+                        password,
+                    ],
+                    env,
+                    scratch,
+                )
+            ),
         }
         for role in ("prefill", "decode"):
             node, (grpc_port, kv_port) = nodes[role], PORTS[role]
-            processes[role] = stack.enter_context(started(node, role, [
-                sys.executable, "-m", "engine.cli", role, "--model", str(model), "--host", node.address, "--port", str(grpc_port),
-                "--kv-port", str(kv_port), "--registry-url", registry, "--kv-cache-memory", str(kv_cache_memory),
-            ], env, scratch))
+            processes[role] = stack.enter_context(
+                started(
+                    node,
+                    role,
+                    [
+                        sys.executable,
+                        "-m",
+                        "engine.cli",
+                        role,
+                        "--model",
+                        str(model),
+                        "--host",
+                        node.address,
+                        "--port",
+                        str(grpc_port),
+                        "--kv-port",
+                        str(kv_port),
+                        "--registry-url",
+                        registry,
+                        "--kv-cache-memory",
+                        str(kv_cache_memory),
+                    ],
+                    env,
+                    scratch,
+                )
+            )
         gateway = nodes["gateway"]
-        processes["gateway"] = stack.enter_context(started(gateway, "gateway", [
-            sys.executable, "-m", "engine.cli", "gateway", "--model", str(model), "--host", gateway.address, "--port", str(HTTP_PORT),
-            "--grpc-port", "-1", "--registry-url", registry, "--poll-interval", "0.2",
-        ], env, scratch))
+        processes["gateway"] = stack.enter_context(
+            started(
+                gateway,
+                "gateway",
+                [
+                    sys.executable,
+                    "-m",
+                    "engine.cli",
+                    "gateway",
+                    "--model",
+                    str(model),
+                    "--host",
+                    gateway.address,
+                    "--port",
+                    str(HTTP_PORT),
+                    "--grpc-port",
+                    "-1",
+                    "--registry-url",
+                    registry,
+                    "--poll-interval",
+                    "0.2",
+                ],
+                env,
+                scratch,
+            )
+        )
         url = f"http://{gateway.address}:{HTTP_PORT}"
         wait_ready(url, processes, scratch)
         yield url
@@ -143,8 +213,11 @@ def test_requests_pull_kv_across_the_link(cluster: tuple[Network, str, Path]) ->
     network, url, _ = cluster
     prompt = "Once upon a time, in a land far away, there lived a king who had three daughters and"
     for _ in range(3):
-        reply = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0},
-                           timeout=120)
+        reply = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0},
+            timeout=120,
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 8
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -154,7 +227,15 @@ def test_requests_pull_kv_across_the_link(cluster: tuple[Network, str, Path]) ->
     # D's own count, as the gateway last heard it from the registry (a heartbeat a second).
     decode_address = f"{network.nodes['decode'].address}:{PORTS['decode'][0]}"
     deadline = time.monotonic() + 10
-    while metric(httpx.get(f"{url}/metrics", timeout=10).text, "splitserve_instance_kv_transfer_bytes", role="decode", address=decode_address) == 0:
+    while (
+        metric(
+            httpx.get(f"{url}/metrics", timeout=10).text,
+            "splitserve_instance_kv_transfer_bytes",
+            role="decode",
+            address=decode_address,
+        )
+        == 0
+    ):
         assert time.monotonic() < deadline, "D's load reports never counted the pulls"
         time.sleep(0.5)
 
@@ -169,15 +250,25 @@ def pull_times(url: str, prompt_ids: list[int], num_requests: int) -> dict[str, 
         # A salt per request: no prefix-cache hit on D, every block crosses the link.
         httpx.post(f"{url}/v1/completions", json={**body, "cache_salt": f"run-{index}"}, timeout=300).raise_for_status()
     after = httpx.get(f"{url}/metrics", timeout=10).text
-    count = metric(after, "splitserve_kv_transfer_seconds_count") - metric(before, "splitserve_kv_transfer_seconds_count")
+    count = metric(after, "splitserve_kv_transfer_seconds_count") - metric(
+        before, "splitserve_kv_transfer_seconds_count"
+    )
     seconds = metric(after, "splitserve_kv_transfer_seconds_sum") - metric(before, "splitserve_kv_transfer_seconds_sum")
-    num_bytes = metric(after, "splitserve_kv_transfer_bytes_total") - metric(before, "splitserve_kv_transfer_bytes_total")
+    num_bytes = metric(after, "splitserve_kv_transfer_bytes_total") - metric(
+        before, "splitserve_kv_transfer_bytes_total"
+    )
     assert count == num_requests and metric(after, "splitserve_kv_recomputes_total") == 0
-    return {"pulls": count, "mib_per_pull": num_bytes / count / 2**20, "ms_per_pull": 1000 * seconds / count,
-            "gbit_per_s": 8 * num_bytes / seconds / 1e9}
+    return {
+        "pulls": count,
+        "mib_per_pull": num_bytes / count / 2**20,
+        "ms_per_pull": 1000 * seconds / count,
+        "gbit_per_s": 8 * num_bytes / seconds / 1e9,
+    }
 
 
-@pytest.mark.skipif(not os.environ.get("SPLITSERVE_NETNS_BENCH"), reason="a measurement: SPLITSERVE_NETNS_BENCH=results.json runs it")
+@pytest.mark.skipif(
+    not os.environ.get("SPLITSERVE_NETNS_BENCH"), reason="a measurement: SPLITSERVE_NETNS_BENCH=results.json runs it"
+)
 def test_measure_pulls_across_the_link_beside_loopback(tmp_path: Path) -> None:
     """docs/benchmarks.md: the embedded SmolLM2-135M (float32 KV), prompts of 256 and 1024
     tokens, the same pulls with the parts as separate nodes and on loopback (UCX on TCP both)."""
@@ -193,5 +284,7 @@ def test_measure_pulls_across_the_link_beside_loopback(tmp_path: Path) -> None:
             nodes = stack.enter_context(separate_nodes(PARTS)).nodes if setup == "separate nodes" else loopback
             url = stack.enter_context(serving(nodes, model, scratch, kv_cache_memory=512 << 20))
             for num_tokens in (256, 1024):
-                results[f"{setup}, {num_tokens} tokens"] = pull_times(url, [(7 * i) % 40000 + 100 for i in range(num_tokens)], 10)
+                results[f"{setup}, {num_tokens} tokens"] = pull_times(
+                    url, [(7 * i) % 40000 + 100 for i in range(num_tokens)], 10
+                )
     Path(os.environ["SPLITSERVE_NETNS_BENCH"]).write_text(json.dumps(results, indent=2) + "\n")

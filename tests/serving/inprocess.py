@@ -9,10 +9,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from splitserve.v1 import generation_pb2_grpc
-
 from serving import colocated
 from serving.instance import Instance, serve
+from splitserve.v1 import generation_pb2_grpc
 
 
 def colocated_instance(model: Path, *argv: str) -> tuple[argparse.Namespace, Instance]:
@@ -30,10 +29,15 @@ async def serving(instance: Instance, args: argparse.Namespace) -> AsyncIterator
     servicer = colocated.ColocatedServicer(instance)
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(
-        instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
-        ready=ready.set_result, stop=stop,
-    ))
+    task = asyncio.create_task(
+        serve(
+            instance,
+            args,
+            lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+            ready=ready.set_result,
+            stop=stop,
+        )
+    )
     await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         await task  # it stopped before serving: raises why

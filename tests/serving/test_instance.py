@@ -10,16 +10,18 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from engine.engine_core import EngineCore
 from gateway.discovery import StaticDiscovery
 from gateway.instances import InstancePool
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.checkpoints import make_checkpoint
 from tests.serving.inprocess import colocated_instance, serving
 
 
-def test_an_instance_whose_engine_died_answers_not_serving_and_gets_no_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_instance_whose_engine_died_answers_not_serving_and_gets_no_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     args, instance = colocated_instance(make_checkpoint(tmp_path))
 
     def broken_step(self: EngineCore) -> None:  # as a kernel that raises would
@@ -35,7 +37,9 @@ def test_an_instance_whose_engine_died_answers_not_serving_and_gets_no_requests(
                 await discovery.poll_once()
                 assert pool.is_ready(), "healthy until the engine dies"
                 request = generation_pb2.GenerateRequest(
-                    request_id="r", token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]), sampling=generation_pb2.SamplingParams(max_tokens=4)
+                    request_id="r",
+                    token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]),
+                    sampling=generation_pb2.SamplingParams(max_tokens=4),
                 )
                 with pytest.raises(grpc.aio.AioRpcError):
                     async for _ in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30):
@@ -47,7 +51,9 @@ def test_an_instance_whose_engine_died_answers_not_serving_and_gets_no_requests(
                         break
                     await asyncio.sleep(0.1)
                 assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-                report = await disaggregation_pb2_grpc.LoadStub(channel).GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=5)
+                report = await disaggregation_pb2_grpc.LoadStub(channel).GetLoadReport(
+                    disaggregation_pb2.LoadReportRequest(), timeout=5
+                )
                 assert report.engine_error == "RuntimeError: injected failure in the step"
                 await discovery.poll_once()
                 assert not pool.healthy("colocated") and not pool.is_ready()

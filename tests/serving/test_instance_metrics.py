@@ -21,14 +21,19 @@ pytest.importorskip("ucxx")
 def scrape(port: int) -> dict[str, float]:
     """{name: value} of the splitserve_engine_* samples (one instance: one sample per name)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {m["name"]: float(m["value"]) for m in re.finditer(r"^(?P<name>splitserve_engine_\w+)\{[^}]*\} (?P<value>\S+)$", text, re.MULTILINE)}
+    return {
+        m["name"]: float(m["value"])
+        for m in re.finditer(r"^(?P<name>splitserve_engine_\w+)\{[^}]*\} (?P<value>\S+)$", text, re.MULTILINE)
+    }
 
 
 def test_prefill_and_decode_serve_their_own_metrics(tmp_path: Path) -> None:
     model = make_checkpoint(tmp_path)
     prefill_port, decode_port = free_port(), free_port()
-    with running("prefill", model, "--metrics-port", str(prefill_port)) as prefill, \
-            running("decode", model, "--metrics-port", str(decode_port)) as decode:
+    with (
+        running("prefill", model, "--metrics-port", str(prefill_port)) as prefill,
+        running("decode", model, "--metrics-port", str(decode_port)) as decode,
+    ):
         before = scrape(prefill_port), scrape(decode_port)
         assert before[0]["splitserve_engine_up"] == before[1]["splitserve_engine_up"] == 1
         assert before[1]["splitserve_engine_kv_transfer_bytes_total"] == 0

@@ -8,11 +8,11 @@ import asyncio
 from pathlib import Path
 
 import grpc
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from gateway.discovery import StaticDiscovery
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.checkpoints import make_checkpoint
 from tests.serving.inprocess import colocated_instance, serving
 
@@ -31,7 +31,8 @@ def test_load_report_and_metrics_carry_the_speculation_counts(tmp_path: Path) ->
             channel = grpc.aio.insecure_channel(address)
             try:
                 request = generation_pb2.GenerateRequest(
-                    request_id="r", token_ids=generation_pb2.TokenIds(ids=PROMPT),
+                    request_id="r",
+                    token_ids=generation_pb2.TokenIds(ids=PROMPT),
                     sampling=generation_pb2.SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
                 )
                 num_tokens = 0
@@ -54,7 +55,9 @@ def test_load_report_and_metrics_carry_the_speculation_counts(tmp_path: Path) ->
                 text = GatewayMetrics(pool).render().decode()
                 labels = f'{{address="{address}",instance="{report.instance_id}",role="colocated"}}'
                 assert f"splitserve_instance_spec_draft_tokens_total{labels} {float(stats.num_draft_tokens)}" in text
-                assert f"splitserve_instance_spec_accepted_tokens_total{labels} {float(stats.num_accepted_tokens)}" in text
+                assert (
+                    f"splitserve_instance_spec_accepted_tokens_total{labels} {float(stats.num_accepted_tokens)}" in text
+                )
                 assert f"splitserve_instance_spec_acceptance_rate{labels} {stats.acceptance_rate}" in text
             finally:
                 await channel.close()

@@ -10,8 +10,11 @@ import torch
 
 def _p_value(statistic: float, degrees_of_freedom: int) -> float:
     """P(X >= statistic) for X ~ chi-square(df): the regularized upper incomplete gamma."""
-    return float(torch.special.gammaincc(torch.tensor(degrees_of_freedom / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(degrees_of_freedom / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
 
 
 def goodness_of_fit(observed: Sequence[int], expected_probs: Sequence[float], min_expected: float = 5.0) -> float:

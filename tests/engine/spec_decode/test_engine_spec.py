@@ -61,8 +61,9 @@ def repetitive_prompts() -> list[list[int]]:
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 # Every per-position input of the sampler: penalties and min_tokens see the drafts as output.
-GREEDY_PROCESSED = SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.05, frequency_penalty=0.05,
-                                  min_tokens=6, logprobs=2)
+GREEDY_PROCESSED = SamplingParams(
+    temperature=0.0, max_tokens=48, repetition_penalty=1.05, frequency_penalty=0.05, min_tokens=6, logprobs=2
+)
 
 
 @pytest.mark.parametrize("params", [GREEDY, GREEDY_PROCESSED], ids=["greedy", "greedy-penalties-logprobs"])
@@ -75,7 +76,10 @@ def test_ngram_greedy_equals_plain_greedy(target: Path, params: SamplingParams) 
     stats = spec.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     report = spec.load_report()
-    assert (report.num_spec_draft_tokens, report.num_spec_accepted_tokens) == (stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert (report.num_spec_draft_tokens, report.num_spec_accepted_tokens) == (
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
 
 
 def test_ngram_logprobs_equal_plain_logprobs(target: Path) -> None:
@@ -151,7 +155,9 @@ def test_sampled_output_has_the_plain_distribution(target: Path, small_draft: Pa
         # Random weights copy nothing from their context, but their greedy output loops: a prompt
         # ending in the model's own loop gives lookups the target sometimes accepts.
         prompt = repetitive_prompts()[3]
-        prompt = prompt + generate(plain, [prompt], [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)])[0]
+        prompt = (
+            prompt + generate(plain, [prompt], [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)])[0]
+        )
         spec = NGRAM
     else:
         prompt = repetitive_prompts()[1]
@@ -159,10 +165,18 @@ def test_sampled_output_has_the_plain_distribution(target: Path, small_draft: Pa
     samples = {}
     for name, config in (("plain", None), ("spec", spec)):
         # No prefix caching: equal prompts without a cached prefix prefill in one batched attention call.
-        core = make_engine(target, config, max_num_seqs=512, max_num_batched_tokens=16384, kv_cache_memory=1 << 24,
-                           enable_prefix_caching=False)
-        params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
-                  for seed in range(NUM_SAMPLES)]
+        core = make_engine(
+            target,
+            config,
+            max_num_seqs=512,
+            max_num_batched_tokens=16384,
+            kv_cache_memory=1 << 24,
+            enable_prefix_caching=False,
+        )
+        params = [
+            SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
+            for seed in range(NUM_SAMPLES)
+        ]
         samples[name] = [tuple(t) for t in generate(core, [prompt] * NUM_SAMPLES, params)]
         if config is not None:
             stats = core.scheduler.spec_stats

@@ -32,7 +32,9 @@ def test_emitted_tokens_follow_the_target_distribution(draft_kind: str) -> None:
         drafts = [1] * NUM_REQUESTS
         draft_probs = None
     logits = TARGET.repeat(NUM_REQUESTS, 1)  # [2 * NUM_REQUESTS, VOCAB]
-    out = sampler(logits, metadata(SamplingParams(temperature=1.0), 2 * NUM_REQUESTS), [[d] for d in drafts], draft_probs)
+    out = sampler(
+        logits, metadata(SamplingParams(temperature=1.0), 2 * NUM_REQUESTS), [[d] for d in drafts], draft_probs
+    )
 
     first = [(a[0] if a else t) for a, t in zip(out.accepted_token_ids, out.token_ids)]
     p_first = TARGET[0].softmax(-1).tolist()

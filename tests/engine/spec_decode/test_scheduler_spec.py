@@ -18,7 +18,9 @@ def verify(scheduler: Scheduler, output: SchedulerOutput, accepted: list[int], t
     """Update with one speculating request that had ``accepted`` drafts accepted, then ``token_id``."""
     (item,) = output.scheduled
     assert item.num_draft_tokens
-    model_output = ModelOutput([token_id], [None], accepted_token_ids=[accepted], accepted_logprobs=[[None] * len(accepted)])
+    model_output = ModelOutput(
+        [token_id], [None], accepted_token_ids=[accepted], accepted_logprobs=[[None] * len(accepted)]
+    )
     scheduler.update(output, model_output)
 
 
@@ -110,7 +112,9 @@ def test_stop_token_among_accepted_drafts_ends_the_request_there() -> None:
 
 
 def test_drafts_stop_at_max_tokens_the_context_and_the_budget() -> None:
-    scheduler = make_scheduler(speculative=True, num_blocks=16, block_size=4, max_model_len=12, max_num_batched_tokens=4)
+    scheduler = make_scheduler(
+        speculative=True, num_blocks=16, block_size=4, max_model_len=12, max_num_batched_tokens=4
+    )
     request = make_request("a", 3, max_tokens=4)
     scheduler.add_request(request)
     run_step(scheduler, token_id=50)
@@ -118,7 +122,9 @@ def test_drafts_stop_at_max_tokens_the_context_and_the_budget() -> None:
     # max_tokens 4 with one out: at most 3 more tokens, so 2 drafts (plus the bonus).
     assert scheduler.schedule().scheduled[0].num_draft_tokens == 2
 
-    scheduler = make_scheduler(speculative=True, num_blocks=16, block_size=4, max_model_len=9, max_num_batched_tokens=16)
+    scheduler = make_scheduler(
+        speculative=True, num_blocks=16, block_size=4, max_model_len=9, max_num_batched_tokens=16
+    )
     request = make_request("a", 6, max_tokens=3)
     scheduler.add_request(request)
     run_step(scheduler, token_id=50)
