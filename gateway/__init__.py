@@ -1,1 +1,1 @@
-"""OpenAI-compatible REST and gRPC front, routing across prefill and decode pools (issue #4)."""
+"""OpenAI-compatible REST and gRPC front, routing across prefill and decode pools."""

@@ -4,7 +4,7 @@
   BW/VL/DQ or AVX-NE-CONVERT): weights reordered once into oneDNN's blocked layout.
   ``F.linear`` in bf16 reorders them on every call; packing removes that (~30% faster
   per matmul, bit-identical results). In float32 the packed oneDNN kernels beat the
-  default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, issue 11);
+  default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, "Online speed");
   they sum in another order than MKL, which transformers uses, and greedy parity
   against transformers (tests/engine/test_parity.py) holds. One or two rows (decoding
   one or two sequences) go to the native few-row kernel instead

@@ -1,6 +1,6 @@
 """CPU feature detection and the paths chosen from it: kernel ISA, linear path, default dtype.
 
-The AVX2-only host of issue 11 (where bf16 crashed) is reproduced two ways on any x86
+An AVX2-only host (where bf16 once crashed) is reproduced two ways on any x86
 CPU: its /proc/cpuinfo flags parsed as text, and ``SPLITSERVE_CPU_ISA=avx2`` plus
 oneDNN's own ``ONEDNN_MAX_CPU_ISA=AVX2`` cap (under which torch refuses to pack a bf16
 weight exactly as it does on that host).
