@@ -22,18 +22,17 @@ def resolve_max_tokens(
     ``max_tokens_param``: what the caller's API calls ``max_tokens``, for the message."""
     if num_prompt_tokens >= max_model_len:
         raise ContextLengthExceeded(
-            f"this model's maximum context length is {max_model_len} tokens, but the prompt has {num_prompt_tokens} "
-            "tokens "
-            "(one more is needed for the output); shorten the prompt",
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens (one more is needed for the output); shorten the prompt",
             param="prompt",
         )
     if max_tokens is None:
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + max_tokens > max_model_len:
         raise ContextLengthExceeded(
-            f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens + max_tokens} were "
-            f"requested ({num_prompt_tokens} in the prompt, {max_tokens} for the completion); lower {max_tokens_param} "
-            "or shorten the prompt",
+            f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens + max_tokens} "
+            f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} for the completion); "
+            f"lower {max_tokens_param} or shorten the prompt",
             param=max_tokens_param,
         )
     return max_tokens
