@@ -7,6 +7,7 @@ a few hundred merges: enough for text round trips; vocab sizes are padded to mat
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -42,6 +43,15 @@ LONG_MODEL = dict(
     num_key_value_heads=2,
     max_position_embeddings=4096,
 )
+# What the overload tests run on LONG_MODEL: a small KV cache, and prompts that nearly fill it.
+LONG_MODEL_KV_MEMORY = ["--kv-cache-memory", str(1 << 26)]
+LONG_PROMPT_TOKENS = 2040
+
+
+def random_prompts(lengths: list[int], seed: int, vocab_size: int = VOCAB_SIZE) -> list[list[int]]:
+    """Prompts of random token ids (3 and up: past pad, bos and eos), reproducible by seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
 def tiny_config(architecture: str, **overrides: object):

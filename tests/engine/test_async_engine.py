@@ -12,8 +12,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.checkpoints import make_checkpoint
-from tests.engine.test_parity import random_prompts
+from tests.checkpoints import make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

@@ -7,7 +7,6 @@ prefill, prefix-cache hits and preemption under a tiny KV budget.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
-from tests.checkpoints import VOCAB_SIZE, make_checkpoint
+from tests.checkpoints import make_checkpoint, random_prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -43,11 +42,6 @@ class Reference:
                 )
             self._cache[key] = out[0, len(prompt) :].tolist()
         return self._cache[key]
-
-
-def random_prompts(lengths: list[int], seed: int, vocab_size: int = VOCAB_SIZE) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
 # Lengths straddle the 16-token block boundary and multiples of it.

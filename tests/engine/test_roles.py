@@ -12,8 +12,7 @@ from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
-from tests.checkpoints import make_checkpoint
-from tests.engine.test_parity import random_prompts
+from tests.checkpoints import make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

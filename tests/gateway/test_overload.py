@@ -16,11 +16,10 @@ import httpx
 import pytest
 
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
-from tests.engine.test_parity import random_prompts
+from tests.checkpoints import LONG_MODEL_KV_MEMORY, LONG_PROMPT_TOKENS, random_prompts
 from tests.gateway.processes import finish_stream, routes, running_gateway, stream_until
 from tests.services.client import assert_all_free
 from tests.services.processes import Service, running
-from tests.services.test_overload import KV_MEMORY, LONG_PROMPT_TOKENS
 
 pytest.importorskip("ucxx")
 
@@ -29,14 +28,14 @@ FLOAT32 = ["--dtype", "float32"]
 
 @pytest.fixture(scope="module")
 def prefill(long_model: Path) -> Iterator[Service]:
-    with running("prefill", long_model, *KV_MEMORY, *FLOAT32) as service:
+    with running("prefill", long_model, *LONG_MODEL_KV_MEMORY, *FLOAT32) as service:
         yield service
 
 
 @pytest.fixture(scope="module")
 def decode(long_model: Path) -> Iterator[Service]:
     """One sequence at a time, so a request can be held queued behind another."""
-    with running("decode", long_model, *KV_MEMORY, *FLOAT32, "--max-num-seqs", "1") as service:
+    with running("decode", long_model, *LONG_MODEL_KV_MEMORY, *FLOAT32, "--max-num-seqs", "1") as service:
         yield service
 
 

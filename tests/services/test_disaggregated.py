@@ -15,8 +15,7 @@ import pytest
 from engine import LLM
 from engine.kv_cache_utils import cdiv
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
-from tests.checkpoints import make_checkpoint
-from tests.engine.test_parity import random_prompts
+from tests.checkpoints import make_checkpoint, random_prompts
 from tests.services.client import (
     GREEDY,
     assert_all_free,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from tests.engine.test_parity import random_prompts
+from tests.checkpoints import random_prompts
 from tests.services.client import assert_all_free, expected_tokens, run_decode, run_prefill
 from tests.services.processes import Service, running
 

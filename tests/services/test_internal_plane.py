@@ -24,7 +24,7 @@ from engine import LLM
 from engine.kv_cache_utils import cdiv
 from serving.convert import fingerprint_from_proto
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
-from tests.engine.test_parity import random_prompts
+from tests.checkpoints import random_prompts
 from tests.services.client import (
     GREEDY,
     assert_all_free,

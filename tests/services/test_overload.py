@@ -19,14 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
-from tests.engine.test_parity import random_prompts
+from tests.checkpoints import LONG_MODEL_KV_MEMORY, LONG_PROMPT_TOKENS, random_prompts
 from tests.services.client import GREEDY, assert_all_free, run_prefill
 from tests.services.processes import Service, running
 
 pytest.importorskip("ucxx")
-
-KV_MEMORY = ["--kv-cache-memory", str(1 << 26)]
-LONG_PROMPT_TOKENS = 2040
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +33,14 @@ def colocated(long_model: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def prefill(long_model: Path) -> Iterator[Service]:
-    with running("prefill", long_model, *KV_MEMORY, "--dtype", "float32", "--lease-seconds", "2") as service:
+    with running("prefill", long_model, *LONG_MODEL_KV_MEMORY, "--dtype", "float32", "--lease-seconds", "2") as service:
         yield service
 
 
 @pytest.fixture(scope="module")
 def decode(long_model: Path) -> Iterator[Service]:
     """One sequence at a time: a second request queues behind the first."""
-    with running("decode", long_model, *KV_MEMORY, "--dtype", "float32", "--max-num-seqs", "1") as service:
+    with running("decode", long_model, *LONG_MODEL_KV_MEMORY, "--dtype", "float32", "--max-num-seqs", "1") as service:
         yield service
 
 
@@ -220,7 +217,7 @@ def test_a_forced_recompute_on_decode_runs_in_chunks_beside_running_streams(
     long_prompt = random_prompts([LONG_PROMPT_TOKENS], seed=44)[0]
     stream_prompt = random_prompts([20], seed=45)[0]
     with running(
-        "decode", long_model, *KV_MEMORY, "--dtype", "float32", "--decode-recompute-chunk", str(chunk)
+        "decode", long_model, *LONG_MODEL_KV_MEMORY, "--dtype", "float32", "--decode-recompute-chunk", str(chunk)
     ) as decode:
         stream_call = decode_call(
             decode, "stream", stream_prompt, run_prefill(prefill, "stream", stream_prompt), max_tokens=3000
