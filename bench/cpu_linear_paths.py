@@ -8,7 +8,7 @@ sequences (64 prompt tokens, 16 out each)::
     python -m bench.cpu_linear_paths --dtype float32 --threads 1 --rounds 7
 
 Variants: ``torch`` (``F.linear``: MKL in float32, oneDNN reordering the weight on every
-call in bf16), ``onednn-packed`` without and with the few-row kernel for one or two
+call in bf16), ``onednn-packed`` without and with the few-row kernel for its few
 rows, and ``bf16-weights`` (bf16 only). Run it under ``ONEDNN_MAX_CPU_ISA=AVX2
 SPLITSERVE_CPU_ISA=avx2`` to see an AVX2-only CPU's choices.
 """

@@ -6,8 +6,8 @@
   per matmul, bit-identical results). In float32 the packed oneDNN kernels beat the
   default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, "Online speed");
   they sum in another order than MKL, which transformers uses, and greedy parity
-  against transformers (tests/engine/test_parity.py) holds. One or two rows (decoding
-  one or two sequences) go to the native few-row kernel instead
+  against transformers (tests/engine/test_parity.py) holds. Decode steps of a few
+  rows (one to three in float32, one or two in bf16) go to the native few-row kernel instead
   (engine/csrc/linear.c), which streams the weights at close to the memory's read
   bandwidth where oneDNN reaches about half of it: ~30% less time per decode token.
   That kernel reads the plain weight, so on this path the weights are held twice
@@ -50,9 +50,11 @@ _UPCAST_SLICE_ELEMENTS = 1 << 20
 # Zen 4: 3-4x at 1 row, 1.4x at 8; level by 16, since it reads its input rows again for every
 # weight row).
 _MAX_KERNEL_ROWS = 8
-# Rows up to which it beats oneDNN's packed kernels (Zen 4, bf16 and float32: 1.3-1.5x at 1 and
-# 2 rows, 0.5-0.8x at 4).
-_MAX_KERNEL_ROWS_BESIDE_PACKED = 2
+# Rows up to which it beats oneDNN's packed kernels, by dtype. Zen 4 with AVX-512, whole decode
+# steps of SmolLM2-135M on 2 threads: float32 1.3-1.5x at 1 and 2 rows, 1.16x at 3 (32.4 against
+# 37.6 ms a step), 0.87x at 4; bf16 1.3-1.5x at 1 and 2 rows, 0.86x at 3 (oneDNN's bf16 dot
+# products outrun the kernel's conversions once three rows share each weight read).
+_MAX_KERNEL_ROWS_BESIDE_PACKED = {torch.float32: 3, torch.bfloat16: 2}
 
 
 class PackedLinear(nn.Module):
@@ -65,10 +67,11 @@ class PackedLinear(nn.Module):
         # The plain weight, for the few-row kernel (None: every call is packed).
         self.kernels = kernels
         self.weight = None if kernels is None else linear.weight
+        self.max_kernel_rows = _MAX_KERNEL_ROWS_BESIDE_PACKED.get(linear.weight.dtype, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
-        if self.kernels is not None and x.shape[0] <= _MAX_KERNEL_ROWS_BESIDE_PACKED and x.stride(1) == 1:
+        if self.kernels is not None and x.shape[0] <= self.max_kernel_rows and x.stride(1) == 1:
             return self.kernels.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 

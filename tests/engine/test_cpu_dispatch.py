@@ -168,7 +168,7 @@ PACKED_DTYPES = [dtype for dtype in (torch.float32, torch.bfloat16) if linear_pa
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 40])
 @pytest.mark.parametrize("with_kernels", [False, True], ids=["packed-only", "few-row-kernel"])
 def test_packed_linear_matches_a_plain_matmul(dtype: torch.dtype, num_rows: int, with_kernels: bool) -> None:
-    """One and two rows go to the few-row kernel when there is one; the rest to oneDNN."""
+    """A few rows go to the few-row kernel when there is one; the rest to oneDNN."""
     kernels = cpu_kernels.load() if with_kernels else None
     if with_kernels and kernels is None:
         pytest.skip("no C compiler")
@@ -179,6 +179,27 @@ def test_packed_linear_matches_a_plain_matmul(dtype: torch.dtype, num_rows: int,
     expected = F.linear(x.float(), linear.weight.float(), linear.bias.float())
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(module(x).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "max_kernel_rows"), [(torch.float32, 3), (torch.bfloat16, 2)], ids=str)
+def test_packed_linear_sends_only_a_few_rows_to_the_kernel(dtype: torch.dtype, max_kernel_rows: int) -> None:
+    """Up to three float32 rows, two bf16 rows: where the kernel beats oneDNN's packed weights."""
+    if dtype not in PACKED_DTYPES:
+        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    calls: list[int] = []
+
+    class Counting:
+        def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return kernels.linear(x, weight, bias)
+
+    module = PackedLinear(nn.Linear(96, 80).to(dtype), Counting())  # type: ignore[arg-type]
+    for num_rows in range(1, max_kernel_rows + 3):
+        module(torch.randn(num_rows, 96).to(dtype))
+    assert calls == list(range(1, max_kernel_rows + 1))
 
 
 _GENERATE = """
