@@ -35,7 +35,7 @@ from typing import IO
 
 import numpy as np
 
-from bench.study import wait_ready
+from bench.splitserve_up import start_up, wait_ready
 from launcher.processes import free_port
 
 # What the server logs when the hand-off goes wrong (the wording of both commits measured).
@@ -76,33 +76,14 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
     log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
     if args.server == "vllm":
         return start_vllm(args, port, log)
-    command = [
-        sys.executable,
-        "-m",
-        "engine.cli",
-        "--log-level",
-        "INFO",
-        "up",
-        "--port",
-        str(port),
-        "--grpc-port",
-        str(free_port()),
-        "--dtype",
-        args.dtype,
-    ]
     if args.server == "colocated":
-        command += ["--colocated"]
+        flags = ["--colocated"]
     else:
-        command += ["--prefill-cpus", args.prefill_cpus, "--decode-cpus", args.decode_cpus]
+        flags = ["--prefill-cpus", args.prefill_cpus, "--decode-cpus", args.decode_cpus]
     if args.max_queue_delay is not None:
-        command += ["--max-queue-delay", str(args.max_queue_delay)]
-    env = {**os.environ, "SPLITSERVE_API_KEY": ""}
-    cwd = None
-    if args.source_dir is not None:
-        source = args.source_dir.resolve()
-        env["PYTHONPATH"] = f"{source}{os.pathsep}{source / 'proto'}"
-        cwd = source
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        flags += ["--max-queue-delay", str(args.max_queue_delay)]
+    # INFO: the server log is parsed afterwards for cut-off pulls, failed releases and the like.
+    return start_up(port, args.dtype, flags, log, log_level="INFO", source_dir=args.source_dir)
 
 
 def start_vllm(args: argparse.Namespace, port: int, log: IO[str]) -> subprocess.Popen[bytes]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.study import wait_ready
+from bench.splitserve_up import start_up, wait_ready
 from launcher.processes import free_port
 
 
@@ -82,27 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_cluster(mode: str, preset: Preset, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     log = open(args.output_dir / f"{mode}-server.log", "w")  # noqa: SIM115 - the child holds it until it exits
-    command = [
-        sys.executable,
-        "-m",
-        "engine.cli",
-        "--log-level",
-        "WARNING",
-        "up",
-        "--port",
-        str(port),
-        "--grpc-port",
-        str(free_port()),
-        "--dtype",
-        args.dtype,
-        *preset.up,
-        *preset.modes[mode],
-    ]
-    print(f"[{mode}] {' '.join(command[2:])}", flush=True)
-    server = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPLITSERVE_API_KEY": ""}
-    )
-    return server, f"http://127.0.0.1:{port}"
+    flags = [*preset.up, *preset.modes[mode]]
+    print(f"[{mode}] splitserve up --dtype {args.dtype} {' '.join(flags)}", flush=True)
+    return start_up(port, args.dtype, flags, log), f"http://127.0.0.1:{port}"
 
 
 def scrape(url: str) -> dict[str, float]:

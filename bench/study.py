@@ -17,19 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from bench.splitserve_up import start_up, wait_ready
 from launcher.processes import free_port
-
-READY_TIMEOUT_S = 600.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,25 +59,9 @@ def up_flags(mode: str, args: argparse.Namespace) -> list[str]:
 def run_mode(mode: str, args: argparse.Namespace) -> None:
     port = free_port()
     log = open(args.output_dir / f"{mode}-server.log", "w")  # noqa: SIM115 - closed below
-    command = [
-        sys.executable,
-        "-m",
-        "engine.cli",
-        "--log-level",
-        "WARNING",
-        "up",
-        "--port",
-        str(port),
-        "--grpc-port",
-        str(free_port()),
-        "--dtype",
-        args.dtype,
-        *up_flags(mode, args),
-    ]
-    print(f"[{mode}] {' '.join(command[2:])}", flush=True)
-    server = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPLITSERVE_API_KEY": ""}
-    )
+    flags = up_flags(mode, args)
+    print(f"[{mode}] splitserve up --dtype {args.dtype} {' '.join(flags)}", flush=True)
+    server = start_up(port, args.dtype, flags, log)
     try:
         wait_ready(f"http://127.0.0.1:{port}", server)
         sweep = [
@@ -120,22 +100,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> None:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
         log.close()
-
-
-def wait_ready(url: str, server: subprocess.Popen[bytes], path: str = "/ready") -> None:
-    """Until ``url + path`` answers 200 (splitserve's /ready; another server's health path)."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}{path}", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{url}{path} did not answer 200 in time")
 
 
 def summary(args: argparse.Namespace, modes: list[str]) -> str:

@@ -34,7 +34,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from bench.study import wait_ready
+from bench.splitserve_up import start_up, wait_ready
 from launcher.processes import free_port
 
 # (bucket, pattern on "function (file:line)" frames), tried from the innermost frame out.
@@ -146,24 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("py-spy is not installed: pip install py-spy")
 
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "engine.cli",
-        "up",
-        "--port",
-        str(port),
-        "--grpc-port",
-        str(free_port()),
-        "--dtype",
-        args.dtype,
-    ]
-    command += ["--prefill-cpus", "0", "--decode-cpus", "1"] if args.pd else ["--colocated"]
-    cwd = (args.source_dir or Path.cwd()).resolve()
-    env = {**os.environ, "SPLITSERVE_API_KEY": "", "PYTHONPATH": f"{cwd}{os.pathsep}{cwd / 'proto'}"}
+    flags = ["--prefill-cpus", "0", "--decode-cpus", "1"] if args.pd else ["--colocated"]
     workdir = Path(tempfile.mkdtemp(prefix="token-profile-"))
     log = (workdir / "server.log").open("w")
-    server = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_up(
+        port, args.dtype, flags, log, log_level="INFO", source_dir=args.source_dir or Path.cwd(), new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, server, "/ready")
