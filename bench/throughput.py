@@ -168,14 +168,12 @@ def run_vllm(
         "warmup_output_len": _WARMUP_OUTPUT_LEN,
     }
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
-        json.dump(request, file)
-        file.flush()
+    with tempfile.TemporaryDirectory(prefix="vllm-offline-") as scratch:
+        request_path, result_path = Path(scratch, "request.json"), Path(scratch, "result.json")
+        request_path.write_text(json.dumps(request))
         script = Path(__file__).with_name("vllm_offline.py")
-        completed = subprocess.run(
-            [args.vllm_python, str(script), file.name], env=env, stdout=subprocess.PIPE, check=True, text=True
-        )
-    result = json.loads(completed.stdout.strip().splitlines()[-1])
+        subprocess.run([args.vllm_python, str(script), str(request_path), str(result_path)], env=env, check=True)
+        result = json.loads(result_path.read_text())
     return float(result["elapsed_s"]), int(result["num_output_tokens"])
 
 

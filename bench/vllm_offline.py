@@ -2,11 +2,12 @@
 environment where vLLM is installed (a separate virtualenv: its CPU build pins its own
 torch). It imports nothing from this project, so that environment needs only vLLM::
 
-    VENV/bin/python bench/vllm_offline.py REQUEST.json
+    VENV/bin/python bench/vllm_offline.py REQUEST.json RESULT.json
 
 ``REQUEST.json`` holds ``model``, ``dtype``, ``prompts``, ``warmup_prompts``,
-``output_len`` and ``warmup_output_len``; the script prints one JSON line,
-``{"elapsed_s": ..., "num_output_tokens": ...}``, for the timed run only.
+``output_len`` and ``warmup_output_len``; the script writes ``{"elapsed_s": ...,
+"num_output_tokens": ...}`` for the timed run only to ``RESULT.json``. A file, not
+stdout: vLLM logs to stdout, down to its engine processes' shutdown after the run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     num_output_tokens = generate(request["prompts"], request["output_len"])
     elapsed = time.perf_counter() - start
-    sys.stdout.write(json.dumps({"elapsed_s": elapsed, "num_output_tokens": num_output_tokens}) + "\n")
+    with open(argv[2], "w") as result:
+        json.dump({"elapsed_s": elapsed, "num_output_tokens": num_output_tokens}, result)
     return 0
 
 

@@ -1,7 +1,8 @@
 """bench.throughput's vLLM leg end to end, with a stand-in ``vllm`` package: vLLM's CPU
 build pins its own torch and cannot be installed beside this project, so the test checks
-what this side owns (the request file, the child process, its one JSON line, the token
-check) and the stand-in answers as vLLM's ``LLM.generate`` does."""
+what this side owns (the request file, the child process, its result file, the token
+check) and the stand-in answers as vLLM's ``LLM.generate`` does, logging to stdout until
+it exits as vLLM does."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ import pytest
 from bench.throughput import make_result, run_vllm
 
 FAKE_VLLM = """
+import atexit
 from dataclasses import dataclass
+
+print("INFO vllm: starting")  # vLLM logs to stdout, before the run and after it
+atexit.register(print, "INFO vllm: [shutdown] Executor: all workers exited gracefully")
 
 @dataclass
 class SamplingParams:
