@@ -281,9 +281,8 @@ class Dispatcher:
                     # prefilled on a P whatever the first path was (it is long by now, and mostly cached).
                     decoding, handoff = False, 0
                     current = resumed
-                    prefer = (
-                        pinned.prefill if pinned is not None and self.pool.routing == "load" else None
-                    )  # kv routing finds the prefix itself
+                    # Back to the P that holds the prefix; kv routing finds the prefix itself.
+                    prefer = pinned.prefill if pinned is not None and self.pool.routing == "load" else None
                     pinned = await self._reprefill(current, f"{request.request_id}.m{num_migrations}", prefer=prefer)
         finally:
             if not decoding and pinned is not None:

@@ -71,9 +71,8 @@ async def create_completion(
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await _prompts(request, service)
     jobs = []
-    params = await checked_sampling_params(
-        request, service, request.max_tokens, request.logprobs
-    )  # validated (and extras logged) once
+    # Validated (and extras logged) once for every prompt.
+    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs)
     for index, (token_ids, _) in enumerate(prompts):
         request_id = completion_id if len(prompts) == 1 else f"{completion_id}-{index}"
         # Each job gets its own copy: prepare fills in max_tokens from its prompt's length.

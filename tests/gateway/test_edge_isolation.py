@@ -16,9 +16,9 @@ import grpc
 import openai
 import pytest
 
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2, generation_pb2_grpc
+from splitserve.v1 import disaggregation_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway.processes import HTTPProcess, routes, running_gateway
-from tests.services.client import assert_all_free
+from tests.services.client import assert_all_free, run_decode, run_prefill
 from tests.services.processes import Service
 from tests.stores import free_port
 
@@ -123,25 +123,8 @@ def test_decode_salts_its_own_prefix_cache_lookups(instances: tuple[Service, Ser
     sampling = generation_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
     def hand_off(request_id: str, salt: str) -> disaggregation_pb2.KVTransfer:
-        prefilled = disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(
-            disaggregation_pb2.PrefillRequest(
-                request_id=request_id, prompt_token_ids=prompt, sampling=sampling, cache_salt=salt
-            ),
-            timeout=30,
-        )
-        responses = list(
-            disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
-                disaggregation_pb2.DecodeRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt,
-                    first_token_id=prefilled.first_token_id,
-                    sampling=sampling,
-                    kv=prefilled.kv,
-                    cache_salt=salt,
-                ),
-                timeout=60,
-            )
-        )
+        prefilled = run_prefill(prefill, request_id, prompt, sampling, cache_salt=salt)
+        _, responses = run_decode(decode, request_id, prompt, prefilled, sampling=sampling, cache_salt=salt)
         assert responses[-1].finish_reason == "length"
         return next(r.kv_transfer for r in responses if r.HasField("kv_transfer"))
 

@@ -21,11 +21,38 @@ def expected_tokens(colocated: LLM, prompt: list[int]) -> list[int]:
 
 
 def run_prefill(
-    prefill: Service, request_id: str, prompt: list[int], sampling: generation_pb2.SamplingParams = GREEDY
+    prefill: Service,
+    request_id: str,
+    prompt: list[int],
+    sampling: generation_pb2.SamplingParams = GREEDY,
+    cache_salt: str = "",
 ) -> disaggregation_pb2.PrefillResponse:
     stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
     return stub.Prefill(
-        disaggregation_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=30
+        disaggregation_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, cache_salt=cache_salt
+        ),
+        timeout=30,
+    )
+
+
+def decode_request(
+    request_id: str,
+    prompt: list[int],
+    prefilled: disaggregation_pb2.PrefillResponse,
+    sampling: generation_pb2.SamplingParams = GREEDY,
+    allow_recompute: bool = False,
+    cache_salt: str = "",
+) -> disaggregation_pb2.DecodeRequest:
+    """The Decode call the gateway makes after ``prefilled``: P's first token and KV handle."""
+    return disaggregation_pb2.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        first_token_id=prefilled.first_token_id,
+        sampling=sampling,
+        kv=prefilled.kv,
+        allow_recompute=allow_recompute,
+        cache_salt=cache_salt,
     )
 
 
@@ -36,21 +63,12 @@ def run_decode(
     prefilled: disaggregation_pb2.PrefillResponse,
     allow_recompute: bool = False,
     sampling: generation_pb2.SamplingParams = GREEDY,
+    cache_salt: str = "",
 ) -> tuple[list[int], list[disaggregation_pb2.DecodeResponse]]:
+    """The whole Decode stream: the tokens (P's first one included) and every response."""
     stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
-    responses = list(
-        stub.Decode(
-            disaggregation_pb2.DecodeRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                first_token_id=prefilled.first_token_id,
-                sampling=sampling,
-                kv=prefilled.kv,
-                allow_recompute=allow_recompute,
-            ),
-            timeout=60,
-        )
-    )
+    request = decode_request(request_id, prompt, prefilled, sampling, allow_recompute, cache_salt)
+    responses = list(stub.Decode(request, timeout=60))
     tokens = [prefilled.first_token_id] + [t for r in responses for t in r.token_ids]
     return tokens, responses
 

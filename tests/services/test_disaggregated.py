@@ -20,6 +20,7 @@ from tests.services.client import (
     GREEDY,
     assert_all_free,
     assert_altered_handle_refused,
+    decode_request,
     expected_tokens,
     run_decode,
     run_prefill,
@@ -135,15 +136,7 @@ def test_client_leaving_mid_decode_frees_both_sides(prefill: Service, decode: Se
     prefilled = run_prefill(prefill, "leave", prompt)
     stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
     long_run = generation_pb2.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
-    call = stub.Decode(
-        disaggregation_pb2.DecodeRequest(
-            request_id="leave",
-            prompt_token_ids=prompt,
-            first_token_id=prefilled.first_token_id,
-            sampling=long_run,
-            kv=prefilled.kv,
-        )
-    )
+    call = stub.Decode(decode_request("leave", prompt, prefilled, long_run))
     next(call)
     call.cancel()
     assert_all_free(prefill, decode)
@@ -246,15 +239,7 @@ def test_sigterm_drains_in_flight_requests(model: Path, prefill: Service) -> Non
         prefilled = run_prefill(prefill, "drain", prompt)  # once D is up: starting it may take longer than the lease
         stub = disaggregation_pb2_grpc.DecodeStub(service.channel)
         longer = generation_pb2.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        call = stub.Decode(
-            disaggregation_pb2.DecodeRequest(
-                request_id="drain",
-                prompt_token_ids=prompt,
-                first_token_id=prefilled.first_token_id,
-                sampling=longer,
-                kv=prefilled.kv,
-            )
-        )
+        call = stub.Decode(decode_request("drain", prompt, prefilled, longer))
         first = next(call)
         service.process.send_signal(signal.SIGTERM)
         rest = list(call)

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine import LLM, SamplingParams
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 from tests.checkpoints import LONG_MODEL_KV_MEMORY, LONG_PROMPT_TOKENS, random_prompts
-from tests.services.client import GREEDY, assert_all_free, run_prefill
+from tests.services.client import GREEDY, assert_all_free, decode_request, run_prefill
 from tests.services.processes import Service, running
 
 pytest.importorskip("ucxx")
@@ -59,15 +59,7 @@ def decode_call(
 ) -> grpc.Future:
     sampling = generation_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
-        disaggregation_pb2.DecodeRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            first_token_id=prefilled.first_token_id,
-            sampling=sampling,
-            kv=prefilled.kv,
-            allow_recompute=allow_recompute,
-        ),
-        timeout=120,
+        decode_request(request_id, prompt, prefilled, sampling, allow_recompute), timeout=120
     )
 
 
@@ -89,9 +81,8 @@ def test_control_calls_answer_while_prefill_is_inside_a_long_step(prefill: Servi
             disaggregation_pb2.PrefillRequest(request_id="ctl-long", prompt_token_ids=long_prompt, sampling=GREEDY),
             timeout=120,
         )
-        wait_until(
-            lambda: prefill.load().num_pending_prefill_tokens >= LONG_PROMPT_TOKENS
-        )  # queued: the step starts now
+        # Queued: the step starts now.
+        wait_until(lambda: prefill.load().num_pending_prefill_tokens >= LONG_PROMPT_TOKENS)
         time.sleep(0.3)
         latencies: dict[str, float] = {}
 
