@@ -14,14 +14,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.llm import LLM
-    from engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
-    from engine.sampling_params import SamplingParams
-    from engine.spec_decode.config import SpeculativeConfig
+if TYPE_CHECKING:  # for type checkers only; at run time __getattr__ below loads each name on use
+    from engine.async_engine import AsyncEngine as AsyncEngine
+    from engine.config import EngineConfig as EngineConfig
+    from engine.engine_core import EngineCore as EngineCore
+    from engine.llm import LLM as LLM
+    from engine.outputs import CompletionOutput as CompletionOutput
+    from engine.outputs import EngineCoreOutput as EngineCoreOutput
+    from engine.outputs import RequestOutput as RequestOutput
+    from engine.sampling_params import SamplingParams as SamplingParams
+    from engine.spec_decode.config import SpeculativeConfig as SpeculativeConfig
 
 _EXPORTS = {
     "LLM": "engine.llm",
@@ -35,18 +37,7 @@ _EXPORTS = {
     "SpeculativeConfig": "engine.spec_decode.config",
 }
 
-__all__ = [
-    "LLM",
-    "SamplingParams",
-    "EngineConfig",
-    "EngineCore",
-    "AsyncEngine",
-    "RequestOutput",
-    "CompletionOutput",
-    "EngineCoreOutput",
-    "SpeculativeConfig",
-]
-assert set(__all__) == set(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
