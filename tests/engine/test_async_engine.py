@@ -126,10 +126,12 @@ def test_latest_load_report_follows_the_steps_without_waiting_for_one(model_path
         async with AsyncEngine(config(model_path)) as engine:
             total = engine.latest_load_report().num_total_blocks
             params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-            stream = engine.generate(random_prompts([40], seed=9)[0], params)
+            # 33 to 48 tokens fill 3 blocks: the report may lag the first token by up to 15 steps
+            # (a slow event loop on a loaded machine) and still count exactly 3.
+            stream = engine.generate(random_prompts([32], seed=9)[0], params)
             await anext(stream)
             running = engine.latest_load_report()
-            assert (running.num_running, running.num_free_blocks) == (1, total - 3)  # 40 prompt tokens + 1: 3 blocks
+            assert (running.num_running, running.num_free_blocks) == (1, total - 3)
             await stream.aclose()  # aborts, on the engine thread's next command batch
             for _ in range(100):
                 if (idle := engine.latest_load_report()).num_running == 0:
