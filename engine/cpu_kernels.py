@@ -73,7 +73,12 @@ class CPUKernels:
         self._silu_and_mul = _bind(library, "silu_and_mul", None, [_P, _P, _I64, _I64, _INT])
         self._rotary = _bind(library, "rotary_embedding", None, [_P, _I64, _P, _I64] + [_P] * 5 + [_I64] * 4 + [_INT])
         self._store_kv = _bind(library, "store_kv", None, [_P, _I64, _P, _I64, _P, _P, _P] + [_I64] * 5)
-        self._linear = _bind(library, "linear_rows", _INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT])
+        self._linear = _bind(library, "linear_panels", _INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT])
+        self._panel_elements = _bind(library, "panel_elements", _I64, [_I64, _I64])
+        self._pack_panels = _bind(library, "pack_panels", None, [_P, _P, _I64, _I64, _INT])
+        self._unpack_panels = _bind(library, "unpack_panels", None, [_P, _P, _I64, _I64, _I64, _INT])
+        # Output features per panel of a packed weight (pack_panels).
+        self.panel_width: int = _bind(library, "panel_width", _INT, [])()
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -180,17 +185,34 @@ class CPUKernels:
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, _DTYPES[gate_up.dtype])
         return out
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """For a few rows: x: [T, in] with contiguous rows; weight: [out, in] and bias: [out],
-        contiguous, all of one dtype. Returns ``x @ weight.T + bias``: [T, out], accumulated in
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [out, in] in the layout :meth:`linear` reads (engine/csrc/linear_panels.c): an
+        opaque 1-D tensor of the weight's dtype, about as large as the weight."""
+        out_features, in_features = weight.shape
+        weight = weight.detach().contiguous()
+        panels = torch.empty(self._panel_elements(out_features, in_features), dtype=weight.dtype)
+        self._pack_panels(weight.data_ptr(), panels.data_ptr(), out_features, in_features, _DTYPES[weight.dtype])
+        return panels
+
+    def unpack_panels(self, panels: torch.Tensor, in_features: int, start: int, end: int) -> torch.Tensor:
+        """Panels ``start``..``end`` as float32 columns of the transposed weight: [in, (end - start) *
+        panel_width], covering output features ``start * panel_width`` on (zero past the last one)."""
+        columns = torch.empty(in_features, (end - start) * self.panel_width, dtype=torch.float32)
+        self._unpack_panels(panels.data_ptr(), columns.data_ptr(), in_features, start, end, _DTYPES[panels.dtype])
+        return columns
+
+    def linear(
+        self, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """For decode steps: x: [T, in] with contiguous rows; ``panels`` from :meth:`pack_panels`,
+        bias: [out], all of one dtype. Returns ``x @ weight.T + bias``: [T, out], accumulated in
         float32 (and rounded once in bf16)."""
         num_rows, in_features = x.shape
-        out_features = weight.shape[0]
         out = torch.empty(num_rows, out_features, dtype=x.dtype)
         status = self._linear(
             x.data_ptr(),
             x.stride(0),
-            weight.data_ptr(),
+            panels.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             num_rows,

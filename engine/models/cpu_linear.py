@@ -6,22 +6,24 @@
   per matmul, bit-identical results). In float32 the packed oneDNN kernels beat the
   default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, "Online speed");
   they sum in another order than MKL, which transformers uses, and greedy parity
-  against transformers (tests/engine/test_parity.py) holds. Decode steps of a few
-  rows (one to three in float32, one or two in bf16) go to the native few-row kernel instead
-  (engine/csrc/linear.c), which streams the weights at close to the memory's read
-  bandwidth where oneDNN reaches about half of it: ~30% less time per decode token.
-  That kernel reads the plain weight, so on this path the weights are held twice
-  (plain and packed).
+  against transformers (tests/engine/test_parity.py) holds. Decode steps (up to 32
+  float32 rows with AVX-512, 16 with AVX2; up to four bf16 rows) go to the native panel
+  kernel instead (engine/csrc/linear_panels.c), which streams its own copy of the weight,
+  laid out in panels of output features, at the memory's read bandwidth where oneDNN
+  reaches about two thirds of it. So on this path the weights are held twice (panels
+  and oneDNN's), three times for a head tied to the embedding (the embedding keeps the
+  plain weight).
 - ``bf16-weights`` (bf16 anywhere else, e.g. an AVX2-only CPU): packing a bf16
   weight there raises in torch, and ``F.linear`` in bf16 falls back to a generic
   GEMM that is ~4x slower than float32 once more than one row comes in. Weights stay
-  bf16 (half the bytes to read per token). Up to ``_MAX_KERNEL_ROWS`` rows (decode
-  steps) go through the native few-row kernel, which converts each weight row in
-  registers as it streams by; more rows (prefill, large decode batches) upcast the
-  weight to float32 a slice at a time and run the float32 GEMM. Products of two bf16
-  values are exact in float32 and the result is rounded to bf16 once, as oneDNN's
-  bf16 kernels do: only the summation order differs. Without the native kernels, one
-  row takes torch's bf16 GEMV (which also converts in registers).
+  bf16 (half the bytes to read per token), in the panel kernel's layout. Up to
+  ``_MAX_KERNEL_ROWS`` rows (decode steps) go through the panel kernel, which converts
+  the weights in registers as they stream by; more rows (prefill, large decode batches)
+  upcast the weight to float32 a slice of panels at a time and run the float32 GEMM.
+  Products of two bf16 values are exact in float32 and the result is rounded to bf16
+  once, as oneDNN's bf16 kernels do: only the summation order differs. Without the
+  native kernels the weight stays plain and one row takes torch's bf16 GEMV (which
+  also converts in registers).
 - ``torch`` (float16, float32 off x86, other devices): ``F.linear`` as is.
 """
 
@@ -36,6 +38,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.cpu_features import CPUFeatures, cpu_features
+from engine.kv_cache_utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +49,21 @@ LinearPath = Literal["onednn-packed", "bf16-weights", "torch"]
 # AVX2-capped Zen 4 at 16 to 512 rows: 2^20 is within 10% of float32 weights, 2^16 and 2^22
 # up to 60% slower.
 _UPCAST_SLICE_ELEMENTS = 1 << 20
-# Rows up to which the native kernel beats the float32 GEMM on an upcast weight (an AVX2-capped
-# Zen 4: 3-4x at 1 row, 1.4x at 8; level by 16, since it reads its input rows again for every
-# weight row).
-_MAX_KERNEL_ROWS = 8
-# Rows up to which it beats oneDNN's packed kernels, by dtype. Zen 4 with AVX-512, whole decode
-# steps of SmolLM2-135M on 2 threads: float32 1.3-1.5x at 1 and 2 rows, 1.16x at 3 (32.4 against
-# 37.6 ms a step), 0.87x at 4; bf16 1.3-1.5x at 1 and 2 rows, 0.86x at 3 (oneDNN's bf16 dot
-# products outrun the kernel's conversions once three rows share each weight read).
-_MAX_KERNEL_ROWS_BESIDE_PACKED = {torch.float32: 3, torch.bfloat16: 2}
+# Rows up to which the panel kernel beats the float32 GEMM on an upcast weight (an AVX2-capped
+# Zen 4, 2 threads: 4.5x at one row, 1.7x at 32; the linears of four layers level at 64, whole
+# decode steps, the upcast head included, still 1.4x ahead there).
+_MAX_KERNEL_ROWS = 64
+
+
+def _max_panel_rows_beside_packed(dtype: torch.dtype, isa: str) -> int:
+    """Rows up to which the panel kernel beats oneDNN's packed kernels. Whole decode steps of
+    SmolLM2-135M on 2 threads of a Zen 4 (docs/benchmarks.md, "Decode steps on weight panels"):
+    float32 1.47x at one row, 1.38x at four, 1.12x at 32 with AVX-512 (1.05x at 48); with both
+    capped at AVX2, 1.86x at one row, 1.11x at 16. bf16: 1.63x at one row, 1.14x at four, level at
+    eight (oneDNN's bf16 dot products need no conversions)."""
+    if dtype == torch.bfloat16:
+        return 4
+    return {"avx512": 32, "avx512_bf16": 32, "avx2": 16}.get(isa, 3)
 
 
 class PackedLinear(nn.Module):
@@ -64,15 +73,15 @@ class PackedLinear(nn.Module):
         # An opaque oneDNN tensor: not a parameter, and never saved.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self.bias = linear.bias
-        # The plain weight, for the few-row kernel (None: every call is packed).
+        # The panel kernel's own copy (None: every call is packed).
         self.kernels = kernels
-        self.weight = None if kernels is None else linear.weight
-        self.max_kernel_rows = _MAX_KERNEL_ROWS_BESIDE_PACKED.get(linear.weight.dtype, 0)
+        self.panels = None if kernels is None else kernels.pack_panels(linear.weight)
+        self.max_kernel_rows = 0 if kernels is None else _max_panel_rows_beside_packed(linear.weight.dtype, kernels.isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
-        if self.kernels is not None and x.shape[0] <= self.max_kernel_rows and x.stride(1) == 1:
-            return self.kernels.linear(x, self.weight, self.bias)
+        if self.panels is not None and x.shape[0] <= self.max_kernel_rows and x.stride(1) == 1:
+            return self.kernels.linear(x, self.panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -82,24 +91,44 @@ class BF16WeightLinear(nn.Module):
     def __init__(self, linear: nn.Linear, kernels: cpu_kernels.CPUKernels | None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
+        self.bias = linear.bias
         self.kernels = kernels
-        self.slice_rows = max(1, _UPCAST_SLICE_ELEMENTS // self.in_features)
+        # With the kernels, the weight is held once, in their panels; without, as it is.
+        self.panels = None if kernels is None else kernels.pack_panels(linear.weight)
+        self.weight = linear.weight if kernels is None else None
+        panel_width = 1 if kernels is None else kernels.panel_width
+        self.slice_panels = max(1, _UPCAST_SLICE_ELEMENTS // (self.in_features * panel_width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
         num_rows = x.shape[0]
-        if self.kernels is not None and num_rows <= _MAX_KERNEL_ROWS and x.stride(1) == 1:
-            return self.kernels.linear(x, self.weight, self.bias)
-        if num_rows == 1:
-            return F.linear(x, self.weight, self.bias)
+        if self.panels is None:
+            return F.linear(x, self.weight, self.bias) if num_rows == 1 else self._upcast_plain(x)
+        if num_rows <= _MAX_KERNEL_ROWS and x.stride(1) == 1:
+            return self.kernels.linear(x, self.panels, self.out_features, self.bias)
+        return self._upcast_panels(x)
+
+    def _upcast_panels(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        out = torch.empty((num_rows, self.out_features), dtype=x.dtype)
-        for start in range(0, self.out_features, self.slice_rows):
-            end = min(start + self.slice_rows, self.out_features)
-            bias = None if self.bias is None else self.bias[start:end].float()
-            out[:, start:end] = F.linear(x32, self.weight[start:end].float(), bias)
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        num_panels = cdiv(self.out_features, self.kernels.panel_width)
+        for first in range(0, num_panels, self.slice_panels):
+            last = min(first + self.slice_panels, num_panels)
+            start, end = first * self.kernels.panel_width, min(last * self.kernels.panel_width, self.out_features)
+            columns = self.kernels.unpack_panels(self.panels, self.in_features, first, last)
+            out[:, start:end] = self._plus_bias(x32 @ columns[:, : end - start], start, end)
         return out
+
+    def _upcast_plain(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        for start in range(0, self.out_features, self.slice_panels):
+            end = min(start + self.slice_panels, self.out_features)
+            out[:, start:end] = self._plus_bias(x32 @ self.weight[start:end].float().T, start, end)
+        return out
+
+    def _plus_bias(self, product: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return product if self.bias is None else product + self.bias[start:end].float()
 
 
 def linear_path(device: torch.device, dtype: torch.dtype, features: CPUFeatures | None = None) -> LinearPath:

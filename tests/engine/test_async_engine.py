@@ -10,6 +10,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.kv_cache_utils import cdiv
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.checkpoints import make_checkpoint, random_prompts
@@ -126,12 +127,15 @@ def test_latest_load_report_follows_the_steps_without_waiting_for_one(model_path
         async with AsyncEngine(config(model_path)) as engine:
             total = engine.latest_load_report().num_total_blocks
             params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-            # 33 to 48 tokens fill 3 blocks: the report may lag the first token by up to 15 steps
-            # (a slow event loop on a loaded machine) and still count exactly 3.
             stream = engine.generate(random_prompts([32], seed=9)[0], params)
             await anext(stream)
             running = engine.latest_load_report()
-            assert (running.num_running, running.num_free_blocks) == (1, total - 3)
+            # The report is the latest step's, whichever that is when the loop reads it: the prompt's
+            # (2 blocks), or one of the decode steps the engine went on with meanwhile (on a loaded
+            # machine, many, with this tiny model): at most the blocks of all 232 tokens.
+            block_size = config(model_path).block_size
+            assert running.num_running == 1
+            assert 32 // block_size <= total - running.num_free_blocks <= cdiv(32 + 200, block_size)
             await stream.aclose()  # aborts, on the engine thread's next command batch
             for _ in range(100):
                 if (idle := engine.latest_load_report()).num_running == 0:

@@ -135,7 +135,7 @@ KERNEL_CHOICES = [None, *cpu_features().supported_isas]
 
 
 @pytest.mark.parametrize("isa", KERNEL_CHOICES, ids=lambda isa: isa or "no-kernels")
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 9, 40])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 9, 40, 65])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_bf16_weight_linear_rounds_like_a_bf16_matmul(
     monkeypatch: pytest.MonkeyPatch, isa: str | None, num_rows: int, bias: bool
@@ -148,7 +148,9 @@ def test_bf16_weight_linear_rounds_like_a_bf16_matmul(
     generator = torch.Generator().manual_seed(num_rows)
     linear = nn.Linear(100, 37, bias=bias).to(torch.bfloat16)
     module = BF16WeightLinear(linear, kernels)
-    assert module.weight.dtype == torch.bfloat16  # kept in bf16: half the bytes per token
+    # Kept in bf16 (half the bytes per token), once: in the kernels' panels when there are kernels.
+    kept = [tensor for tensor in (module.weight, module.panels) if tensor is not None]
+    assert [tensor.dtype for tensor in kept] == [torch.bfloat16]
     x = torch.randn(num_rows, 100, generator=generator).to(torch.bfloat16)
     # Summation order differs from the reference: within one bf16 rounding step.
     torch.testing.assert_close(module(x), bf16_reference(x, linear), atol=1e-2, rtol=8e-3)
@@ -165,36 +167,42 @@ PACKED_DTYPES = [dtype for dtype in (torch.float32, torch.bfloat16) if linear_pa
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=str)
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 40])
-@pytest.mark.parametrize("with_kernels", [False, True], ids=["packed-only", "few-row-kernel"])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 16, 40])
+@pytest.mark.parametrize("with_kernels", [False, True], ids=["packed-only", "panel-kernel"])
 def test_packed_linear_matches_a_plain_matmul(dtype: torch.dtype, num_rows: int, with_kernels: bool) -> None:
-    """A few rows go to the few-row kernel when there is one; the rest to oneDNN."""
+    """Decode steps go to the panel kernel when there is one; the rest to oneDNN."""
     kernels = cpu_kernels.load() if with_kernels else None
     if with_kernels and kernels is None:
         pytest.skip("no C compiler")
     linear = nn.Linear(96, 80).to(dtype)
     module = PackedLinear(linear, kernels)
-    assert (module.weight is None) == (kernels is None)  # the plain weight is kept only for the kernel
+    assert (module.panels is None) == (kernels is None)  # the panels are kept only for the kernel
     x = torch.randn(num_rows, 96).to(dtype)
     expected = F.linear(x.float(), linear.weight.float(), linear.bias.float())
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(module(x).float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize(("dtype", "max_kernel_rows"), [(torch.float32, 3), (torch.bfloat16, 2)], ids=str)
-def test_packed_linear_sends_only_a_few_rows_to_the_kernel(dtype: torch.dtype, max_kernel_rows: int) -> None:
-    """Up to three float32 rows, two bf16 rows: where the kernel beats oneDNN's packed weights."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("isa", [isa for isa in cpu_features().supported_isas if isa != "generic"])
+def test_packed_linear_sends_only_decode_steps_to_the_kernel(dtype: torch.dtype, isa: str) -> None:
+    """float32 up to 32 rows with AVX-512 and 16 with AVX2, bf16 up to four: where the panel kernel
+    beats oneDNN's packed weights."""
     if dtype not in PACKED_DTYPES:
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
-    kernels = cpu_kernels.load()
+    kernels = cpu_kernels.load(isa)
     if kernels is None:
         pytest.skip("no C compiler")
+    max_kernel_rows = 4 if dtype == torch.bfloat16 else 16 if isa == "avx2" else 32
     calls: list[int] = []
 
     class Counting:
-        def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        isa = kernels.isa
+        pack_panels = kernels.pack_panels
+
+        def linear(self, x: torch.Tensor, *args: object) -> torch.Tensor:
             calls.append(x.shape[0])
-            return kernels.linear(x, weight, bias)
+            return kernels.linear(x, *args)
 
     module = PackedLinear(nn.Linear(96, 80).to(dtype), Counting())  # type: ignore[arg-type]
     for num_rows in range(1, max_kernel_rows + 3):

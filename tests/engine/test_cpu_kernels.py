@@ -253,10 +253,10 @@ def test_fused_rotary_matches_reference_on_strided_rows(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 7])
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 7, 8, 9, 17])
 @pytest.mark.parametrize(("in_features", "out_features"), [(100, 37), (576, 960)], ids=["small", "threaded"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_few_row_linear_matches_a_float32_matmul(
+def test_panel_linear_matches_a_float32_matmul(
     kernels: cpu_kernels.CPUKernels,
     dtype: torch.dtype,
     num_rows: int,
@@ -264,18 +264,34 @@ def test_few_row_linear_matches_a_float32_matmul(
     out_features: int,
     with_bias: bool,
 ) -> None:
-    """576 x 960 is past the kernel's threshold for threads; 100 leaves a tail after the last vector.
-    The input rows are strided, as a slice of a wider activation would be."""
+    """576 x 960 is past the kernel's threshold for threads; 37 output features leave a padded
+    panel; 7 to 17 rows take every tile height and more than one tile (6 or 8 rows). The input
+    rows are strided, as a slice of a wider activation would be."""
     generator = torch.Generator().manual_seed(num_rows + in_features)
     wide = torch.randn(num_rows, in_features + 12, generator=generator).to(dtype)
     x = wide[:, 5 : 5 + in_features]
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
     expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    out = kernels.linear(x, weight, bias)
+    panels = kernels.pack_panels(weight)
+    out = kernels.linear(x, panels, out_features, bias)
     assert out.dtype == dtype and out.shape == (num_rows, out_features)
     # float32: another summation order. bf16: rounded once from that float32 sum, within one step.
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(
         out.float(), expected, atol=max(tolerance, 1e-2 if dtype == torch.bfloat16 else 0), rtol=tolerance
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_unpacked_panels_are_the_transposed_weight(kernels: cpu_kernels.CPUKernels, dtype: torch.dtype) -> None:
+    """Any run of panels comes back as the float32 columns of weight^T it holds, zero past the last
+    output feature (the padding of the last panel)."""
+    out_features, in_features, width = 3 * kernels.panel_width + 5, 24, kernels.panel_width
+    weight = torch.randn(out_features, in_features).to(dtype)
+    panels = kernels.pack_panels(weight)
+    padded = torch.zeros(4 * width, in_features)
+    padded[:out_features] = weight.float()
+    for start, end in [(0, 4), (1, 3), (3, 4)]:
+        columns = kernels.unpack_panels(panels, in_features, start, end)
+        assert torch.equal(columns, padded[start * width : end * width].T)

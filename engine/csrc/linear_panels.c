@@ -1,0 +1,187 @@
+/*
+ * Linear layer for decode steps of one to a dozen rows, on weights laid out in panels:
+ * out = x @ w^T (+ bias), x, bias and out bf16 or float32 alike, the panels of the same dtype,
+ * float32 accumulation and one rounding at the end in bf16 (as oneDNN's bf16 kernels round).
+ *
+ * A decode step reads every weight once, so its linears should run at the memory's read
+ * bandwidth whatever the number of rows. Dot products along in_features (one weight row at a
+ * time against every input row) do at one or two rows, but each multiply then needs an input
+ * vector load and each output a horizontal sum, and from three or four rows those, not the
+ * memory, set the pace. Here the weight is stored in panels of PANEL_WIDTH output features,
+ * in_features-major: panel p holds w[p*W + j][k] at [p][k][j]. One step of k loads the panel's
+ * W weights as whole vectors and multiplies each into every input row's x[m][k], broadcast:
+ * W/SIMD_WIDTH loads shared by all the rows, no input vector loads, no horizontal sums, and the
+ * accumulators (rows x W/SIMD_WIDTH vectors) stay in registers across the whole of in_features.
+ * Each panel is one contiguous stretch of memory and a thread's panels follow one another,
+ * so the weight streams in order, as the hardware prefetcher likes it. bf16 weights are
+ * converted in registers (a 16-bit shift), once per load for all rows.
+ *
+ * x: [num_rows, in_features], rows x_stride elements apart; panels: [ceil(out_features / W),
+ * in_features, W] contiguous, zero past out_features (pack_panels lays them out; the layout is
+ * this file's business alone); bias: [out_features] or NULL; out: [num_rows, out_features]
+ * contiguous. Panels are split across threads when the weight is large.
+ */
+#include <stdlib.h>
+
+#include "simd.h"
+
+/* Weight elements below which one thread reads the weight faster than a team can wake up. */
+#define PANEL_PARALLEL_MIN_WEIGHTS (1 << 18)
+
+#if SIMD_WIDTH > 1
+#define PANEL_VECTORS 2
+#define PANEL_WIDTH (PANEL_VECTORS * SIMD_WIDTH)
+/* Rows of one tile: its accumulators, the panel's vectors and one broadcast fit the ISA's
+   registers (32 vector registers with AVX-512, 16 with AVX2). More rows take more tiles, each
+   reading the panel again, from cache. */
+#if SIMD_WIDTH >= 16
+#define PANEL_TILE_ROWS 8
+#else
+#define PANEL_TILE_ROWS 6
+#endif
+
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t in_features, const void *panel,
+                                                             const void *bias, void *out, int64_t out_features,
+                                                             int64_t n, const int rows, const int is_bf16) {
+    vfloat acc[PANEL_TILE_ROWS][PANEL_VECTORS];
+    for (int m = 0; m < rows; ++m)
+        for (int v = 0; v < PANEL_VECTORS; ++v) acc[m][v] = vf_zero();
+    for (int64_t k = 0; k < in_features; ++k) {
+        vfloat w[PANEL_VECTORS];
+        for (int v = 0; v < PANEL_VECTORS; ++v) w[v] = vload(panel, k * PANEL_WIDTH + v * SIMD_WIDTH, is_bf16);
+        for (int m = 0; m < rows; ++m) {
+            const vfloat xk = vf_set1(x[m * in_features + k]);
+            for (int v = 0; v < PANEL_VECTORS; ++v) acc[m][v] = vf_fmadd(xk, w[v], acc[m][v]);
+        }
+    }
+    /* The panel's last columns may lie past out_features (zero padding): store what exists. */
+    const int64_t width = out_features - n < PANEL_WIDTH ? out_features - n : PANEL_WIDTH;
+    for (int m = 0; m < rows; ++m) {
+        float sums[PANEL_WIDTH];
+        for (int v = 0; v < PANEL_VECTORS; ++v) vf_store(sums + v * SIMD_WIDTH, acc[m][v]);
+        for (int64_t j = 0; j < width; ++j) {
+            const float value = bias == NULL ? sums[j] : sums[j] + load(bias, n + j, is_bf16);
+            store(out, m * out_features + n + j, value, is_bf16);
+        }
+    }
+}
+
+/* Panel p (output features p*W..) for every input row, a tile of rows at a time. */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t num_rows, int64_t in_features,
+                                                             const void *panels, const void *bias, void *out,
+                                                             int64_t out_features, int64_t p, const int is_bf16) {
+    const int64_t n = p * PANEL_WIDTH;
+    const void *panel = (const char *)panels + p * in_features * PANEL_WIDTH * (is_bf16 ? 2 : 4);
+    for (int64_t m = 0; m < num_rows; m += PANEL_TILE_ROWS) {
+        const float *x_tile = x + m * in_features;
+        void *out_tile = (char *)out + m * out_features * (is_bf16 ? 2 : 4);
+        /* Constant tile heights, so each variant's loops unroll into straight register code. */
+        switch (num_rows - m) {
+#define PANEL_TILE_CASE(R)                                                                        \
+    case R: panel_tile(x_tile, in_features, panel, bias, out_tile, out_features, n, R, is_bf16); break;
+            PANEL_TILE_CASE(1)
+            PANEL_TILE_CASE(2)
+            PANEL_TILE_CASE(3)
+            PANEL_TILE_CASE(4)
+            PANEL_TILE_CASE(5)
+#if PANEL_TILE_ROWS >= 8
+            PANEL_TILE_CASE(6)
+            PANEL_TILE_CASE(7)
+#endif
+#undef PANEL_TILE_CASE
+            default:
+                panel_tile(x_tile, in_features, panel, bias, out_tile, out_features, n, PANEL_TILE_ROWS, is_bf16);
+                break;
+        }
+    }
+}
+#else
+/* Generic build: each output feature's dot product, left to the compiler to vectorize. */
+#define PANEL_WIDTH 16
+
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t num_rows, int64_t in_features,
+                                                             const void *panels, const void *bias, void *out,
+                                                             int64_t out_features, int64_t p, const int is_bf16) {
+    const int64_t n = p * PANEL_WIDTH;
+    const int64_t width = out_features - n < PANEL_WIDTH ? out_features - n : PANEL_WIDTH;
+    const int64_t offset = p * in_features * PANEL_WIDTH;
+    for (int64_t m = 0; m < num_rows; ++m) {
+        float sums[PANEL_WIDTH] = {0};
+        for (int64_t k = 0; k < in_features; ++k) {
+            const float xk = x[m * in_features + k];
+#pragma omp simd
+            for (int j = 0; j < PANEL_WIDTH; ++j) sums[j] += xk * load(panels, offset + k * PANEL_WIDTH + j, is_bf16);
+        }
+        for (int64_t j = 0; j < width; ++j) {
+            const float value = bias == NULL ? sums[j] : sums[j] + load(bias, n + j, is_bf16);
+            store(out, m * out_features + n + j, value, is_bf16);
+        }
+    }
+}
+#endif
+
+int panel_width(void) { return PANEL_WIDTH; }
+
+static inline int64_t panel_count(int64_t out_features) { return (out_features + PANEL_WIDTH - 1) / PANEL_WIDTH; }
+
+/* Elements of the panels of an [out_features, in_features] weight, padding included. */
+int64_t panel_elements(int64_t out_features, int64_t in_features) {
+    return panel_count(out_features) * in_features * PANEL_WIDTH;
+}
+
+/* w: [out_features, in_features] contiguous -> panels (panel_elements() elements of w's dtype). */
+void pack_panels(const void *w, void *panels, int64_t out_features, int64_t in_features, int is_bf16) {
+    const int64_t element_bytes = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panel_count(out_features); ++p) {
+        for (int64_t k = 0; k < in_features; ++k) {
+            char *dst = (char *)panels + ((p * in_features + k) * PANEL_WIDTH) * element_bytes;
+            for (int64_t j = 0; j < PANEL_WIDTH; ++j) {
+                const int64_t n = p * PANEL_WIDTH + j;
+                if (n < out_features)
+                    memcpy(dst + j * element_bytes, (const char *)w + (n * in_features + k) * element_bytes,
+                           element_bytes);
+                else
+                    memset(dst + j * element_bytes, 0, element_bytes);
+            }
+        }
+    }
+}
+
+/* Panels [p_start, p_end) as one float32 block of w^T: wt32 [in_features, (p_end - p_start) * W], for a
+   GEMM over many rows (columns past out_features are zero). */
+void unpack_panels(const void *panels, float *wt32, int64_t in_features, int64_t p_start, int64_t p_end, int is_bf16) {
+    const int64_t columns = (p_end - p_start) * PANEL_WIDTH;
+#pragma omp parallel for schedule(static) if ((p_end - p_start) * in_features * PANEL_WIDTH >= PANEL_PARALLEL_MIN_WEIGHTS)
+    for (int64_t p = p_start; p < p_end; ++p)
+        for (int64_t k = 0; k < in_features; ++k) {
+            float *dst = wt32 + k * columns + (p - p_start) * PANEL_WIDTH;
+            const int64_t src = (p * in_features + k) * PANEL_WIDTH;
+#pragma omp simd
+            for (int64_t j = 0; j < PANEL_WIDTH; ++j) dst[j] = load(panels, src + j, is_bf16);
+        }
+}
+
+/* Returns 0, or -1 when the float32 copy of x cannot be allocated. */
+int linear_panels(const void *x, int64_t x_stride, const void *panels, const void *bias, void *out, int64_t num_rows,
+                  int64_t in_features, int64_t out_features, int is_bf16) {
+    /* Each x element is broadcast once per panel: converted (or gathered) once here. */
+    float *x32 = malloc((size_t)(num_rows * in_features) * sizeof(float));
+    if (x32 == NULL) return -1;
+    for (int64_t m = 0; m < num_rows; ++m) {
+#pragma omp simd
+        for (int64_t k = 0; k < in_features; ++k) x32[m * in_features + k] = load(x, m * x_stride + k, is_bf16);
+    }
+    const int64_t num_panels = panel_count(out_features);
+    /* The dtype branch inside the loop: OpenMP outlines the body, and only there does a
+       constant is_bf16 reach the inlined panel code. */
+#pragma omp parallel for schedule(static) if (out_features * in_features >= PANEL_PARALLEL_MIN_WEIGHTS)
+    for (int64_t p = 0; p < num_panels; ++p) {
+        if (is_bf16)
+            panel_rows(x32, num_rows, in_features, panels, bias, out, out_features, p, 1);
+        else
+            panel_rows(x32, num_rows, in_features, panels, bias, out, out_features, p, 0);
+    }
+    free(x32);
+    return 0;
+}
