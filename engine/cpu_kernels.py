@@ -74,7 +74,7 @@ class CPUKernels:
         self._rotary = _bind(library, "rotary_embedding", None, [_P, _I64, _P, _I64] + [_P] * 5 + [_I64] * 4 + [_INT])
         self._store_kv = _bind(library, "store_kv", None, [_P, _I64, _P, _I64, _P, _P, _P] + [_I64] * 5)
         self._linear = _bind(library, "linear_panels", _INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT])
-        self._panel_elements = _bind(library, "panel_elements", _I64, [_I64, _I64])
+        self._panel_elements = _bind(library, "panel_elements", _I64, [_I64, _I64, _INT])
         self._pack_panels = _bind(library, "pack_panels", None, [_P, _P, _I64, _I64, _INT])
         self._unpack_panels = _bind(library, "unpack_panels", None, [_P, _P, _I64, _I64, _I64, _INT])
         # Output features per panel of a packed weight (pack_panels).
@@ -190,8 +190,9 @@ class CPUKernels:
         opaque 1-D tensor of the weight's dtype, about as large as the weight."""
         out_features, in_features = weight.shape
         weight = weight.detach().contiguous()
-        panels = torch.empty(self._panel_elements(out_features, in_features), dtype=weight.dtype)
-        self._pack_panels(weight.data_ptr(), panels.data_ptr(), out_features, in_features, _DTYPES[weight.dtype])
+        dtype = _DTYPES[weight.dtype]
+        panels = torch.empty(self._panel_elements(out_features, in_features, dtype), dtype=weight.dtype)
+        self._pack_panels(weight.data_ptr(), panels.data_ptr(), out_features, in_features, dtype)
         return panels
 
     def unpack_panels(self, panels: torch.Tensor, in_features: int, start: int, end: int) -> torch.Tensor:

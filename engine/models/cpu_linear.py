@@ -6,8 +6,8 @@
   per matmul, bit-identical results). In float32 the packed oneDNN kernels beat the
   default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, "Online speed");
   they sum in another order than MKL, which transformers uses, and greedy parity
-  against transformers (tests/engine/test_parity.py) holds. Decode steps (up to 32
-  float32 rows with AVX-512, 16 with AVX2; up to four bf16 rows) go to the native panel
+  against transformers (tests/engine/test_parity.py) holds. Decode steps (up to 64
+  float32 rows with AVX-512, 16 with AVX2; up to 48 bf16 rows with AVX512_BF16, four without) go to the native panel
   kernel instead (engine/csrc/linear_panels.c), which streams its own copy of the weight,
   laid out in panels of output features, at the memory's read bandwidth where oneDNN
   reaches about two thirds of it. So on this path the weights are held twice (panels
@@ -55,15 +55,16 @@ _UPCAST_SLICE_ELEMENTS = 1 << 20
 _MAX_KERNEL_ROWS = 64
 
 
-def _max_panel_rows_beside_packed(dtype: torch.dtype, isa: str) -> int:
+def _max_panel_rows_beside_packed(dtype: torch.dtype, isa: str, features: CPUFeatures) -> int:
     """Rows up to which the panel kernel beats oneDNN's packed kernels. Whole decode steps of
     SmolLM2-135M on 2 threads of a Zen 4 (docs/benchmarks.md, "Decode steps on weight panels"):
-    float32 1.47x at one row, 1.38x at four, 1.12x at 32 with AVX-512 (1.05x at 48); with both
-    capped at AVX2, 1.86x at one row, 1.11x at 16. bf16: 1.63x at one row, 1.14x at four, level at
-    eight (oneDNN's bf16 dot products need no conversions)."""
+    float32 1.5x at one row, 1.4x at four, 1.1x from 16 to 64 with AVX-512; with both capped at
+    AVX2, 1.9x at one row, 1.1x at 16. bf16 with AVX512_BF16 (paired panels, vdpbf16ps): 1.7x at
+    one row, 1.5x at four, 1.3x at 48, level at 64; bf16 converted in registers: 1.6x at one row,
+    level by four. With AMX, oneDNN's bf16 tiles are not measured against: a few rows only."""
     if dtype == torch.bfloat16:
-        return 4
-    return {"avx512": 32, "avx512_bf16": 32, "avx2": 16}.get(isa, 3)
+        return 48 if isa == "avx512_bf16" and not features.amx_bf16 else 4
+    return {"avx512": 64, "avx512_bf16": 64, "avx2": 16}.get(isa, 3)
 
 
 class PackedLinear(nn.Module):
@@ -76,7 +77,9 @@ class PackedLinear(nn.Module):
         # The panel kernel's own copy (None: every call is packed).
         self.kernels = kernels
         self.panels = None if kernels is None else kernels.pack_panels(linear.weight)
-        self.max_kernel_rows = 0 if kernels is None else _max_panel_rows_beside_packed(linear.weight.dtype, kernels.isa)
+        self.max_kernel_rows = (
+            0 if kernels is None else _max_panel_rows_beside_packed(linear.weight.dtype, kernels.isa, cpu_features())
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]

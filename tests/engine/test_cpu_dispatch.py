@@ -186,14 +186,17 @@ def test_packed_linear_matches_a_plain_matmul(dtype: torch.dtype, num_rows: int,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("isa", [isa for isa in cpu_features().supported_isas if isa != "generic"])
 def test_packed_linear_sends_only_decode_steps_to_the_kernel(dtype: torch.dtype, isa: str) -> None:
-    """float32 up to 32 rows with AVX-512 and 16 with AVX2, bf16 up to four: where the panel kernel
-    beats oneDNN's packed weights."""
+    """float32 up to 64 rows with AVX-512 and 16 with AVX2, bf16 up to 48 with AVX512_BF16's dot
+    products (no AMX) and four without: where the panel kernel beats oneDNN's packed weights."""
     if dtype not in PACKED_DTYPES:
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
     kernels = cpu_kernels.load(isa)
     if kernels is None:
         pytest.skip("no C compiler")
-    max_kernel_rows = 4 if dtype == torch.bfloat16 else 16 if isa == "avx2" else 32
+    if dtype == torch.float32:
+        max_kernel_rows = 16 if isa == "avx2" else 64
+    else:
+        max_kernel_rows = 48 if isa == "avx512_bf16" and not cpu_features().amx_bf16 else 4
     calls: list[int] = []
 
     class Counting:

@@ -254,7 +254,7 @@ def test_fused_rotary_matches_reference_on_strided_rows(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_rows", [1, 3, 4, 7, 8, 9, 17])
-@pytest.mark.parametrize(("in_features", "out_features"), [(100, 37), (576, 960)], ids=["small", "threaded"])
+@pytest.mark.parametrize(("in_features", "out_features"), [(101, 37), (576, 960)], ids=["small", "threaded"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_panel_linear_matches_a_float32_matmul(
     kernels: cpu_kernels.CPUKernels,
@@ -265,8 +265,9 @@ def test_panel_linear_matches_a_float32_matmul(
     with_bias: bool,
 ) -> None:
     """576 x 960 is past the kernel's threshold for threads; 37 output features leave a padded
-    panel; 7 to 17 rows take every tile height and more than one tile (6 or 8 rows). The input
-    rows are strided, as a slice of a wider activation would be."""
+    panel, 101 input features a padded pair (bf16 pairs with AVX512_BF16); 7 to 17 rows take
+    every tile height and more than one tile (6 or 8 rows). The input rows are strided, as a
+    slice of a wider activation would be."""
     generator = torch.Generator().manual_seed(num_rows + in_features)
     wide = torch.randn(num_rows, in_features + 12, generator=generator).to(dtype)
     x = wide[:, 5 : 5 + in_features]
@@ -286,8 +287,8 @@ def test_panel_linear_matches_a_float32_matmul(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_unpacked_panels_are_the_transposed_weight(kernels: cpu_kernels.CPUKernels, dtype: torch.dtype) -> None:
     """Any run of panels comes back as the float32 columns of weight^T it holds, zero past the last
-    output feature (the padding of the last panel)."""
-    out_features, in_features, width = 3 * kernels.panel_width + 5, 24, kernels.panel_width
+    output feature (the padding of the last panel); an odd in_features leaves a padded bf16 pair."""
+    out_features, in_features, width = 3 * kernels.panel_width + 5, 25, kernels.panel_width
     weight = torch.randn(out_features, in_features).to(dtype)
     panels = kernels.pack_panels(weight)
     padded = torch.zeros(4 * width, in_features)
