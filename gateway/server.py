@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
+from cluster.startup_heap import freeze_startup_heap
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from gateway import limits
 from gateway.admission import AdmissionLimits
@@ -246,6 +247,7 @@ async def serve(args: argparse.Namespace) -> None:
         service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive, model_root=str(model_path)
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    freeze_startup_heap()  # the tokenizer, app and clients are built by now
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
     try:
         await uvicorn.Server(config).serve()  # returns after SIGTERM/SIGINT and a graceful shutdown

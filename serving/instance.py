@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.registration import RegistryHeartbeat
+from cluster.startup_heap import freeze_startup_heap
 from engine.async_engine import AsyncEngine
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineRole
 from engine.engine_core import EngineCore
@@ -262,11 +263,14 @@ async def serve(
     on_start: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
+    freeze_heap: bool = True,
 ) -> None:
     """Start engine, connector and gRPC server; run until SIGTERM/SIGINT (or ``stop`` is set,
     for a caller that runs the instance in its own event loop), then drain and stop.
     ``on_start`` runs once the engine runs, before the server takes calls; ``on_stop`` once the
-    server has drained, before the connector and engine stop."""
+    server has drained, before the connector and engine stop. ``freeze_heap``: exempt what start-up
+    built from garbage collection (cluster/startup_heap.py); a caller whose process outlives the
+    instance passes False, or the instance's own reference cycles would never be collected."""
     instance.plane.warn_if_open(f"{instance.role} {instance.instance_id}")
     await instance.engine.start()
     if instance.role != "decode":  # decode never prefills a prompt of its own in the normal case
@@ -284,6 +288,8 @@ async def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = instance.plane.add_port(server, f"{args.host}:{args.port}")
     await server.start()
+    if freeze_heap:
+        freeze_startup_heap()  # model, engine, connector and server are all built by now
     instance.grpc_address = f"{advertise}:{port}"
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     logger.info(

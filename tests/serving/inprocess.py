@@ -24,8 +24,9 @@ def colocated_instance(model: Path, *argv: str) -> tuple[argparse.Namespace, Ins
 
 
 @asynccontextmanager
-async def serving(instance: Instance, args: argparse.Namespace) -> AsyncIterator[str]:
-    """Serve the instance until the block ends, then drain and stop it; yields its address."""
+async def serving(instance: Instance, args: argparse.Namespace, freeze_heap: bool = False) -> AsyncIterator[str]:
+    """Serve the instance until the block ends, then drain and stop it; yields its address. The
+    heap is not frozen unless asked: the test process outlives the instance."""
     servicer = colocated.ColocatedServicer(instance)
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -36,6 +37,7 @@ async def serving(instance: Instance, args: argparse.Namespace) -> AsyncIterator
             lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
             ready=ready.set_result,
             stop=stop,
+            freeze_heap=freeze_heap,
         )
     )
     await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
