@@ -1,6 +1,6 @@
 """Native CPU kernels (paged decode attention and its KV store, fused elementwise ops, a
-linear layer for a few rows), compiled on first use with the system C compiler and
-loaded with ctypes.
+linear layer for decode steps on weight panels), compiled on first use with the system C
+compiler and loaded with ctypes.
 
 One library is built per instruction set, with explicit flags (``ISA_FLAGS``), and
 the best one this CPU runs is loaded (:mod:`engine.cpu_features`; a build that fails
