@@ -7,12 +7,12 @@
   default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, "Online speed");
   they sum in another order than MKL, which transformers uses, and greedy parity
   against transformers (tests/engine/test_parity.py) holds. Decode steps (up to 64
-  float32 rows with AVX-512, 16 with AVX2; up to 48 bf16 rows with AVX512_BF16, four without) go to the native panel
-  kernel instead (engine/csrc/linear_panels.c), which streams its own copy of the weight,
-  laid out in panels of output features, at the memory's read bandwidth where oneDNN
-  reaches about two thirds of it. So on this path the weights are held twice (panels
-  and oneDNN's), three times for a head tied to the embedding (the embedding keeps the
-  plain weight).
+  float32 rows with AVX-512, 16 with AVX2; up to 48 bf16 rows with AVX512_BF16, four
+  without) go to the native panel kernel instead (engine/csrc/linear_panels.c), which
+  streams its own copy of the weight, laid out in panels of output features, at the
+  memory's read bandwidth where oneDNN reaches about two thirds of it. So on this path
+  the weights are held twice (panels and oneDNN's), three times for a head tied to the
+  embedding (the embedding keeps the plain weight).
 - ``bf16-weights`` (bf16 anywhere else, e.g. an AVX2-only CPU): packing a bf16
   weight there raises in torch, and ``F.linear`` in bf16 falls back to a generic
   GEMM that is ~4x slower than float32 once more than one row comes in. Weights stay
@@ -99,6 +99,7 @@ class BF16WeightLinear(nn.Module):
         # With the kernels, the weight is held once, in their panels; without, as it is.
         self.panels = None if kernels is None else kernels.pack_panels(linear.weight)
         self.weight = linear.weight if kernels is None else None
+        # Panels per upcast slice (without kernels: plain weight rows, panels one row wide).
         panel_width = 1 if kernels is None else kernels.panel_width
         self.slice_panels = max(1, _UPCAST_SLICE_ELEMENTS // (self.in_features * panel_width))
 
