@@ -1,5 +1,5 @@
 /*
- * Linear layer for decode steps of one to a dozen rows, on weights laid out in panels:
+ * Linear layer for decode steps (one to a few dozen rows), on weights laid out in panels:
  * out = x @ w^T (+ bias), x, bias and out bf16 or float32 alike, the panels of the same dtype,
  * float32 accumulation and one rounding at the end in bf16 (as oneDNN's bf16 kernels round).
  *
