@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -106,33 +107,31 @@ class BF16WeightLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
         num_rows = x.shape[0]
-        if self.panels is None:
-            return F.linear(x, self.weight, self.bias) if num_rows == 1 else self._upcast_plain(x)
-        if num_rows <= _MAX_KERNEL_ROWS and x.stride(1) == 1:
+        if self.panels is None and num_rows == 1:
+            return F.linear(x, self.weight, self.bias)
+        if self.panels is not None and num_rows <= _MAX_KERNEL_ROWS and x.stride(1) == 1:
             return self.kernels.linear(x, self.panels, self.out_features, self.bias)
-        return self._upcast_panels(x)
-
-    def _upcast_panels(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
-        num_panels = cdiv(self.out_features, self.kernels.panel_width)
+        out = torch.empty((num_rows, self.out_features), dtype=x.dtype)
+        for start, end, columns in self._float32_slices():
+            product = x32 @ columns
+            out[:, start:end] = product if self.bias is None else product + self.bias[start:end].float()
+        return out
+
+    def _float32_slices(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """The weight upcast a slice at a time, as float32 columns of its transpose: (start, end,
+        [in_features, end - start]) for output features start..end."""
+        if self.panels is None:
+            for start in range(0, self.out_features, self.slice_panels):
+                end = min(start + self.slice_panels, self.out_features)
+                yield start, end, self.weight[start:end].float().T
+            return
+        width = self.kernels.panel_width
+        num_panels = cdiv(self.out_features, width)
         for first in range(0, num_panels, self.slice_panels):
             last = min(first + self.slice_panels, num_panels)
-            start, end = first * self.kernels.panel_width, min(last * self.kernels.panel_width, self.out_features)
-            columns = self.kernels.unpack_panels(self.panels, self.in_features, first, last)
-            out[:, start:end] = self._plus_bias(x32 @ columns[:, : end - start], start, end)
-        return out
-
-    def _upcast_plain(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
-        for start in range(0, self.out_features, self.slice_panels):
-            end = min(start + self.slice_panels, self.out_features)
-            out[:, start:end] = self._plus_bias(x32 @ self.weight[start:end].float().T, start, end)
-        return out
-
-    def _plus_bias(self, product: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return product if self.bias is None else product + self.bias[start:end].float()
+            start, end = first * width, min(last * width, self.out_features)
+            yield start, end, self.kernels.unpack_panels(self.panels, self.in_features, first, last)[:, : end - start]
 
 
 def linear_path(device: torch.device, dtype: torch.dtype, features: CPUFeatures | None = None) -> LinearPath:
