@@ -124,30 +124,33 @@ def test_a_shared_prefix_lands_on_the_instance_that_holds_it(model: Path, cluste
 
 def test_an_instance_that_stops_reporting_is_drained_and_used_again_when_back(model: Path, cluster) -> None:
     prefills, decodes = cluster
-    frozen = prefills[0]
     with running_gateway(model, *routes(*prefills, *decodes), "--routing", "kv", "--stale-after", "1.0") as gateway:
-        frozen.process.send_signal(signal.SIGSTOP)
-        try:
-            deadline = time.monotonic() + 10
-            while _healthy(gateway, frozen.address) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert not _healthy(gateway, frozen.address)
-            before = _routed(gateway)
-            with ThreadPoolExecutor(4) as pool:
-                answers = list(pool.map(lambda i: _complete(gateway.url, _prompt(300 + i, 600)), range(4)))
-            assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
-            after = _routed(gateway)
-            assert _delta(after, before, frozen.address) == 0 and _delta(after, before, prefills[1].address) == 4
-        finally:
-            frozen.process.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while not _healthy(gateway, frozen.address) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _healthy(gateway, frozen.address)
-        before = _routed(gateway)
-        with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda i: _complete(gateway.url, _prompt(400 + i, 600)), range(6)))
-        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
-        after = _routed(gateway)
-        assert _delta(after, before, frozen.address) >= 2, (before, after)
+        # Each prefill instance in turn stops reporting (SIGSTOP) while the other is back from
+        # its own silence: every request goes to the one that reports, the first one included
+        # once it is back. (Sharing a burst between the two would measure their prefill rates,
+        # which a loaded machine skews by 2-3x between instances, not whether one is used.)
+        for first_seed, silent, serving in ((300, prefills[0], prefills[1]), (400, prefills[1], prefills[0])):
+            _wait_healthy(gateway, serving.address, True)
+            silent.process.send_signal(signal.SIGSTOP)
+            try:
+                _wait_healthy(gateway, silent.address, False)
+                before = _routed(gateway)
+                seeds = range(first_seed, first_seed + 4)
+                with ThreadPoolExecutor(4) as pool:
+                    answers = list(pool.map(lambda seed: _complete(gateway.url, _prompt(seed, 600)), seeds))
+                assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+                after = _routed(gateway)
+                assert _delta(after, before, silent.address) == 0, (before, after)
+                assert _delta(after, before, serving.address) == 4, (before, after)
+            finally:
+                silent.process.send_signal(signal.SIGCONT)
+        _wait_healthy(gateway, prefills[1].address, True)
     assert_all_free(*prefills, *decodes)
+
+
+def _wait_healthy(gateway: HTTPProcess, address: str, healthy: bool) -> None:
+    """Until the gateway's health of ``address`` is ``healthy`` (at most 10 s)."""
+    deadline = time.monotonic() + 10
+    while _healthy(gateway, address) != healthy and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _healthy(gateway, address) == healthy, f"{address} never became {'healthy' if healthy else 'unhealthy'}"
