@@ -1,5 +1,6 @@
 """Native CPU kernels (paged decode attention and its KV store, fused elementwise ops, a
-linear layer for decode steps on weight panels), compiled on first use with the system C
+linear layer for decode steps on weight panels, and a whole decode step of a Llama-family
+model strung from them: engine/models/native_decode.py), compiled on first use with the system C
 compiler and loaded with ctypes.
 
 One library is built per instruction set, with explicit flags (``ISA_FLAGS``), and
@@ -77,6 +78,10 @@ class CPUKernels:
         self._panel_elements = _bind(library, "panel_elements", _I64, [_I64, _I64, _INT])
         self._pack_panels = _bind(library, "pack_panels", None, [_P, _P, _I64, _I64, _INT])
         self._unpack_panels = _bind(library, "unpack_panels", None, [_P, _P, _I64, _I64, _I64, _INT])
+        self._paged_decode_supports = _bind(library, "paged_decode_supports", _INT, [_I64] * 3)
+        # decode_forward(model, input_ids, positions, slot_mapping, block_tables, block_table_stride,
+        # seq_lens, num_rows, logits): engine/models/native_decode.py builds the model struct.
+        self.decode_forward = _bind(library, "decode_forward", _INT, [_P] * 5 + [_I64, _P, _I64, _P])
         # Output features per panel of a packed weight (pack_panels).
         self.panel_width: int = _bind(library, "panel_width", _INT, [])()
 
@@ -123,6 +128,10 @@ class CPUKernels:
             _DTYPES[query.dtype],
         )
         return out if status == 0 else None
+
+    def paged_decode_supports(self, num_heads: int, head_dim: int, block_size: int) -> bool:
+        """Whether :meth:`paged_decode_attention` takes these sizes (it returns None beyond them)."""
+        return bool(self._paged_decode_supports(num_heads, head_dim, block_size))
 
     def store_kv(
         self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor

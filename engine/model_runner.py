@@ -18,7 +18,7 @@ from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from engine.flat_batch import FlatBatch, build_flat_batch
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.kv_cache_utils import cdiv, kv_cache_bytes_per_block, num_blocks_for_budget
-from engine.models import load_model
+from engine.models import load_model, native_decode
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, SchedulerOutput
@@ -78,6 +78,8 @@ class ModelRunner:
             self.bytes_per_block,
             backend.name,
         )
+        # CPU decode steps in one native call where the model allows (engine/models/native_decode.py).
+        self.native_decode = native_decode.build(self.model, self.layer_caches) if self.device.type == "cpu" else None
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.structured_output: StructuredOutputManager | None = None  # set by the engine core
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -145,7 +147,7 @@ class ModelRunner:
         sampling = [s.request for s in output.scheduled if s.samples]
         # Grammar masks for this step's tokens are computed while the forward pass runs.
         bitmask = self._start_bitmask(sampling)
-        logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.metadata, batch.logits_indices)
+        logits = self._forward(batch)
         if not sampling:
             return ModelOutput(sampled_token_ids=[], logprobs=[])
         if output.num_spec_decodes:
@@ -163,6 +165,14 @@ class ModelRunner:
             ),
         )
         return ModelOutput(sampled_token_ids=sampler_output.token_ids, logprobs=sampler_output.logprobs)
+
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        """Float32 logits of the batch's ``logits_indices`` rows."""
+        if self.native_decode is not None:
+            logits = self.native_decode(batch)
+            if logits is not None:
+                return logits
+        return self.model(batch.input_ids, batch.positions, self.layer_caches, batch.metadata, batch.logits_indices)
 
     def _start_bitmask(self, sampling: list[Request]) -> PendingBitmask | None:
         """None (and no cost beyond one pass over the rows) when no row samples under a grammar."""

@@ -271,12 +271,17 @@ static inline __attribute__((always_inline)) void decode_sequence(
     }
 }
 
+/* Whether paged_decode_attention takes these sizes (its buffers live on the stack). */
+int paged_decode_supports(int64_t num_heads, int64_t head_dim, int64_t block_size) {
+    return num_heads <= MAX_HEADS && head_dim <= MAX_HEAD_DIM && block_size <= MAX_BLOCK_SIZE;
+}
+
 /* Returns 0, or -1 when a size exceeds the stack buffers (the caller falls back). */
 int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
                            const int32_t *block_tables, const int32_t *seq_lens, void *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            int64_t block_table_stride, int64_t block_stride, float scale, int is_bf16) {
-    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
+    if (!paged_decode_supports(num_heads, head_dim, block_size)) return -1;
     const void *reduce_indices = NULL;
 #if SIMD_WIDTH > 1
     ReduceIndices indices;

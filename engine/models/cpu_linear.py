@@ -100,6 +100,8 @@ class BF16WeightLinear(nn.Module):
         # With the kernels, the weight is held once, in their panels; without, as it is.
         self.panels = None if kernels is None else kernels.pack_panels(linear.weight)
         self.weight = linear.weight if kernels is None else None
+        # Rows the panel kernel takes (the rest upcast the weight for the float32 GEMM).
+        self.max_kernel_rows = 0 if kernels is None else _MAX_KERNEL_ROWS
         # Panels per upcast slice (without kernels: plain weight rows, panels one row wide).
         panel_width = 1 if kernels is None else kernels.panel_width
         self.slice_panels = max(1, _UPCAST_SLICE_ELEMENTS // (self.in_features * panel_width))
@@ -109,7 +111,7 @@ class BF16WeightLinear(nn.Module):
         num_rows = x.shape[0]
         if self.panels is None and num_rows == 1:
             return F.linear(x, self.weight, self.bias)
-        if self.panels is not None and num_rows <= _MAX_KERNEL_ROWS and x.stride(1) == 1:
+        if self.panels is not None and num_rows <= self.max_kernel_rows and x.stride(1) == 1:
             return self.kernels.linear(x, self.panels, self.out_features, self.bias)
         x32 = x.float()
         out = torch.empty((num_rows, self.out_features), dtype=x.dtype)

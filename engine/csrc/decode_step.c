@@ -1,0 +1,136 @@
+/*
+ * One whole forward pass of a Llama-family decoder for a batch of decode tokens (one new
+ * token per row), in one call: the same kernels, in the same order, on the same inputs as
+ * the PyTorch modules of engine/models/llama.py run them one by one, so the logits are
+ * bit-identical to theirs (tests/engine/test_native_decode.py holds it to that).
+ *
+ * Why one call: a decode step of a small model is some 15 kernel calls per layer, each a
+ * few to a few hundred microseconds, and between them Python builds views, checks strides
+ * and converts ctypes arguments: about a fifth of a step on a 2-vCPU EPYC, holding the GIL
+ * throughout. In a serving process the gRPC event loop needs the GIL too, for every token
+ * it streams; the engine thread gave it up at every kernel call and waited for it back at
+ * every return, once per call, and those waits added 15-40% to a step under load
+ * (docs/benchmarks.md, "A decode step in one native call"). Here the caller releases the
+ * GIL once (ctypes does) for the whole pass.
+ *
+ * Per layer, as DecoderLayer.forward: input norm (fused with the residual add), qkv
+ * projection, rotary on q and k, K/V stored into the paged cache, paged decode attention,
+ * output projection, post-attention norm (fused add), gate/up projection, SiLU-and-mul,
+ * down projection. Then the final norm and the head, and the logits upcast to float32.
+ */
+#include <stdlib.h>
+
+#include "common.h"
+
+/* The kernels this file strings together (the other sources of this library). */
+void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t num_rows, int64_t hidden,
+                  float eps, int is_bf16);
+void silu_and_mul(const void *gate_up, void *out, int64_t num_rows, int64_t intermediate, int is_bf16);
+void rotary_embedding(const void *q, int64_t q_stride, const void *k, int64_t k_stride, void *q_out, void *k_out,
+                      const void *cos_cache, const void *sin_cache, const int64_t *positions, int64_t num_tokens,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int is_bf16);
+void store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *key_cache,
+              void *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t row_elements,
+              int64_t block_size, int64_t block_stride, int64_t element_bytes);
+int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, void *out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t block_table_stride, int64_t block_stride, float scale, int is_bf16);
+int linear_panels(const void *x, int64_t x_stride, const void *panels, const void *bias, void *out, int64_t num_rows,
+                  int64_t in_features, int64_t out_features, int is_bf16);
+
+/* One decoder layer's weights (panels from pack_panels; biases NULL when absent) and its
+   view of the KV cache: the K and V of block 0, later blocks block_stride elements apart. */
+typedef struct {
+    const void *input_norm, *post_attention_norm;
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    void *key_cache, *value_cache;
+} DecodeLayer;
+
+/* Everything but the step's inputs; engine/models/native_decode.py fills it once per model. */
+typedef struct {
+    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab_size;
+    int64_t block_size, block_stride;
+    float rms_norm_eps, scale;
+    int64_t is_bf16;
+    const void *embedding;          /* [vocab_size, hidden] */
+    const void *final_norm;         /* [hidden] */
+    const void *head, *head_bias;   /* panels of [vocab_size, hidden] */
+    const void *cos, *sin;          /* [max_positions, head_dim / 2] */
+    const DecodeLayer *layers;      /* [num_layers] */
+} DecodeModel;
+
+enum { DECODE_OK = 0, DECODE_NO_MEMORY = -1, DECODE_BAD_TOKEN = -2, DECODE_UNSUPPORTED = -3 };
+
+/*
+ * input_ids, positions, slot_mapping: [num_rows] int64; block_tables: [num_rows, >= blocks]
+ * int32, rows block_table_stride apart; seq_lens: [num_rows] int32 (the new token included);
+ * logits: [num_rows, vocab_size] float32. Returns DECODE_OK, or an error code having written
+ * nothing but (possibly) some layers' K/V of this step's tokens, which a retry rewrites alike.
+ */
+int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t *positions,
+                   const int64_t *slot_mapping, const int32_t *block_tables, int64_t block_table_stride,
+                   const int32_t *seq_lens, int64_t num_rows, float *logits) {
+    const int bf16 = (int)m->is_bf16;
+    const int64_t bytes = bf16 ? 2 : 4, rows = num_rows, hidden = m->hidden;
+    const int64_t q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = m->intermediate;
+    for (int64_t r = 0; r < rows; ++r)
+        if (input_ids[r] < 0 || input_ids[r] >= m->vocab_size) return DECODE_BAD_TOKEN;
+
+    /* Activations of one layer, each [rows, width] in the model dtype; the head's output too
+       in bf16 (it is upcast into logits afterwards). */
+    const int64_t widths[] = {hidden, hidden, hidden, qkv_size, q_size, kv_size, q_size, 2 * inter, inter};
+    int64_t total = bf16 ? rows * m->vocab_size : 0;
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; ++i) total += rows * widths[i];
+    char *scratch = malloc((size_t)(total * bytes));
+    if (scratch == NULL) return DECODE_NO_MEMORY;
+    char *cursor = scratch;
+#define TAKE(width) (cursor += rows * (width) * bytes, cursor - rows * (width) * bytes)
+    char *residual = TAKE(hidden), *x = TAKE(hidden), *normed = TAKE(hidden), *qkv = TAKE(qkv_size);
+    char *q = TAKE(q_size), *k = TAKE(kv_size), *attention = TAKE(q_size), *gate_up = TAKE(2 * inter);
+    char *activation = TAKE(inter);
+    char *head_out = bf16 ? TAKE(m->vocab_size) : (char *)logits;
+#undef TAKE
+
+    /* linear_panels returns 0 or -1 (DECODE_NO_MEMORY): OR-ing keeps the first failure. */
+    int status = DECODE_OK;
+    for (int64_t r = 0; r < rows; ++r)
+        memcpy(residual + r * hidden * bytes, (const char *)m->embedding + input_ids[r] * hidden * bytes,
+               (size_t)(hidden * bytes));
+    for (int64_t l = 0; l < m->num_layers && status == DECODE_OK; ++l) {
+        const DecodeLayer *layer = &m->layers[l];
+        /* The first layer normalises the embedding itself, which becomes the residual. */
+        if (l == 0)
+            add_rms_norm(residual, NULL, layer->input_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
+        else
+            add_rms_norm(x, residual, layer->input_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
+        status |= linear_panels(normed, hidden, layer->qkv, layer->qkv_bias, qkv, rows, hidden, qkv_size, bf16);
+        rotary_embedding(qkv, qkv_size, qkv + q_size * bytes, qkv_size, q, k, m->cos, m->sin, positions, rows,
+                         m->num_heads, m->num_kv_heads, m->head_dim, bf16);
+        store_kv(k, kv_size, qkv + (q_size + kv_size) * bytes, qkv_size, layer->key_cache, layer->value_cache,
+                 slot_mapping, rows, kv_size, m->block_size, m->block_stride, bytes);
+        if (paged_decode_attention(q, layer->key_cache, layer->value_cache, block_tables, seq_lens, attention, rows,
+                                   m->num_heads, m->num_kv_heads, m->head_dim, m->block_size, block_table_stride,
+                                   m->block_stride, m->scale, bf16) != 0) {
+            status = DECODE_UNSUPPORTED;
+            break;
+        }
+        status |= linear_panels(attention, q_size, layer->o, layer->o_bias, x, rows, q_size, hidden, bf16);
+        add_rms_norm(x, residual, layer->post_attention_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
+        status |= linear_panels(normed, hidden, layer->gate_up, layer->gate_up_bias, gate_up, rows, hidden,
+                                2 * inter, bf16);
+        silu_and_mul(gate_up, activation, rows, inter, bf16);
+        status |= linear_panels(activation, inter, layer->down, layer->down_bias, x, rows, inter, hidden, bf16);
+    }
+    if (status == DECODE_OK) {
+        add_rms_norm(x, residual, m->final_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
+        status = linear_panels(normed, hidden, m->head, m->head_bias, head_out, rows, hidden, m->vocab_size, bf16);
+    }
+    if (status == DECODE_OK && bf16) {
+        const uint16_t *source = (const uint16_t *)head_out;
+        for (int64_t i = 0; i < rows * m->vocab_size; ++i) logits[i] = bf16_to_float(source[i]);
+    }
+    free(scratch);
+    return status;
+}

@@ -1,0 +1,131 @@
+"""A decode step in one native call (engine/models/native_decode.py) gives what the model's
+modules give, bit for bit: its logits, and the K/V it writes into the paged cache.
+
+Every step the native call takes is run through the modules too, on the same inputs,
+right after it (they rewrite the step's K/V slots; a difference in either shows). The
+batches mix lengths across block boundaries and sizes beyond the panel kernel's reach
+(those steps, and prefills, must go to the modules). Each kernel build this CPU runs is
+tested, the generic one (no SIMD) included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, cpu_kernels
+from engine.cpu_features import CAP_ENV, cpu_features
+from engine.flat_batch import FlatBatch
+from engine.model_runner import ModelRunner
+from engine.models.native_decode import NativeDecodeStep
+from tests.checkpoints import make_checkpoint, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(params=cpu_features().supported_isas)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """The kernel build under test, this CPU's best one and every weaker one it runs."""
+    monkeypatch.setenv(CAP_ENV, request.param)
+    cpu_features.cache_clear()
+    cpu_kernels.clear_cache()
+    yield request.param
+    monkeypatch.delenv(CAP_ENV)
+    cpu_features.cache_clear()
+    cpu_kernels.clear_cache()
+
+
+class Checked:
+    """Wraps a runner's native step: each step it takes is replayed through the modules."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.native: NativeDecodeStep = runner.native_decode
+        self.num_steps = 0
+        self.row_counts: list[int] = []
+
+    def __call__(self, batch: FlatBatch) -> torch.Tensor | None:
+        logits = self.native(batch)
+        if logits is None:
+            return None
+        self.num_steps += 1
+        self.row_counts.append(batch.input_ids.shape[0])
+        written = self._slots(batch).clone()
+        expected = self.runner.model(
+            batch.input_ids, batch.positions, self.runner.layer_caches, batch.metadata, batch.logits_indices
+        )
+        assert torch.equal(logits, expected), f"logits of a {batch.input_ids.shape[0]}-row step differ"
+        assert torch.equal(self._slots(batch), written), "the native step wrote other K/V"
+        return logits
+
+    def _slots(self, batch: FlatBatch) -> torch.Tensor:
+        """Every layer's K and V of the step's new tokens: [T, num_layers, 2, H_kv, D]."""
+        slots = batch.metadata.slot_mapping
+        block_size = self.runner.block_size
+        return self.runner.kv_cache[slots // block_size, :, :, slots % block_size]
+
+
+def checked_llm(path: Path, dtype: str, **config: object) -> tuple[LLM, Checked]:
+    llm = LLM(model=str(path), dtype=dtype, kv_cache_memory=1 << 24, **config)
+    runner = llm.engine.runner
+    assert runner.native_decode is not None, "the native decode step should take this model"
+    checked = Checked(runner)
+    runner.native_decode = checked
+    return llm, checked
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("LlamaForCausalLM", {}),
+        ("Qwen2ForCausalLM", {}),  # q/k/v biases, tied head
+        ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    ],
+)
+def test_native_decode_steps_equal_the_modules(
+    isa: str, tmp_path: Path, dtype: str, architecture: str, overrides: dict[str, object]
+) -> None:
+    path = make_checkpoint(tmp_path / "model", architecture, **overrides)
+    llm, checked = checked_llm(path, dtype)
+    max_rows = checked.native.max_rows
+    # More sequences than the kernel takes rows: the first steps go to the modules, and as
+    # the requests of different lengths finish, the rest to the native call.
+    lengths = [1, 7, 15, 16, 17, 31, 33, 48, 5, 23, 64, 2] * (max_rows // 12 + 1)
+    prompts = random_prompts(lengths[: max_rows + 3], seed=7)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert checked.num_steps > 0 and max(checked.row_counts) <= max_rows
+    assert min(checked.row_counts) < max_rows  # steps of every size down to the stragglers
+
+
+def test_steps_it_does_not_take_go_to_the_modules(tmp_path: Path) -> None:
+    path = make_checkpoint(tmp_path / "model")
+    llm, checked = checked_llm(path, "float32", max_num_batched_tokens=8)
+    native = checked.native
+    calls: list[tuple[int, int]] = []
+    original = native.__class__.__call__
+
+    def spy(self: NativeDecodeStep, batch: FlatBatch) -> torch.Tensor | None:
+        result = original(self, batch)
+        calls.append((batch.metadata.num_decodes, batch.input_ids.shape[0]))
+        assert (result is not None) == (batch.metadata.num_decodes == batch.input_ids.shape[0] <= native.max_rows)
+        return result
+
+    native.__class__.__call__ = spy  # type: ignore[method-assign]
+    try:
+        # A 20-token prompt in 8-token chunks beside a running decode: mixed steps.
+        llm.generate(random_prompts([3, 20], seed=8), GREEDY)
+    finally:
+        native.__class__.__call__ = original  # type: ignore[method-assign]
+    assert any(num_decodes < num_rows for num_decodes, num_rows in calls), calls
+    assert any(num_decodes == num_rows for num_decodes, num_rows in calls), calls
+
+
+def test_no_native_step_without_the_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
+    llm = LLM(model=str(make_checkpoint(tmp_path / "model")), dtype="float32", kv_cache_memory=1 << 24)
+    assert llm.engine.runner.native_decode is None
+    assert len(llm.generate(random_prompts([5], seed=9), GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
