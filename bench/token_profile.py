@@ -11,6 +11,7 @@ token (samples / rate / tokens streamed meanwhile)::
 
     python -m bench.token_profile --duration 30
     python -m bench.token_profile --duration 30 --source-dir /tmp/splitserve-before   # another checkout
+    python -m bench.token_profile --duration 30 --native   # inside the native kernels too
 
 py-spy (``pip install py-spy``; it needs ptrace, root on most hosts) samples without
 stopping the process; only threads holding the GIL or running native code are counted
@@ -38,15 +39,30 @@ from bench.splitserve_up import start_up, wait_ready
 from launcher.processes import free_port
 
 # (bucket, pattern on "function (file:line)" frames), tried from the innermost frame out.
+# Native frames (``--native``) name the C kernels, ``name (library.so)`` or ``name._omp_fn.0 (...)``
+# for a thread's share of a parallel loop; a libgomp frame innermost is a thread waiting in
+# the OpenMP runtime (a barrier, or a team waking up) rather than computing.
 _RULES: list[tuple[str, re.Pattern[str]]] = [
     ("waiting for events (idle)", re.compile(r"\(\S*selectors\.py:\d+\)")),
-    ("linear layers", re.compile(r"CPUKernels\.linear |engine/models/cpu_linear\.py|torch/nn/modules/linear\.py")),
-    ("attention", re.compile(r"CPUKernels\.(paged_decode_attention|store_kv) |engine/attention/")),
+    ("OpenMP runtime (barriers, team wake-ups)", re.compile(r"\(\S*libgomp\S*\)")),
+    (
+        "linear layers",
+        re.compile(r"CPUKernels\.linear |engine/models/cpu_linear\.py|torch/nn/modules/linear\.py|^linear_panels[ .]"),
+    ),
+    (
+        "attention",
+        re.compile(
+            r"CPUKernels\.(paged_decode_attention|store_kv) |engine/attention/|^(paged_decode_attention|store_kv)[ .]"
+        ),
+    ),
     (
         "norm / rotary / SiLU kernels",
-        re.compile(r"engine/models/ops\.py|engine/models/rotary\.py|engine/cpu_kernels\.py"),
+        re.compile(
+            r"engine/models/ops\.py|engine/models/rotary\.py|engine/cpu_kernels\.py"
+            r"|^(add_rms_norm|rotary_embedding|silu_and_mul)[ .]"
+        ),
     ),
-    ("embedding, logits", re.compile(r"engine/models/llama\.py")),
+    ("embedding, logits", re.compile(r"engine/models/llama\.py|^decode_forward ")),
     ("sampling", re.compile(r"engine/sampler\.py")),
     ("input preparation", re.compile(r"engine/model_runner\.py")),
     ("scheduler, KV blocks", re.compile(r"engine/(scheduler|kv_cache_manager|block_pool|kv_cache_utils)\.py")),
@@ -140,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout")
     parser.add_argument("--output-json", type=Path, default=None)
+    parser.add_argument(
+        "--native", action="store_true", help="sample native frames too (what a C kernel or the OpenMP runtime does)"
+    )
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy")
     if py_spy is None:
@@ -176,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--threads",
                     "--full-filenames",
                     "--nonblocking",
+                    *(["--native"] if args.native else []),
                     "--output",
                     str(workdir / f"{pid}.txt"),
                 ],
