@@ -63,6 +63,8 @@ _RULES: list[tuple[str, re.Pattern[str]]] = [
         ),
     ),
     ("embedding, logits", re.compile(r"engine/models/llama\.py|^decode_forward ")),
+    # Without --native, the whole native decode step is this one frame.
+    ("decode step in one native call", re.compile(r"engine/models/native_decode\.py")),
     ("sampling", re.compile(r"engine/sampler\.py")),
     ("input preparation", re.compile(r"engine/model_runner\.py")),
     ("scheduler, KV blocks", re.compile(r"engine/(scheduler|kv_cache_manager|block_pool|kv_cache_utils)\.py")),
@@ -157,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout")
     parser.add_argument("--output-json", type=Path, default=None)
     parser.add_argument(
-        "--native", action="store_true", help="sample native frames too (what a C kernel or the OpenMP runtime does)"
+        "--native",
+        action="store_true",
+        help="sample native frames too (what a C kernel or the OpenMP runtime does); py-spy then pauses "
+        "the processes for each sample, which slows them: read the shares, not the ms per token",
     )
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy")
@@ -194,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                     "raw",
                     "--threads",
                     "--full-filenames",
-                    "--nonblocking",
-                    *(["--native"] if args.native else []),
+                    # Native stacks need the process paused while py-spy walks them.
+                    *(["--native"] if args.native else ["--nonblocking"]),
                     "--output",
                     str(workdir / f"{pid}.txt"),
                 ],

@@ -9,7 +9,7 @@
  * and converts ctypes arguments: about a fifth of a step on a 2-vCPU EPYC, holding the GIL
  * throughout. In a serving process the gRPC event loop needs the GIL too, for every token
  * it streams; the engine thread gave it up at every kernel call and waited for it back at
- * every return, once per call, and those waits added 15-40% to a step under load
+ * every return, and with six streams those waits were 16% of the engine thread's time
  * (docs/benchmarks.md, "A decode step in one native call"). Here the caller releases the
  * GIL once (ctypes does) for the whole pass.
  *

@@ -45,3 +45,21 @@ def test_samples_are_summed_by_thread_kind_and_part() -> None:
         ("engine step thread", "sampling"): 3,
         ("event loop (main thread)", "waiting for events (idle)"): 20,
     }
+
+
+def test_native_frames_name_the_kernel_or_the_openmp_runtime() -> None:
+    step = [
+        *ENGINE.split(";")[1:],
+        "ModelRunner._forward (/src/engine/model_runner.py:301)",
+        "NativeDecodeStep.__call__ (/src/engine/models/native_decode.py:120)",
+    ]
+    native = "/root/.cache/splitserve/kernels/libsplitserve_cpu_avx2.so"
+    assert classify(step) == "decode step in one native call"
+    assert classify([*step, f"decode_forward ({native})"]) == "embedding, logits"
+    assert classify([*step, f"decode_forward ({native})", f"linear_panels._omp_fn.0 ({native})"]) == "linear layers"
+    assert classify([*step, f"decode_forward ({native})", f"paged_decode_attention ({native})"]) == "attention"
+    assert classify([*step, f"decode_forward ({native})", f"add_rms_norm._omp_fn.0 ({native})"]) == (
+        "norm / rotary / SiLU kernels"
+    )
+    waiting = [*step, f"linear_panels._omp_fn.0 ({native})", "gomp_team_barrier_wait_end (libgomp.so.1)"]
+    assert classify(waiting) == "OpenMP runtime (barriers, team wake-ups)"
