@@ -9,7 +9,8 @@ minus 1, over 32) and the output tokens/s of 32 sequences (64 prompt tokens, 16 
 
 Variants: ``torch`` (``F.linear``: MKL in float32, oneDNN reordering the weight on every
 call in bf16), ``onednn-packed`` without and with the panel kernel for its decode
-steps, and ``bf16-weights`` (bf16 only). Run it under ``ONEDNN_MAX_CPU_ISA=AVX2
+steps, the latter also with its decode steps run module by module rather than in one
+native call (engine/models/native_decode.py), and ``bf16-weights`` (bf16 only). Run it under ``ONEDNN_MAX_CPU_ISA=AVX2
 SPLITSERVE_CPU_ISA=avx2`` to see an AVX2-only CPU's choices.
 """
 
@@ -31,15 +32,17 @@ from engine.models.cpu_linear import LinearPath, PackedLinear, linear_path
 
 logger = logging.getLogger(__name__)
 
-_VARIANTS: dict[str, tuple[LinearPath, bool]] = {  # name -> (path, panel kernel beside packed weights)
-    "torch": ("torch", False),
-    "onednn-packed": ("onednn-packed", False),
-    "onednn-packed + panel kernel": ("onednn-packed", True),
-    "bf16-weights": ("bf16-weights", True),
+# name -> (path, panel kernel beside packed weights, decode steps in one native call where they can be)
+_VARIANTS: dict[str, tuple[LinearPath, bool, bool]] = {
+    "torch": ("torch", False, True),
+    "onednn-packed": ("onednn-packed", False, True),
+    "onednn-packed + panel kernel": ("onednn-packed", True, True),
+    "onednn-packed + panel kernel, module by module": ("onednn-packed", True, False),
+    "bf16-weights": ("bf16-weights", True, True),
 }
 
 
-def load_variant(dtype: str, path: LinearPath, panel_kernel: bool) -> LLM:
+def load_variant(dtype: str, path: LinearPath, panel_kernel: bool, native_step: bool) -> LLM:
     """The engine with every linear layer on ``path``, whatever this CPU would pick."""
     chosen = loader.linear_path
     loader.linear_path = lambda device, dtype_, features=None: path
@@ -51,6 +54,10 @@ def load_variant(dtype: str, path: LinearPath, panel_kernel: bool) -> LLM:
         for module in llm.engine.runner.model.modules():
             if isinstance(module, PackedLinear):
                 module.panels = None
+        # Without panels there is no native step; the runner built it over the panels.
+        llm.engine.runner.native_decode = None
+    if not native_step:
+        llm.engine.runner.native_decode = None
     return llm
 
 
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     names = (
         args.variants.split(",")
         if args.variants
-        else [name for name, (path, _) in _VARIANTS.items() if path != "bf16-weights" or dtype == torch.bfloat16]
+        else [name for name, (path, _, _) in _VARIANTS.items() if path != "bf16-weights" or dtype == torch.bfloat16]
     )
     unknown = set(names) - set(_VARIANTS)
     if unknown:
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         tps = results[name, "batch tok/s"]
         sys.stdout.write(
-            f"{args.dtype} threads={args.threads} {name:<30} decode step ms: {steps}; "
+            f"{args.dtype} threads={args.threads} {name:<46} decode step ms: {steps}; "
             f"batch of 32 {statistics.median(tps):6.1f} tok/s (max {max(tps):.1f})\n"
         )
     return 0

@@ -3,7 +3,15 @@
 The step loop runs on a dedicated thread (torch releases the GIL in its kernels,
 so the event loop stays responsive). Every change to engine state — adding,
 aborting, releasing KV, finishing a KV pull — travels to that thread as a
-command and runs between steps, so the engine itself needs no locks.
+command and runs between steps, with one exception: a hand-off (decode role)
+arriving while the model computes is admitted at once, its blocks allocated and
+its pull started, so that its KV is there when the step ends and it joins the
+next one. Queued like the rest, it waited for that boundary to get blocks,
+pulled during the following step, and joined only the step after: two and a
+half steps on average from its arrival to its first token, the largest gap of
+a P/D stream. The engine thread holds ``_state_lock`` for everything but the
+model execution; the event loop only ever tries that lock (it never waits for
+it: a hand-off arriving during the bookkeeping is queued as before).
 
 Nothing on the event loop waits for a step: a prefill step can take seconds, and
 control calls (abort, release, load reports, health) must answer in
@@ -17,6 +25,8 @@ A request's path, in call order:
 
 1. ``generate()`` (event loop): validate, open the request's stream, queue ``add_request``.
 2. Engine thread, between steps: ``add_request``; a refusal goes into the stream.
+   A hand-off while the model computes: ``add_request`` and ``admit_handoffs`` on the
+   event loop, its pull onto :attr:`AsyncEngine.kv_loads` at once.
 3. Engine thread: ``step()``. The KV pulls it schedules (decode role) go to the event loop,
    onto :attr:`AsyncEngine.kv_loads`, before its forward pass; its outputs after it, both
    with ``call_soon_threadsafe``.
@@ -30,12 +40,13 @@ A request's path, in call order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
@@ -66,6 +77,9 @@ class AsyncEngine:
         self.kv_loads: asyncio.Queue[KVLoad] = asyncio.Queue()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
+        # Held by the engine thread except while a step's model executes (core.around_execute).
+        self._state_lock = threading.Lock()
+        self.core.around_execute = self._unlocked
         self._streams: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -162,7 +176,18 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(stream.put_nowait, error)
 
         try:
-            self._submit(add)
+            if first_token_id is not None and self._state_lock.acquire(blocking=False):
+                try:
+                    add()
+                    loads = self.core.admit_handoffs()
+                    self._latest_report = self.core.load_report()  # counts it from now, not from the next step
+                finally:
+                    self._state_lock.release()
+                _put_all(self.kv_loads, loads)
+                # The engine thread may sleep, idle; what it could not admit here it retries.
+                self._submit(_nothing)
+            else:
+                self._submit(add)
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -250,20 +275,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                if self._drain_commands():
-                    self._latest_report = self.core.load_report()  # commands (aborts, releases) change it too
-                elif self.core.last_step_was_idle:
-                    # Nothing could run (only pulls in flight, or no blocks to admit with): wait for a
-                    # command to change that rather than spin and starve the event loop of the GIL.
+                with self._state_lock:
+                    outputs = self._next_step()
+                if outputs is None:
                     self._sleep()
-                    continue
-                if not self.core.has_unfinished_requests():
-                    self._sleep()
-                    continue
-                outputs = self.core.step()
-                # Before the outputs go out: a caller who has seen them sees a report at least as new.
-                self._latest_report = self.core.load_report()
-                if outputs:
+                elif outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)  # set by start(), before this thread runs
         except BaseException as error:
             logger.exception("engine step loop crashed")
@@ -271,6 +287,30 @@ class AsyncEngine:
         finally:
             self._closed = True
             self._fail_all(EngineDeadError("the engine step loop has stopped"))
+
+    def _next_step(self) -> list[EngineCoreOutput] | None:
+        """The queued commands, then a step; None when there is nothing to step."""
+        if self._drain_commands():
+            self._latest_report = self.core.load_report()  # commands (aborts, releases) change it too
+        elif self.core.last_step_was_idle:
+            # Nothing could run (only pulls in flight, or no blocks to admit with): wait for a
+            # command to change that rather than spin and starve the event loop of the GIL.
+            return None
+        if not self.core.has_unfinished_requests():
+            return None
+        outputs = self.core.step()
+        # Before the outputs go out: a caller who has seen them sees a report at least as new.
+        self._latest_report = self.core.load_report()
+        return outputs
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """The state lock released for the duration (the engine thread, around the model)."""
+        self._state_lock.release()
+        try:
+            yield
+        finally:
+            self._state_lock.acquire()
 
     def _sleep(self) -> None:
         self._wakeup.wait(timeout=0.5)
@@ -318,6 +358,10 @@ def merge_outputs(earlier: EngineCoreOutput, later: EngineCoreOutput) -> EngineC
         num_cached_tokens=earlier.num_cached_tokens,
         kv_handoff=later.kv_handoff,
     )
+
+
+def _nothing() -> None:
+    """A command that only wakes the engine thread."""
 
 
 def _put_all(queue_: asyncio.Queue[T], items: list[T]) -> None:

@@ -6,6 +6,7 @@ offline :class:`engine.llm.LLM` and the gateway add text on top.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -74,6 +75,10 @@ class EngineCore:
         # the forward pass, so the pulls run while the step computes (None: collect them in
         # ``pending_kv_loads`` for the caller to take after the step).
         self.on_kv_loads: Callable[[list[KVLoad]], None] | None = None
+        # The context each step's model execution runs in. AsyncEngine releases its lock on
+        # this core's state there, so that a hand-off arriving mid-step is admitted and its
+        # pull started while the model computes (:meth:`admit_handoffs`).
+        self.around_execute: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
         self._aborted_outputs: list[EngineCoreOutput] = []
         # Speculative decoding (engine/spec_decode): the prefill role samples one token, never drafts.
         self.speculative = config.speculative if config.role != "prefill" else None
@@ -141,6 +146,11 @@ class EngineCore:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {(bad or [first_token_id])[:5]}")
         return resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
 
+    def admit_handoffs(self) -> list[KVLoad]:
+        """Decode role: blocks for the hand-offs waiting at the head of the queue now, not at
+        the next step, and the pulls that fill them (the caller starts them)."""
+        return self.scheduler.admit_handoffs()
+
     # ------------------------------------------------------------------- step
 
     def has_unfinished_requests(self) -> bool:
@@ -161,7 +171,10 @@ class EngineCore:
         if scheduler_output.is_empty:
             return outputs
         started = time.perf_counter()
-        model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
+        # Reads only the requests and blocks this step scheduled; an early hand-off takes
+        # other, free blocks, and moves only a waiting request.
+        with self.around_execute():
+            model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
         seconds = time.perf_counter() - started
         num_prefill_tokens = (
             scheduler_output.num_scheduled_tokens - scheduler_output.num_decodes - scheduler_output.num_spec_tokens

@@ -182,23 +182,13 @@ class Scheduler:
             if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             if request.num_external_tokens:
-                if (
-                    kv.allocate_slots(
-                        request, request.num_external_tokens - num_hit_tokens, computed_blocks, cache_new_blocks=False
-                    )
-                    is None
-                ):
+                load = self._admit_handoff(request)
+                if load is None:
                     break
-                self.waiting.pop(0)
-                request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                self.waiting_for_kv[request.request_id] = request
-                kv_loads.append(
-                    KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), len(computed_blocks))
-                )
+                kv_loads.append(load)
                 continue
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = _chunk(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
@@ -226,6 +216,37 @@ class Scheduler:
             num_spec_decodes=len(spec_decodes),
             num_spec_tokens=sum(s.num_new_tokens for s in spec_decodes),
         )
+
+    def admit_handoffs(self) -> list[KVLoad]:
+        """Decode role, outside :meth:`schedule`: give the hand-offs at the head of the queue
+        their blocks now and return the pulls that fill them. A hand-off takes no token
+        budget (its prompt is pulled, not computed), so admitting it early changes no step's
+        work; it only lets its pull run during the step in flight rather than the next one.
+        Stops at the first request that is not a hand-off (a preempted one recomputes, and
+        keeps its place) or that does not fit."""
+        loads: list[KVLoad] = []
+        while self.waiting and self.waiting[0].num_external_tokens:
+            if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+                break
+            load = self._admit_handoff(self.waiting[0])
+            if load is None:
+                break
+            loads.append(load)
+        return loads
+
+    def _admit_handoff(self, request: Request) -> KVLoad | None:
+        """Blocks for the head of the queue, a hand-off, and the pull that fills the ones the
+        local prefix cache does not hold; None (nothing changed) when they do not fit."""
+        kv = self.kv_cache_manager
+        computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+        num_new_tokens = request.num_external_tokens - num_hit_tokens
+        if kv.allocate_slots(request, num_new_tokens, computed_blocks, cache_new_blocks=False) is None:
+            return None
+        self.waiting.pop(0)
+        request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_kv[request.request_id] = request
+        return KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), len(computed_blocks))
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[tuple[Request, int]]:
         """Advance every scheduled request by what the step computed and sampled.

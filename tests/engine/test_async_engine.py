@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_utils import cdiv
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ModelOutput, SchedulerOutput
 from tests.checkpoints import make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -190,5 +192,86 @@ def test_requests_queued_during_a_step_count_in_the_load_report_at_once(model_pa
             assert (prefilled.num_waiting, prefilled.num_pending_prefill_tokens) == (0, 0)
             for stream in streams:
                 await stream.aclose()
+
+    asyncio.run(main())
+
+
+class _HeldSteps:
+    """Wraps the runner's execute: while ``hold`` is set, a step waits inside its model
+    execution (a long step, on demand); records which requests each step scheduled."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.execute = engine.core.runner.execute
+        self.hold = threading.Event()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.scheduled: list[list[str]] = []
+        engine.core.runner.execute = self  # type: ignore[method-assign]
+
+    def __call__(self, output: SchedulerOutput, eos_token_ids: frozenset[int]) -> ModelOutput:
+        self.scheduled.append([s.request.request_id for s in output.scheduled])
+        if self.hold.is_set():
+            self.hold.clear()
+            self.entered.set()
+            assert self.release.wait(10)
+        return self.execute(output, eos_token_ids)
+
+
+def test_a_handoff_arriving_mid_step_is_pulled_during_that_step_and_joins_the_next(model_path: Path) -> None:
+    """Admitted only at the next step boundary, a hand-off got its blocks there, pulled
+    during the following step and decoded in the one after; admitted on arrival, its pull
+    runs while the step in flight computes, and it decodes in the very next step."""
+    running_prompt, handoff_prompt = random_prompts([20, 40], seed=16)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        async with AsyncEngine(config(model_path, role="decode")) as engine:
+            steps = _HeldSteps(engine)
+            running = engine.generate(running_prompt, params, request_id="running")  # prefilled here
+            await anext(running)
+            steps.hold.set()
+            assert await asyncio.to_thread(steps.entered.wait, 10)  # a step is now inside its model
+            handoff = engine.generate(handoff_prompt, params, request_id="handoff", first_token_id=7)
+            first = asyncio.ensure_future(anext(handoff))
+            load = await asyncio.wait_for(engine.kv_loads.get(), 5)
+            assert load.request_id == "handoff" and len(load.block_ids) == cdiv(40, config(model_path).block_size)
+            assert not steps.release.is_set()  # the step is still computing
+            held = len(steps.scheduled)
+            engine.finish_kv_load("handoff", success=True)  # the pull done, before the step ends
+            steps.release.set()
+            output = await asyncio.wait_for(first, 10)
+            assert output.new_token_ids
+            assert "handoff" in steps.scheduled[held], steps.scheduled[held - 1 :]
+            await handoff.aclose()
+            await running.aclose()
+            report = await engine.load_report()
+            assert report.num_free_blocks == report.num_total_blocks
+
+    asyncio.run(main())
+
+
+def test_a_handoff_arriving_between_steps_is_queued_for_the_next_boundary(model_path: Path) -> None:
+    """While the engine thread holds its state (a step's bookkeeping), the event loop
+    does not wait for it: the hand-off goes in as a command, and its pull starts when the
+    next step schedules it."""
+    prompt = random_prompts([24], seed=17)[0]
+
+    async def main() -> None:
+        async with AsyncEngine(config(model_path, role="decode")) as engine:
+            engine._state_lock.acquire()  # what the engine thread holds between forward passes
+            try:
+                handoff = engine.generate(prompt, GREEDY, request_id="handoff", first_token_id=7)
+                first = asyncio.ensure_future(anext(handoff))
+                await asyncio.sleep(0.05)
+                assert engine.kv_loads.empty() and engine.latest_load_report().num_waiting == 1
+            finally:
+                engine._state_lock.release()
+            load = await asyncio.wait_for(engine.kv_loads.get(), 5)
+            assert load.request_id == "handoff"
+            engine.finish_kv_load("handoff", success=False)  # recompute here
+            assert (await asyncio.wait_for(first, 10)).new_token_ids
+            await handoff.aclose()
+            report = await engine.load_report()
+            assert report.num_free_blocks == report.num_total_blocks
 
     asyncio.run(main())

@@ -233,6 +233,41 @@ def test_decode_role_abort_while_pulling_frees_blocks() -> None:
     assert_all_free(scheduler)
 
 
+def test_handoffs_admitted_between_steps_get_blocks_in_queue_order_until_one_does_not_fit() -> None:
+    """admit_handoffs (a hand-off arriving while a step computes) allocates what schedule()
+    would have, stops at the first request that does not fit or is not a hand-off, and
+    leaves the rest queued for the next step."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4, role="decode", max_num_seqs=3)
+    scheduler.add_request(make_request("a", 8, first_token_id=50))  # 2 blocks
+    scheduler.add_request(make_request("b", list(range(30, 42)), first_token_id=51))  # 3 blocks
+    scheduler.add_request(make_request("c", list(range(60, 64)), first_token_id=52))  # 1 block, behind b
+    loads = scheduler.admit_handoffs()
+    assert [(load.request_id, len(load.block_ids)) for load in loads] == [("a", 2), ("b", 3), ("c", 1)]
+    assert all(scheduler.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KV for r in "abc")
+    assert scheduler.admit_handoffs() == [] and not scheduler.waiting
+    scheduler.add_request(make_request("d", 4, first_token_id=53))
+    assert scheduler.admit_handoffs() == []  # max_num_seqs: three are pulling
+    scheduler.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(make_request("e", 30, first_token_id=54))  # 8 blocks: never fits
+    scheduler.add_request(make_request("f", 4, first_token_id=55))
+    assert [load.request_id for load in scheduler.admit_handoffs()] == ["d"]  # e waits at the head; f behind it
+    assert [r.request_id for r in scheduler.waiting] == ["e", "f"]
+    scheduler.finish_requests(["d", "e", "f"], RequestStatus.FINISHED_ABORTED)
+    assert_all_free(scheduler)
+
+
+def test_handoffs_admitted_early_wait_behind_a_preempted_request() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4, role="decode")
+    preempted = make_request("preempted", 8, max_tokens=8)
+    preempted.status = RequestStatus.PREEMPTED
+    scheduler.add_request(preempted)
+    scheduler.add_request(make_request("handoff", 8, first_token_id=50))
+    assert scheduler.admit_handoffs() == []
+    output = scheduler.schedule()  # the step admits both, the recompute first
+    assert [s.request.request_id for s in output.scheduled] == ["preempted"]
+    assert [load.request_id for load in output.kv_loads] == ["handoff"]
+
+
 def test_prefill_cap_leaves_decodes_their_step_and_chunks_the_rest() -> None:
     """A decode instance recomputing a prompt (a failed pull) computes at most one chunk per
     step beside its running decodes, however large the step budget."""
