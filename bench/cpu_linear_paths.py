@@ -9,9 +9,10 @@ minus 1, over 32) and the output tokens/s of 32 sequences (64 prompt tokens, 16 
 
 Variants: ``torch`` (``F.linear``: MKL in float32, oneDNN reordering the weight on every
 call in bf16), ``onednn-packed`` without and with the panel kernel for its decode
-steps, the latter also with its decode steps run module by module rather than in one
-native call (engine/models/native_decode.py), and ``bf16-weights`` (bf16 only). Run it under ``ONEDNN_MAX_CPU_ISA=AVX2
-SPLITSERVE_CPU_ISA=avx2`` to see an AVX2-only CPU's choices.
+steps, the latter also ``per module`` (its decode steps one kernel call at a time
+rather than in one native call, engine/models/native_decode.py), and ``bf16-weights``
+(bf16 only). Run it under ``ONEDNN_MAX_CPU_ISA=AVX2 SPLITSERVE_CPU_ISA=avx2`` to see an
+AVX2-only CPU's choices.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ _VARIANTS: dict[str, tuple[LinearPath, bool, bool]] = {
     "torch": ("torch", False, True),
     "onednn-packed": ("onednn-packed", False, True),
     "onednn-packed + panel kernel": ("onednn-packed", True, True),
-    "onednn-packed + panel kernel, module by module": ("onednn-packed", True, False),
+    "onednn-packed + panel kernel per module": ("onednn-packed", True, False),
     "bf16-weights": ("bf16-weights", True, True),
 }
 
