@@ -86,7 +86,8 @@ class AsyncEngine:
         self._stopping = False
         self._closed = False  # the step loop has exited: commands would never run
         self._error: BaseException | None = None
-        # Replaced (never mutated) by the engine thread after each step and command batch.
+        # Replaced (never mutated) by the engine thread after each step and command batch, and by
+        # the event loop when it admits a hand-off (both under the state lock).
         self._latest_report: LoadReport = self.core.load_report()
         # Requests handed to the engine thread whose add has not run yet (it runs between
         # steps, which can be seconds apart): the load report counts them as waiting.

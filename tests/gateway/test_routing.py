@@ -24,7 +24,9 @@ from tests.stores import free_port
 
 pytest.importorskip("ucxx")
 
-LONG = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+# As long as the model's context allows (35 prompt tokens, 1,024 in all): this model decodes
+# some 1,300 tokens a second per stream, and a stream a test holds open must outlast its checks.
+LONG = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 960, "ignore_eos": True, "temperature": 0}
 SHORT = {"prompt": "The capital of France is", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
 
 
@@ -69,33 +71,36 @@ def test_client_disconnect_frees_blocks_at_once(
 
 
 def test_killed_decode_instance_loses_no_request(model: Path, prefill: Service) -> None:
-    with running("decode", model) as survivor:
-        victim = Service("decode", model)
-        try:
-            # Slow polling: the gateway still believes the victim healthy when requests reach it,
-            # so the hand-off itself must fail over to the survivor.
-            with running_gateway(
-                model, *routes(prefill, victim, survivor), "--poll-interval", "5", "--stale-after", "60"
-            ) as gateway:
-                streams = [stream_until(gateway.url, LONG, num_chunks=2) for _ in range(4)]
-                assert victim.load().num_running >= 1 and survivor.load().num_running >= 1
-                victim.stop(signal.SIGKILL)
-                with ThreadPoolExecutor(6) as pool:
-                    after = list(pool.map(lambda _: _complete(gateway.url, SHORT), range(6)))
-                assert [r.status_code for r in after] == [200] * 6, [r.text for r in after]
-                assert all(r.json()["usage"]["completion_tokens"] == SHORT["max_tokens"] for r in after)
-                outcomes = []
-                for client, response in streams:
-                    events = finish_stream(response)
-                    client.close()
-                    outcomes.append("error" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"])
-                # Those decoding on the victim migrate to the survivor (tests/gateway/test_migration.py): all finish.
-                assert outcomes == ["length"] * 4, outcomes
-                assert httpx.get(f"{gateway.url}/ready").status_code == 200
-            assert_all_free(prefill, survivor)
-        finally:
-            if victim.process.poll() is None:  # the test failed before killing it
-                victim.stop()
+    # running() stops both at the end; stopping the killed one again is a no-op.
+    with running("decode", model) as first, running("decode", model) as second:
+        decodes = [first, second]
+        # Slow polling: the gateway still believes the victim healthy when requests reach it,
+        # so the hand-off itself must fail over to the survivor.
+        with running_gateway(
+            model, *routes(prefill, *decodes), "--poll-interval", "5", "--stale-after", "60"
+        ) as gateway:
+            # Opened together, so that they are still decoding when the victim is chosen
+            # (400-token streams opened one after another had finished by then).
+            with ThreadPoolExecutor(4) as pool:
+                streams = list(pool.map(lambda _: stream_until(gateway.url, LONG, num_chunks=2), range(4)))
+            running_on = [d.load().num_running for d in decodes]
+            victim = decodes[running_on.index(max(running_on))]
+            survivor = decodes[1 - decodes.index(victim)]
+            assert max(running_on) >= 1, running_on
+            victim.stop(signal.SIGKILL)
+            with ThreadPoolExecutor(6) as pool:
+                after = list(pool.map(lambda _: _complete(gateway.url, SHORT), range(6)))
+            assert [r.status_code for r in after] == [200] * 6, [r.text for r in after]
+            assert all(r.json()["usage"]["completion_tokens"] == SHORT["max_tokens"] for r in after)
+            outcomes = []
+            for client, response in streams:
+                events = finish_stream(response)
+                client.close()
+                outcomes.append("error" if "error" in events[-1] else events[-1]["choices"][0]["finish_reason"])
+            # Those decoding on the victim migrate to the survivor (tests/gateway/test_migration.py): all finish.
+            assert outcomes == ["length"] * 4, outcomes
+            assert httpx.get(f"{gateway.url}/ready").status_code == 200
+        assert_all_free(prefill, survivor)
 
 
 def test_queue_full_gets_429(model: Path, prefill: Service, decodes: tuple[Service, Service]) -> None:
@@ -175,7 +180,7 @@ def test_first_token_streams_before_decode_starts(model: Path, prefill: Service)
         running("decode", model, "--max-num-seqs", "1") as decode,
         running_gateway(model, *routes(prefill, decode)) as gateway,
     ):
-        busy_client, busy = stream_until(gateway.url, {**LONG, "max_tokens": 900}, num_chunks=2)
+        busy_client, busy = stream_until(gateway.url, LONG, num_chunks=2)
         client = httpx.Client(timeout=120)
         with client.stream("POST", f"{gateway.url}/v1/completions", json={**SHORT, "stream": True}) as response:
             chunks = (line for line in response.iter_lines() if line.startswith("data: {"))
