@@ -55,9 +55,8 @@ def load_variant(dtype: str, path: LinearPath, panel_kernel: bool, native_step: 
         for module in llm.engine.runner.model.modules():
             if isinstance(module, PackedLinear):
                 module.panels = None
-        # Without panels there is no native step; the runner built it over the panels.
-        llm.engine.runner.native_decode = None
-    if not native_step:
+    if not (panel_kernel and native_step):
+        # The runner built its native step over the panels: none without them, or when not asked for.
         llm.engine.runner.native_decode = None
     return llm
 

@@ -185,8 +185,10 @@ class AsyncEngine:
                 finally:
                     self._state_lock.release()
                 _put_all(self.kv_loads, loads)
-                # The engine thread may sleep, idle; what it could not admit here it retries.
-                self._submit(_nothing)
+                if all(load.request_id != request_id for load in loads):
+                    # Left waiting (no blocks, or max_num_seqs reached): the engine thread, which
+                    # may be asleep with nothing to run, retries at its next step.
+                    self._submit(_nothing)
             else:
                 self._submit(add)
             while not finished:

@@ -79,14 +79,13 @@ def test_killed_decode_instance_loses_no_request(model: Path, prefill: Service) 
         with running_gateway(
             model, *routes(prefill, *decodes), "--poll-interval", "5", "--stale-after", "60"
         ) as gateway:
-            # Opened together, so that they are still decoding when the victim is chosen
+            # Opened together, so that they are all still decoding when the victim is killed
             # (400-token streams opened one after another had finished by then).
             with ThreadPoolExecutor(4) as pool:
                 streams = list(pool.map(lambda _: stream_until(gateway.url, LONG, num_chunks=2), range(4)))
             running_on = [d.load().num_running for d in decodes]
-            victim = decodes[running_on.index(max(running_on))]
-            survivor = decodes[1 - decodes.index(victim)]
-            assert max(running_on) >= 1, running_on
+            assert min(running_on) >= 1, running_on  # both decoding when one is killed
+            victim, survivor = decodes
             victim.stop(signal.SIGKILL)
             with ThreadPoolExecutor(6) as pool:
                 after = list(pool.map(lambda _: _complete(gateway.url, SHORT), range(6)))
