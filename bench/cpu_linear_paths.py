@@ -12,7 +12,9 @@ call in bf16), ``onednn-packed`` without and with the panel kernel for its decod
 steps, the latter also ``per module`` (its decode steps one kernel call at a time
 rather than in one native call, engine/models/native_decode.py), and ``bf16-weights``
 (bf16 only). Run it under ``ONEDNN_MAX_CPU_ISA=AVX2 SPLITSERVE_CPU_ISA=avx2`` to see an
-AVX2-only CPU's choices.
+AVX2-only CPU's choices. ``--prefetch-bytes 0,2048`` loads each variant once per distance
+the panel kernel reads ahead (``SPLITSERVE_PANEL_PREFETCH_BYTES``, each its own build of the
+kernels), measured round-robin with the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import statistics
 import sys
 import time
@@ -28,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 import engine.models.loader as loader
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cpu_kernels
 from engine.models.cpu_linear import LinearPath, PackedLinear, linear_path
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,24 @@ def load_variant(dtype: str, path: LinearPath, panel_kernel: bool, native_step: 
     return llm
 
 
+def load_named_variant(dtype: str, name: str) -> LLM:
+    """A variant of _VARIANTS, or one suffixed ``@ prefetch N``: its kernels built to read N bytes ahead."""
+    variant, _, distance = name.partition(" @ prefetch ")
+    if not distance:
+        return load_variant(dtype, *_VARIANTS[variant])
+    chosen = os.environ.get("SPLITSERVE_PANEL_PREFETCH_BYTES")
+    os.environ["SPLITSERVE_PANEL_PREFETCH_BYTES"] = distance
+    cpu_kernels.clear_cache()  # the next load builds (or finds) the library of that distance
+    try:
+        return load_variant(dtype, *_VARIANTS[variant])
+    finally:
+        if chosen is None:
+            del os.environ["SPLITSERVE_PANEL_PREFETCH_BYTES"]
+        else:
+            os.environ["SPLITSERVE_PANEL_PREFETCH_BYTES"] = chosen
+        cpu_kernels.clear_cache()
+
+
 def decode_step_ms(llm: LLM, num_rows: int, seed: int) -> float:
     """One decode step of ``num_rows`` sequences: 33 tokens minus the first, over 32."""
 
@@ -90,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-rows", default="1", help="comma-separated decode batch sizes to time a step of")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--variants", default=None, help=f"comma-separated, of: {', '.join(_VARIANTS)}")
+    parser.add_argument(
+        "--prefetch-bytes", default=None, help="comma-separated panel prefetch distances (default: the build's)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -102,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")
     sys.stdout.write(f"this CPU's choice for {args.dtype}: {linear_path(torch.device('cpu'), dtype)}\n")
-    engines = {name: load_variant(args.dtype, *_VARIANTS[name]) for name in names}
+    if args.prefetch_bytes:
+        names = [f"{name} @ prefetch {distance}" for name in names for distance in args.prefetch_bytes.split(",")]
+    engines = {name: load_named_variant(args.dtype, name) for name in names}
     measures: dict[str, Callable[[LLM, int], float]] = {
         f"{rows} rows": functools.partial(decode_step_ms, num_rows=int(rows)) for rows in args.decode_rows.split(",")
     }

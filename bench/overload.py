@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-cpus", default="1")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-queue-delay", type=float, default=None, help="gateway admission control (seconds)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="splitserve: the engines' step token budget"
+    )
     parser.add_argument("--skip-alone", action="store_true", help="no chatty-alone baseline")
     parser.add_argument(
         "--single-stream", type=int, default=0, metavar="N", help="first, N chatty requests one at a time"
@@ -82,6 +85,8 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
         flags = ["--prefill-cpus", args.prefill_cpus, "--decode-cpus", args.decode_cpus]
     if args.max_queue_delay is not None:
         flags += ["--max-queue-delay", str(args.max_queue_delay)]
+    if args.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     # INFO: the server log is parsed afterwards for cut-off pulls, failed releases and the like.
     return start_up(port, args.dtype, flags, log, log_level="INFO", source_dir=args.source_dir)
 

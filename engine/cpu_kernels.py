@@ -68,6 +68,8 @@ class CPUKernels:
         if built_for != isa:
             raise RuntimeError(f"the {isa} kernel library reports {built_for}: its build flags did not take (bug)")
         self.isa = isa
+        # Bytes the panel kernel reads ahead of itself (the build's PANEL_PREFETCH_BYTES).
+        self.panel_prefetch_bytes: int = _bind(library, "panel_prefetch_bytes", _I64, [])()
         self._library = library  # keeps the handle alive as long as the bound functions
         self._decode = _bind(library, "paged_decode_attention", _INT, [_P] * 6 + [_I64] * 7 + [_F32, _INT])
         self._add_rms_norm = _bind(library, "add_rms_norm", None, [_P] * 4 + [_I64, _I64, _F32, _INT])
@@ -280,7 +282,7 @@ def _load_best() -> CPUKernels | None:
     for isa in reversed(KERNEL_ISAS[: KERNEL_ISAS.index(best) + 1]):
         kernels = _load_isa(isa)
         if kernels is not None:
-            logger.info("CPU kernels: the %s build", isa)
+            logger.info("CPU kernels: the %s build, panels read %d bytes ahead", isa, kernels.panel_prefetch_bytes)
             return kernels
     return None
 
@@ -311,9 +313,21 @@ def clear_cache() -> None:
     _load_isa.cache_clear()
 
 
+def _tuning_flags() -> list[str]:
+    """Build settings the environment may change: ``SPLITSERVE_PANEL_PREFETCH_BYTES``, how far
+    ahead the panel kernel asks for its weights (csrc/linear_panels.c; 0 turns it off), for a
+    CPU whose memory wants another distance than the one measured."""
+    value = os.environ.get("SPLITSERVE_PANEL_PREFETCH_BYTES")
+    if value is None:
+        return []
+    if not value.isdigit() or int(value) > 1 << 20:
+        raise ValueError(f"SPLITSERVE_PANEL_PREFETCH_BYTES must be a byte count from 0 to {1 << 20}, got {value!r}")
+    return [f"-DPANEL_PREFETCH_BYTES={int(value)}"]
+
+
 def _build(compiler: str, isa: KernelISA) -> Path:
     sources = sorted(_SOURCE_DIR.glob("*.c"))
-    flags = [*_FLAGS, *ISA_FLAGS[isa]]
+    flags = [*_FLAGS, *ISA_FLAGS[isa], *_tuning_flags()]
     key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(_SOURCE_DIR.iterdir())))
     key.update(" ".join([compiler, *flags, platform.machine()]).encode())
     from engine.default_model import cache_dir

@@ -65,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per instance on CPU")
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens one engine step computes at most, prompt chunks included (default: the instances')",
+    )
+    parser.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
     )
     parser.add_argument(
@@ -175,6 +182,18 @@ def run(args: argparse.Namespace) -> int:
         logger.info("stopped")
 
 
+def engine_flags(args: argparse.Namespace, model: Path) -> list[str]:
+    """The flags every engine instance of this run gets, whatever its role."""
+    flags = ["--model", str(model), "--dtype", args.dtype]
+    if args.kv_cache_memory:
+        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    if args.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return flags
+
+
 def _start_instances(
     args: argparse.Namespace,
     model: Path,
@@ -183,11 +202,7 @@ def _start_instances(
     cluster_env: dict[str, str],
 ) -> list[str]:
     """Start the engines, each with ``cluster_env``; return the gateway's routing flags for them."""
-    common = ["--model", str(model), "--dtype", args.dtype]
-    if args.kv_cache_memory:
-        common += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    if args.max_model_len:
-        common += ["--max-model-len", str(args.max_model_len)]
+    common = engine_flags(args, model)
     if args.colocated:
         port = free_port()
         argv = splitserve_command(

@@ -61,6 +61,29 @@ static inline int64_t panel_index(int64_t p, int64_t k, int64_t j, int64_t depth
     return (p * depth + k) * PANEL_WIDTH + j;
 }
 
+/* How far ahead of its reads a tile asks for the panel, in bytes (0: not at all; the build
+   may set it, engine/cpu_kernels.py: SPLITSERVE_PANEL_PREFETCH_BYTES). A decode step streams
+   every weight once, and with the hardware prefetcher alone the memory sits idle while the core
+   multiplies a cache line into the tile's rows: the two add up instead of overlapping, more so
+   the more rows. Asked for early, the lines arrive during the multiplications. Measured on a
+   2-vCPU Xeon (Emerald Rapids), SmolLM2-135M decode steps, against no prefetch: float32 at 4 and
+   8 rows 22-31% faster, one row 2-10%; bf16 one row on one thread 27.1 -> 21.8 ms (its read
+   floor: 21.5). 2048 and 4096 bytes were level; 1024 and 512 gained less. */
+#ifndef PANEL_PREFETCH_BYTES
+#define PANEL_PREFETCH_BYTES 2048
+#endif
+
+int64_t panel_prefetch_bytes(void) { return PANEL_PREFETCH_BYTES; }
+
+/* The cache lines PANEL_PREFETCH_BYTES past one step of `bytes` that starts at `at`. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *at, const int64_t bytes) {
+#if PANEL_PREFETCH_BYTES > 0
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)at + PANEL_PREFETCH_BYTES + b, 0, 3);
+#else
+    (void)at, (void)bytes;
+#endif
+}
+
 #if SIMD_WIDTH > 1
 /* Rows of one tile: its accumulators, the panel's vectors and one broadcast fit the ISA's
    registers (32 vector registers with AVX-512, 16 with AVX2). More rows take more tiles, each
@@ -85,6 +108,7 @@ static inline __attribute__((always_inline)) void panel_tile(const void *x, int6
         const uint32_t *pairs = x;
         for (int64_t k = 0; k < depth / 2; ++k) {
             __m512bh w[PANEL_VECTORS];
+            prefetch_ahead((const uint16_t *)panel + k * PANEL_VECTORS * 2 * SIMD_WIDTH, PANEL_VECTORS * 64);
             for (int v = 0; v < PANEL_VECTORS; ++v)
                 w[v] = (__m512bh)_mm512_loadu_si512((const uint16_t *)panel + (k * PANEL_VECTORS + v) * 2 * SIMD_WIDTH);
             for (int m = 0; m < rows; ++m) {
@@ -98,6 +122,7 @@ static inline __attribute__((always_inline)) void panel_tile(const void *x, int6
         const float *x32 = x;
         for (int64_t k = 0; k < depth; ++k) {
             vfloat w[PANEL_VECTORS];
+            prefetch_ahead((const char *)panel + k * PANEL_WIDTH * (is_bf16 ? 2 : 4), PANEL_WIDTH * (is_bf16 ? 2 : 4));
             for (int v = 0; v < PANEL_VECTORS; ++v) w[v] = vload(panel, k * PANEL_WIDTH + v * SIMD_WIDTH, is_bf16);
             for (int m = 0; m < rows; ++m) {
                 const vfloat xk = vf_set1(x32[m * x_row + k]);

@@ -285,6 +285,36 @@ def test_panel_linear_matches_a_float32_matmul(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_panel_prefetch_distance_is_a_build_setting_that_changes_no_result(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """SPLITSERVE_PANEL_PREFETCH_BYTES reaches the build (the library reports it), and the kernel
+    reads ahead of itself without changing a bit of its output; a bad value is refused at load."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 576, generator=generator).to(dtype)
+    weight = (torch.randn(960, 576, generator=generator) * 0.05).to(dtype)
+    outputs = {}
+    try:
+        for setting in [None, "0", "64"]:
+            if setting is None:
+                monkeypatch.delenv("SPLITSERVE_PANEL_PREFETCH_BYTES", raising=False)
+            else:
+                monkeypatch.setenv("SPLITSERVE_PANEL_PREFETCH_BYTES", setting)
+            cpu_kernels.clear_cache()
+            loaded = cpu_kernels.load()
+            outputs[loaded.panel_prefetch_bytes] = loaded.linear(x, loaded.pack_panels(weight), 960, None)
+        assert sorted(outputs) == [0, 64, DEFAULT.panel_prefetch_bytes] and DEFAULT.panel_prefetch_bytes > 64
+        assert all(torch.equal(out, outputs[0]) for out in outputs.values())
+        monkeypatch.setenv("SPLITSERVE_PANEL_PREFETCH_BYTES", "2k")
+        cpu_kernels.clear_cache()
+        with pytest.raises(ValueError, match="SPLITSERVE_PANEL_PREFETCH_BYTES must be a byte count"):
+            cpu_kernels.load(DEFAULT.isa)
+    finally:
+        monkeypatch.delenv("SPLITSERVE_PANEL_PREFETCH_BYTES", raising=False)
+        cpu_kernels.clear_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_unpacked_panels_are_the_transposed_weight(kernels: cpu_kernels.CPUKernels, dtype: torch.dtype) -> None:
     """Any run of panels comes back as the float32 columns of weight^T it holds, zero past the last
     output feature (the padding of the last panel); an odd in_features leaves a padded bf16 pair."""
