@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
@@ -69,17 +70,12 @@ def load_named_variant(dtype: str, name: str) -> LLM:
     variant, _, distance = name.partition(" @ prefetch ")
     if not distance:
         return load_variant(dtype, *_VARIANTS[variant])
-    chosen = os.environ.get("SPLITSERVE_PANEL_PREFETCH_BYTES")
-    os.environ["SPLITSERVE_PANEL_PREFETCH_BYTES"] = distance
-    cpu_kernels.clear_cache()  # the next load builds (or finds) the library of that distance
-    try:
-        return load_variant(dtype, *_VARIANTS[variant])
-    finally:
-        if chosen is None:
-            del os.environ["SPLITSERVE_PANEL_PREFETCH_BYTES"]
-        else:
-            os.environ["SPLITSERVE_PANEL_PREFETCH_BYTES"] = chosen
-        cpu_kernels.clear_cache()
+    with mock.patch.dict(os.environ, {"SPLITSERVE_PANEL_PREFETCH_BYTES": distance}):
+        cpu_kernels.clear_cache()  # the next load builds (or finds) the library of that distance
+        try:
+            return load_variant(dtype, *_VARIANTS[variant])
+        finally:
+            cpu_kernels.clear_cache()
 
 
 def decode_step_ms(llm: LLM, num_rows: int, seed: int) -> float:

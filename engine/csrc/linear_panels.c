@@ -120,9 +120,10 @@ static inline __attribute__((always_inline)) void panel_tile(const void *x, int6
 #endif
     {
         const float *x32 = x;
+        const int64_t step_bytes = PANEL_WIDTH * (is_bf16 ? 2 : 4);
         for (int64_t k = 0; k < depth; ++k) {
             vfloat w[PANEL_VECTORS];
-            prefetch_ahead((const char *)panel + k * PANEL_WIDTH * (is_bf16 ? 2 : 4), PANEL_WIDTH * (is_bf16 ? 2 : 4));
+            prefetch_ahead((const char *)panel + k * step_bytes, step_bytes);
             for (int v = 0; v < PANEL_VECTORS; ++v) w[v] = vload(panel, k * PANEL_WIDTH + v * SIMD_WIDTH, is_bf16);
             for (int m = 0; m < rows; ++m) {
                 const vfloat xk = vf_set1(x32[m * x_row + k]);
