@@ -124,6 +124,12 @@ class InstanceState:
     def is_healthy(self, now: float, stale_after_s: float) -> bool:
         if not self.serving or self.report is None or now - self.reported_at > stale_after_s:
             return False
+        # A channel whose last connection attempt failed fails every call at once until its
+        # reconnect backoff (up to a second) has passed, even once the instance is back: an
+        # instance restarted at the same address registers before this gateway's channel has
+        # reconnected to it. It becomes routable again when the channel tries again by itself.
+        if self.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            return False
         # After a failed RPC, only a report that arrived later proves it is back.
         return self.failed_at is None or self.reported_at > self.failed_at
 

@@ -265,11 +265,19 @@ def test_prometheus_scrapes_every_target_and_the_dashboard_series_arrive(stack: 
             f"targets {health}; series the dashboard needs and Prometheus lacks: {sorted(wanted - names)}"
         )
         time.sleep(2)
-    # The instances' own series, per instance: D's pulls as D counts them.
-    result = httpx.get(
-        f"{prometheus}/query", params={"query": 'splitserve_engine_kv_transfer_bytes_total{role="decode"}'}, timeout=10
-    ).json()
-    assert [float(sample["value"][1]) for sample in result["data"]["result"]][0] > 0
+    # The instances' own series, per instance: D's pulls as D counts them. The series exist from
+    # D's first scrape on, which may predate the requests above: wait for a scrape after them.
+    while True:
+        result = httpx.get(
+            f"{prometheus}/query",
+            params={"query": 'splitserve_engine_kv_transfer_bytes_total{role="decode"}'},
+            timeout=10,
+        ).json()
+        pulled = [float(sample["value"][1]) for sample in result["data"]["result"]]
+        if pulled and pulled[0] > 0:
+            break
+        assert time.monotonic() < deadline, f"Prometheus has D's KV transfer bytes as {pulled}"
+        time.sleep(2)
 
 
 def test_status_page_lists_both_containers(stack: Stack) -> None:

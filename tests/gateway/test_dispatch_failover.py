@@ -261,6 +261,9 @@ class FakeChannel:
 
         return call
 
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return grpc.ChannelConnectivity.READY  # the pool routes only over channels not failing fast
+
     async def close(self, grace: float | None = None) -> None:
         pass
 

@@ -6,12 +6,15 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s
 from gateway.instances import InstancePool
 from gateway.prefix_index import PromptBlocks
 from splitserve.v1 import disaggregation_pb2
+from tests.stores import free_port
 
 FINGERPRINT = disaggregation_pb2.Fingerprint(
     model="m", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16
@@ -86,6 +89,46 @@ def test_skips_unhealthy_stale_and_failed_instances() -> None:
         assert pool.pick("decode", exclude=[pool.instances["c:1"]]) is None
 
     with_pool(check)
+
+
+def test_an_instance_restarted_at_its_address_is_routed_to_only_once_its_channel_reconnects() -> None:
+    # A real gRPC server, stopped and started again on its port, as a restarted container is:
+    # its registration says it is back before the gateway's channel has left its reconnect
+    # backoff, in which every call fails at once. Healthy must mean "a call made now is sent".
+    address = f"127.0.0.1:{free_port()}"
+    check = health_pb2.HealthCheckRequest()
+
+    async def serve() -> grpc.aio.Server:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        server.add_insecure_port(address)
+        await server.start()
+        return server
+
+    async def body() -> None:
+        pool = InstancePool(stale_after_s=60.0)
+        server = await serve()
+        try:
+            stub = health_pb2_grpc.HealthStub(pool.add(address, "decode").channel)
+            await stub.Check(check, timeout=5)
+            await server.stop(None)
+            for _ in range(4):  # calls while it is down (a pick before the registration expired)
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.Check(check, timeout=1)
+            server = await serve()
+            deadline = time.monotonic() + 10
+            while True:
+                pool.record_report(address, report("decode"), serving=True)  # its new registration
+                if pool.healthy("decode"):
+                    await stub.Check(check, timeout=5)  # fails at once inside the backoff
+                    break
+                assert time.monotonic() < deadline, "the channel never reconnected"
+                await asyncio.sleep(0.02)
+        finally:
+            await server.stop(None)
+            await pool.close()
+
+    asyncio.run(body())
 
 
 def test_never_pairs_mismatched_fingerprints() -> None:

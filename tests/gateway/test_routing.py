@@ -24,10 +24,19 @@ from tests.stores import free_port
 
 pytest.importorskip("ucxx")
 
-# As long as the model's context allows (35 prompt tokens, 1,024 in all): this model decodes
-# some 1,300 tokens a second per stream, and a stream a test holds open must outlast its checks.
+# This model decodes some 1,300 tokens a second per stream, and a stream a test holds open
+# must outlast its checks.
 LONG = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 960, "ignore_eos": True, "temperature": 0}
+# A stream the test ends itself (by leaving) before it would finish: some 3 s of decoding, several
+# times what the checks around it take; it needs the module's model to allow a longer context.
+HELD = {**LONG, "max_tokens": 4000}
 SHORT = {"prompt": "The capital of France is", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a 4,096-token context, for :data:`HELD` (35 prompt tokens + 4,000)."""
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
@@ -174,12 +183,15 @@ def test_colocated_instance_gives_the_disaggregated_text(
 
 def test_first_token_streams_before_decode_starts(model: Path, prefill: Service) -> None:
     # A decode instance that runs one request at a time: the second request's first token
-    # (from prefill) must reach the client while decode is still busy with the first.
+    # (from prefill) must reach the client while decode is still busy with the first, and the
+    # rest only once the first lets decode go. The test decides when that is (the busy client
+    # leaves), so the check holds however fast the model decodes.
     with (
         running("decode", model, "--max-num-seqs", "1") as decode,
         running_gateway(model, *routes(prefill, decode)) as gateway,
+        ThreadPoolExecutor(1) as reader,
     ):
-        busy_client, busy = stream_until(gateway.url, LONG, num_chunks=2)
+        busy_client, busy = stream_until(gateway.url, HELD, num_chunks=2)
         client = httpx.Client(timeout=120)
         with client.stream("POST", f"{gateway.url}/v1/completions", json={**SHORT, "stream": True}) as response:
             chunks = (line for line in response.iter_lines() if line.startswith("data: {"))
@@ -191,9 +203,15 @@ def test_first_token_streams_before_decode_starts(model: Path, prefill: Service)
             assert (report.num_running, report.num_waiting) == (1, 1), (
                 "decode should still be busy with the first request"
             )
-            next(chunks)
-            assert time.monotonic() - first_at > 0.5  # the rest came only once decode was free
+            second = reader.submit(next, chunks)
+            time.sleep(0.5)
+            assert not second.done(), "a decode token arrived while decode was busy with another request"
+            report = decode.load()
+            assert (report.num_running, report.num_waiting) == (1, 1), "the busy request ended on its own too soon"
+            busy.close()
+            busy_client.close()
+            assert second.result(timeout=30).startswith("data: {")  # decode free: the rest comes
+            events = [json.loads(line.removeprefix("data: ")) for line in chunks]
         client.close()
-        assert "error" not in finish_stream(busy)[-1]
-        busy_client.close()
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert_all_free(prefill, decode)
