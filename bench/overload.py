@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="splitserve: the engines' step token budget"
     )
+    parser.add_argument(
+        "--long-prefill-token-threshold", default=None, help="splitserve: one request's prompt tokens a step (N|auto|0)"
+    )
     parser.add_argument("--skip-alone", action="store_true", help="no chatty-alone baseline")
     parser.add_argument(
         "--single-stream", type=int, default=0, metavar="N", help="first, N chatty requests one at a time"
@@ -87,6 +90,8 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
         flags += ["--max-queue-delay", str(args.max_queue_delay)]
     if args.max_num_batched_tokens is not None:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.long_prefill_token_threshold is not None:
+        flags += ["--long-prefill-token-threshold", args.long_prefill_token_threshold]
     # INFO: the server log is parsed afterwards for cut-off pulls, failed releases and the like.
     return start_up(port, args.dtype, flags, log, log_level="INFO", source_dir=args.source_dir)
 

@@ -40,6 +40,11 @@ class EngineConfig:
     # Of that budget, the most prompt (or recompute) tokens one step computes beside its
     # decodes; None: all of it. The decode role caps it so running streams keep their pace.
     max_num_prefill_tokens: int | None = None
+    # The most prompt tokens of one request in one step (a long prompt in chunks of this size,
+    # so prompts that arrive meanwhile share its steps; vLLM's --long-prefill-token-threshold);
+    # "auto": chunks of about half a second at the measured prefill rate (engine/prefill_chunk.py);
+    # None: no cap of its own.
+    long_prefill_token_threshold: int | Literal["auto"] | None = None
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
@@ -56,6 +61,11 @@ class EngineConfig:
         if self.max_num_prefill_tokens is not None and self.max_num_prefill_tokens < 2:
             raise ValueError(
                 f"max_num_prefill_tokens must be >= 2 (or None for no cap), got {self.max_num_prefill_tokens}"
+            )
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold != "auto" and (not isinstance(threshold, int) or threshold < 2):
+            raise ValueError(
+                f"long_prefill_token_threshold must be a token count >= 2, 'auto' or None (no cap); got {threshold!r}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

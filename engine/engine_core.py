@@ -21,6 +21,7 @@ from engine.kv_events import KVEventLog
 from engine.load_report import LoadReport, PrefillRate
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineCoreOutput
+from engine.prefill_chunk import auto_long_prefill_threshold
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -64,6 +65,9 @@ class EngineCore:
             role=config.role,
             max_num_prefill_tokens=config.max_num_prefill_tokens,
             speculative=config.speculative is not None and config.role != "prefill",
+            long_prefill_token_threshold=(
+                None if config.long_prefill_token_threshold == "auto" else config.long_prefill_token_threshold
+            ),
         )
         self.prefill_rate = PrefillRate()
         self.num_steps = 0  # steps that ran the model, since start
@@ -161,6 +165,8 @@ class EngineCore:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if self.speculative is not None:
             self._plan_drafts()
+        if self.config.long_prefill_token_threshold == "auto":
+            self._size_prefill_chunks()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.kv_loads:
             if self.on_kv_loads is not None:
@@ -185,6 +191,16 @@ class EngineCore:
         for request, num_new_tokens in self.scheduler.update(scheduler_output, model_output):
             outputs.append(self._output(request, new_token_ids=request.all_token_ids[-num_new_tokens:]))
         return outputs
+
+    def _size_prefill_chunks(self) -> None:
+        """The "auto" cap on one request's prompt chunk, from the prefill rate measured so far."""
+        threshold = auto_long_prefill_threshold(
+            self.prefill_rate.tokens_per_s, self.config.block_size, self.config.max_num_batched_tokens
+        )
+        if threshold != self.scheduler.long_prefill_token_threshold:
+            # DEBUG: the measured rate drifts, and the cap with it by a block now and then.
+            logger.debug("long prompts now prefill in chunks of %s tokens", threshold or "unlimited")
+            self.scheduler.long_prefill_token_threshold = threshold
 
     def _plan_drafts(self) -> None:
         """Say how many drafts each running request that decodes wants verified next step

@@ -16,6 +16,13 @@ and after the step the rejected ones are rolled back (``_update_spec``).
 beside its decodes: the decode role sets it so that a prompt it must compute
 itself (a failed pull, a preempted request) costs running streams at most one
 chunk's worth of delay per step, never a whole prompt's.
+
+``long_prefill_token_threshold`` (vLLM's name and meaning) caps the chunk of any one
+request in a step, so a long prompt no longer takes a whole step to itself: a short
+prompt that arrives meanwhile waits for at most one capped chunk, then shares the next
+step with the long prompt's following chunk. Without it, on a prefill instance that
+computes a few hundred tokens a second, a 1,024-token prompt held every prompt behind it
+for seconds (docs/benchmarks.md, "Prefill chunks capped per request").
 """
 
 from __future__ import annotations
@@ -49,12 +56,15 @@ class Scheduler:
         role: EngineRole = "colocated",
         max_num_prefill_tokens: int | None = None,
         speculative: bool = False,
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.speculative = speculative  # drafts may be scheduled (off: no per-step cost at all)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_tokens = max_num_prefill_tokens or max_num_batched_tokens
+        # The most prompt (or recompute) tokens of one request in one step; None: no cap of its own.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.role = role
         self.requests: dict[str, Request] = {}  # every request that holds or awaits resources
@@ -153,7 +163,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new_tokens = _chunk(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
+            num_new_tokens = self._chunk(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
             if num_new_tokens == 0:
                 continue  # a prefill, and this step's prefill budget is spent
             while kv.allocate_slots(request, num_new_tokens) is None:
@@ -189,7 +199,7 @@ class Scheduler:
                 kv_loads.append(load)
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = _chunk(request.num_tokens - num_hit_tokens, budget, prefill_budget)
+            num_new_tokens = self._chunk(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
             self.waiting.pop(0)
@@ -362,6 +372,15 @@ class Scheduler:
 
     # ---------------------------------------------------------------- helpers
 
+    def _chunk(self, num_tokens_left: int, budget: int, prefill_budget: int) -> int:
+        """How many of a request's ``num_tokens_left`` tokens this step computes: a decode (one
+        token) needs only the step budget; a prefill chunk also comes out of the prefill budget
+        and stays within the per-request cap."""
+        if num_tokens_left <= 1:
+            return min(num_tokens_left, budget)
+        cap = self.long_prefill_token_threshold or num_tokens_left
+        return max(0, min(num_tokens_left, budget, prefill_budget, cap))
+
     def _scheduled(self, request: Request, num_new_tokens: int, num_draft_tokens: int = 0) -> ScheduledRequest:
         return ScheduledRequest(
             request=request,
@@ -407,14 +426,6 @@ class Scheduler:
         # An incomplete grammar cut short by the budget ends here too, as "length".
         if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
-
-
-def _chunk(num_tokens_left: int, budget: int, prefill_budget: int) -> int:
-    """How many of a request's ``num_tokens_left`` tokens this step computes: a decode (one
-    token) needs only the step budget; a prefill chunk also comes out of the prefill budget."""
-    if num_tokens_left <= 1:
-        return min(num_tokens_left, budget)
-    return max(0, min(num_tokens_left, budget, prefill_budget))
 
 
 def _num_prefill_tokens_left(request: Request) -> int:

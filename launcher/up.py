@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens one engine step computes at most, prompt chunks included (default: the instances')",
     )
     parser.add_argument(
+        "--long-prefill-token-threshold",
+        default=None,
+        metavar="N|auto",
+        help="prompt tokens of one request in one step at most; auto: about half a second's worth; 0: no cap "
+        "(default: the instances', auto on prefill instances)",
+    )
+    parser.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
     )
     parser.add_argument(
@@ -191,6 +198,8 @@ def engine_flags(args: argparse.Namespace, model: Path) -> list[str]:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.max_num_batched_tokens:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.long_prefill_token_threshold is not None:
+        flags += ["--long-prefill-token-threshold", args.long_prefill_token_threshold]
     return flags
 
 

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -72,6 +73,15 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=_chunk_cap,
+        default=None,
+        metavar="N|auto",
+        help="prompt tokens of one request in one step at most: a long prompt goes in chunks of N, so prompts "
+        "that arrive meanwhile share its steps; auto: chunks of about half a second at the measured prefill "
+        "rate; 0: no cap (default: auto on prefill instances, no cap elsewhere)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument(
@@ -95,6 +105,29 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
     add_internal_plane_arguments(parser)
 
 
+def _chunk_cap(value: str) -> int | Literal["auto"]:
+    """--long-prefill-token-threshold: "auto", or a token count (0: no cap)."""
+    if value == "auto":
+        return "auto"
+    try:
+        num_tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or 'auto', got {value!r}") from None
+    if num_tokens < 0 or num_tokens == 1:
+        raise argparse.ArgumentTypeError(f"expected 0 (no cap), at least 2 tokens, or 'auto'; got {num_tokens}")
+    return num_tokens
+
+
+def _long_prefill_token_threshold(args: argparse.Namespace, role: EngineRole) -> int | Literal["auto"] | None:
+    """The flag as given, else the role's default: capped on a prefill instance, whose steps are
+    all prompt chunks and whose queue is what a short prompt waits in; not elsewhere, where more
+    steps carrying a chunk would lengthen running streams' token gaps (docs/benchmarks.md, "A
+    smaller step budget")."""
+    if args.long_prefill_token_threshold is None:
+        return "auto" if role == "prefill" else None
+    return args.long_prefill_token_threshold or None
+
+
 def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -108,6 +141,7 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=_long_prefill_token_threshold(args, role),
         enable_prefix_caching=not args.no_prefix_caching,
         # The prefill role never speculates (it samples one token); the engine ignores it there.
         speculative=speculative_config_from_args(args),

@@ -51,11 +51,19 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     max_num_prefill_tokens: int | None = None,
     speculative: bool = False,
+    long_prefill_token_threshold: int | None = None,
 ) -> Scheduler:
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(
-        manager, max_num_seqs, max_num_batched_tokens, max_model_len, role, max_num_prefill_tokens, speculative
-    )  # type: ignore[arg-type]
+        manager,
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        role,  # type: ignore[arg-type]
+        max_num_prefill_tokens,
+        speculative,
+        long_prefill_token_threshold,
+    )
 
 
 def sample(output: SchedulerOutput, token_id: int = 7) -> ModelOutput:

@@ -306,6 +306,52 @@ def test_prefill_cap_spans_requests_and_admissions() -> None:
     assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 1), ("b", 4)]
 
 
+def test_a_long_prompt_goes_in_capped_chunks_and_a_later_short_one_shares_its_next_step() -> None:
+    """A prefill instance with a per-request cap: the long prompt never takes a whole step, so
+    a short prompt that arrives during one of its chunks is computed in the very next step,
+    beside the long prompt's following chunk; every block comes back at the end."""
+    scheduler = make_scheduler(
+        num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=64, long_prefill_token_threshold=8
+    )
+    scheduler.role = "prefill"
+    scheduler.add_request(make_request("long", 30, max_tokens=4))
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in output.scheduled] == [("long", 8, False)]
+    # Arrives during the long prompt's first chunk (no prefix in common with it).
+    scheduler.add_request(make_request("short", list(range(100, 106)), max_tokens=4))
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in output.scheduled] == [
+        ("long", 8, False),
+        ("short", 6, True),
+    ]
+    assert scheduler.requests["short"].status is RequestStatus.FINISHED_PREFILLED
+    chunks = [s.num_new_tokens for s in run_step(scheduler).scheduled] + [
+        s.num_new_tokens for s in run_step(scheduler).scheduled
+    ]
+    assert chunks == [8, 6]  # 30 = 8 + 8 + 8 + 6
+    assert scheduler.requests["long"].status is RequestStatus.FINISHED_PREFILLED
+    scheduler.finish_requests(["long", "short"], RequestStatus.FINISHED_ABORTED)
+    assert_all_free(scheduler)
+
+
+def test_the_chunk_cap_is_per_request_and_leaves_decodes_and_short_prompts_whole() -> None:
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    scheduler.add_request(make_request("stream", 3, max_tokens=10))
+    run_step(scheduler)
+    for first, name in ((200, "long-a"), (300, "long-b")):
+        scheduler.add_request(make_request(name, list(range(first, first + 20)), max_tokens=2))
+    scheduler.add_request(make_request("short", list(range(100, 108)), max_tokens=2))
+    output = run_step(scheduler)
+    # Each long prompt gets its own chunk of 8; a prompt of exactly 8 tokens goes in one; the decode its one token.
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        ("stream", 1),
+        ("long-a", 8),
+        ("long-b", 8),
+        ("short", 8),
+    ]
+    assert output.num_scheduled_tokens == 25
+
+
 def test_a_pulled_request_preempted_on_decode_recomputes_and_never_pulls_again() -> None:
     """After its pull, a request's KV is local: P has released it, so a preemption must
     recompute here (prefix-cache hits first) rather than ask P for the blocks again."""

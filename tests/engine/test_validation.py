@@ -94,6 +94,8 @@ def test_model_folder_must_exist(tmp_path: Path) -> None:
         ({"block_size": 12}, "power of two"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"role": "both"}, "role must be one of"),
+        ({"long_prefill_token_threshold": 1}, "long_prefill_token_threshold must be a token count >= 2"),
+        ({"long_prefill_token_threshold": "half"}, "'auto' or None"),
     ],
 )
 def test_engine_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from launcher.up import add_arguments, engine_flags
-from serving.instance import add_instance_arguments
+from serving.instance import add_instance_arguments, engine_config
 
 
 def _instance_args(*argv: str) -> argparse.Namespace:
@@ -31,3 +33,32 @@ def test_unset_options_leave_the_instances_defaults() -> None:
     flags = engine_flags(_up_args(), Path("/m"))
     assert flags == ["--model", "/m", "--dtype", _up_args().dtype]
     assert _instance_args(*flags).max_num_batched_tokens == _instance_args().max_num_batched_tokens
+
+
+def test_prompt_chunk_cap_reaches_every_instance_as_given() -> None:
+    for given, expected in (("384", 384), ("auto", "auto"), ("0", 0)):
+        flags = engine_flags(_up_args("--long-prefill-token-threshold", given), Path("/m"))
+        assert _instance_args(*flags).long_prefill_token_threshold == expected
+
+
+def test_prompt_chunk_cap_defaults_to_auto_on_prefill_instances_only() -> None:
+    defaults = _instance_args()
+    assert engine_config(defaults, "prefill").long_prefill_token_threshold == "auto"
+    assert engine_config(defaults, "decode").long_prefill_token_threshold is None
+    assert engine_config(defaults, "colocated").long_prefill_token_threshold is None
+    # 0 turns the cap off, a count sets it, on any role.
+    assert (
+        engine_config(_instance_args("--long-prefill-token-threshold", "0"), "prefill").long_prefill_token_threshold
+        is None
+    )
+    assert (
+        engine_config(_instance_args("--long-prefill-token-threshold", "512"), "colocated").long_prefill_token_threshold
+        == 512
+    )
+
+
+@pytest.mark.parametrize("value", ["1", "-5", "half"])
+def test_a_bad_prompt_chunk_cap_is_refused_when_parsed(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _instance_args("--long-prefill-token-threshold", value)
+    assert "--long-prefill-token-threshold" in capsys.readouterr().err
