@@ -99,6 +99,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)"
     )
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take end to end")
+    # Longer than clients keep an idle pooled connection (httpx, so the openai client: 5 s;
+    # aiohttp: 15 s), so that the client, not the server, closes it. Shorter (uvicorn's 5 s),
+    # a client reusing a connection as the server closes it gets a reset and loses the request:
+    # one of sixteen in a benchmark run with aiohttp, whose requests came some 4 s apart.
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=75.0,
+        help="seconds an idle HTTP connection stays open (as nginx's keepalive_timeout)",
+    )
     # Admission control (gateway.admission): refuse at once rather than queue for minutes.
     parser.add_argument(
         "--max-queue-delay",
@@ -246,7 +256,14 @@ async def serve(args: argparse.Namespace) -> None:
     app = create_app(
         service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive, model_root=str(model_path)
     )
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=30,
+        timeout_keep_alive=args.timeout_keep_alive,
+    )
     freeze_startup_heap()  # the tokenizer, app and clients are built by now
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
     try:
