@@ -10,7 +10,8 @@ Each figure is the median over ``--repeats`` timed loops of ``--calls`` calls
 (microseconds per call); ``decode ms/token`` is one sequence's inter-token time
 through the whole engine (``LLM.generate`` of 65 tokens minus 1, over 64), beside its
 floor: the bytes of every linear layer's weight (read once per token) over the read
-bandwidth of this machine at that thread count (one pass over a 1 GiB tensor). The
+bandwidth of this machine at that thread count (one pass over a 1 GiB tensor, read in each
+round just before its decode run; the ratio is the median of the rounds' ratios). The
 linear-layer figures reuse one weight, so it sits in cache; ``decode ms/token`` is the
 one that streams weights from memory as serving does.
 """
@@ -24,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -108,11 +110,9 @@ def op_calls(llm: LLM, dtype: torch.dtype, num_rows: int) -> dict[str, Callable[
     }
 
 
-def read_bandwidth(repeats: int) -> float:
-    """Bytes per second of one pass over a 1 GiB float32 tensor, at torch's current thread count."""
-    data = torch.ones(1 << 28)
-    seconds = min(time_call(data.sum, 1, 1) for _ in range(repeats)) / 1e6
-    return data.numel() * data.element_size() / seconds
+def read_seconds(data: torch.Tensor) -> float:
+    """One pass over ``data`` (the floor's 1 GiB float32 tensor), at torch's current thread count."""
+    return time_call(data.sum, 1, 1) / 1e6
 
 
 def weight_bytes_per_token(llm: LLM) -> int:
@@ -122,14 +122,29 @@ def weight_bytes_per_token(llm: LLM) -> int:
     return sum(m.in_features * m.out_features * element_size for m in modules if hasattr(m, "in_features"))
 
 
-def decode_ms_per_token(llm: LLM, repeats: int) -> float:
-    """One sequence's inter-token time through the engine, in milliseconds."""
+@dataclass(frozen=True, slots=True)
+class DecodeAgainstFloor:
+    decode_ms: float  # median inter-token time
+    floor_ms: float  # median floor of the same rounds
+    ratio: float  # median of each round's decode time over that round's floor
+
+
+def decode_against_floor(llm: LLM, repeats: int) -> DecodeAgainstFloor:
+    """One sequence's inter-token time through the engine, in milliseconds, each round beside
+    the floor read in that round: this VM's read bandwidth swings by up to 2x within minutes
+    (docs/benchmarks.md, "Prompt chunks capped on the prefill instance"), so a floor taken at
+    another moment, let alone the best of several, says little about a given decode run."""
+    weight_bytes = weight_bytes_per_token(llm)
+    data = torch.ones(1 << 28)
+    bytes_per_pass = data.numel() * data.element_size()
     prompt = list(range(1000, 1064))
     short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     long = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
     llm.generate([prompt], long)  # warm-up
-    gaps = []
+    read_seconds(data)
+    gaps, floors = [], []
     for run in range(repeats):
+        floors.append(weight_bytes / (bytes_per_pass / read_seconds(data)) * 1e3)
         # A new first token per run: no prefix-cache hits.
         prompt = [1000 + run + 1] + prompt[1:]
         start = time.perf_counter()
@@ -139,7 +154,8 @@ def decode_ms_per_token(llm: LLM, repeats: int) -> float:
         start = time.perf_counter()
         llm.generate([prompt], long)
         gaps.append((time.perf_counter() - start - one) / 64 * 1e3)
-    return statistics.median(gaps)
+    ratios = [gap / floor for gap, floor in zip(gaps, floors)]
+    return DecodeAgainstFloor(statistics.median(gaps), statistics.median(floors), statistics.median(ratios))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -180,21 +196,21 @@ def main(argv: list[str] | None = None) -> int:
                         f"{dtype_name:<9} threads={num_threads} rows={num_rows:<4} {name:<28} {us:9.1f} us\n"
                     )
             if not args.skip_decode:
-                ms = decode_ms_per_token(llm, args.repeats)
-                floor_ms = weight_bytes_per_token(llm) / read_bandwidth(3) * 1e3
+                measured = decode_against_floor(llm, args.repeats)
                 rows.append(
                     {
                         "dtype": dtype_name,
                         "threads": num_threads,
                         "rows": 1,
                         "op": "decode ms/token",
-                        "ms": ms,
-                        "floor_ms": floor_ms,
+                        "ms": measured.decode_ms,
+                        "floor_ms": measured.floor_ms,
+                        "ratio_to_floor": measured.ratio,
                     }
                 )
                 sys.stdout.write(
-                    f"{dtype_name:<9} threads={num_threads} decode ms/token {ms:.2f} (weight-read floor "
-                    f"{floor_ms:.2f})\n"
+                    f"{dtype_name:<9} threads={num_threads} decode ms/token {measured.decode_ms:.2f} (weight-read "
+                    f"floor {measured.floor_ms:.2f}; ratio {measured.ratio:.2f}x, median of the rounds)\n"
                 )
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
