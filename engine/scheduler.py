@@ -22,7 +22,7 @@ request in a step, so a long prompt no longer takes a whole step to itself: a sh
 prompt that arrives meanwhile waits for at most one capped chunk, then shares the next
 step with the long prompt's following chunk. Without it, on a prefill instance that
 computes a few hundred tokens a second, a 1,024-token prompt held every prompt behind it
-for seconds (docs/benchmarks.md, "Prefill chunks capped per request").
+for seconds (docs/benchmarks.md, "Prompt chunks capped on the prefill instance").
 """
 
 from __future__ import annotations
