@@ -140,11 +140,11 @@ def decode_against_floor(llm: LLM, repeats: int) -> DecodeAgainstFloor:
     prompt = list(range(1000, 1064))
     short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     long = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
-    llm.generate([prompt], long)  # warm-up
+    llm.generate([prompt], long)  # warm-up, of the floor's pass too
     read_seconds(data)
     gaps, floors = [], []
     for run in range(repeats):
-        floors.append(weight_bytes / (bytes_per_pass / read_seconds(data)) * 1e3)
+        floors.append(read_seconds(data) * weight_bytes / bytes_per_pass * 1e3)
         # A new first token per run: no prefix-cache hits.
         prompt = [1000 + run + 1] + prompt[1:]
         start = time.perf_counter()

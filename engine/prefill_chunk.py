@@ -7,8 +7,8 @@ bounds that wait, and the same count means very different durations on different
 a 1,024-token prompt is a 2-3 s step on one CPU core and a few milliseconds on a GPU.
 "auto" sizes the chunk from the engine's measured prefill rate so that it takes about
 :data:`AUTO_CHUNK_SECONDS`, never below :data:`MIN_AUTO_CHUNK_TOKENS` (smaller chunks
-re-read the weights too often for what they compute: a 1,024-token prompt in chunks of 128
-took 12-20% longer than in one on a CPU core, in chunks of 256 5-7%), and no cap at all
+re-read the weights too often for what they compute: a 1,024-token prompt on one CPU core took
+5-24% longer in chunks of 128 than in one, 2-9% longer in chunks of 256), and no cap at all
 where that duration holds a whole step's budget (a GPU).
 """
 

@@ -325,9 +325,7 @@ def test_a_long_prompt_goes_in_capped_chunks_and_a_later_short_one_shares_its_ne
         ("short", 6, True),
     ]
     assert scheduler.requests["short"].status is RequestStatus.FINISHED_PREFILLED
-    chunks = [s.num_new_tokens for s in run_step(scheduler).scheduled] + [
-        s.num_new_tokens for s in run_step(scheduler).scheduled
-    ]
+    chunks = [s.num_new_tokens for _ in range(2) for s in run_step(scheduler).scheduled]
     assert chunks == [8, 6]  # 30 = 8 + 8 + 8 + 6
     assert scheduler.requests["long"].status is RequestStatus.FINISHED_PREFILLED
     scheduler.finish_requests(["long", "short"], RequestStatus.FINISHED_ABORTED)
