@@ -89,7 +89,7 @@ def start_instance(args: argparse.Namespace, port: int) -> subprocess.Popen[byte
         args.cpus,
         sys.executable,
         "-m",
-        "engine.cli",
+        "splitserve",
         "--log-level",
         "WARNING",
         "prefill",

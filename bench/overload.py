@@ -134,7 +134,7 @@ def bench_command(
     return [
         sys.executable,
         "-m",
-        "engine.cli",
+        "splitserve",
         "bench",
         "serve",
         "--base-url",

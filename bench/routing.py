@@ -107,7 +107,7 @@ def run_round(mode: str, url: str, round_index: int, preset: Preset, args: argpa
     command = [
         sys.executable,
         "-m",
-        "engine.cli",
+        "splitserve",
         "bench",
         "serve",
         "--base-url",

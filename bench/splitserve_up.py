@@ -34,7 +34,7 @@ def start_up(
     command = [
         sys.executable,
         "-m",
-        "engine.cli",
+        "splitserve",
         "--log-level",
         log_level,
         "up",

@@ -67,7 +67,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> None:
         sweep = [
             sys.executable,
             "-m",
-            "engine.cli",
+            "splitserve",
             "bench",
             "sweep",
             "--base-url",
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             run_mode(mode, args)
     files = [str(p) for mode in modes for p in sorted((args.output_dir / mode).glob("*.json"))]
-    plot = [sys.executable, "-m", "engine.cli", "bench", "plot"]
+    plot = [sys.executable, "-m", "splitserve", "bench", "plot"]
     subprocess.run([*plot, *files, "--output-dir", str(args.output_dir / "plots")], check=True)
     # The CDFs and ITL timelines compare best two at a time: both modes at the highest rate.
     top = max(float(rate) for rate in args.request_rates.split(","))

@@ -56,7 +56,7 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
 
 def splitserve_command(*argv: str) -> list[str]:
     """The ``splitserve`` CLI as a command line, with this interpreter."""
-    return [sys.executable, "-m", "engine.cli", *argv]
+    return [sys.executable, "-m", "splitserve", *argv]
 
 
 class Child:

@@ -1,7 +1,10 @@
 """Regenerate the Python gRPC stubs from the .proto files.
 
-    python proto/generate.py            # writes next to the .proto files
+    python proto/generate.py            # writes splitserve/v1/*_pb2*.py at the repository root
     python proto/generate.py --out DIR  # elsewhere (the staleness test compares)
+
+The .proto files stay here, the contract; their stubs live in the product's package
+(``splitserve.v1``, the .proto package name), never in a top-level ``proto`` package.
 
 The stubs are committed, so users need no protoc. Generate them with
 grpcio-tools 1.78.0, the version lmcache pins grpcio to.
@@ -16,6 +19,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 PROTO_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = PROTO_ROOT.parent  # protoc writes <out>/splitserve/v1/
 PROTO_FILES = sorted(PROTO_ROOT.glob("splitserve/v1/*.proto"))
 
 
@@ -37,7 +41,7 @@ def generate(out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=PROTO_ROOT)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT)
     generate(parser.parse_args().out)
     return 0
 

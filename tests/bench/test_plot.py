@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.metrics import RunInfo, compute_metrics, result_json
-from engine.cli import main
+from splitserve.cli import main
 from tests.bench.factories import make_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

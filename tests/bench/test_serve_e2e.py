@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.arrivals import arrival_offsets
-from engine.cli import main
+from splitserve.cli import main
 from tests.bench.fake_openai_server import FakeOpenAIServer, FakeServerConfig
 from tests.gateway.processes import HTTPProcess
 from tests.stores import free_port

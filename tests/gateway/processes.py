@@ -27,7 +27,7 @@ class HTTPProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(f"/tmp/splitserve-test-{name}-{port}.log", "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", *argv],
+            [sys.executable, "-m", "splitserve", *argv],
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,

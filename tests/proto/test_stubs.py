@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STUB_DIR = ROOT / "proto" / "splitserve" / "v1"
+STUB_DIR = ROOT / "splitserve" / "v1"
 
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:

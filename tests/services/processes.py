@@ -83,7 +83,7 @@ class Service:
             [
                 sys.executable,
                 "-m",
-                "engine.cli",
+                "splitserve",
                 role,
                 "--model",
                 str(model),

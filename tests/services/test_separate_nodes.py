@@ -130,7 +130,7 @@ def serving(nodes: dict[str, Node], model: Path, scratch: Path, kv_cache_memory:
                     [
                         sys.executable,
                         "-m",
-                        "engine.cli",
+                        "splitserve",
                         role,
                         "--model",
                         str(model),
@@ -157,7 +157,7 @@ def serving(nodes: dict[str, Node], model: Path, scratch: Path, kv_cache_memory:
                 [
                     sys.executable,
                     "-m",
-                    "engine.cli",
+                    "splitserve",
                     "gateway",
                     "--model",
                     str(model),

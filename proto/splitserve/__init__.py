@@ -1,1 +1,0 @@
-"""Generated gRPC stubs of splitserve's protos (package splitserve.v1); see proto/generate.py."""
