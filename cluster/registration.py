@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import redis.asyncio as redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from kv_connector.store_urls import redact_url, with_password_file
+from cluster.store_urls import redact_url, with_password_file
 from splitserve.v1 import disaggregation_pb2
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class RegistryHeartbeat:
         url: str,
         instance_id: str,
         grpc_address: str,
-        load_report: Callable[[], Awaitable[disaggregation_pb2.LoadReport]],
+        load_report: Callable[[], disaggregation_pb2.LoadReport],  # answers at once: called from the event loop
         interval_s: float,
     ) -> None:
         self._client = registry_client(url)
@@ -102,7 +102,7 @@ class RegistryHeartbeat:
     async def beat(self) -> None:
         registration = disaggregation_pb2.Registration(
             grpc_address=self._grpc_address,
-            report=await self._load_report(),
+            report=self._load_report(),
             unix_s=time.time(),
             serving=self._serving,
         )

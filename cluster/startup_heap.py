@@ -1,10 +1,10 @@
 """Keep the garbage collector off what a server built at start-up.
 
-A loaded instance or gateway holds 300,000-400,000 objects that live as long as the process
-(modules, the model's and the tokenizer's Python objects, gRPC and protobuf machinery). Every
-full collection walks all of them: 120-250 ms each on the 2-vCPU machines here, measured in a
-decode instance under load, and a full collection stops every thread that needs the GIL, so
-each one is a token gap of that size for every stream on the instance. Once start-up is done
+A loaded instance or gateway holds hundreds of thousands of objects that live as long as the
+process (modules, the model's and the tokenizer's Python objects, gRPC and protobuf machinery).
+Every full collection walks all of them, and stops every thread that needs the GIL meanwhile,
+so each one is a token gap of that length for every stream on the instance (how long, on a
+2-vCPU machine: docs/benchmarks.md, "vLLM's CPU server beside splitserve"). Once start-up is done
 they are moved to the permanent generation, which collections skip (``gc.freeze``, as vLLM
 does after loading its model); objects made afterwards are collected as before.
 """

@@ -67,14 +67,6 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
-    def block_ids(self) -> list[int]:
-        """Free block ids from the next to be evicted to the last; for tests and debugging."""
-        ids, block = [], self._head.next_free
-        while block is not None and block is not self._tail:
-            ids.append(block.block_id)
-            block = block.next_free
-        return ids
-
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool, events: KVEventLog | None = None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -71,3 +72,21 @@ def _convert(gguf_path: Path, target: Path) -> None:
     except OSError:
         if not (target / "config.json").is_file():  # another process won the race: keep theirs
             raise
+
+
+def main() -> int:
+    """``python -m engine.default_model``: convert the embedded model if not done yet and print
+    its folder. ``splitserve up`` runs it before starting anything (launcher/processes.py), so
+    that the conversion, which loads torch, runs once and outside the launcher."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        path = default_model_path()
+    except ValueError as error:
+        sys.stderr.write(f"{error}\n")
+        return 2
+    sys.stdout.write(f"{path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

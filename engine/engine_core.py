@@ -6,7 +6,6 @@ offline :class:`engine.llm.LLM` and the gateway add text on top.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -18,6 +17,7 @@ from engine.context_length import resolve_max_tokens
 from engine.default_model import default_model_path
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
+from engine.kv_loader import KVLoader, KVLoadFailurePolicy
 from engine.load_report import LoadReport, PrefillRate
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineCoreOutput
@@ -25,7 +25,6 @@ from engine.prefill_chunk import auto_long_prefill_threshold
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.scheduler_output import KVLoad
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 
@@ -72,17 +71,7 @@ class EngineCore:
         self.prefill_rate = PrefillRate()
         self.num_steps = 0  # steps that ran the model, since start
         self.step_seconds = 0.0  # their model time, since start (mean step time = this / num_steps)
-        self.last_step_was_idle = False  # the last step had nothing to run (e.g. only pulls in flight)
-        # Decode role: KV pulls requested by the last steps, for the service to perform.
-        self.pending_kv_loads: list[KVLoad] = []
-        # Called on the engine thread with each step's KV pulls right after scheduling, before
-        # the forward pass, so the pulls run while the step computes (None: collect them in
-        # ``pending_kv_loads`` for the caller to take after the step).
-        self.on_kv_loads: Callable[[list[KVLoad]], None] | None = None
-        # The context each step's model execution runs in. AsyncEngine releases its lock on
-        # this core's state there, so that a hand-off arriving mid-step is admitted and its
-        # pull started while the model computes (:meth:`admit_handoffs`).
-        self.around_execute: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+        self.last_step_was_idle = False  # the last step had nothing to run (e.g. only loads in flight)
         self._aborted_outputs: list[EngineCoreOutput] = []
         # Speculative decoding (engine/spec_decode): the prefill role samples one token, never drafts.
         self.speculative = config.speculative if config.role != "prefill" else None
@@ -98,6 +87,20 @@ class EngineCore:
                 else f"draft model {spec.model}"
             )
             logger.info("speculative decoding: up to %d drafts per step from %s", spec.num_speculative_tokens, drafter)
+        self.published_load_report = self.load_report()
+
+    def use_kv_loader(self, kv_loader: KVLoader, wake: Callable[[], None] | None = None) -> None:
+        """Decode role: the loader that fills hand-offs' blocks (engine/kv_loader.py). Given once,
+        before the first step, rather than at construction: it wraps a KV connector, which is
+        built on this engine's KV cache. ``wake`` (any thread) makes an idle engine step now;
+        the loader calls it when a load finishes."""
+        if self.config.role != "decode":
+            raise ValueError(f"only a decode engine loads KV from elsewhere; this one is {self.config.role}")
+        if self.scheduler.kv_loader is not None:
+            raise RuntimeError("bug: the engine already has a KV loader")
+        if wake is not None:
+            kv_loader.bind(wake)
+        self.scheduler.kv_loader = kv_loader
 
     # ----------------------------------------------------------------- intake
 
@@ -109,10 +112,12 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        kv_load_failure_policy: KVLoadFailurePolicy = "recompute",
     ) -> str:
-        """Queue a request. ``first_token_id`` (decode role) says the prompt was prefilled
-        elsewhere: its KV will be pulled, and decoding continues after that token.
-        Raises ValueError for input the engine cannot serve."""
+        """Queue a request; engine thread (between steps) only. ``first_token_id`` (decode
+        role) says the prompt was prefilled elsewhere: its KV will be loaded, decoding
+        continues after that token, and ``kv_load_failure_policy`` says what happens if the
+        KV cannot be loaded. Raises ValueError for input the engine cannot serve."""
         request_id = request_id or uuid.uuid4().hex
         max_tokens = self.validate(prompt_token_ids, params, first_token_id)
         # A cache hit when the caller compiled ahead (AsyncEngine does, off this thread).
@@ -131,8 +136,24 @@ class EngineCore:
             # Advances the grammar too: P sampled this token under the same grammar.
             request.append_token(first_token_id)
             request.num_external_tokens = len(prompt_token_ids)
+            request.kv_load_failure_policy = kv_load_failure_policy
         self.scheduler.add_request(request)
         return request_id
+
+    def add_handoff_during_step(self, add: Callable[[], str]) -> bool:
+        """Decode role, from a thread other than the engine's: run ``add`` (an :meth:`add_request`
+        of a hand-off, its arguments bound) and admit the hand-off now if a step's model is
+        computing (the scheduler's hand-off window), so that its load runs during that step and
+        it decodes in the next one; the published load report counts it from now. False, with
+        nothing run, when no step is computing: run ``add`` between steps instead. Raises
+        ValueError as add_request does."""
+        with self.scheduler.enter_handoff_window() as window_open:
+            if not window_open:
+                return False
+            add()
+            self.scheduler.admit_handoffs()
+            self.publish_load_report()
+            return True
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int | None = None) -> int:
         """Raise ValueError for a request this engine cannot serve; return its resolved max_tokens.
@@ -143,17 +164,14 @@ class EngineCore:
                 "first_token_id continues a remotely prefilled prompt: decode role only, this engine is "
                 f"{self.config.role}"
             )
+        if first_token_id is not None and self.scheduler.kv_loader is None:
+            raise ValueError("this decode engine has no KV loader: it cannot continue a prompt prefilled elsewhere")
         if num_prompt == 0:
             raise ValueError("the prompt is empty; send at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad or (first_token_id is not None and not 0 <= first_token_id < self.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {(bad or [first_token_id])[:5]}")
         return resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
-
-    def admit_handoffs(self) -> list[KVLoad]:
-        """Decode role: blocks for the hand-offs waiting at the head of the queue now, not at
-        the next step, and the pulls that fill them (the caller starts them)."""
-        return self.scheduler.admit_handoffs()
 
     # ------------------------------------------------------------------- step
 
@@ -163,23 +181,17 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and report every request that advanced or ended."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs.extend(self._output(request, new_token_ids=[]) for request in self.scheduler.update_from_kv_loads())
         if self.speculative is not None:
             self._plan_drafts()
         if self.config.long_prefill_token_threshold == "auto":
             self._size_prefill_chunks()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.kv_loads:
-            if self.on_kv_loads is not None:
-                self.on_kv_loads(scheduler_output.kv_loads)
-            else:
-                self.pending_kv_loads.extend(scheduler_output.kv_loads)
-        self.last_step_was_idle = scheduler_output.is_empty and not scheduler_output.kv_loads
+        self.last_step_was_idle = scheduler_output.is_empty
         if scheduler_output.is_empty:
             return outputs
         started = time.perf_counter()
-        # Reads only the requests and blocks this step scheduled; an early hand-off takes
-        # other, free blocks, and moves only a waiting request.
-        with self.around_execute():
+        with self.scheduler.handoff_window():
             model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
         seconds = time.perf_counter() - started
         num_prefill_tokens = (
@@ -228,6 +240,7 @@ class EngineCore:
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
             kv_handoff=handoff,
+            error=request.error,
         )
 
     # -------------------------------------------------------- ending requests
@@ -251,11 +264,13 @@ class EngineCore:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_PREFILLED)
         return True
 
-    def finish_kv_load(self, request_id: str, success: bool) -> None:
-        """Decode role: the pull for ``request_id`` completed (or failed: recompute locally)."""
-        self.scheduler.finish_kv_load(request_id, success)
-
     # ------------------------------------------------------------ observation
+
+    def publish_load_report(self) -> None:
+        """Take the load now as :attr:`published_load_report`, which other threads read without
+        waiting for a step. Called by whoever has the state to itself: the engine thread
+        between forward passes, or an admission inside the hand-off window (never both at once)."""
+        self.published_load_report = self.load_report()
 
     def load_report(self) -> LoadReport:
         return LoadReport(

@@ -46,10 +46,11 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
-    finish_reason: str | None  # "stop", "length", "abort"; None while running or when handed off
+    finish_reason: str | None  # "stop", "length", "abort", "error"; None while running or when handed off
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_handoff: KVHandoff | None = None
+    error: str | None = None  # finish reason "error": why (decode role: the prompt's KV could not be loaded)
 
     @property
     def finished(self) -> bool:

@@ -4,12 +4,12 @@ A prompt that arrives while a long one is being prefilled waits for the step in 
 then shares the next step with the long prompt's following chunk (engine/scheduler.py,
 ``long_prefill_token_threshold``). So the chunk's duration, not its token count, is what
 bounds that wait, and the same count means very different durations on different hardware:
-a 1,024-token prompt is a 2-3 s step on one CPU core and a few milliseconds on a GPU.
+seconds for a 1,024-token prompt on one CPU core, milliseconds on a GPU.
 "auto" sizes the chunk from the engine's measured prefill rate so that it takes about
 :data:`AUTO_CHUNK_SECONDS`, never below :data:`MIN_AUTO_CHUNK_TOKENS` (smaller chunks
-re-read the weights too often for what they compute: a 1,024-token prompt on one CPU core took
-5-24% longer in chunks of 128 than in one, 2-9% longer in chunks of 256), and no cap at all
-where that duration holds a whole step's budget (a GPU).
+re-read the weights too often for what they compute), and no cap at all where that duration
+holds a whole step's budget (a GPU). The chunking's cost and what it buys: docs/benchmarks.md,
+"Prompt chunks capped on the prefill instance".
 """
 
 from __future__ import annotations

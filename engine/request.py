@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache_utils import BlockHash, extend_block_hashes
+from engine.kv_loader import KVLoadFailurePolicy
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.grammar_state import GrammarState
@@ -23,6 +24,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()  # max_tokens or the context length
     FINISHED_ABORTED = enum.auto()
     FINISHED_PREFILLED = enum.auto()  # prefill role: first token sampled, KV pinned for the decode side
+    FINISHED_ERROR = enum.auto()  # decode role: the prompt's KV could not be loaded, and the request may not recompute
 
     @property
     def is_finished(self) -> bool:
@@ -38,6 +40,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -61,8 +64,11 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
-    # Decode role: how many prompt tokens arrive from a prefill instance instead of being computed.
+    # Decode role: how many prompt tokens arrive from a prefill instance instead of being computed,
+    # and what to do if they cannot be loaded (engine/kv_loader.py).
     num_external_tokens: int = 0
+    kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
+    error: str | None = None  # why the request ended with FINISHED_ERROR
     # Set when sampling_params.structured is: the grammar, advanced over every output token.
     grammar: GrammarState | None = None
     # Speculative decoding (engine/spec_decode): drafts the proposer wants verified in the next

@@ -20,23 +20,32 @@ chunk's worth of delay per step, never a whole prompt's.
 ``long_prefill_token_threshold`` (vLLM's name and meaning) caps the chunk of any one
 request in a step, so a long prompt no longer takes a whole step to itself: a short
 prompt that arrives meanwhile waits for at most one capped chunk, then shares the next
-step with the long prompt's following chunk. Without it, on a prefill instance that
-computes a few hundred tokens a second, a 1,024-token prompt held every prompt behind it
-for seconds (docs/benchmarks.md, "Prompt chunks capped on the prefill instance").
+step with the long prompt's following chunk (docs/benchmarks.md, "Prompt chunks capped on
+the prefill instance").
+
+Decode role: a hand-off (a prompt prefilled elsewhere) is admitted without token budget: its
+blocks are allocated and its :class:`~engine.kv_loader.KVLoader` asked to fill them; the
+results are polled at each step boundary (:meth:`Scheduler.update_from_kv_loads`). Hand-offs
+may also be admitted while a step's model computes, inside the hand-off window
+(:meth:`Scheduler.handoff_window`), so that their KV lands during that step and they decode
+in the next one instead of the one after.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 
 from engine.config import EngineRole
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_utils import cdiv
+from engine.kv_loader import KVLoad, KVLoader, KVLoadResult
 from engine.outputs import KVHandoff
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import KVLoad, ModelOutput, ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import ModelOutput, ScheduledRequest, SchedulerOutput
 from engine.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -70,16 +79,26 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request that holds or awaits resources
         self.waiting: list[Request] = []  # sorted by (priority, arrival time)
         self.running: list[Request] = []
-        self.waiting_for_kv: dict[str, Request] = {}  # decode role: prompt KV in flight
+        self.waiting_for_kv: dict[str, Request] = {}  # decode role: prompt KV being loaded
+        # Decode role: requests ended while their load was in flight, holding their blocks until
+        # the loader reports that nothing writes into them any more.
+        self.cancelled_loads: dict[str, Request] = {}
+        self.kv_loader: KVLoader | None = None  # decode role: set by the engine before its first step
         self.pinned: dict[str, Request] = {}  # prefill role: KV kept for the decode side
+        # The hand-off window: open while a step's model computes, the only time another thread
+        # may change this scheduler (to admit a hand-off). Whoever changes it holds the lock.
+        self._window_lock = threading.Lock()
+        self._window_open = False
         self.num_preemptions = 0  # since start, for metrics and tests
         self.spec_stats = SpecDecodeStats()  # drafts verified and accepted, since start
 
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.cancelled_loads:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_external_tokens and self.kv_loader is None:
+            raise ValueError("this engine has no KV loader: it cannot continue a prompt prefilled elsewhere")
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=_admission_key)
 
@@ -95,33 +114,74 @@ class Scheduler:
                 self.waiting.remove(request)
             elif request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                del self.waiting_for_kv[request_id]
             elif request.status is RequestStatus.FINISHED_PREFILLED:
                 del self.pinned[request_id]
-            self.kv_cache_manager.free(request)
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                # Its load may still write into its blocks: they are freed when the loader says it stopped.
+                del self.waiting_for_kv[request_id]
+                self.cancelled_loads[request_id] = request
+                if self.kv_loader is None:
+                    raise RuntimeError(f"bug: {request_id} waited for its KV on an engine without a KV loader")
+                self.kv_loader.cancel_load(request_id)
+            else:
+                self.kv_cache_manager.free(request)
             request.status = status
             ended.append(request)
         return ended
 
-    def finish_kv_load(self, request_id: str, success: bool) -> None:
-        """Decode role: the prompt KV of a request has arrived (or failed to).
+    def update_from_kv_loads(self) -> list[Request]:
+        """Decode role, at each step boundary: apply the loads the loader reports finished.
 
-        On success the request joins the decode loop; on failure it recomputes
-        the part of its prompt that the local prefix cache did not hold, in
-        chunks of at most ``max_num_prefill_tokens`` per step. Either way the KV
-        is local from now on: a later preemption recomputes here and never pulls
-        again from a prefill instance that has released the blocks.
-        """
-        request = self.waiting_for_kv.pop(request_id, None)
-        if request is None:
-            return  # aborted while the pull was in flight
-        if success:
+        A loaded request joins the decode loop. A failed one recomputes the part of its prompt
+        the local prefix cache did not hold, in chunks of at most ``max_num_prefill_tokens`` per
+        step, or ends with FINISHED_ERROR, as its ``kv_load_failure_policy`` says; a hand-off
+        still waiting for blocks whose source is gone does the same without taking any. Either
+        way the KV is local from then on: a later preemption recomputes here and never loads
+        again from a prefill instance that has released it. Blocks of requests aborted during
+        their load are freed here. Returns the requests that ended (with FINISHED_ERROR)."""
+        if self.kv_loader is None:
+            return []
+        ended: list[Request] = []
+        for result in self.kv_loader.poll_finished():
+            if (cancelled := self.cancelled_loads.pop(result.request_id, None)) is not None:
+                self.kv_cache_manager.free(cancelled)
+            elif (request := self.waiting_for_kv.pop(result.request_id, None)) is not None:
+                if self._kv_loaded(request, result):
+                    self.running.append(request)
+                else:
+                    ended.append(request)
+            elif (request := self.requests.get(result.request_id)) is not None and request.num_external_tokens:
+                # Not admitted yet (waiting for blocks): only a failure can be reported for it.
+                if result.error is None:
+                    raise RuntimeError(f"bug: the KV loader reported a load of {request.request_id} it never started")
+                if request.kv_load_failure_policy == "recompute":
+                    request.num_external_tokens = 0  # an ordinary prompt from now on, prefilled here when admitted
+                else:
+                    self.waiting.remove(request)
+                    self._end_with_error(request, result.error)
+                    ended.append(request)
+        return ended
+
+    def _kv_loaded(self, request: Request, result: KVLoadResult) -> bool:
+        """A request whose blocks the loader no longer writes: True when it runs from now on,
+        False when it ended (its blocks freed)."""
+        if result.error is None:
             request.num_computed_tokens = request.num_external_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_external_tokens)
+        elif request.kv_load_failure_policy == "fail":
+            self.kv_cache_manager.free(request)
+            self._end_with_error(request, result.error)
+            return False
+        else:
+            logger.warning("KV of %s could not be loaded, recomputing it here: %s", request.request_id, result.error)
         request.num_external_tokens = 0
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        return True
+
+    def _end_with_error(self, request: Request, error: str) -> None:
+        del self.requests[request.request_id]
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
 
     @property
     def num_waiting(self) -> int:
@@ -147,7 +207,8 @@ class Scheduler:
         return waiting + sum(_num_prefill_tokens_left(r) for r in self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_kv)
+        """Anything left for steps to do, including freeing the blocks of cancelled loads."""
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.cancelled_loads)
 
     # --------------------------------------------------------------- the step
 
@@ -186,17 +247,14 @@ class Scheduler:
         if self.speculative and not preempted:
             budget -= self._schedule_drafts(scheduled, budget)
 
-        kv_loads: list[KVLoad] = []
         # Admitting more work in a step that had to preempt would only thrash.
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
             if request.num_external_tokens:
-                load = self._admit_handoff(request)
-                if load is None:
+                if not self._admit_handoff(request):
                     break
-                kv_loads.append(load)
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._chunk(request.num_tokens - num_hit_tokens, budget, prefill_budget)
@@ -222,41 +280,72 @@ class Scheduler:
             num_decodes=len(decodes),
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
-            kv_loads=kv_loads,
             num_spec_decodes=len(spec_decodes),
             num_spec_tokens=sum(s.num_new_tokens for s in spec_decodes),
         )
 
-    def admit_handoffs(self) -> list[KVLoad]:
-        """Decode role, outside :meth:`schedule`: give the hand-offs at the head of the queue
-        their blocks now and return the pulls that fill them. A hand-off takes no token
-        budget (its prompt is pulled, not computed), so admitting it early changes no step's
-        work; it only lets its pull run during the step in flight rather than the next one.
-        Stops at the first request that is not a hand-off (a preempted one recomputes, and
-        keeps its place) or that does not fit."""
-        loads: list[KVLoad] = []
+    # ------------------------------------------------------- the hand-off window
+
+    @contextlib.contextmanager
+    def handoff_window(self) -> Iterator[None]:
+        """Engine thread, around a step's model execution: hand-offs that arrive meanwhile may
+        be admitted from other threads (:meth:`enter_handoff_window`). Safe because the step
+        reads only the requests and blocks it scheduled, while an admission takes only free
+        blocks (or prefix-cache hits, by reference) and moves only waiting requests. Closing
+        waits for an admission under way to finish."""
+        with self._window_lock:
+            self._window_open = True
+        try:
+            yield
+        finally:
+            with self._window_lock:
+                self._window_open = False
+
+    @contextlib.contextmanager
+    def enter_handoff_window(self) -> Iterator[bool]:
+        """Any thread but the engine's: yields True, with the scheduler to itself until the
+        block ends, when a step's model is computing; False when it is not (the engine thread
+        is between forward passes, and the caller queues its change for the step boundary).
+        Never waits: an admission under way counts as a shut window."""
+        if not self._window_lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield self._window_open
+        finally:
+            self._window_lock.release()
+
+    def admit_handoffs(self) -> None:
+        """Decode role, inside the hand-off window: give the hand-offs at the head of the queue
+        their blocks now and start their loads. A hand-off takes no token budget (its prompt
+        is loaded, not computed), so admitting it early changes no step's work; it only lets
+        its load run during the step in flight rather than the next one. Stops at the first
+        request that is not a hand-off (a preempted one recomputes, and keeps its place) or
+        that does not fit."""
         while self.waiting and self.waiting[0].num_external_tokens:
             if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
                 break
-            load = self._admit_handoff(self.waiting[0])
-            if load is None:
+            if not self._admit_handoff(self.waiting[0]):
                 break
-            loads.append(load)
-        return loads
 
-    def _admit_handoff(self, request: Request) -> KVLoad | None:
-        """Blocks for the head of the queue, a hand-off, and the pull that fills the ones the
-        local prefix cache does not hold; None (nothing changed) when they do not fit."""
+    def _admit_handoff(self, request: Request) -> bool:
+        """Blocks for the head of the queue, a hand-off, and the load that fills the ones the
+        local prefix cache does not hold; False (nothing changed) when they do not fit."""
         kv = self.kv_cache_manager
+        if self.kv_loader is None:
+            raise RuntimeError(f"bug: hand-off {request.request_id} queued on an engine without a KV loader")
         computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
         num_new_tokens = request.num_external_tokens - num_hit_tokens
         if kv.allocate_slots(request, num_new_tokens, computed_blocks, cache_new_blocks=False) is None:
-            return None
+            return False
         self.waiting.pop(0)
         request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_kv[request.request_id] = request
-        return KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), len(computed_blocks))
+        self.kv_loader.start_load(
+            KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), len(computed_blocks))
+        )
+        return True
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[tuple[Request, int]]:
         """Advance every scheduled request by what the step computed and sampled.

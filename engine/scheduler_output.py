@@ -20,22 +20,12 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
-class KVLoad:
-    """Decode role: blocks allocated for a prompt whose KV must be pulled from a prefill instance."""
-
-    request_id: str
-    block_ids: list[int]  # all of the prompt's blocks, local ids
-    num_local_hit_blocks: int  # leading blocks already holding the KV, from the local prefix cache: not pulled
-
-
-@dataclass(slots=True)
 class SchedulerOutput:
     # Decodes (one new token) first, then decodes verifying drafts, then prefills and chunks of prefills.
     scheduled: list[ScheduledRequest]
     num_decodes: int
     num_scheduled_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
-    kv_loads: list[KVLoad] = field(default_factory=list)
     num_spec_decodes: int = 0  # requests verifying drafts, right after the plain decodes
     num_spec_tokens: int = 0  # their tokens: one last token plus the drafts each
 

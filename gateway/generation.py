@@ -36,8 +36,10 @@ from cluster.sampling_proto import sampling_params_to_proto
 from engine.context_length import ContextLengthExceeded, resolve_max_tokens
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from gateway.dispatch import DEFAULT_MAX_MIGRATIONS, Dispatcher, DispatchRequest, TokenEvent
+from gateway.dispatch import Dispatcher
+from gateway.dispatch_request import DispatchRequest, TokenEvent
 from gateway.errors import APIError, bad_request
+from gateway.flags import DEFAULT_MAX_MIGRATIONS
 from gateway.instances import InstancePool
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics, RequestTimer

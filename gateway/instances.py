@@ -22,10 +22,10 @@ import grpc
 from cluster.background import BackgroundTasks
 from cluster.internal_grpc import InternalPlane
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
+from gateway.flags import Routing
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
 from gateway.routing import (
     WAITING_WEIGHT,
-    Routing,
     decode_cost,
     num_evicted_blocks,
     num_hit_tokens,

@@ -26,7 +26,6 @@ class KVEventsSync:
         self.pool = pool
         self.index = index
         self.interval_s = interval_s
-        self._unsupported: set[str] = set()  # instances without GetKVEvents: said once
 
     async def run(self) -> None:
         # A poll per instance at most in flight, never awaited by the others': an instance that
@@ -55,14 +54,7 @@ class KVEventsSync:
             events = await disaggregation_pb2_grpc.LoadStub(state.channel).GetKVEvents(
                 disaggregation_pb2.KVEventsRequest(epoch=epoch, after_seq=after_seq), timeout=self.pool.stale_after_s
             )
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNIMPLEMENTED and address not in self._unsupported:
-                self._unsupported.add(address)
-                logger.warning(
-                    "%s instance %s publishes no KV events (an older version?): routed by load only",
-                    state.role,
-                    address,
-                )
+        except grpc.aio.AioRpcError:
             return  # health and load polling decide whether it is usable
         if address not in self.pool.instances:  # removed while the call ran
             return

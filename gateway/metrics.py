@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, read
 from gateway.instances import ROLES, InstancePool
 from gateway.status import RecentLatencies
 from splitserve.v1 import disaggregation_pb2
@@ -159,108 +160,42 @@ class RequestTimer:
 
 
 class _InstanceCollector(Collector):
-    """Each known instance's latest load report, read at scrape time."""
+    """Each known instance's latest load report, read at scrape time: every entry of
+    cluster/instance_counters.py as ``splitserve_instance_<name>``, and what only this gateway
+    knows of the instance (health as it routes, calls outstanding, requests routed, blocks indexed)."""
 
     def __init__(self, pool: InstancePool) -> None:
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["instance", "role", "address"]
-        gauges = {
-            "healthy": GaugeMetricFamily(
-                "splitserve_instance_healthy", "1 if the gateway routes to this instance", labels=labels
-            ),
-            "waiting": GaugeMetricFamily(
-                "splitserve_instance_num_waiting", "Requests waiting on the instance", labels=labels
-            ),
-            "running": GaugeMetricFamily(
-                "splitserve_instance_num_running", "Requests running on the instance", labels=labels
-            ),
-            "free": GaugeMetricFamily("splitserve_instance_free_kv_blocks", "Free KV blocks", labels=labels),
-            "total": GaugeMetricFamily("splitserve_instance_total_kv_blocks", "Total KV blocks", labels=labels),
-            "hit": GaugeMetricFamily(
-                "splitserve_instance_prefix_cache_hit_rate", "Prefix-cache hit rate since start", labels=labels
-            ),
-            "bytes": GaugeMetricFamily(
-                "splitserve_instance_kv_transfer_bytes", "KV bytes pulled by this instance since start", labels=labels
-            ),
-            "seconds": GaugeMetricFamily(
-                "splitserve_instance_kv_transfer_seconds", "Seconds spent pulling KV since start", labels=labels
-            ),
-            "pending": GaugeMetricFamily(
-                "splitserve_instance_pending_prefill_tokens",
-                "Prompt tokens queued or mid-prefill on the instance",
-                labels=labels,
-            ),
-            "rate": GaugeMetricFamily(
-                "splitserve_instance_prefill_tokens_per_second",
-                "Prompt tokens per second over the instance's recent steps",
-                labels=labels,
-            ),
-            "inflight": GaugeMetricFamily(
-                "splitserve_instance_inflight_calls",
-                "Calls from this gateway outstanding on the instance",
-                labels=labels,
-            ),
-            "indexed": GaugeMetricFamily(
-                "splitserve_instance_indexed_kv_blocks",
-                "Prefix-cache blocks the gateway's index holds for the instance (kv routing)",
-                labels=labels,
-            ),
-            "acceptance": GaugeMetricFamily(
-                "splitserve_instance_spec_acceptance_rate",
-                "Speculative decoding: accepted over verified draft tokens since start",
-                labels=labels,
-            ),
-        }
+        healthy_gauge = GaugeMetricFamily(
+            "splitserve_instance_healthy", "1 if the gateway routes to this instance", labels=labels
+        )
+        inflight = GaugeMetricFamily(
+            "splitserve_instance_inflight_calls", "Calls from this gateway outstanding on the instance", labels=labels
+        )
+        indexed = GaugeMetricFamily(
+            "splitserve_instance_indexed_kv_blocks",
+            "Prefix-cache blocks the gateway's index holds for the instance (kv routing)",
+            labels=labels,
+        )
         picked = CounterMetricFamily(
             "splitserve_instance_routed_requests", "Requests this gateway routed to the instance", labels=labels
         )
-        # The instance's own event counts since it started: counters, though they reset with it.
-        counters = {
-            name: CounterMetricFamily(f"splitserve_instance_{name}", help_text, labels=labels)
-            for name, help_text in _INSTANCE_COUNTERS.items()
-        }
+        # The instance's own counters reset when it restarts; Prometheus's rate() handles that.
+        reported = [(counter, metric_family(counter, "splitserve_instance_", labels)) for counter in INSTANCE_COUNTERS]
         healthy = {id(s) for role in ROLES for s in self.pool.healthy(role)}
         for state in list(self.pool.instances.values()):
             values = [state.instance_id, state.role, state.address]
-            gauges["healthy"].add_metric(values, 1.0 if id(state) in healthy else 0.0)
+            healthy_gauge.add_metric(values, 1.0 if id(state) in healthy else 0.0)
+            inflight.add_metric(values, state.num_inflight)
             picked.add_metric(values, state.num_picked)
-            gauges["indexed"].add_metric(values, self.pool.index.num_cached_blocks(state.address))
+            indexed.add_metric(values, self.pool.index.num_cached_blocks(state.address))
             report = state.report
             if report is None:
                 continue
-            gauges["waiting"].add_metric(values, report.num_waiting)
-            gauges["running"].add_metric(values, report.num_running)
-            gauges["free"].add_metric(values, report.num_free_blocks)
-            gauges["total"].add_metric(values, report.num_total_blocks)
-            gauges["hit"].add_metric(values, report.prefix_cache_hit_rate)
-            gauges["bytes"].add_metric(values, report.kv_transfer_bytes)
-            gauges["seconds"].add_metric(values, report.kv_transfer_seconds)
-            gauges["pending"].add_metric(values, report.num_pending_prefill_tokens)
-            gauges["rate"].add_metric(values, report.prefill_tokens_per_s)
-            gauges["inflight"].add_metric(values, state.num_inflight)
-            num_drafts = report.counters.num_spec_draft_tokens
-            gauges["acceptance"].add_metric(
-                values, report.counters.num_spec_accepted_tokens / num_drafts if num_drafts else 0.0
-            )
-            for name, counter in counters.items():
-                counter.add_metric(values, getattr(report.counters, f"num_{name}"))
-        yield from gauges.values()
-        yield from counters.values()
-        yield picked
-
-
-_INSTANCE_COUNTERS = {
-    "preemptions": "Running requests sent back to wait for lack of KV blocks (their KV recomputed later)",
-    "lease_renewals": "Prefill: KV leases a decode instance renewed",
-    "lease_expiries": "Prefill: pinned KV freed because nobody released or renewed it",
-    "pulls_cut_off": "Prefill: KV pulls still reading blocks when those were unpinned",
-    "kv_pull_failures": "Decode: KV pulls that failed",
-    "kv_recomputes": "Decode: prompts recomputed locally after a failed pull",
-    "kv_handbacks": "Decode: requests handed back to the gateway to prefill again",
-    "kv_handles_refused": "Decode: calls refused for a KV handle that is unsigned or altered (docs/security.md)",
-    "local_prefills": "Decode: calls prefilled on the decode instance itself (conditional disaggregation)",
-    "spec_draft_tokens": "Speculative decoding: draft tokens the instance verified",
-    "spec_accepted_tokens": "Speculative decoding: draft tokens the target accepted (each one a token gained)",
-}
+            for counter, family in reported:
+                family.add_metric(values, read(counter, report))
+        yield from (healthy_gauge, inflight, indexed, picked)
+        yield from (family for _, family in reported)

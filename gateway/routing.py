@@ -34,12 +34,8 @@ Ties go to the lower ``load`` score. A prefill that finished re-prefilling keeps
 
 from __future__ import annotations
 
-from typing import Literal
-
 from engine.kv_cache_utils import cdiv
 
-Routing = Literal["load", "kv"]
-ROUTINGS: tuple[Routing, ...] = ("load", "kv")
 # Waiting requests weigh more than running ones: each still needs its prefill (or its
 # pull), while a running one costs only a share of the next decode step.
 WAITING_WEIGHT = 4

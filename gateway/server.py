@@ -18,13 +18,12 @@ from gateway import limits
 from gateway.admission import AdmissionLimits
 from gateway.app import create_app
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
-from gateway.dispatch import DEFAULT_MAX_MIGRATIONS
+from gateway.flags import add_api_key_argument, add_routing_arguments
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instances import InstancePool
 from gateway.kv_events import KVEventsSync, run_kv_events
 from gateway.metrics import GatewayMetrics
-from gateway.routing import ROUTINGS
 from gateway.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,11 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC Generation port (0: any free port, -1: off)"
     )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("SPLITSERVE_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' (env SPLITSERVE_API_KEY)",
-    )
+    add_api_key_argument(parser)
     parser.add_argument(
         "--prefill",
         action="append",
@@ -109,46 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=75.0,
         help="seconds an idle HTTP connection stays open (as nginx's keepalive_timeout)",
     )
-    # Admission control (gateway.admission): refuse at once rather than queue for minutes.
-    parser.add_argument(
-        "--max-queue-delay",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="answer 429 with Retry-After when every prefill instance's queued prompts would delay a new "
-        "request's prefill by more than this (estimated from their load reports; default: off)",
-    )
-    parser.add_argument(
-        "--max-inflight-per-instance",
-        type=int,
-        default=None,
-        metavar="N",
-        help="calls this gateway keeps outstanding on one prefill (or colocated) instance at most; "
-        "a request finding every instance at the cap gets 429 (default: off)",
-    )
-    parser.add_argument(
-        "--routing",
-        default="kv",
-        choices=ROUTINGS,
-        help="how instances are ranked (gateway/routing.py): 'load' by queue only, 'kv' by queued prompt work "
-        "after the prompt's prefix-cache hit on each instance, learnt from their KV events",
-    )
-    parser.add_argument(
-        "--max-migrations",
-        type=int,
-        default=DEFAULT_MAX_MIGRATIONS,
-        help="times one request may resume on another decode instance after its own failed mid-stream "
-        "(its prompt plus the tokens sent so far prefilled again; 0: fail the request instead)",
-    )
-    parser.add_argument(
-        "--disagg-min-prompt-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="conditional disaggregation: a prompt with fewer than N tokens the best decode instance lacks "
-        "(short, or mostly in its prefix cache with --routing kv) is prefilled on that decode instance, "
-        "in chunks inside its step budget, instead of on a prefill instance (0: always disaggregate)",
-    )
+    add_routing_arguments(parser)
     # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
     parser.add_argument(
         "--enable-priority",

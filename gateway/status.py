@@ -1,6 +1,8 @@
 """The live status page: ``GET /status`` serves one HTML file from this package (no build
 step, no external assets) whose script polls ``GET /status.json`` every second and draws
-the instances the gateway knows and its recent TTFT and ITL.
+the instances the gateway knows and its recent TTFT and ITL. Of each instance's counters the
+page shows those ``cluster/instance_counters.py`` gives a status label, one column each, in
+the table's order: ``status.json`` sends the columns with the values.
 
 Recent latencies are kept here, apart from the Prometheus histograms, because a page needs
 points in time and a histogram keeps only counts: each request adds its TTFT when its first
@@ -16,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from cluster.instance_counters import STATUS_PAGE_COUNTERS, read
 from gateway.instances import ROLES, InstancePool
 from splitserve.v1 import disaggregation_pb2
 
@@ -38,16 +41,22 @@ class RecentLatencies:
         self.itl.append((time.time(), seconds))
 
 
+class StatusColumn(BaseModel):
+    """One instance counter the page shows: its key in ``InstanceStatus.counters``, the column's
+    header, its unit (a ratio is drawn as a bar) and its help text (the header's tooltip)."""
+
+    name: str
+    label: str
+    unit: str
+    help: str
+
+
 class InstanceStatus(BaseModel):
     instance_id: str
     role: Literal["prefill", "decode", "colocated"]
     address: str
     healthy: bool
-    num_waiting: int | None
-    num_running: int | None
-    num_free_blocks: int | None
-    num_total_blocks: int | None
-    kv_usage: float | None  # share of KV blocks in use, 0..1
+    counters: dict[str, float] | None  # the columns' values by name; None until the first load report
     fingerprint: str | None
     engine_error: str
     report_age_s: float | None  # seconds since the latest load report
@@ -59,6 +68,7 @@ class StatusResponse(BaseModel):
     ready: bool
     time: float  # unix seconds, the server's clock (the points below use it too)
     instances: list[InstanceStatus]
+    columns: list[StatusColumn]  # the instance counters shown, in order
     ttft: list[tuple[float, float]]  # (unix seconds, seconds)
     itl: list[tuple[float, float]]
 
@@ -76,18 +86,15 @@ def status_snapshot(pool: InstancePool, recent: RecentLatencies, model_name: str
     instances = []
     for state in sorted(pool.instances.values(), key=lambda s: (ROLES.index(s.role), s.address)):
         report = state.report
-        used = report.num_total_blocks - report.num_free_blocks if report is not None else None
         instances.append(
             InstanceStatus(
                 instance_id=state.instance_id,
                 role=state.role,
                 address=state.address,
                 healthy=id(state) in healthy,
-                num_waiting=report.num_waiting if report is not None else None,
-                num_running=report.num_running if report is not None else None,
-                num_free_blocks=report.num_free_blocks if report is not None else None,
-                num_total_blocks=report.num_total_blocks if report is not None else None,
-                kv_usage=used / report.num_total_blocks if report is not None and report.num_total_blocks else None,
+                counters={counter.name: read(counter, report) for counter in STATUS_PAGE_COUNTERS}
+                if report is not None
+                else None,
                 fingerprint=describe_fingerprint(report.fingerprint)
                 if report is not None and report.HasField("fingerprint")
                 else None,
@@ -100,6 +107,12 @@ def status_snapshot(pool: InstancePool, recent: RecentLatencies, model_name: str
         ready=ready,
         time=time.time(),
         instances=instances,
+        columns=[
+            StatusColumn(
+                name=counter.name, label=counter.status_label or counter.name, unit=counter.unit, help=counter.help
+            )
+            for counter in STATUS_PAGE_COUNTERS
+        ],
         ttft=list(recent.ttft),
         itl=list(recent.itl),
     )

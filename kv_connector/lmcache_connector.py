@@ -23,7 +23,7 @@ same on P and D. lmcache's usage telemetry is switched off before it is imported
 
 Store access: a Redis store takes a password or an ACL user in the URL
 (``redis://[USER:]PASSWORD@HOST:PORT``) and TLS with ``rediss://``; :meth:`start` checks
-the store accepts them. The URL is shown only redacted (``store_urls.redact_url``): in
+the store accepts them. The URL is shown only redacted (``cluster.store_urls.redact_url``): in
 logs, errors, load reports and KV handles. lmcache logs the URLs it connects to at INFO,
 so its log level defaults to WARNING here (``LMCACHE_LOG_LEVEL``). P and D never talk to
 each other: pull tokens (``publish(pull_token=...)``) have no use here, and who may read or
@@ -59,11 +59,11 @@ from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
+from cluster.store_urls import redact_url, with_password_file
 from engine.kv_cache_utils import cdiv
 from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error, bounded_transfer
 from kv_connector.fingerprint import Fingerprint
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks
-from kv_connector.store_urls import redact_url, with_password_file
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,18 @@
-"""Connector backends by name, imported only when chosen (each pulls in its own transport)."""
+"""Connector backends by name, imported only when chosen (each pulls in its own transport).
+
+Torch-free: the commands that take ``--kv-connector`` (splitserve/flags.py) list its
+choices from ``BACKENDS`` without loading a backend."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: importing these loads torch
+    import torch
 
-from kv_connector.base import KVConnector
-from kv_connector.fingerprint import Fingerprint
+    from kv_connector.base import KVConnector
+    from kv_connector.fingerprint import Fingerprint
 
 # name -> "module:class"
 BACKENDS = {

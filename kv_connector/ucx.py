@@ -35,8 +35,8 @@ Who may touch which memory, and until when:
 On CPU, UCX moves host memory over TCP or shared memory; on GPU hosts the same code
 sends device buffers and UCX picks cuda_ipc, NVLink or RDMA (P's KV is complete before
 it is published: the engine reads the sampled token back, which waits for the forward
-pass). For speed on one host set ``UCX_TLS=tcp,sm,self UCX_RNDV_SCHEME=put_zcopy`` (see
-docs/benchmarks.md).
+pass). For speed on one host set ``UCX_TLS=tcp,sm,self UCX_RNDV_SCHEME=put_zcopy``
+(docs/benchmarks.md, "KV transfer").
 
 Who may pull: P serves a pull only for a request it published, only of that request's
 blocks, and, when it published with a pull token (the prefill service always does; the
@@ -80,7 +80,7 @@ logger = logging.getLogger(__name__)
 # Messages: large enough that per-message costs (Python awaits, UCX's rendezvous) stay
 # small, small enough that several are in flight at once. The window: enough messages in
 # flight to keep the transport busy, few enough that ucxx's futures pool holds them (it
-# warns, and allocates, beyond). Measurements behind both sizes: docs/benchmarks.md.
+# warns, and allocates, beyond). Measurements behind both sizes: docs/benchmarks.md, "KV transfer".
 MAX_MESSAGE_BYTES = 4 << 20
 WINDOW = 32  # messages in flight per pull and side
 SETTLE_S = 1.0  # how long a failed pull waits for writes P may have started (module docstring)

@@ -4,8 +4,8 @@ ucxx keeps one context per process. By default it awaits a request by spinning t
 event loop (``await asyncio.sleep(0)`` until the request completes), so a receive left
 posted on an idle connection burns a core; that is why connections used to be opened
 and closed for every pull. With ``enable_python_future`` a notifier thread completes
-asyncio futures instead, and an idle connection costs nothing (about 1% of a core for
-the whole process, measured on the development VM). It also frees the core a transfer
+asyncio futures instead, and an idle connection costs next to nothing (docs/benchmarks.md,
+"KV transfer"). It also frees the core a transfer
 used to spin on for the transport's own work. The futures belong to the event loop
 the context was created in, so the context is made again when a new loop (a test's
 ``asyncio.run``) first uses it.

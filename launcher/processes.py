@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,32 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
     return setup
 
 
-def splitserve_command(*argv: str) -> list[str]:
-    """The ``splitserve`` CLI as a command line, with this interpreter."""
-    return [sys.executable, "-m", "splitserve", *argv]
+def splitserve_command(*argv: str, source_dir: Path | None = None) -> list[str]:
+    """The ``splitserve`` command line a child process runs, with this interpreter: every
+    process splitserve starts (the launcher, the benchmarks, the tests) is spelt here.
+
+    ``source_dir``: run that checkout's code instead (a benchmark's "before" tree), from its
+    own folder, so that ``-m`` finds it ahead of this one's install. A tree from before the
+    ``splitserve`` package ran ``python -m engine.cli``, with its gRPC stubs under ``proto/``."""
+    if source_dir is None:
+        return [sys.executable, "-m", "splitserve", *argv]
+    source = source_dir.resolve()
+    if (source / "splitserve" / "cli.py").is_file():
+        module, python_path = "splitserve", str(source)
+    else:
+        module, python_path = "engine.cli", f"{source}{os.pathsep}{source / 'proto'}"
+    # env(1) rather than Popen's cwd and env: the logged command line is then the whole command.
+    return ["env", "-C", str(source), f"PYTHONPATH={python_path}", sys.executable, "-m", module, *argv]
+
+
+def embedded_model_path() -> Path:
+    """The embedded model's folder, converted first if it is not yet. A child process does
+    it: the conversion loads torch and the engine, which the launcher never imports. Its log
+    and progress go to this process's stderr; the folder comes back on its stdout."""
+    result = subprocess.run([sys.executable, "-m", "engine.default_model"], stdout=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise ValueError("the embedded model is not available (above: why); or pass --model PATH")
+    return Path(result.stdout.strip())
 
 
 class Child:

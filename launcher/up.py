@@ -21,8 +21,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from engine.spec_decode.config import add_speculative_arguments, speculative_argv
-from launcher.processes import Child, free_port, parse_cpu_list, splitserve_command
+from gateway.flags import add_api_key_argument, add_routing_arguments, routing_argv
+from launcher.processes import Child, embedded_model_path, free_port, parse_cpu_list, splitserve_command
+from splitserve.flags import add_engine_arguments, add_kv_connector_arguments, engine_argv, speculative_argv
 
 logger = logging.getLogger(__name__)
 
@@ -33,89 +34,26 @@ LOCAL_UCX_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
-    )
+    # The engine's flags, passed on to every instance (speculative ones to decoding instances only).
+    add_engine_arguments(parser)
     parser.add_argument(
         "--host", default="127.0.0.1", help="address the gateway binds to (instances stay on 127.0.0.1)"
     )
     parser.add_argument("--port", type=int, default=8000, help="REST port")
     parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("SPLITSERVE_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' on the API (env SPLITSERVE_API_KEY)",
-    )
-    parser.add_argument(
-        "--kv-connector", default="ucx", choices=["ucx", "lmcache"], help="how KV moves from prefill to decode"
-    )
-    parser.add_argument(
-        "--lmcache-url",
-        default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
-        help="lmcache store (redis://[USER:PASSWORD@]HOST:PORT, rediss://, lm://; env SPLITSERVE_LMCACHE_URL); "
-        "default: a local redis-server started here",
-    )
+    add_api_key_argument(parser)
+    add_kv_connector_arguments(parser, lmcache_url_default="a local redis-server started here")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill instances")
     parser.add_argument("--num-decode", type=int, default=1, help="decode instances")
     parser.add_argument(
         "--colocated", action="store_true", help="one instance doing both phases instead of prefill + decode"
-    )
-    # float32 by default, like `splitserve generate`: SmolLM2's bf16 rounding ties its first
-    # answer tokens. Pass --dtype auto (bf16 on CPU) for speed.
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per instance on CPU")
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="tokens one engine step computes at most, prompt chunks included (default: the instances')",
-    )
-    parser.add_argument(
-        "--long-prefill-token-threshold",
-        default=None,
-        metavar="N|auto",
-        help="prompt tokens of one request in one step at most; auto: about half a second's worth; 0: no cap "
-        "(default: the instances', auto on prefill instances)",
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
     )
     parser.add_argument(
         "--prefill-cpus", default=None, help="CPU list for prefill instances, e.g. '0' or '0-3' (taskset)"
     )
     parser.add_argument("--decode-cpus", default=None, help="CPU list for decode instances")
     parser.add_argument("--colocated-cpus", default=None, help="CPU list for the colocated instance")
-    parser.add_argument(
-        "--max-queue-delay",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="gateway: answer 429 with Retry-After when a new request would queue longer than this for "
-        "its prefill (default: off)",
-    )
-    parser.add_argument(
-        "--max-inflight-per-instance",
-        type=int,
-        default=None,
-        metavar="N",
-        help="gateway: calls outstanding on one prefill or colocated instance at most (default: off)",
-    )
-    parser.add_argument(
-        "--routing",
-        default=None,
-        choices=["load", "kv"],
-        help="gateway: rank instances by load only, or by load and the prompt's cached prefix (default: the gateway's)",
-    )
-    parser.add_argument(
-        "--disagg-min-prompt-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="gateway: prefill prompts with fewer than N uncached tokens on the decode instance itself (default: the "
-        "gateway's)",
-    )
-    add_speculative_arguments(parser)  # passed to the decode (or colocated) instances
+    add_routing_arguments(parser)  # passed on to the gateway
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             ("colocated", args.colocated_cpus),
         )
     }
-    model = Path(args.model) if args.model else _default_model()
+    # The embedded model is converted (once) before anything starts, so instances never race to.
+    model = Path(args.model) if args.model else embedded_model_path()
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -156,14 +95,7 @@ def run(args: argparse.Namespace) -> int:
             gateway_argv += ["--served-model-name", model.name]
         if args.max_model_len:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
-        if args.max_queue_delay is not None:
-            gateway_argv += ["--max-queue-delay", str(args.max_queue_delay)]
-        if args.max_inflight_per_instance is not None:
-            gateway_argv += ["--max-inflight-per-instance", str(args.max_inflight_per_instance)]
-        if args.routing is not None:
-            gateway_argv += ["--routing", args.routing]
-        if args.disagg_min_prompt_tokens is not None:
-            gateway_argv += ["--disagg-min-prompt-tokens", str(args.disagg_min_prompt_tokens)]
+        gateway_argv += routing_argv(args)
         # The key travels in the environment, not argv, where any local user could read it.
         children.append(
             Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or "", **cluster_env}, stop_stage=0)
@@ -191,16 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 def engine_flags(args: argparse.Namespace, model: Path) -> list[str]:
     """The flags every engine instance of this run gets, whatever its role."""
-    flags = ["--model", str(model), "--dtype", args.dtype]
-    if args.kv_cache_memory:
-        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    if args.max_model_len:
-        flags += ["--max-model-len", str(args.max_model_len)]
-    if args.max_num_batched_tokens:
-        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.long_prefill_token_threshold is not None:
-        flags += ["--long-prefill-token-threshold", args.long_prefill_token_threshold]
-    return flags
+    return ["--model", str(model), *engine_argv(args)]
 
 
 def _start_instances(
@@ -295,14 +218,6 @@ def _start_redis(children: list[Child]) -> str:
         )
     )
     return f"redis://127.0.0.1:{port}"
-
-
-def _default_model() -> Path:
-    # Converting the embedded GGUF (once) imports torch; doing it here keeps the
-    # instances from racing to convert it.
-    from engine.default_model import default_model_path
-
-    return default_model_path()
 
 
 def _dial_host(host: str) -> str:

@@ -7,38 +7,29 @@ connector under a lease. The KV handle it returns carries a fresh pull token
 (``cluster/handle_signing.py``). The blocks are freed exactly once: on ReleaseKV, on
 Abort, or when the lease expires; a decode instance holding the handle renews
 the lease (RenewKV) while the request waits there, so the lease only expires
-when that instance is gone or silent.
+when that instance is gone or silent. :class:`~prefill_svc.leases.KVLeases` keeps
+that record and frees the blocks.
 
 Control calls never wait for an engine step (a prefill step of a long prompt
-takes seconds on a CPU): ReleaseKV, RenewKV and Abort change the servicer's
-own record of what is pinned and answer at once; freeing runs in the
-background, in this order:
-
-1. ``connector.unpublish``: refuse new pulls, cut off any still reading the
-   blocks (after a grace for a release: D releases once its pull is over, and P
-   may not have seen its last sends complete yet), and return once nothing reads them;
-2. ``engine.release_kv``: a command the engine thread runs at its next step
-   boundary, which puts the blocks back in the pool.
+takes seconds on a CPU): ReleaseKV, RenewKV and Abort change the leases' record
+of what is pinned and answer at once; freeing runs in the background.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 
 import grpc
 
-from cluster.background import BackgroundTasks
 from cluster.handle_signing import new_pull_token, sign_handle
 from cluster.sampling_proto import sampling_params_from_proto
 from engine.outputs import EngineCoreOutput, KVHandoff
 from engine.sampling_params import SamplingParams
+from prefill_svc.leases import KVLeases
 from serving.convert import fingerprint_to_proto, logprobs_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50061
 DEFAULT_LEASE_S = 30.0
@@ -57,16 +48,14 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             raise ValueError("a prefill instance needs a KV connector")
         self.instance = instance
         self.connector = instance.connector
-        self.lease_s = lease_s
-        self._leases: dict[str, asyncio.TimerHandle] = {}  # pinned request id -> its expiry
+        self.leases = KVLeases(instance.connector, instance.engine, lease_s, instance.counters)
         self._prefilling: dict[str, bool] = {}  # Prefill calls in progress -> aborted meanwhile
-        self._freeing = BackgroundTasks()
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC signature
         request_id = request.request_id
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        if request_id in self._prefilling or request_id in self._leases:
+        if request_id in self._prefilling or request_id in self.leases:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already prefilling or pinned here"
             )
@@ -101,14 +90,11 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             response.kv.CopyFrom(self._pin(request_id, final.kv_handoff, list(request.prompt_token_ids)))
         return response
 
-    # ------------------------------------------------------------ the lease
-
     def _pin(self, request_id: str, handoff: KVHandoff, prompt_token_ids: list[int]) -> disaggregation_pb2.KVHandle:
         """Publish the pinned blocks on the connector under a fresh pull token, start the lease
         that frees them, and return the handle, signed when the instance has a cluster secret."""
         pull_token = new_pull_token()
-        self.connector.publish(request_id, handoff.block_ids, prompt_token_ids, pull_token=pull_token)
-        self._leases[request_id] = self._arm_lease(request_id)
+        self.leases.pin(request_id, handoff.block_ids, prompt_token_ids, pull_token)
         handle = disaggregation_pb2.KVHandle(
             request_id=request_id,
             connector=self.connector.name,
@@ -116,7 +102,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             block_ids=handoff.block_ids,
             num_tokens=handoff.num_tokens,
             fingerprint=fingerprint_to_proto(self.instance.fingerprint),
-            lease_s=self.lease_s,
+            lease_s=self.leases.lease_s,
             prefill_address=self.instance.grpc_address,
             pull_token=pull_token,
         )
@@ -124,49 +110,14 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             sign_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)
         return handle
 
-    def _arm_lease(self, request_id: str) -> asyncio.TimerHandle:
-        return asyncio.get_running_loop().call_later(self.lease_s, self._expire, request_id)
-
-    def _expire(self, request_id: str) -> None:
-        if self._unpin(request_id, grace_s=0.0):
-            self.instance.counters.num_lease_expiries += 1
-            logger.warning(
-                "KV lease of %s expired after %.0f s without a release or renewal: blocks freed",
-                request_id,
-                self.lease_s,
-            )
-
-    def _unpin(self, request_id: str, grace_s: float) -> bool:
-        """Stop the lease and free the blocks in the background, giving a pull still reading
-        them ``grace_s`` to finish. False if nothing was pinned."""
-        lease = self._leases.pop(request_id, None)
-        if lease is None:
-            return False
-        lease.cancel()
-        self._freeing.spawn(self._free(request_id, grace_s))
-        return True
-
-    async def _free(self, request_id: str, grace_s: float) -> None:
-        await self.connector.unpublish(request_id, grace_s)  # returns once no pull reads the blocks
-        self.instance.engine.release_kv(request_id)
-
     # ------------------------------------------------------ control calls
 
     async def ReleaseKV(self, request, context):  # noqa: N802
         # D releases once its pull is over: a send P has not yet seen complete is finishing.
-        return disaggregation_pb2.ReleaseKVResponse(released=self._unpin(request.request_id, RELEASE_GRACE_S))
+        return disaggregation_pb2.ReleaseKVResponse(released=self.leases.unpin(request.request_id, RELEASE_GRACE_S))
 
     async def RenewKV(self, request, context):  # noqa: N802
-        unknown = []
-        for request_id in request.request_ids:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                unknown.append(request_id)
-                continue
-            lease.cancel()
-            self._leases[request_id] = self._arm_lease(request_id)
-            self.instance.counters.num_lease_renewals += 1
-        return disaggregation_pb2.RenewKVResponse(unknown_request_ids=unknown)
+        return disaggregation_pb2.RenewKVResponse(unknown_request_ids=self.leases.renew(request.request_ids))
 
     async def Abort(self, request, context):  # noqa: N802
         request_id = request.request_id
@@ -174,14 +125,12 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         if prefilling:
             self._prefilling[request_id] = True  # its Prefill call must not pin what the engine frees
             self.instance.engine.abort(request_id)
-        pinned = self._unpin(request_id, grace_s=0.0)
+        pinned = self.leases.unpin(request_id, grace_s=0.0)
         return disaggregation_pb2.AbortResponse(found=prefilling or pinned)
 
     async def close(self) -> None:
         """At shutdown: free what is still pinned, and wait for frees under way."""
-        for request_id in list(self._leases):
-            self._unpin(request_id, grace_s=0.0)
-        await self._freeing.wait()
+        await self.leases.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -63,12 +63,10 @@ def fingerprint_from_proto(message: disaggregation_pb2.Fingerprint) -> Fingerpri
     )
 
 
-def kv_source_from_proto(
-    request_id: str, handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int]
-) -> KVSource:
+def kv_source_from_proto(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int]) -> KVSource:
     """``prompt_token_ids``: the Decode call's prompt, whose KV the handle holds."""
     return KVSource(
-        request_id=request_id,
+        request_id=handle.request_id,
         address=handle.connector_address,
         block_ids=tuple(handle.block_ids),
         num_tokens=handle.num_tokens,

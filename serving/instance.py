@@ -22,20 +22,23 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.instance_counters import fill_load_report
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.registration import RegistryHeartbeat
 from cluster.startup_heap import freeze_startup_heap
+from cluster.store_urls import redact_url
 from engine.async_engine import AsyncEngine
-from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineRole
+from engine.config import EngineConfig, EngineRole
 from engine.engine_core import EngineCore
-from engine.spec_decode.config import add_speculative_arguments, speculative_config_from_args
+from engine.kv_loader import KVLoader
+from engine.spec_decode.config import speculative_config_from_args
 from kv_connector.base import KVConnector, TransferStats
 from kv_connector.fingerprint import Fingerprint, model_identity
-from kv_connector.registry import BACKENDS, make_connector
-from kv_connector.store_urls import redact_url
+from kv_connector.registry import make_connector
 from serving.convert import fingerprint_to_proto
 from serving.metrics import MetricsServer
 from serving.warmup import warm_up
+from splitserve.flags import add_device_argument, add_engine_arguments, add_kv_connector_arguments
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -45,44 +48,20 @@ ENGINE_WATCH_S = 0.5  # how often the server checks that the engine's step loop 
 
 
 def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
-    """Flags both roles take; the names match compose/ and the gateway's expectations."""
-    parser.add_argument(
-        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
-    )
+    """Flags every role takes; the names match compose/ and the gateway's expectations. The
+    engine's flags are splitserve/flags.py's, which ``splitserve up`` passes on as declared."""
+    add_engine_arguments(parser)
+    add_device_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind the gRPC server and the KV connector to")
     parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free port)")
     parser.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
-    parser.add_argument("--kv-connector", default="ucx", choices=sorted(BACKENDS))
+    add_kv_connector_arguments(parser)
     parser.add_argument("--kv-port", type=int, default=0, help="KV connector port (0: any free port)")
-    parser.add_argument(
-        "--lmcache-url",
-        default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
-        help="lmcache connector: the store P and D share, redis://HOST:PORT or lm://HOST:PORT",
-    )
     parser.add_argument("--instance-id", default=None, help="name in load reports (default: random)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument(
-        "--kv-cache-memory",
-        type=int,
-        default=None,
-        help=f"KV cache bytes: the size on CPU (default {DEFAULT_KV_CACHE_MEMORY}), a cap on GPU (default: none)",
-    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-blocks", type=int, default=None, help="override the KV block count")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument(
-        "--long-prefill-token-threshold",
-        type=_chunk_cap,
-        default=None,
-        metavar="N|auto",
-        help="prompt tokens of one request in one step at most: a long prompt goes in chunks of N, so prompts "
-        "that arrive meanwhile share its steps; auto: chunks of about half a second at the measured prefill "
-        "rate; 0: no cap (default: auto on prefill instances, no cap elsewhere)",
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument(
         "--registry-url",
@@ -101,21 +80,7 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
         default=None,
         help="serve this instance's Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free port)",
     )
-    add_speculative_arguments(parser)
     add_internal_plane_arguments(parser)
-
-
-def _chunk_cap(value: str) -> int | Literal["auto"]:
-    """--long-prefill-token-threshold: "auto", or a token count (0: no cap)."""
-    if value == "auto":
-        return "auto"
-    try:
-        num_tokens = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token count or 'auto', got {value!r}") from None
-    if num_tokens < 0 or num_tokens == 1:
-        raise argparse.ArgumentTypeError(f"expected 0 (no cap), at least 2 tokens, or 'auto'; got {num_tokens}")
-    return num_tokens
 
 
 def _long_prefill_token_threshold(args: argparse.Namespace, role: EngineRole) -> int | Literal["auto"] | None:
@@ -162,6 +127,9 @@ def fingerprint_of(core: EngineCore) -> Fingerprint:
 
 @dataclass(slots=True)
 class TransferCounters:
+    """KV pulls this instance made since start (decode); cluster/instance_counters.py names
+    the load-report field and the series of each."""
+
     num_transfers: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
@@ -174,7 +142,9 @@ class TransferCounters:
 
 @dataclass(slots=True)
 class ServiceCounters:
-    """What the role's servicer counts since start (the engine counts its preemptions itself)."""
+    """What the role's servicer counts since start (the engine counts its preemptions itself);
+    servicers add to a field directly. Each field has its entry in cluster/instance_counters.py,
+    which the load report and both Prometheus endpoints follow."""
 
     num_lease_renewals: int = 0  # P
     num_lease_expiries: int = 0  # P
@@ -232,40 +202,30 @@ class Instance:
             return ""
         return f"{type(self.engine.error).__name__}: {self.engine.error}"
 
-    async def load_report(self) -> disaggregation_pb2.LoadReport:
-        report = self.engine.latest_load_report()
-        return disaggregation_pb2.LoadReport(
+    def load_report(self) -> disaggregation_pb2.LoadReport:
+        """Identity, load and counters, as gateways (GetLoadReport, registry heartbeats) and
+        this instance's own /metrics read them. Answers at once from the engine's latest
+        snapshot, never waiting for a step; safe from the metrics server's thread. The load and
+        counter fields are filled from the sources cluster/instance_counters.py names."""
+        report = disaggregation_pb2.LoadReport(
             instance_id=self.instance_id,
             role=self.role,
-            num_waiting=report.num_waiting,
-            num_running=report.num_running,
-            num_free_blocks=report.num_free_blocks,
-            num_total_blocks=report.num_total_blocks,
             fingerprint=fingerprint_to_proto(self.fingerprint),
             connector=self.connector.name if self.connector is not None else "",
             connector_address=self.connector_address,
-            prefix_cache_hit_rate=report.prefix_cache_hit_rate,
-            kv_transfers=self.transfers.num_transfers,
-            kv_transfer_bytes=self.transfers.num_bytes,
-            kv_transfer_seconds=self.transfers.seconds,
             max_model_len=self.engine.core.max_model_len,
-            num_pending_prefill_tokens=report.num_pending_prefill_tokens,
-            prefill_tokens_per_s=report.prefill_tokens_per_s,
-            counters=disaggregation_pb2.InstanceCounters(
-                num_preemptions=report.num_preemptions,
-                num_lease_renewals=self.counters.num_lease_renewals,
-                num_lease_expiries=self.counters.num_lease_expiries,
-                num_pulls_cut_off=self.connector.num_pulls_cut_off if self.connector is not None else 0,
-                num_kv_pull_failures=self.counters.num_kv_pull_failures,
-                num_kv_recomputes=self.counters.num_kv_recomputes,
-                num_kv_handbacks=self.counters.num_kv_handbacks,
-                num_kv_handles_refused=self.counters.num_kv_handles_refused,
-                num_local_prefills=self.counters.num_local_prefills,
-                num_spec_draft_tokens=report.num_spec_draft_tokens,
-                num_spec_accepted_tokens=report.num_spec_accepted_tokens,
-            ),
             engine_error=self.engine_error,
         )
+        fill_load_report(
+            report,
+            {
+                "engine": self.engine.latest_load_report(),
+                "service": self.counters,
+                "transfers": self.transfers,
+                "connector": self.connector,
+            },
+        )
+        return report
 
 
 class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
@@ -273,7 +233,7 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
         self.instance = instance
 
     async def GetLoadReport(self, request, context):  # noqa: N802 - gRPC signature
-        return await self.instance.load_report()
+        return self.instance.load_report()
 
     async def GetKVEvents(self, request, context):  # noqa: N802 - gRPC signature
         """Prefix-cache changes since the caller's cursor (engine/kv_events.py); answers at once
@@ -294,6 +254,7 @@ async def serve(
     args: argparse.Namespace,
     add_servicer: Callable[[grpc.aio.Server], None],
     ready: Callable[[str], None] | None = None,
+    kv_loader: KVLoader | None = None,
     on_start: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
@@ -301,12 +262,13 @@ async def serve(
 ) -> None:
     """Start engine, connector and gRPC server; run until SIGTERM/SIGINT (or ``stop`` is set,
     for a caller that runs the instance in its own event loop), then drain and stop.
+    ``kv_loader`` (decode role): what fills hand-offs' blocks, given to the engine as it starts.
     ``on_start`` runs once the engine runs, before the server takes calls; ``on_stop`` once the
     server has drained, before the connector and engine stop. ``freeze_heap``: exempt what start-up
     built from garbage collection (cluster/startup_heap.py); a caller whose process outlives the
     instance passes False, or the instance's own reference cycles would never be collected."""
     instance.plane.warn_if_open(f"{instance.role} {instance.instance_id}")
-    await instance.engine.start()
+    await instance.engine.start(kv_loader)
     if instance.role != "decode":  # decode never prefills a prompt of its own in the normal case
         await warm_up(instance.engine)
     advertise = args.advertise_host or args.host
@@ -341,7 +303,11 @@ async def serve(
         await heartbeat.register()  # registered before we say we are up
         heartbeat.start()
         logger.info("registered as %s in %s", instance.instance_id, redact_url(args.registry_url))
-    metrics = MetricsServer(instance, args.host, args.metrics_port) if args.metrics_port is not None else None
+    metrics = (
+        MetricsServer(instance.load_report, f"{instance.role} {instance.instance_id}", args.host, args.metrics_port)
+        if args.metrics_port is not None
+        else None
+    )
     watch = asyncio.create_task(_watch_engine(instance, health_servicer, heartbeat))
     if ready is not None:
         ready(instance.grpc_address)

@@ -11,10 +11,10 @@ import sys
 
 # subcommand -> (module defining ``add_arguments(parser)`` and ``run(args)``, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("engine.cli_generate", "generate text offline with the engine"),
+    "generate": ("splitserve.generate", "generate text offline with the engine"),
     "prefill": ("prefill_svc.server", "serve the engine in the prefill role over gRPC"),
     "decode": ("decode_svc.server", "serve the engine in the decode role over gRPC"),
-    "colocated": ("serving.colocated", "serve the engine doing both phases over gRPC (no KV hand-off)"),
+    "colocated": ("colocated_svc.server", "serve the engine doing both phases over gRPC (no KV hand-off)"),
     "gateway": ("gateway.server", "serve the OpenAI-compatible REST and gRPC fronts, routing to instances"),
     "up": ("launcher.up", "start a gateway with prefill and decode instances on this machine"),
     "bench": ("bench.cli", "benchmark an OpenAI-compatible server (serve, sweep, plot)"),

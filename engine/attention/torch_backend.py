@@ -73,7 +73,8 @@ def paged_decode_attention(
     Every query head is scored against every KV head of its sequence, and the bias
     keeps only its own: 3x (the GQA group) more multiply-adds than needed, but two
     plain batched matmuls over the gathered blocks without any transpose copy. On
-    CPU that beats SDPA with a padding mask (a slow generic path) by ~5x.
+    CPU, SDPA with a padding mask takes a slow generic path instead (docs/benchmarks.md,
+    "What moved the figure").
     """
     num_seqs, num_heads, head_dim = query.shape
     # Gather the sequences' blocks: [2, num_seqs * num_blocks, block_size * H_kv * D]

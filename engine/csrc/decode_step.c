@@ -6,12 +6,11 @@
  *
  * Why one call: a decode step of a small model is some 15 kernel calls per layer, each a
  * few to a few hundred microseconds, and between them Python builds views, checks strides
- * and converts ctypes arguments: about a fifth of a step on a 2-vCPU EPYC, holding the GIL
- * throughout. In a serving process the gRPC event loop needs the GIL too, for every token
- * it streams; the engine thread gave it up at every kernel call and waited for it back at
- * every return, and with six streams those waits were 16% of the engine thread's time
- * (docs/benchmarks.md, "A decode step in one native call"). Here the caller releases the
- * GIL once (ctypes does) for the whole pass.
+ * and converts ctypes arguments, holding the GIL throughout. In a serving process the gRPC
+ * event loop needs the GIL too, for every token it streams; the engine thread gave it up at
+ * every kernel call and waited for it back at every return. Here the caller releases the
+ * GIL once (ctypes does) for the whole pass. What those costs were and what one call saves:
+ * docs/benchmarks.md, "A decode step in one native call".
  *
  * Per layer, as DecoderLayer.forward: input norm (fused with the residual add), qkv
  * projection, rotary on q and k, K/V stored into the paged cache, paged decode attention,

@@ -65,10 +65,8 @@ static inline int64_t panel_index(int64_t p, int64_t k, int64_t j, int64_t depth
    may set it, engine/cpu_kernels.py: SPLITSERVE_PANEL_PREFETCH_BYTES). A decode step streams
    every weight once, and with the hardware prefetcher alone the memory sits idle while the core
    multiplies a cache line into the tile's rows: the two add up instead of overlapping, more so
-   the more rows. Asked for early, the lines arrive during the multiplications. Measured on a
-   2-vCPU Xeon (Emerald Rapids), SmolLM2-135M decode steps, against no prefetch: float32 at 4 and
-   8 rows 22-31% faster, one row 2-10%; bf16 one row on one thread 27.1 -> 21.8 ms (its read
-   floor: 21.5). 2048 and 4096 bytes were level; 1024 and 512 gained less. */
+   the more rows. Asked for early, the lines arrive during the multiplications. What it gains and
+   the distances tried: docs/benchmarks.md, "Panels read ahead, and both dtypes beside vLLM". */
 #ifndef PANEL_PREFETCH_BYTES
 #define PANEL_PREFETCH_BYTES 2048
 #endif

@@ -2,20 +2,19 @@
 
 - ``onednn-packed`` (float32 on x86; bf16 where oneDNN has a bf16 matmul: AVX-512
   BW/VL/DQ or AVX-NE-CONVERT): weights reordered once into oneDNN's blocked layout.
-  ``F.linear`` in bf16 reorders them on every call; packing removes that (~30% faster
-  per matmul, bit-identical results). In float32 the packed oneDNN kernels beat the
-  default MKL path by 10-25% from one row to thousands (docs/benchmarks.md, "Online speed");
-  they sum in another order than MKL, which transformers uses, and greedy parity
+  ``F.linear`` in bf16 reorders them on every call; packing removes that (bit-identical
+  results). In float32 the packed oneDNN kernels beat the default MKL path from one row to
+  thousands; they sum in another order than MKL, which transformers uses, and greedy parity
   against transformers (tests/engine/test_parity.py) holds. Decode steps (up to 64
   float32 rows with AVX-512, 16 with AVX2; up to 48 bf16 rows with AVX512_BF16, four
   without) go to the native panel kernel instead (engine/csrc/linear_panels.c), which
-  streams its own copy of the weight, laid out in panels of output features, at the
-  memory's read bandwidth where oneDNN reaches about two thirds of it. So on this path
-  the weights are held twice (panels and oneDNN's), three times for a head tied to the
-  embedding (the embedding keeps the plain weight).
+  streams its own copy of the weight, laid out in panels of output features, closer to the
+  memory's read bandwidth than oneDNN does. So on this path the weights are held twice
+  (panels and oneDNN's), three times for a head tied to the embedding (the embedding keeps
+  the plain weight).
 - ``bf16-weights`` (bf16 anywhere else, e.g. an AVX2-only CPU): packing a bf16
   weight there raises in torch, and ``F.linear`` in bf16 falls back to a generic
-  GEMM that is ~4x slower than float32 once more than one row comes in. Weights stay
+  GEMM, far slower than float32 once more than one row comes in. Weights stay
   bf16 (half the bytes to read per token), in the panel kernel's layout. Up to
   ``_MAX_KERNEL_ROWS`` rows (decode steps) go through the panel kernel, which converts
   the weights in registers as they stream by; more rows (prefill, large decode batches)
@@ -25,6 +24,9 @@
   native kernels the weight stays plain and one row takes torch's bf16 GEMV (which
   also converts in registers).
 - ``torch`` (float16, float32 off x86, other devices): ``F.linear`` as is.
+
+The figures behind these choices: docs/benchmarks.md, "Runtime CPU dispatch and the default
+dtype" (the paths, the upcast slice) and "Decode steps on weight panels" (the row limits).
 """
 
 from __future__ import annotations
@@ -46,23 +48,18 @@ logger = logging.getLogger(__name__)
 LinearPath = Literal["onednn-packed", "bf16-weights", "torch"]
 
 # Float32 elements of one upcast weight slice (4 MiB): large enough for the GEMM to run at
-# speed, small enough to stay in cache between the conversion and the GEMM. Measured on an
-# AVX2-capped Zen 4 at 16 to 512 rows: 2^20 is within 10% of float32 weights, 2^16 and 2^22
-# up to 60% slower.
+# speed, small enough to stay in cache between the conversion and the GEMM (the sizes tried:
+# docs/benchmarks.md, "Runtime CPU dispatch and the default dtype").
 _UPCAST_SLICE_ELEMENTS = 1 << 20
-# Rows up to which the panel kernel beats the float32 GEMM on an upcast weight (an AVX2-capped
-# Zen 4, 2 threads: 4.5x at one row, 1.7x at 32; the linears of four layers level at 64, whole
-# decode steps, the upcast head included, still 1.4x ahead there).
+# Rows up to which the panel kernel beats the float32 GEMM on an upcast weight (the same section).
 _MAX_KERNEL_ROWS = 64
 
 
 def _max_panel_rows_beside_packed(dtype: torch.dtype, isa: str, features: CPUFeatures) -> int:
-    """Rows up to which the panel kernel beats oneDNN's packed kernels. Whole decode steps of
-    SmolLM2-135M on 2 threads of a Zen 4 (docs/benchmarks.md, "Decode steps on weight panels"):
-    float32 1.5x at one row, 1.4x at four, 1.1x from 16 to 64 with AVX-512; with both capped at
-    AVX2, 1.9x at one row, 1.1x at 16. bf16 with AVX512_BF16 (paired panels, vdpbf16ps): 1.7x at
-    one row, 1.5x at four, 1.3x at 48, level at 64; bf16 converted in registers: 1.6x at one row,
-    level by four. With AMX, oneDNN's bf16 tiles are not measured against: a few rows only."""
+    """Rows up to which the panel kernel beats oneDNN's packed kernels in whole decode steps:
+    the crossovers per dtype and ISA are in docs/benchmarks.md, "Decode steps on weight panels";
+    with AMX, oneDNN's bf16 tiles win from a few rows on ("Panels read ahead, and both dtypes
+    beside vLLM")."""
     if dtype == torch.bfloat16:
         return 48 if isa == "avx512_bf16" and not features.amx_bf16 else 4
     return {"avx512": 64, "avx512_bf16": 64, "avx2": 16}.get(isa, 3)
@@ -148,10 +145,6 @@ def linear_path(device: torch.device, dtype: torch.dtype, features: CPUFeatures 
     if features.onednn_bf16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "onednn-packed"
     return "bf16-weights"
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return linear_path(device, dtype) == "onednn-packed"
 
 
 def prepare_linears(model: nn.Module, path: LinearPath) -> int:

@@ -44,9 +44,9 @@ def resolve_dtype(
       (AVX512_BF16 or AMX): there bf16 is faster than float32 both decoding one stream and
       in batches. Elsewhere it runs in float32, which holds its weights exactly: on an
       AVX2-only CPU bf16 (engine/models/cpu_linear.py's bf16-weights path) decodes one
-      stream ~2x faster but batches ~1.4x slower than float32 (docs/benchmarks.md,
-      "Online speed and CPU dispatch"), and on aarch64 no bf16 path has been measured. ``dtype="bfloat16"`` runs
-      on any CPU.
+      stream faster but runs batches slower than float32 (docs/benchmarks.md, "Runtime CPU
+      dispatch and the default dtype"), and on aarch64 no bf16 path has been measured.
+      ``dtype="bfloat16"`` runs on any CPU.
     - a float16 checkpoint runs in float32 (exact: CPUs without AVX512-FP16 have no
       fast float16 matmul, and bfloat16 would round its weights);
     - a float32 checkpoint runs in float32.

@@ -40,45 +40,19 @@ class SpeculativeConfig:
             raise ValueError("--speculative-model makes a draft model speculate; drop the n-gram method (or the model)")
 
 
-def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of every command that runs a decoding engine (decode, colocated, up, generate)."""
-    group = parser.add_argument_group("speculative decoding (off unless one of the first two is given)")
-    group.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=None,
-        help="drafts verified per step; alone, turns on n-gram (prompt lookup) drafting (try 4)",
-    )
-    group.add_argument(
-        "--speculative-model",
-        default=None,
-        help="draft model: a local Hugging Face folder with the target's vocabulary (default: n-gram)",
-    )
-    group.add_argument("--speculative-ngram-min", type=int, default=2, help="shortest suffix n-gram looked up")
-    group.add_argument("--speculative-ngram-max", type=int, default=4, help="longest suffix n-gram looked up")
-
-
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """None (speculation off) unless ``--num-speculative-tokens`` or ``--speculative-model`` was given."""
+    """The speculative flags (declared in splitserve/flags.py) as a config: None (speculation
+    off) unless ``--num-speculative-tokens`` or ``--speculative-model`` was given; a flag not
+    given keeps the field's default."""
     if args.num_speculative_tokens is None and args.speculative_model is None:
         return None
+    given = {
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "ngram_min": args.speculative_ngram_min,
+        "ngram_max": args.speculative_ngram_max,
+        "model": args.speculative_model,
+    }
     return SpeculativeConfig(
         method="draft_model" if args.speculative_model else "ngram",
-        num_speculative_tokens=args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS,
-        ngram_min=args.speculative_ngram_min,
-        ngram_max=args.speculative_ngram_max,
-        model=args.speculative_model,
+        **{name: value for name, value in given.items() if value is not None},
     )
-
-
-def speculative_argv(args: argparse.Namespace) -> list[str]:
-    """The same flags again, for a launcher passing them on to its instances."""
-    argv: list[str] = []
-    if args.num_speculative_tokens is not None:
-        argv += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
-    if args.speculative_model is not None:
-        argv += ["--speculative-model", str(args.speculative_model)]
-    if argv:
-        argv += ["--speculative-ngram-min", str(args.speculative_ngram_min)]
-        argv += ["--speculative-ngram-max", str(args.speculative_ngram_max)]
-    return argv

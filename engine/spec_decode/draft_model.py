@@ -24,28 +24,44 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from engine.attention.backend import select_backend
+from engine.config import EngineConfig
 from engine.flat_batch import build_flat_batch
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.models import load_model
+from engine.models.llama import ModelShape
 from engine.request import Request
-from engine.sampler import processed_probs
+from engine.sampler import Sampler, processed_probs
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode.config import SpeculativeConfig
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
+class TargetRunner(Protocol):
+    """What the proposer needs of the target model's runner (``engine.model_runner.ModelRunner``,
+    which owns the proposer): its device, dtype and KV block geometry to lay out the draft's
+    cache like its own, its sampler to draw sampled drafts, its host-to-device copy."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    shape: ModelShape
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    sampler: Sampler
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor: ...
+
+
 class DraftModelProposer:
-    def __init__(self, spec: SpeculativeConfig, target: ModelRunner) -> None:
+    def __init__(self, spec: SpeculativeConfig, target: TargetRunner) -> None:
         path = Path(spec.model or "").expanduser()
         if not (path / "config.json").is_file():
             raise ValueError(

@@ -7,16 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class SpecDecodeStats:
-    num_spec_steps: int = 0  # request-steps that verified at least one draft
     num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0  # drafts the target accepted (each one a token gained)
 
     def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        self.num_spec_steps += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted over verified drafts; 0 before any draft was verified."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

@@ -58,7 +58,6 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        self.num_compiles = 0  # cache misses since start, for tests and logs
 
     @classmethod
     def from_hf_tokenizer(
@@ -90,7 +89,6 @@ class GrammarCompiler:
         # Outside the lock: compiles of different specs run in parallel (llguidance drops the GIL).
         compiled = CompiledGrammar(self._build(spec))
         with self._lock:
-            self.num_compiles += 1
             self._cache[spec] = compiled
             self._cache.move_to_end(spec)
             while len(self._cache) > self.cache_size:

@@ -35,7 +35,7 @@ def test_samples_are_summed_by_thread_kind_and_part() -> None:
             f"{ENGINE};ModelRunner.execute (/src/engine/model_runner.py:128);CPUKernels.linear "
             "(/src/engine/cpu_kernels.py:186) 5",
             f"{ENGINE};Sampler.forward (/src/engine/sampler.py:40) 3",
-            "thread (0x2): MainThread;run (/src/serving/colocated.py:73);EpollSelector.select "
+            "thread (0x2): MainThread;run (/src/colocated_svc/server.py:73);EpollSelector.select "
             "(/usr/lib/python3.11/selectors.py:468) 20",
             "not a stack line",
         ]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from cluster.registration import RegistryHeartbeat, scan_registrations
+from cluster.store_urls import PASSWORD_FILE_ENV, redact_url, with_password_file
 from gateway.discovery import RedisDiscovery
 from gateway.instances import InstancePool
-from kv_connector.store_urls import PASSWORD_FILE_ENV, redact_url, with_password_file
 from splitserve.v1 import disaggregation_pb2
 from tests.stores import start_redis, stop
 
@@ -30,7 +30,7 @@ def protected_url() -> Iterator[str]:
         stop(process)
 
 
-async def report() -> disaggregation_pb2.LoadReport:
+def report() -> disaggregation_pb2.LoadReport:
     return disaggregation_pb2.LoadReport(instance_id="decode-0", role="decode", num_total_blocks=8, num_free_blocks=8)
 
 

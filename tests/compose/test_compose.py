@@ -27,8 +27,8 @@ from unittest import mock
 import pytest
 import yaml
 
-from engine import cli
 from launcher.processes import free_port
+from splitserve import cli
 from tests.stores import stop, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]

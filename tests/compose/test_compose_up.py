@@ -245,7 +245,7 @@ def test_chat_and_streaming_run_through_prefill_and_decode_containers(stack: Sta
     assert samples[("splitserve_kv_transfer_bytes_total", frozenset())] > 0, "no KV moved from P to D"
     # D's own count, as the gateway last heard it (a heartbeat a second).
     deadline = time.monotonic() + 10
-    while not all(instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes", "decode").values()):
+    while not all(instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes_total", "decode").values()):
         assert time.monotonic() < deadline, "the decode container's load reports never counted a pull"
         time.sleep(0.5)
     assert samples[("splitserve_kv_recomputes_total", frozenset())] == 0, "D recomputed instead of pulling"
@@ -336,7 +336,7 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
     while True:
         pulled = {
             i: v
-            for i, v in instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes", "decode").items()
+            for i, v in instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes_total", "decode").items()
             if i not in before
         }
         if pulled and all(pulled.values()):

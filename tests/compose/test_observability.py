@@ -11,7 +11,7 @@ import json
 import re
 import shutil
 import subprocess
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import pytest
 import yaml
@@ -113,26 +113,16 @@ def test_dashboard_loads_into_the_sdk_model() -> None:
 
 def exported_names() -> set[str]:
     """Every series name splitserve exports: the gateway's registry and an instance's collector
-    (over a stand-in instance: a load report and zeroed counters)."""
-    from engine.load_report import LoadReport
+    (over an empty load report)."""
     from gateway.instances import InstancePool
     from gateway.metrics import GatewayMetrics
-    from serving.instance import ServiceCounters, TransferCounters
     from serving.metrics import InstanceCollector
+    from splitserve.v1 import disaggregation_pb2
 
-    engine = SimpleNamespace(latest_load_report=lambda: LoadReport(0, 0, 10, 10, 0.0))
-    instance = SimpleNamespace(
-        instance_id="prefill-1",
-        role="prefill",
-        engine_error="",
-        engine=engine,
-        counters=ServiceCounters(),
-        transfers=TransferCounters(),
-        connector=None,
-    )
+    report = disaggregation_pb2.LoadReport(instance_id="prefill-1", role="prefill")
     families = [
         *GatewayMetrics(InstancePool(stale_after_s=1.0)).registry.collect(),
-        *InstanceCollector(instance).collect(),
+        *InstanceCollector(lambda: report).collect(),
     ]
     names = set()
     for family in families:

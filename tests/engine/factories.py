@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from engine.block_pool import BlockPool
 from engine.kv_cache_layout import layer_view
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_loader import KVLoadFailurePolicy
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ModelOutput, SchedulerOutput
+from tests.engine.kv_loaders import ManualKVLoader
 
 EOS = 2
 _clock = iter(range(1_000_000))
@@ -22,9 +25,11 @@ def make_request(
     max_tokens: int = 4,
     priority: int = 0,
     first_token_id: int | None = None,
+    kv_load_failure_policy: KVLoadFailurePolicy = "recompute",
     **params: object,
 ) -> Request:
-    """``prompt`` is the token ids, or a length (tokens 10, 11, ... then)."""
+    """``prompt`` is the token ids, or a length (tokens 10, 11, ... then). ``first_token_id``
+    makes it a hand-off: its prompt's KV is loaded, not computed."""
     token_ids = list(range(10, 10 + prompt)) if isinstance(prompt, int) else list(prompt)
     request = Request(
         request_id=request_id,
@@ -38,6 +43,7 @@ def make_request(
     if first_token_id is not None:
         request.append_token(first_token_id)
         request.num_external_tokens = len(token_ids)
+        request.kv_load_failure_policy = kv_load_failure_policy
     return request
 
 
@@ -53,8 +59,9 @@ def make_scheduler(
     speculative: bool = False,
     long_prefill_token_threshold: int | None = None,
 ) -> Scheduler:
+    """A decode-role scheduler comes with a :class:`~tests.engine.kv_loaders.ManualKVLoader`."""
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(
+    scheduler = Scheduler(
         manager,
         max_num_seqs,
         max_num_batched_tokens,
@@ -64,6 +71,19 @@ def make_scheduler(
         speculative,
         long_prefill_token_threshold,
     )
+    if role == "decode":
+        scheduler.kv_loader = ManualKVLoader()
+    return scheduler
+
+
+def finish_load(scheduler: Scheduler, request_id: str, error: str | None = None) -> list[Request]:
+    """The load of ``request_id`` ends (loaded when ``error`` is None), and the scheduler polls
+    it as at a step boundary; returns the requests that ended."""
+    loader = scheduler.kv_loader
+    if not isinstance(loader, ManualKVLoader):
+        raise TypeError("finish_load drives a scheduler made by make_scheduler(role='decode')")
+    loader.finish(request_id, error)
+    return scheduler.update_from_kv_loads()
 
 
 def sample(output: SchedulerOutput, token_id: int = 7) -> ModelOutput:
@@ -90,3 +110,9 @@ def in_block_major_cache(layer_cache: torch.Tensor, num_layers: int = 3, layer: 
     view = layer_view(full, layer)
     view.copy_(layer_cache)
     return view
+
+
+def eviction_order(pool: BlockPool) -> list[int]:
+    """The free block ids in the order the pool hands them out, read by taking them one at a
+    time (so the pool is left with none free)."""
+    return [pool.get_new_blocks(1)[0].block_id for _ in range(pool.num_free_blocks)]

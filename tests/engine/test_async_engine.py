@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,9 +13,11 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv_cache_utils import cdiv
 from engine.llm import LLM
+from engine.load_report import LoadReport
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelOutput, SchedulerOutput
 from tests.checkpoints import make_checkpoint, random_prompts
+from tests.engine.kv_loaders import ManualKVLoader
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -41,6 +43,20 @@ def assert_all_free(engine: AsyncEngine) -> None:
     assert report.num_free_blocks == report.num_total_blocks
 
 
+async def report_when(engine: AsyncEngine, condition: Callable[[LoadReport], bool]) -> LoadReport:
+    """The engine's published load report once ``condition`` holds for it (the engine thread
+    publishes one after every command batch and step); fails if it never does."""
+    for _ in range(6000):  # a minute at the least: a generous guard, not a timing assertion
+        if condition(report := engine.latest_load_report()):
+            return report
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the load report never met the condition; last: {report}")
+
+
+def all_free(report: LoadReport) -> bool:
+    return report.num_free_blocks == report.num_total_blocks and not report.num_running and not report.num_waiting
+
+
 def test_concurrent_streams_match_the_offline_engine(model_path: Path) -> None:
     prompts = random_prompts([3, 17, 30, 50], seed=7)
     expected = [o.outputs[0].token_ids for o in LLM(model=str(model_path)).generate(prompts, GREEDY)]
@@ -62,9 +78,7 @@ def test_consumer_leaving_early_aborts_and_frees(model_path: Path) -> None:
             async for _ in stream:
                 break
             await stream.aclose()  # what a disconnecting client's handler does
-            report = await engine.load_report()  # runs after the abort command on the engine thread
-            assert report.num_free_blocks == report.num_total_blocks
-            assert report.num_running == report.num_waiting == 0
+            await report_when(engine, all_free)  # once the abort command has run on the engine thread
 
     asyncio.run(main())
 
@@ -113,12 +127,11 @@ def test_prefill_role_hands_off_and_releases(model_path: Path) -> None:
             assert output.kv_handoff is not None and output.finish_reason is None
             assert len(output.new_token_ids) == 1
             assert output.kv_handoff.num_tokens == 40 and len(output.kv_handoff.block_ids) == 3
-            report = await engine.load_report()
+            report = engine.latest_load_report()  # published before the output went out
             assert report.num_total_blocks - report.num_free_blocks == 3
             engine.release_kv(output.request_id)
             engine.release_kv(output.request_id)  # a second release changes nothing
-            report = await engine.load_report()  # runs after both releases, in order
-            assert report.num_free_blocks == report.num_total_blocks
+            await report_when(engine, all_free)
             assert_all_free(engine)
 
     asyncio.run(main())
@@ -139,10 +152,7 @@ def test_latest_load_report_follows_the_steps_without_waiting_for_one(model_path
             assert running.num_running == 1
             assert 32 // block_size <= total - running.num_free_blocks <= cdiv(32 + 200, block_size)
             await stream.aclose()  # aborts, on the engine thread's next command batch
-            for _ in range(100):
-                if (idle := engine.latest_load_report()).num_running == 0:
-                    break
-                await asyncio.sleep(0.01)
+            idle = await report_when(engine, lambda report: report.num_running == 0)
             assert (idle.num_running, idle.num_waiting, idle.num_free_blocks) == (0, 0, total)
 
     asyncio.run(main())
@@ -180,12 +190,13 @@ def test_requests_queued_during_a_step_count_in_the_load_report_at_once(model_pa
 
     async def main() -> None:
         async with AsyncEngine(config(model_path, role="prefill")) as engine:
-            engine._submit(lambda: time.sleep(0.5))
+            step_boundary = threading.Event()
+            engine._submit(lambda: step_boundary.wait(60))  # the engine thread is busy until set
             streams = [engine.generate(prompt, GREEDY) for prompt in prompts]
             tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
-            await asyncio.sleep(0.05)
-            queued = engine.latest_load_report()
+            queued = await report_when(engine, lambda report: report.num_waiting == 2)
             assert (queued.num_waiting, queued.num_pending_prefill_tokens) == (2, 64)
+            step_boundary.set()
             for task in tasks:
                 await task
             prefilled = engine.latest_load_report()
@@ -217,61 +228,148 @@ class _HeldSteps:
         return self.execute(output, eos_token_ids)
 
 
-def test_a_handoff_arriving_mid_step_is_pulled_during_that_step_and_joins_the_next(model_path: Path) -> None:
-    """Admitted only at the next step boundary, a hand-off got its blocks there, pulled
-    during the following step and decoded in the one after; admitted on arrival, its pull
-    runs while the step in flight computes, and it decodes in the very next step."""
-    running_prompt, handoff_prompt = random_prompts([20, 40], seed=16)
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+def test_a_request_shows_in_the_load_report_during_the_step_that_computes_it(model_path: Path) -> None:
+    """Its add ran between steps (no longer queued), and the step that prefills it can take
+    seconds: the report published before that step must already count it."""
+    prompt = random_prompts([40], seed=20)[0]
 
     async def main() -> None:
-        async with AsyncEngine(config(model_path, role="decode")) as engine:
+        async with AsyncEngine(config(model_path, role="prefill")) as engine:
             steps = _HeldSteps(engine)
-            running = engine.generate(running_prompt, params, request_id="running")  # prefilled here
-            await anext(running)
             steps.hold.set()
-            assert await asyncio.to_thread(steps.entered.wait, 10)  # a step is now inside its model
-            handoff = engine.generate(handoff_prompt, params, request_id="handoff", first_token_id=7)
-            first = asyncio.ensure_future(anext(handoff))
-            load = await asyncio.wait_for(engine.kv_loads.get(), 5)
-            assert load.request_id == "handoff" and len(load.block_ids) == cdiv(40, config(model_path).block_size)
-            assert not steps.release.is_set()  # the step is still computing
-            held = len(steps.scheduled)
-            engine.finish_kv_load("handoff", success=True)  # the pull done, before the step ends
+            stream = engine.generate(prompt, GREEDY)
+            first = asyncio.ensure_future(anext(stream))
+            assert await asyncio.to_thread(steps.entered.wait, 60)  # inside the step's model
+            report = engine.latest_load_report()  # waiting as the step was scheduled: published before it
+            assert (report.num_waiting + report.num_running, report.num_pending_prefill_tokens) == (1, 40)
             steps.release.set()
-            output = await asyncio.wait_for(first, 10)
-            assert output.new_token_ids
-            assert "handoff" in steps.scheduled[held], steps.scheduled[held - 1 :]
-            await handoff.aclose()
-            await running.aclose()
-            report = await engine.load_report()
-            assert report.num_free_blocks == report.num_total_blocks
+            await first
+            await stream.aclose()
 
     asyncio.run(main())
 
 
-def test_a_handoff_arriving_between_steps_is_queued_for_the_next_boundary(model_path: Path) -> None:
-    """While the engine thread holds its state (a step's bookkeeping), the event loop
-    does not wait for it: the hand-off goes in as a command, and its pull starts when the
-    next step schedules it."""
+async def started_decode_engine(model_path: Path) -> tuple[AsyncEngine, ManualKVLoader]:
+    engine = AsyncEngine(config(model_path, role="decode"))
+    loader = ManualKVLoader()
+    await engine.start(loader)
+    return engine, loader
+
+
+async def wait_for_load(loader: ManualKVLoader) -> None:
+    assert await asyncio.to_thread(loader.load_started.wait, 60), "no load was started"
+    loader.load_started.clear()
+
+
+def test_a_handoff_arriving_mid_step_is_loaded_during_that_step_and_joins_the_next(model_path: Path) -> None:
+    """Admitted only at the next step boundary, a hand-off got its blocks there, loaded
+    during the following step and decoded in the one after; admitted inside the hand-off
+    window, its load runs while the step in flight computes, and it decodes in the very
+    next step."""
+    running_prompt, handoff_prompt = random_prompts([20, 40], seed=16)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        engine, loader = await started_decode_engine(model_path)
+        try:
+            steps = _HeldSteps(engine)
+            running = engine.generate(running_prompt, params, request_id="running")  # prefilled here
+            await anext(running)
+            steps.hold.set()
+            assert await asyncio.to_thread(steps.entered.wait, 60)  # a step is now inside its model
+            handoff = engine.generate(handoff_prompt, params, request_id="handoff", first_token_id=7)
+            first = asyncio.ensure_future(anext(handoff))
+            await wait_for_load(loader)
+            load = loader.load("handoff")
+            assert len(load.block_ids) == cdiv(40, config(model_path).block_size)
+            assert loader.started_on == [threading.current_thread().name]  # admitted here, in the window
+            assert engine.latest_load_report().num_waiting == 1  # counted from its admission
+            assert not steps.release.is_set()  # the step is still computing
+            held = len(steps.scheduled)
+            loader.finish("handoff")  # the load done, before the step ends
+            steps.release.set()
+            output = await asyncio.wait_for(first, 60)
+            assert output.new_token_ids
+            assert "handoff" in steps.scheduled[held], steps.scheduled[held - 1 :]
+            await handoff.aclose()
+            await running.aclose()
+            await report_when(engine, all_free)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def test_a_handoff_arriving_between_steps_is_admitted_at_the_next_boundary(model_path: Path) -> None:
+    """With no step computing, the hand-off window is shut: the hand-off goes in as a
+    command, and the engine thread starts its load when it schedules it. A failed load with
+    the recompute policy prefills the prompt here."""
     prompt = random_prompts([24], seed=17)[0]
 
     async def main() -> None:
-        async with AsyncEngine(config(model_path, role="decode")) as engine:
-            engine._state_lock.acquire()  # what the engine thread holds between forward passes
-            try:
-                handoff = engine.generate(prompt, GREEDY, request_id="handoff", first_token_id=7)
-                first = asyncio.ensure_future(anext(handoff))
-                await asyncio.sleep(0.05)
-                assert engine.kv_loads.empty() and engine.latest_load_report().num_waiting == 1
-            finally:
-                engine._state_lock.release()
-            load = await asyncio.wait_for(engine.kv_loads.get(), 5)
-            assert load.request_id == "handoff"
-            engine.finish_kv_load("handoff", success=False)  # recompute here
-            assert (await asyncio.wait_for(first, 10)).new_token_ids
+        engine, loader = await started_decode_engine(model_path)
+        try:
+            handoff = engine.generate(prompt, GREEDY, request_id="handoff", first_token_id=7)
+            first = asyncio.ensure_future(anext(handoff))
+            await wait_for_load(loader)
+            assert loader.started_on == ["engine-step-loop"]
+            loader.finish("handoff", error="unreachable")  # recompute here
+            assert (await asyncio.wait_for(first, 60)).new_token_ids
             await handoff.aclose()
-            report = await engine.load_report()
-            assert report.num_free_blocks == report.num_total_blocks
+            await report_when(engine, all_free)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def test_a_handoff_aborted_during_its_load_keeps_its_blocks_until_the_load_stops(model_path: Path) -> None:
+    """A client gone while its KV loads: the request ends at once, but the blocks the load
+    writes into stay allocated until the loader says it stopped, then come back exactly once."""
+    prompt = random_prompts([40], seed=18)[0]
+
+    async def main() -> None:
+        engine, loader = await started_decode_engine(model_path)
+        try:
+            handoff = engine.generate(prompt, GREEDY, request_id="handoff", first_token_id=7)
+            first = asyncio.ensure_future(anext(handoff))
+            await wait_for_load(loader)
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            await handoff.aclose()  # the client left
+            report = await report_when(engine, lambda _: loader.cancelled == ["handoff"])
+            num_blocks = len(loader.load("handoff").block_ids)
+            assert report.num_total_blocks - report.num_free_blocks == num_blocks  # still the loader's
+            assert (report.num_running, report.num_waiting) == (0, 0)
+            loader.finish("handoff", error="cancelled")  # wakes the idle engine, which frees them
+            await report_when(engine, all_free)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def test_a_failed_load_that_may_not_recompute_ends_the_stream_with_an_error(model_path: Path) -> None:
+    prompt = random_prompts([24], seed=19)[0]
+
+    async def main() -> None:
+        engine, loader = await started_decode_engine(model_path)
+        try:
+            stream = engine.generate(
+                prompt, GREEDY, request_id="handoff", first_token_id=7, kv_load_failure_policy="fail"
+            )
+            first = asyncio.ensure_future(anext(stream))
+            await wait_for_load(loader)
+            loader.finish("handoff", error="the prefill instance is gone")
+            output = await asyncio.wait_for(first, 60)
+            assert (output.finish_reason, output.error, output.new_token_ids) == (
+                "error",
+                "the prefill instance is gone",
+                [],
+            )
+            await stream.aclose()
+            await report_when(engine, all_free)
+        finally:
+            await engine.stop()
 
     asyncio.run(main())

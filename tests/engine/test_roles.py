@@ -13,6 +13,7 @@ from engine.llm import LLM
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 from tests.checkpoints import make_checkpoint, random_prompts
+from tests.engine.kv_loaders import InProcessKVLoader
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -24,6 +25,13 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def engine(model_path: Path, role: str) -> EngineCore:
     return EngineCore(EngineConfig(model=str(model_path), kv_cache_memory=1 << 22, role=role))  # type: ignore[arg-type]
+
+
+def decode_engine_loading_from(model_path: Path, p: EngineCore) -> tuple[EngineCore, InProcessKVLoader]:
+    d = engine(model_path, "decode")
+    loader = InProcessKVLoader(p.runner.kv_cache, d.runner.kv_cache)
+    d.use_kv_loader(loader)
+    return d, loader
 
 
 def run_until_finished(core: EngineCore, request_id: str) -> list[EngineCoreOutput]:
@@ -50,20 +58,15 @@ def assert_all_free(*cores: EngineCore) -> None:
 def test_prefill_to_decode_matches_colocated(model_path: Path, pull_succeeds: bool) -> None:
     prompts = random_prompts([5, 16, 33, 47], seed=11)
     expected = [o.outputs[0].token_ids for o in LLM(model=str(model_path)).generate(prompts, GREEDY)]
-    p, d = engine(model_path, "prefill"), engine(model_path, "decode")
+    p = engine(model_path, "prefill")
+    d, loader = decode_engine_loading_from(model_path, p)
     for index, prompt in enumerate(prompts):
         request_id = f"r{index}"
         handoff_output = prefill(p, prompt, request_id)
         first_token = handoff_output.new_token_ids[0]
+        loader.expect(request_id, handoff_output.kv_handoff.block_ids if pull_succeeds else None)
         d.add_request(prompt, GREEDY, request_id=request_id, first_token_id=first_token)
-        assert d.step() == []
-        (load,) = d.pending_kv_loads
-        d.pending_kv_loads.clear()
-        if pull_succeeds:
-            skip = load.num_local_hit_blocks
-            src = handoff_output.kv_handoff.block_ids[skip:]
-            d.runner.kv_cache[load.block_ids[skip:]] = p.runner.kv_cache[src]
-        d.finish_kv_load(request_id, success=pull_succeeds)
+        assert d.step() == []  # the load starts; its result is polled at the next step
         assert p.release_kv(request_id)
         tokens = [first_token]
         for output in run_until_finished(d, request_id):
@@ -73,22 +76,17 @@ def test_prefill_to_decode_matches_colocated(model_path: Path, pull_succeeds: bo
 
 
 def test_decode_prefix_hit_pulls_fewer_blocks(model_path: Path) -> None:
-    p, d = engine(model_path, "prefill"), engine(model_path, "decode")
+    p = engine(model_path, "prefill")
+    d, loader = decode_engine_loading_from(model_path, p)
     shared = random_prompts([32], seed=12)[0]
-    loads = []
     for index, suffix in enumerate(random_prompts([9, 9], seed=13)):
         prompt = shared + suffix
         handoff_output = prefill(p, prompt, f"r{index}")
+        loader.expect(f"r{index}", handoff_output.kv_handoff.block_ids)
         d.add_request(prompt, GREEDY, request_id=f"r{index}", first_token_id=handoff_output.new_token_ids[0])
-        d.step()
-        (load,) = d.pending_kv_loads
-        d.pending_kv_loads.clear()
-        loads.append(load)
-        d.runner.kv_cache[load.block_ids] = p.runner.kv_cache[handoff_output.kv_handoff.block_ids]
-        d.finish_kv_load(f"r{index}", success=True)
         p.release_kv(f"r{index}")
         run_until_finished(d, f"r{index}")
-    assert [load.num_local_hit_blocks * d.config.block_size for load in loads] == [0, 32]
+    assert [load.num_local_hit_blocks * d.config.block_size for load in loader.started] == [0, 32]
     assert_all_free(p, d)
 
 

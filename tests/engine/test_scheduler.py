@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import pytest
+
 from engine.request import RequestStatus
-from tests.engine.factories import EOS, make_request, make_scheduler, run_step, sample
+from tests.engine.factories import EOS, eviction_order, finish_load, make_request, make_scheduler, run_step, sample
 
 
 def block_ids(scheduler, request_id: str) -> list[int]:
@@ -29,7 +31,7 @@ def test_prefill_then_decode_allocates_exact_blocks() -> None:
     assert scheduler.requests == {}
     assert_all_free(scheduler)
     # Freed tail first: block 1 is evicted before block 0, after the never-used blocks.
-    assert scheduler.kv_cache_manager.block_pool.free_queue.block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert eviction_order(scheduler.kv_cache_manager.block_pool) == [2, 3, 4, 5, 6, 7, 1, 0]
 
 
 def test_decode_crossing_a_block_boundary_gets_a_new_block() -> None:
@@ -201,58 +203,108 @@ def test_prefill_role_pins_blocks_until_released() -> None:
     assert_all_free(scheduler)
 
 
-def test_decode_role_pulls_only_missing_blocks_then_decodes() -> None:
+def loads_started(scheduler) -> list[tuple[str, int, int]]:
+    """(request id, blocks, local hit blocks) of every load the scheduler started, in order."""
+    return [(load.request_id, len(load.block_ids), load.num_local_hit_blocks) for load in scheduler.kv_loader.started]
+
+
+def test_decode_role_loads_only_missing_blocks_then_decodes() -> None:
     scheduler = make_scheduler(num_blocks=16, block_size=4, role="decode")
     shared = list(range(100, 108))
-    # A first request fully computed locally fills the prefix cache (recompute after a failed pull).
+    # A first request fully computed locally fills the prefix cache (recompute after a failed load).
     scheduler.add_request(make_request("a", shared + [1], first_token_id=50, max_tokens=3))
-    scheduler.schedule()
-    scheduler.finish_kv_load("a", success=False)
+    assert scheduler.schedule().is_empty
+    assert finish_load(scheduler, "a", error="unreachable") == []
     run_step(scheduler)
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    # The second shares two full blocks: only the third block's tokens are pulled.
+    # The second shares two full blocks: only the third block's tokens are loaded.
     scheduler.add_request(make_request("b", shared + [2, 3, 4, 5, 6], first_token_id=51, max_tokens=3))
-    output = scheduler.schedule()
-    assert output.is_empty
-    (load,) = output.kv_loads
-    assert load.num_local_hit_blocks == 2 and len(load.block_ids) == 4
+    assert scheduler.schedule().is_empty
+    assert loads_started(scheduler)[-1] == ("b", 4, 2)
     request = scheduler.requests["b"]
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
-    scheduler.finish_kv_load("b", success=True)
+    assert finish_load(scheduler, "b") == []
     output = run_step(scheduler)
     assert [(s.num_new_tokens, s.samples) for s in output.scheduled] == [(1, True)]
     assert request.num_computed_tokens == 14 and request.output_token_ids == [51, 7]
 
 
-def test_decode_role_abort_while_pulling_frees_blocks() -> None:
+def test_decode_role_abort_while_loading_frees_blocks_only_once_the_load_stopped() -> None:
+    """The blocks of a request aborted mid-load may still be written: they stay allocated until
+    the loader reports the load over, and are freed then, exactly once."""
     scheduler = make_scheduler(num_blocks=8, block_size=4, role="decode")
     scheduler.add_request(make_request("a", 9, first_token_id=50))
     scheduler.schedule()
-    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    scheduler.finish_kv_load("a", success=True)  # the pull finishing late changes nothing
+    (ended,) = scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert ended.status is RequestStatus.FINISHED_ABORTED and scheduler.kv_loader.cancelled == ["a"]
+    assert scheduler.kv_cache_manager.num_free_blocks == 8 - 3  # still the loader's to write
+    assert scheduler.has_unfinished_requests()  # steps go on until they are freed
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(make_request("a", 4))
+    assert finish_load(scheduler, "a", error="cancelled") == []
+    assert_all_free(scheduler)
+    assert not scheduler.has_unfinished_requests()
+    assert finish_load(scheduler, "a") == []  # a late or repeated report changes nothing
     assert_all_free(scheduler)
 
 
-def test_handoffs_admitted_between_steps_get_blocks_in_queue_order_until_one_does_not_fit() -> None:
+def test_a_failed_load_ends_the_request_with_an_error_when_it_may_not_recompute() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4, role="decode")
+    scheduler.add_request(make_request("a", 9, first_token_id=50, kv_load_failure_policy="fail"))
+    scheduler.schedule()
+    (ended,) = finish_load(scheduler, "a", error="peer gone")
+    assert ended.status is RequestStatus.FINISHED_ERROR and ended.error == "peer gone"
+    assert ended.status.finish_reason == "error"
+    assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_handoff_whose_source_is_lost_while_it_queues_is_settled_without_blocks(policy: str) -> None:
+    """P dropped the KV while the hand-off waited for blocks here: it ends at once (fail) or
+    becomes an ordinary prompt to prefill here (recompute); no load is ever started for it."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, role="decode", max_num_seqs=1)
+    scheduler.add_request(make_request("running", 4, max_tokens=8))
+    run_step(scheduler)
+    scheduler.add_request(make_request("queued", 8, first_token_id=50, kv_load_failure_policy=policy))
+    run_step(scheduler)  # max_num_seqs: the hand-off waits
+    ended = finish_load(scheduler, "queued", error="prefill instance dropped the KV")
+    queued = scheduler.requests.get("queued")
+    if policy == "fail":
+        assert [r.request_id for r in ended] == ["queued"] and queued is None
+    else:
+        assert ended == [] and queued is not None and queued.num_external_tokens == 0
+    scheduler.finish_requests(["running"], RequestStatus.FINISHED_ABORTED)
+    while scheduler.requests:
+        run_step(scheduler)
+    assert loads_started(scheduler) == []
+    assert_all_free(scheduler)
+
+
+def test_handoffs_admitted_in_the_window_get_blocks_in_queue_order_until_one_does_not_fit() -> None:
     """admit_handoffs (a hand-off arriving while a step computes) allocates what schedule()
-    would have, stops at the first request that does not fit or is not a hand-off, and
-    leaves the rest queued for the next step."""
+    would have, starts the loads, stops at the first request that does not fit or is not a
+    hand-off, and leaves the rest queued for the next step."""
     scheduler = make_scheduler(num_blocks=6, block_size=4, role="decode", max_num_seqs=3)
     scheduler.add_request(make_request("a", 8, first_token_id=50))  # 2 blocks
     scheduler.add_request(make_request("b", list(range(30, 42)), first_token_id=51))  # 3 blocks
     scheduler.add_request(make_request("c", list(range(60, 64)), first_token_id=52))  # 1 block, behind b
-    loads = scheduler.admit_handoffs()
-    assert [(load.request_id, len(load.block_ids)) for load in loads] == [("a", 2), ("b", 3), ("c", 1)]
+    scheduler.admit_handoffs()
+    assert loads_started(scheduler) == [("a", 2, 0), ("b", 3, 0), ("c", 1, 0)]
     assert all(scheduler.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KV for r in "abc")
-    assert scheduler.admit_handoffs() == [] and not scheduler.waiting
+    assert not scheduler.waiting
     scheduler.add_request(make_request("d", 4, first_token_id=53))
-    assert scheduler.admit_handoffs() == []  # max_num_seqs: three are pulling
+    scheduler.admit_handoffs()
+    assert len(loads_started(scheduler)) == 3  # max_num_seqs: three are loading
     scheduler.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)
+    for request_id in "abc":
+        finish_load(scheduler, request_id, error="cancelled")
     scheduler.add_request(make_request("e", 30, first_token_id=54))  # 8 blocks: never fits
     scheduler.add_request(make_request("f", 4, first_token_id=55))
-    assert [load.request_id for load in scheduler.admit_handoffs()] == ["d"]  # e waits at the head; f behind it
+    scheduler.admit_handoffs()
+    assert [load[0] for load in loads_started(scheduler)[3:]] == ["d"]  # e waits at the head; f behind it
     assert [r.request_id for r in scheduler.waiting] == ["e", "f"]
     scheduler.finish_requests(["d", "e", "f"], RequestStatus.FINISHED_ABORTED)
+    finish_load(scheduler, "d", error="cancelled")
     assert_all_free(scheduler)
 
 
@@ -262,10 +314,23 @@ def test_handoffs_admitted_early_wait_behind_a_preempted_request() -> None:
     preempted.status = RequestStatus.PREEMPTED
     scheduler.add_request(preempted)
     scheduler.add_request(make_request("handoff", 8, first_token_id=50))
-    assert scheduler.admit_handoffs() == []
+    scheduler.admit_handoffs()
+    assert loads_started(scheduler) == []
     output = scheduler.schedule()  # the step admits both, the recompute first
     assert [s.request.request_id for s in output.scheduled] == ["preempted"]
-    assert [load.request_id for load in output.kv_loads] == ["handoff"]
+    assert [load[0] for load in loads_started(scheduler)] == ["handoff"]
+
+
+def test_the_handoff_window_is_open_only_while_a_step_computes_and_never_waits() -> None:
+    scheduler = make_scheduler(role="decode")
+    with scheduler.enter_handoff_window() as window_open:
+        assert not window_open  # between steps: the engine thread has the scheduler
+    with scheduler.handoff_window(), scheduler.enter_handoff_window() as window_open:
+        assert window_open
+        with scheduler.enter_handoff_window() as nested_open:
+            assert not nested_open  # an admission under way: the window counts as shut
+    with scheduler.enter_handoff_window() as window_open:
+        assert not window_open
 
 
 def test_prefill_cap_leaves_decodes_their_step_and_chunks_the_rest() -> None:
@@ -282,11 +347,11 @@ def test_prefill_cap_leaves_decodes_their_step_and_chunks_the_rest() -> None:
     for index in range(2):
         scheduler.add_request(make_request(f"stream-{index}", 5, first_token_id=50, max_tokens=40))
     scheduler.add_request(make_request("recompute", 30, first_token_id=51, max_tokens=40))
-    loads = scheduler.schedule().kv_loads
-    assert [load.request_id for load in loads] == ["stream-0", "stream-1", "recompute"]
-    scheduler.finish_kv_load("stream-0", success=True)
-    scheduler.finish_kv_load("stream-1", success=True)
-    scheduler.finish_kv_load("recompute", success=False)  # 31 tokens to compute here
+    scheduler.schedule()
+    assert [load[0] for load in loads_started(scheduler)] == ["stream-0", "stream-1", "recompute"]
+    finish_load(scheduler, "stream-0")
+    finish_load(scheduler, "stream-1")
+    finish_load(scheduler, "recompute", error="unreachable")  # 31 tokens to compute here
     chunks = []
     while scheduler.requests["recompute"].num_output_tokens == 1:
         output = run_step(scheduler)
@@ -356,10 +421,10 @@ def test_a_pulled_request_preempted_on_decode_recomputes_and_never_pulls_again()
     scheduler = make_scheduler(num_blocks=5, block_size=4, role="decode", max_model_len=64)
     scheduler.add_request(make_request("old", 8, first_token_id=50, max_tokens=8))
     scheduler.schedule()
-    scheduler.finish_kv_load("old", success=True)
+    finish_load(scheduler, "old")
     scheduler.add_request(make_request("new", list(range(30, 38)), first_token_id=51, max_tokens=8))
     scheduler.schedule()
-    scheduler.finish_kv_load("new", success=True)
+    finish_load(scheduler, "new")
     output = run_step(scheduler)  # two blocks each, and both need a third: the later one yields
     assert output.preempted_request_ids == ["new"] and scheduler.num_preemptions == 1
     new = scheduler.requests["new"]
@@ -367,7 +432,7 @@ def test_a_pulled_request_preempted_on_decode_recomputes_and_never_pulls_again()
     outputs = []
     while scheduler.requests:
         outputs.append(run_step(scheduler))
-    assert all(not output.kv_loads for output in outputs)
+    assert [load[0] for load in loads_started(scheduler)] == ["old", "new"]  # no second load of "new"
     recompute = [
         s.num_new_tokens for output in outputs for s in output.scheduled if s.request is new and s.num_new_tokens > 1
     ]
@@ -377,12 +442,11 @@ def test_a_pulled_request_preempted_on_decode_recomputes_and_never_pulls_again()
 
 
 def test_pending_prefill_tokens_count_queued_and_unfinished_prompts() -> None:
-    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=6)
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=6, role="decode")
     scheduler.add_request(make_request("a", list(range(10, 20)), max_tokens=2))
     scheduler.add_request(make_request("b", list(range(20, 25)), max_tokens=2))
-    scheduler.add_request(
-        make_request("pulled", list(range(30, 39)), first_token_id=50)
-    )  # a decode-role style hand-off: not prefill work
+    # A hand-off: its prompt is loaded, not prefill work.
+    scheduler.add_request(make_request("pulled", list(range(30, 39)), first_token_id=50))
     assert scheduler.num_pending_prefill_tokens == 15
     run_step(scheduler)  # 6 of a's 10
     assert scheduler.num_pending_prefill_tokens == 4 + 5

@@ -185,14 +185,16 @@ def test_compiled_grammars_are_cached_by_kind_and_spec(model: Path) -> None:
     compiler = GrammarCompiler.from_hf_tokenizer(PreTrainedTokenizerFast.from_pretrained(str(model)), cache_size=2)
     regex, choice = StructuredOutputSpec("regex", REGEX), StructuredOutputSpec.from_choices(CHOICES)
     first = compiler.compile(regex)
-    assert compiler.compile(StructuredOutputSpec("regex", REGEX)) is first and compiler.num_compiles == 1
-    # The same text as another kind is another grammar.
-    compiler.compile(StructuredOutputSpec("grammar", 'root ::= "x"'))
-    compiler.compile(StructuredOutputSpec("regex", "x"))
-    assert compiler.num_compiles == 3
-    compiler.compile(choice)  # evicts the least recently used: the first regex
-    compiler.compile(regex)
-    assert compiler.num_compiles == 5
+    assert compiler.compile(StructuredOutputSpec("regex", REGEX)) is first
+    # The same text as another kind is another grammar; two more specs evict the first regex.
+    as_grammar = compiler.compile(StructuredOutputSpec("grammar", 'root ::= "x"'))
+    as_regex = compiler.compile(StructuredOutputSpec("regex", "x"))
+    assert as_regex is not as_grammar
+    assert compiler.compile(StructuredOutputSpec("grammar", 'root ::= "x"')) is as_grammar  # now the most recent
+    compiler.compile(choice)  # evicts the least recently used: the regex "x"
+    assert compiler.compile(StructuredOutputSpec("grammar", 'root ::= "x"')) is as_grammar
+    assert compiler.compile(StructuredOutputSpec("regex", "x")) is not as_regex
+    assert compiler.compile(regex) is not first
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from launcher.processes import splitserve_command
 from tests.services.processes import ROOT, SERVICE_ENV, Service
 from tests.stores import free_port, stop
 
@@ -27,7 +27,7 @@ class HTTPProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(f"/tmp/splitserve-test-{name}-{port}.log", "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "splitserve", *argv],
+            splitserve_command(*argv),
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,

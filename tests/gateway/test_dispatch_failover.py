@@ -16,7 +16,7 @@ processes).
 
 The fakes are servicers: objects whose async methods take and return the proto messages
 of ``splitserve.v1`` or raise ``grpc.aio.AioRpcError``. :class:`FakeChannel` stands in for
-the instance's ``grpc.aio.Channel``, so the dispatcher, ``serving.prefill_control`` and the
+the instance's ``grpc.aio.Channel``, so the dispatcher, ``cluster.prefill_control`` and the
 generated stubs run unchanged.
 """
 
@@ -33,8 +33,10 @@ import grpc
 import pytest
 
 from gateway.admission import AdmissionLimits
-from gateway.dispatch import MAX_ATTEMPTS, MAX_HANDOFFS, Dispatcher, DispatchRequest
+from gateway.dispatch import Dispatcher
+from gateway.dispatch_request import DispatchRequest
 from gateway.errors import APIError
+from gateway.failover import MAX_ATTEMPTS, MAX_HANDOFFS
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
 from gateway.openai_common import SSE_DONE, sse, sse_response

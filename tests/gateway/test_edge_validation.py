@@ -20,7 +20,7 @@ import grpc
 import httpx
 import pytest
 
-from gateway.dispatch import DispatchRequest, TokenEvent
+from gateway.dispatch_request import DispatchRequest, TokenEvent
 from gateway.limits import RequestLimits
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.gateway.inprocess import InProcessGateway, make_chat_checkpoint, run_inprocess

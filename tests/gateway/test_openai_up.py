@@ -45,6 +45,9 @@ def stack() -> Iterator[HTTPProcess]:
         str(MAX_MODEL_LEN),
         "--kv-cache-memory",
         str(64 << 20),
+        # The offline engine's dtype below: auto would be bfloat16 on a CPU with bf16 dot products.
+        "--dtype",
+        "float32",
         port=port,
     )
     up.grpc_port = grpc_port  # type: ignore[attr-defined]

@@ -4,7 +4,8 @@ total stays what the client asked."""
 
 from __future__ import annotations
 
-from gateway.dispatch import DispatchRequest, resume_request
+from gateway.dispatch_request import DispatchRequest
+from gateway.failover import resume_request
 from splitserve.v1 import generation_pb2
 
 

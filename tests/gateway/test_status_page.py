@@ -1,9 +1,11 @@
 """The gateway's live status page (``GET /status``) in headless Chromium, over real prefill
 and decode processes (tiny random model, UCX on loopback): it renders with no external
-asset, lists both instances with their role, health, queue, KV use and fingerprint, draws the
-requests' TTFT and ITL, and marks the decode instance down once that stops, without a reload.
+asset, lists both instances with their role, health, the counters cluster/instance_counters.py
+puts on the page (queue, KV use) and fingerprint, draws the requests' TTFT and ITL, and marks
+the decode instance down once that stops, without a reload.
 
-``SPLITSERVE_STATUS_SCREENSHOT=PATH`` keeps the screenshot it takes (docs/status-page.png)."""
+``SPLITSERVE_STATUS_SCREENSHOT=PATH`` keeps the screenshot it takes (docs/images/status-page.png
+comes from the compose test's, tests/compose/test_compose_up.py, with the real model)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cluster.instance_counters import STATUS_PAGE_COUNTERS
 from tests.browser import headless_chromium
 from tests.checkpoints import make_checkpoint
 from tests.gateway.processes import running_gateway
@@ -57,6 +60,9 @@ def test_status_page_lists_instances_draws_latency_and_follows_a_stopped_decode(
             assert set(by_role) == {"prefill", "decode"}
             assert prefill.address in by_role["prefill"] and decode.address in by_role["decode"]
             assert all("healthy" in text and "block 16" in text and "%" in text for text in by_role.values()), by_role
+            headers = browser.run("return [...document.querySelectorAll('#columns th')].map(th => th.textContent);")
+            labels = [counter.status_label for counter in STATUS_PAGE_COUNTERS]
+            assert headers == ["role", "instance", "address", "health", *labels, "fingerprint"], headers
             # three requests: three TTFT points and three ITL points drawn
             points = browser.run(
                 "return ['ttft-chart', 'itl-chart'].map(id => document.getElementById(id).dataset.points);"

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.dispatch import DispatchRequest, TokenEvent
+from gateway.dispatch_request import DispatchRequest, TokenEvent
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.engine.test_structured_output import GRAMMAR, GRAMMAR_TEXT, PERSON, REGEX
 from tests.gateway.inprocess import MODEL_NAME, InProcessGateway, make_chat_checkpoint, run_inprocess

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.spec_decode.config import SpeculativeConfig
 from launcher.up import add_arguments, engine_flags
 from serving.instance import add_instance_arguments, engine_config
+from splitserve.flags import add_engine_arguments, speculative_argv
 
 
 def _instance_args(*argv: str) -> argparse.Namespace:
@@ -29,10 +31,53 @@ def test_step_token_budget_reaches_every_instance_as_it_parses_it() -> None:
     assert (instance.max_num_batched_tokens, instance.max_model_len, instance.model) == (256, 512, "/m")
 
 
+def _engine_flag_names() -> list[str]:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return sorted(vars(parser.parse_args([])))
+
+
 def test_unset_options_leave_the_instances_defaults() -> None:
-    flags = engine_flags(_up_args(), Path("/m"))
-    assert flags == ["--model", "/m", "--dtype", _up_args().dtype]
-    assert _instance_args(*flags).max_num_batched_tokens == _instance_args().max_num_batched_tokens
+    passed_on = _instance_args(*engine_flags(_up_args(), Path("/m")))
+    defaults = _instance_args("--model", "/m")
+    assert {name: getattr(passed_on, name) for name in _engine_flag_names()} == {
+        name: getattr(defaults, name) for name in _engine_flag_names()
+    }
+    assert defaults.dtype == "auto"
+
+
+def test_every_engine_flag_reaches_every_instance_as_given() -> None:
+    given = [
+        "--dtype",
+        "bfloat16",
+        "--kv-cache-memory",
+        "4194304",
+        "--max-model-len",
+        "512",
+        "--max-num-batched-tokens",
+        "256",
+        "--long-prefill-token-threshold",
+        "384",
+    ]
+    up = _up_args(*given)
+    instance = _instance_args(*engine_flags(up, Path("/m")))
+    for name in _engine_flag_names():
+        if name != "model":
+            assert getattr(instance, name) == getattr(up, name), name
+    assert instance.model == "/m"
+    assert (instance.dtype, instance.max_num_batched_tokens, instance.long_prefill_token_threshold) == (
+        "bfloat16",
+        256,
+        384,
+    )
+
+
+@pytest.mark.parametrize("role", ["decode", "colocated"])
+def test_speculative_flags_reach_decoding_instances_as_the_engine_reads_them(role: str) -> None:
+    up = _up_args("--num-speculative-tokens", "3", "--speculative-ngram-max", "5")
+    instance = _instance_args(*speculative_argv(up))
+    assert engine_config(instance, role).speculative == SpeculativeConfig(num_speculative_tokens=3, ngram_max=5)
+    assert speculative_argv(_up_args()) == []
 
 
 def test_prompt_chunk_cap_reaches_every_instance_as_given() -> None:

@@ -6,7 +6,6 @@ import collections
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.auth import METADATA_KEY, ClusterSecret
+from launcher.processes import splitserve_command
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.stores import free_port, stop
 
@@ -80,19 +80,9 @@ class Service:
         self.log = open(f"/tmp/splitserve-test-{role}-{self.port}.log", "w")  # noqa: SIM115 - closed in stop()
         secret_env = {"SPLITSERVE_CLUSTER_SECRET": secret} if secret is not None else {}
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "splitserve",
-                role,
-                "--model",
-                str(model),
-                "--port",
-                str(self.port),
-                "--kv-cache-memory",
-                str(1 << 22),
-                *extra,
-            ],
+            splitserve_command(
+                role, "--model", str(model), "--port", str(self.port), "--kv-cache-memory", str(1 << 22), *extra
+            ),
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from launcher.processes import splitserve_command
 from tests.checkpoints import make_checkpoint
 from tests.netns import Network, Node, separate_nodes
 from tests.services.processes import ROOT
@@ -127,10 +128,7 @@ def serving(nodes: dict[str, Node], model: Path, scratch: Path, kv_cache_memory:
                 started(
                     node,
                     role,
-                    [
-                        sys.executable,
-                        "-m",
-                        "splitserve",
+                    splitserve_command(
                         role,
                         "--model",
                         str(model),
@@ -144,7 +142,7 @@ def serving(nodes: dict[str, Node], model: Path, scratch: Path, kv_cache_memory:
                         registry,
                         "--kv-cache-memory",
                         str(kv_cache_memory),
-                    ],
+                    ),
                     env,
                     scratch,
                 )
@@ -154,10 +152,7 @@ def serving(nodes: dict[str, Node], model: Path, scratch: Path, kv_cache_memory:
             started(
                 gateway,
                 "gateway",
-                [
-                    sys.executable,
-                    "-m",
-                    "splitserve",
+                splitserve_command(
                     "gateway",
                     "--model",
                     str(model),
@@ -171,7 +166,7 @@ def serving(nodes: dict[str, Node], model: Path, scratch: Path, kv_cache_memory:
                     registry,
                     "--poll-interval",
                     "0.2",
-                ],
+                ),
                 env,
                 scratch,
             )
@@ -230,7 +225,7 @@ def test_requests_pull_kv_across_the_link(cluster: tuple[Network, str, Path]) ->
     while (
         metric(
             httpx.get(f"{url}/metrics", timeout=10).text,
-            "splitserve_instance_kv_transfer_bytes",
+            "splitserve_instance_kv_transfer_bytes_total",
             role="decode",
             address=decode_address,
         )

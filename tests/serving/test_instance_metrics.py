@@ -52,6 +52,6 @@ def test_prefill_and_decode_serve_their_own_metrics(tmp_path: Path) -> None:
     assert after_decode["splitserve_engine_kv_transfer_bytes_total"] > 0
     assert after_decode["splitserve_engine_kv_transfer_seconds_total"] > 0
     assert after_decode["splitserve_engine_steps_total"] >= 7, "D decoded the remaining tokens, a step each"
-    for name in ("kv_pull_failures", "kv_recomputes", "kv_handbacks", "kv_handles_refused"):
+    for name in ("kv_pull_failures", "kv_recomputes", "kv_handbacks", "kv_handles_refused", "local_prefills"):
         assert after_decode[f"splitserve_engine_{name}_total"] == 0, name
     assert after_prefill["splitserve_engine_lease_expiries_total"] == 0

@@ -58,7 +58,8 @@ def test_load_report_and_metrics_carry_the_speculation_counts(tmp_path: Path) ->
                 assert (
                     f"splitserve_instance_spec_accepted_tokens_total{labels} {float(stats.num_accepted_tokens)}" in text
                 )
-                assert f"splitserve_instance_spec_acceptance_rate{labels} {stats.acceptance_rate}" in text
+                acceptance_rate = stats.num_accepted_tokens / stats.num_draft_tokens
+                assert f"splitserve_instance_spec_acceptance_rate{labels} {acceptance_rate}" in text
             finally:
                 await channel.close()
                 await pool.close()

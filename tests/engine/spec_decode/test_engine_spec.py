@@ -16,6 +16,7 @@ from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint
+from tests.engine.kv_loaders import InProcessKVLoader
 from tests.engine.spec_decode.chi_square import two_sample
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
@@ -122,17 +123,16 @@ def test_decode_instance_speculates_after_a_pulled_prompt(target: Path, small_dr
     expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
     p = make_engine(target, spec, role="prefill")
     d = make_engine(target, spec, role="decode")
+    loader = InProcessKVLoader(p.runner.kv_cache, d.runner.kv_cache)
+    d.use_kv_loader(loader)
     assert p.speculative is None and p.runner.draft_model is None  # P samples one token, never drafts
     for index, prompt in enumerate(prompts):
         p.add_request(prompt, GREEDY, request_id="r")
         (handoff,) = [o for o in p.step() if o.request_id == "r"]
         first = handoff.new_token_ids[0]
+        loader.expect("r", handoff.kv_handoff.block_ids)
         d.add_request(prompt, GREEDY, request_id="r", first_token_id=first)
-        d.step()
-        (load,) = d.pending_kv_loads
-        d.pending_kv_loads.clear()
-        d.runner.kv_cache[load.block_ids] = p.runner.kv_cache[handoff.kv_handoff.block_ids]
-        d.finish_kv_load("r", success=True)
+        d.step()  # the load starts (and ends: an in-process copy)
         assert p.release_kv("r")
         tokens = [first]
         while d.has_unfinished_requests():

@@ -1,37 +1,28 @@
-"""``splitserve generate "prompt"``: one-shot offline generation, chat-templated when the model has a template."""
+"""``splitserve generate "prompt"``: one-shot offline generation, chat-templated when the model has a template.
+
+It lives with the product's command rather than in ``engine/``: it takes the flags the
+serving commands share (splitserve/flags.py), and the engine imports nothing above it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engine.config import DEFAULT_KV_CACHE_MEMORY
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.config import add_speculative_arguments, speculative_config_from_args
+from engine.spec_decode.config import speculative_config_from_args
+from splitserve.flags import add_device_argument, add_engine_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="+", help="one or more prompts")
-    parser.add_argument(
-        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
-    )
-    # float32 by default: one prompt costs little, and on a 135M model bfloat16 rounding can
-    # flip near-tied first tokens (SmolLM2 puts "The" and "L" 0.1 apart for the README's question).
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument(
-        "--kv-cache-memory",
-        type=int,
-        default=None,
-        help=f"KV cache bytes: the size on CPU (default {DEFAULT_KV_CACHE_MEMORY}), a cap on GPU (default: none)",
-    )
+    add_engine_arguments(parser)
+    add_device_argument(parser)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    add_speculative_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +33,9 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold or None,
         speculative=speculative_config_from_args(args),
     )
     params = SamplingParams(

@@ -1,4 +1,4 @@
-"""bench.throughput's vLLM leg end to end, with a stand-in ``vllm`` package: vLLM's CPU
+"""microbench.throughput's vLLM leg end to end, with a stand-in ``vllm`` package: vLLM's CPU
 build pins its own torch and cannot be installed beside this project, so the test checks
 what this side owns (the request file, the child process, its result file, the token
 check) and the stand-in answers as vLLM's ``LLM.generate`` does, logging to stdout until
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.throughput import make_result, run_vllm
+from microbench.throughput import make_result, run_vllm
 
 FAKE_VLLM = """
 import atexit

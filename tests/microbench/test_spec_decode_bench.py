@@ -1,13 +1,13 @@
-"""bench.spec_decode's side-by-side runner and summary, on a tiny checkpoint."""
+"""microbench.spec_decode's side-by-side runner and summary, on a tiny checkpoint."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.spec_decode import RunResult, run_side_by_side, summarize
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.spec_decode.config import SpeculativeConfig
+from microbench.spec_decode import RunResult, run_side_by_side, summarize
 from tests.checkpoints import make_checkpoint
 
 

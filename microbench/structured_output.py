@@ -1,6 +1,6 @@
 """What a JSON schema costs: one batch of N requests decoded with and without it.
 
-    python -m bench.structured_output --batch-size 32 --output-len 64 --runs 3
+    python -m microbench.structured_output --batch-size 32 --output-len 64 --runs 3
 
 Same N random-token prompts, greedy, ``ignore_eos``, ``max_tokens`` = ``--output-len``
 in both phases, run through the engine step by step. The schema (an array of at least 20 objects) never completes

@@ -1,5 +1,5 @@
-"""The decode side of ``bench.kv_transfer``'s peer: start the prefill-side process
-(:mod:`bench.kv_transfer_peer`), read its ready line, stop it; and :class:`RawClient`, this
+"""The decode side of ``microbench.kv_transfer``'s peer: start the prefill-side process
+(:mod:`microbench.kv_transfer_peer`), read its ready line, stop it; and :class:`RawClient`, this
 side of the peer's raw UCX mode (the same bytes as a pull, with no connector logic)."""
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.kv_transfer_peer import (
+from kv_connector.ucx import WINDOW  # imports ucxx only when used, after the UCX environment is set
+from kv_connector.ucx_context import ucxx_for_running_loop
+from microbench.kv_transfer_peer import (
     OP_CPU,
     OP_MESSAGES,
     OP_PING,
@@ -28,8 +30,6 @@ from bench.kv_transfer_peer import (
     message_slices,
     raw_command,
 )
-from kv_connector.ucx import WINDOW  # imports ucxx only when used, after the UCX environment is set
-from kv_connector.ucx_context import ucxx_for_running_loop
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Peer:
 def peer_process(spec: PeerSpec) -> Iterator[Peer]:
     """Start the prefill-side process, yield it once it serves, and always stop it."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.kv_transfer_peer", "--spec", spec.to_json(), "--host", "127.0.0.1"],
+        [sys.executable, "-m", "microbench.kv_transfer_peer", "--spec", spec.to_json(), "--host", "127.0.0.1"],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -89,7 +89,7 @@ def peer_process(spec: PeerSpec) -> Iterator[Peer]:
 
 class RawClient:
     """This side of the peer's raw mode: plain ucxx endpoint send/recv on one client-server
-    endpoint kept open across transfers (protocol in :mod:`bench.kv_transfer_peer`)."""
+    endpoint kept open across transfers (protocol in :mod:`microbench.kv_transfer_peer`)."""
 
     def __init__(self, endpoint, timeout_s: float) -> None:
         self._endpoint = endpoint

@@ -4,7 +4,7 @@ On small batches a CPU op's fixed cost (ctypes, waking an OpenMP team, allocatin
 the output) can outweigh its arithmetic; this measures it on the CPU at hand, at
 SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64, intermediate 1536)::
 
-    python -m bench.cpu_ops --threads 1,2 --rows 1,64 --output-json cpu_ops.json
+    python -m microbench.cpu_ops --threads 1,2 --rows 1,64 --output-json cpu_ops.json
 
 Each figure is the median over ``--repeats`` timed loops of ``--calls`` calls
 (microseconds per call); ``decode ms/token`` is one sequence's inter-token time
@@ -131,7 +131,7 @@ class DecodeAgainstFloor:
 
 def decode_against_floor(llm: LLM, repeats: int) -> DecodeAgainstFloor:
     """One sequence's inter-token time through the engine, in milliseconds, each round beside
-    the floor read in that round: this VM's read bandwidth swings by up to 2x within minutes
+    the floor read in that round: this VM's read bandwidth swings within minutes
     (docs/benchmarks.md, "Prompt chunks capped on the prefill instance"), so a floor taken at
     another moment, let alone the best of several, says little about a given decode run."""
     weight_bytes = weight_bytes_per_token(llm)
@@ -159,7 +159,7 @@ def decode_against_floor(llm: LLM, repeats: int) -> DecodeAgainstFloor:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_ops", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m microbench.cpu_ops", description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     parser.add_argument("--rows", default="1,64", help="comma-separated token (decode) counts per call")

@@ -5,7 +5,7 @@ variant sees the same load on a shared machine: the time of one decode step of N
 sequences for each N of ``--decode-rows`` (``LLM.generate`` of N fresh prompts, 33 tokens
 minus 1, over 32) and the output tokens/s of 32 sequences (64 prompt tokens, 16 out each)::
 
-    python -m bench.cpu_linear_paths --dtype float32 --threads 2 --decode-rows 1,4,16,32 --rounds 5
+    python -m microbench.cpu_linear_paths --dtype float32 --threads 2 --decode-rows 1,4,16,32 --rounds 5
 
 Variants: ``torch`` (``F.linear``: MKL in float32, oneDNN reordering the weight on every
 call in bf16), ``onednn-packed`` without and with the panel kernel for its decode
@@ -101,7 +101,7 @@ def batch_tokens_per_s(llm: LLM, seed: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_linear_paths", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m microbench.cpu_linear_paths", description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--decode-rows", default="1", help="comma-separated decode batch sizes to time a step of")

@@ -1,4 +1,4 @@
-"""What ``bench.kv_transfer`` measured, and how it shows it: the records of one run (every
+"""What ``microbench.kv_transfer`` measured, and how it shows it: the records of one run (every
 timing of every prompt length, the UCX settings in force, the engine's prefill beside
 them), the text table it prints and the JSON it writes."""
 
@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from bench.kv_transfer_peer import BLOCK_LAYOUTS, BlockLayout, PeerSpec
 from kv_connector.ucx import WINDOW
+from microbench.kv_transfer_peer import BLOCK_LAYOUTS, BlockLayout, PeerSpec
 
 _GIB = 1 << 30
 _MIB = 1 << 20

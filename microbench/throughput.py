@@ -5,8 +5,8 @@ Every engine gets the same N random-token prompts, decodes greedily and ignores 
 so every request yields exactly ``--output-len`` tokens. Model loading and the
 optional warm-up are outside the timed region::
 
-    python -m bench.throughput --num-prompts 64 --input-len 128 --output-len 64
-    python -m bench.throughput --dtype float32 --warmup --vllm-python /tmp/vllm-venv/bin/python
+    python -m microbench.throughput --num-prompts 64 --input-len 128 --output-len 64
+    python -m microbench.throughput --dtype float32 --warmup --vllm-python /tmp/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def run_vllm(
     args: argparse.Namespace, model_path: Path, prompts: list[list[int]], warmup_prompts: list[list[int]]
 ) -> tuple[float, int]:
     """Returns (elapsed seconds, output tokens) of vLLM's timed run, from its own process
-    (``bench/vllm_offline.py`` under ``--vllm-python``), bound to ``--vllm-cpus``."""
+    (``microbench/vllm_offline.py`` under ``--vllm-python``), bound to ``--vllm-cpus``."""
     request = {
         "model": str(model_path),
         "dtype": args.dtype,
@@ -190,7 +190,7 @@ def format_table(results: list[RunResult]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m microbench.throughput", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
     )

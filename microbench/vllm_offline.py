@@ -1,8 +1,8 @@
-"""vLLM's offline ``LLM.generate`` on the prompts ``bench.throughput`` drew, run in an
+"""vLLM's offline ``LLM.generate`` on the prompts ``microbench.throughput`` drew, run in an
 environment where vLLM is installed (a separate virtualenv: its CPU build pins its own
 torch). It imports nothing from this project, so that environment needs only vLLM::
 
-    VENV/bin/python bench/vllm_offline.py REQUEST.json RESULT.json
+    VENV/bin/python microbench/vllm_offline.py REQUEST.json RESULT.json
 
 ``REQUEST.json`` holds ``model``, ``dtype``, ``prompts``, ``warmup_prompts``,
 ``output_len`` and ``warmup_output_len``; the script writes ``{"elapsed_s": ...,

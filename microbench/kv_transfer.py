@@ -2,7 +2,7 @@
 
 The connector moves one request's KV between two processes; raw UCX and a plain memcpy
 of the same bytes are measured in the same run. For each prompt length, a prefill-side
-process (``bench.kv_transfer_peer``) holds a block-major KV cache of the model's shape
+process (``microbench.kv_transfer_peer``) holds a block-major KV cache of the model's shape
 (engine/kv_cache_layout.py) and publishes the request twice; this process, the decode
 side, times :meth:`UCXConnector.pull` of each into its own cache:
 
@@ -23,10 +23,10 @@ each layout: its wire pattern with no connector logic) and every path's CPU time
 transfer in each process; unless ``--skip-prefill``, the engine's prefill of the same
 prompt puts the transfer in proportion::
 
-    python -m bench.kv_transfer --prompt-tokens 512 2048 8192 --output-json kv_transfer.json
+    python -m microbench.kv_transfer --prompt-tokens 512 2048 8192 --output-json kv_transfer.json
 
-This module measures; the prefill side runs :mod:`bench.kv_transfer_peer`, this side talks
-to it through :mod:`bench.kv_transfer_client`, and :mod:`bench.kv_transfer_report` holds
+This module measures; the prefill side runs :mod:`microbench.kv_transfer_peer`, this side talks
+to it through :mod:`microbench.kv_transfer_client`, and :mod:`microbench.kv_transfer_report` holds
 the records and prints them.
 """
 
@@ -49,8 +49,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.kv_transfer_client import Peer, RawClient, peer_process
-from bench.kv_transfer_peer import (
+from engine.kv_cache_utils import cdiv
+from kv_connector.base import KVSource
+from kv_connector.ucx import UCXConnector  # imports ucxx only when used, after the UCX environment is set
+from kv_connector.ucx_context import ucxx_for_running_loop
+from kv_connector.ucx_messages import plan_messages
+from kv_connector.wire import PullReply, PullRequest, encode
+from microbench.kv_transfer_client import Peer, RawClient, peer_process
+from microbench.kv_transfer_peer import (
     BLOCK_LAYOUTS,
     BlockLayout,
     PeerSpec,
@@ -61,7 +67,7 @@ from bench.kv_transfer_peer import (
     seeded_cache,
     seeded_payload,
 )
-from bench.kv_transfer_report import (
+from microbench.kv_transfer_report import (
     EnvSetting,
     LengthResult,
     PrefillResult,
@@ -70,19 +76,13 @@ from bench.kv_transfer_report import (
     path_name,
     report_json,
 )
-from engine.kv_cache_utils import cdiv
-from kv_connector.base import KVSource
-from kv_connector.ucx import UCXConnector  # imports ucxx only when used, after the UCX environment is set
-from kv_connector.ucx_context import ucxx_for_running_loop
-from kv_connector.ucx_messages import plan_messages
-from kv_connector.wire import PullReply, PullRequest, encode
 
 logger = logging.getLogger(__name__)
 
-# Fast settings for UCX between two processes on one host (ucxx moved 64 MiB at 0.7 GiB/s
-# with UCX's defaults and 1.9 GiB/s with these on the 2-core development VM), and UCX's
-# TCP transport kept on loopback (by default it listens on, and stripes over, every
-# interface). ucxx listeners themselves bind every address: ucxx takes no bind address.
+# Fast settings for UCX between two processes on one host (against UCX's defaults:
+# docs/benchmarks.md, "KV transfer"), and UCX's TCP transport kept on loopback (by default it
+# listens on, and stripes over, every interface). ucxx listeners themselves bind every
+# address: ucxx takes no bind address.
 UCX_DEFAULTS = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_NET_DEVICES": "lo"}
 _MIB = 1 << 20
 
@@ -367,8 +367,8 @@ def measure_prefill(
 ) -> PrefillResult:
     """Prefill of a random ``num_tokens``-token prompt (one output token), after a warm-up
     prompt; every prompt is distinct, so no run hits the prefix cache."""
-    from bench.throughput import random_prompts
     from engine import LLM, SamplingParams
+    from microbench.throughput import random_prompts
 
     llm = LLM(model=model, dtype=dtype, block_size=block_size)
     prompts = random_prompts(random.Random(seed), repeats + 1, num_tokens, llm.engine.vocab_size)
@@ -390,7 +390,7 @@ def measure_prefill(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m microbench.kv_transfer", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model",
         default=None,

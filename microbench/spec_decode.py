@@ -17,7 +17,7 @@ Each request yields exactly ``--output-len`` tokens (EOS ignored). Reported per 
 and engine: median ms per output token after the first (the single-stream inter-token
 latency), the speedup, and the drafts verified / accepted and acceptance rate::
 
-    python -m bench.spec_decode --output-len 256 --rounds 3
+    python -m microbench.spec_decode --output-len 256 --rounds 3
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def run_side_by_side(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m microbench.spec_decode", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
     )
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     common = dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
     # The speculating engine is created first: of two plain engines in one process, the one created
-    # second ran identical steps about 17% faster (one thread, docs/benchmarks.md), so that bias
+    # second runs identical steps faster (docs/benchmarks.md, "Speculative decoding"), so that bias
     # counts against speculation.
     spec_core = EngineCore(EngineConfig(**common, speculative=spec))  # type: ignore[arg-type]
     engines = {"plain": EngineCore(EngineConfig(**common)), "spec": spec_core}  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The prefill side of ``bench.kv_transfer``, in its own process.
+"""The prefill side of ``microbench.kv_transfer``, in its own process.
 
 It holds a block-major KV cache (engine/kv_cache_layout.py) filled with seeded
 random bytes and publishes two requests per prompt length on a :class:`UCXConnector`:
@@ -9,7 +9,7 @@ of the same bytes sent with plain ucxx endpoint send/recv, on a second ucxx list
 so that both paths use the same kind of endpoint (a client-server one, over the same
 UCX transports) and the same ucxx runtime (:mod:`kv_connector.ucx_context`). It prints
 one JSON line (:class:`PeerReady`) and serves until stdin closes. Started by the bench
-as ``python -m bench.kv_transfer_peer --spec '<PeerSpec JSON>'``.
+as ``python -m microbench.kv_transfer_peer --spec '<PeerSpec JSON>'``.
 
 Raw mode: the bench keeps one endpoint open and sends commands with ``send_obj``
 (:func:`raw_command`), as the connector sends its pull request:
@@ -280,7 +280,7 @@ async def serve(spec: PeerSpec, host: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="peer %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    parser = argparse.ArgumentParser(prog="python -m bench.kv_transfer_peer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m microbench.kv_transfer_peer", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="PeerSpec as JSON")
     parser.add_argument("--host", default="127.0.0.1", help="address to advertise")
     args = parser.parse_args(argv)

@@ -1,0 +1,84 @@
+"""What the dispatcher (``gateway/dispatch.py``) and its failover (``gateway/failover.py``)
+pass around: a request as the instances see it (token ids in, token ids out), the tokens
+they send back, and the prompt KV a prefill instance holds pinned for it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from gateway.errors import APIError
+from gateway.instances import InstanceState
+from gateway.prefix_index import PromptBlocks
+from splitserve.v1 import disaggregation_pb2, generation_pb2
+
+
+@dataclass(slots=True)
+class DispatchRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: generation_pb2.SamplingParams
+    priority: int = 0
+    deadline: float = float("inf")  # monotonic
+    cache_salt: str = ""  # mixed into prefix-cache hashes on every instance; empty: none
+    _blocks: PromptBlocks | None = None
+
+    @property
+    def blocks(self) -> PromptBlocks:
+        """The prompt's block-hash chains, for kv routing; computed on first use."""
+        if self._blocks is None:
+            self._blocks = PromptBlocks(self.prompt_token_ids, self.cache_salt)
+        return self._blocks
+
+    def timeout_s(self) -> float | None:
+        """The time left for a call to an instance; None without a deadline. Raises a 504
+        APIError once the deadline has passed."""
+        if self.deadline == float("inf"):
+            return None
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise APIError(HTTPStatus.GATEWAY_TIMEOUT, "the request timed out", code="timeout")
+        return remaining
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """New tokens for a request, as instances produce them."""
+
+    token_ids: list[int]
+    logprobs: list[generation_pb2.TokenLogprob]
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0  # first event only: prompt tokens a prefix cache served
+    kv_transfer: disaggregation_pb2.KVTransfer | None = None  # the hand-off, when D reports it
+
+    @classmethod
+    def from_response(
+        cls, response: disaggregation_pb2.DecodeResponse | generation_pb2.GenerateResponse, first: bool
+    ) -> TokenEvent:
+        """One streamed response of a decode or colocated instance; ``first``: the stream's first."""
+        event = cls(
+            token_ids=list(response.token_ids),
+            logprobs=list(response.logprobs),
+            finish_reason=response.finish_reason or None,
+            stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None,
+        )
+        if isinstance(response, disaggregation_pb2.DecodeResponse):
+            event.kv_transfer = response.kv_transfer if response.HasField("kv_transfer") else None
+            event.num_cached_tokens = response.num_cached_tokens if first else 0  # set by a local prefill only
+        elif first:
+            event.num_cached_tokens = response.usage.cached_tokens
+        return event
+
+
+@dataclass(slots=True)
+class PinnedKV:
+    """Prompt KV pinned on a P for this request: where, and under which id."""
+
+    prefill: InstanceState
+    handle: disaggregation_pb2.KVHandle
+
+    @property
+    def prefill_request_id(self) -> str:
+        return self.handle.request_id

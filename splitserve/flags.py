@@ -1,0 +1,158 @@
+"""Flags that more than one command takes, declared once: the engine instances
+(``splitserve prefill|decode|colocated``), ``splitserve up``, which passes them on to the
+instances it starts, ``splitserve generate``, and the benchmarks that start a server.
+
+Torch-free and engine-free: the launcher and the client benchmarks parse these flags
+without loading the engine (the benchmarks not even kv_connector). The engine reads the
+parsed values where its config is built (``serving.instance.engine_config``,
+``engine.spec_decode.config.speculative_config_from_args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Literal
+
+DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[DTypeChoice, ...] = ("auto", "float32", "bfloat16", "float16")
+
+DTYPE_HELP = (
+    "auto: bfloat16 for a bfloat16 checkpoint (such as the embedded model) where the CPU computes it natively "
+    "(AVX512_BF16 or AMX), float32 on other CPUs (exact, and faster in batches there), the checkpoint's own "
+    "dtype on a GPU"
+)
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
+    )
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser, default: DTypeChoice = "auto") -> None:
+    """``default``: a benchmark pins float32 so that its figures compare with the ones
+    docs/benchmarks.md records, whatever the CPU; every serving command keeps auto."""
+    parser.add_argument("--dtype", default=default, choices=DTYPES, help=f"{DTYPE_HELP} (default: {default})")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags ``splitserve up`` passes on to its instances (:func:`engine_argv`)
+    and ``splitserve generate`` takes as well; instances take more of their own."""
+    add_model_argument(parser)
+    add_dtype_argument(parser)
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV cache bytes: the size on CPU (default: 1 GiB), a cap on GPU (default: none)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="tokens one engine step computes at most, prompt chunks included (default: 2048)",
+    )
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=_chunk_cap,
+        default=None,
+        metavar="N|auto",
+        help="prompt tokens of one request in one step at most: a long prompt goes in chunks of N, so prompts "
+        "that arrive meanwhile share its steps; auto: chunks of about half a second at the measured prefill "
+        "rate; 0: no cap (default: auto on prefill instances, no cap elsewhere)",
+    )
+    add_speculative_arguments(parser)
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """Instances and ``splitserve generate``; ``splitserve up`` gives each instance a GPU of its own instead."""
+    parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, cuda when available)")
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of :func:`add_engine_arguments` as parsed, for an instance to parse the same
+    (``--model`` aside: the launcher passes the folder it resolved). Speculative flags are
+    left to :func:`speculative_argv`: only decoding instances take them."""
+    argv = ["--dtype", args.dtype]
+    for flag, value in (
+        ("--kv-cache-memory", args.kv_cache_memory),
+        ("--max-model-len", args.max_model_len),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def add_kv_connector_arguments(parser: argparse.ArgumentParser, lmcache_url_default: str = "none") -> None:
+    """``lmcache_url_default``: what the command does without ``--lmcache-url``. The choices
+    are the registry's names (a torch-free module), imported here rather than with this
+    module: the client benchmarks import this module and load no part of a connector."""
+    from kv_connector.registry import BACKENDS
+
+    parser.add_argument(
+        "--kv-connector", default="ucx", choices=sorted(BACKENDS), help="how KV moves from prefill to decode"
+    )
+    parser.add_argument(
+        "--lmcache-url",
+        default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
+        help="lmcache connector: the store prefill and decode instances share, redis://[USER:PASSWORD@]HOST:PORT, "
+        "rediss:// or lm://HOST:PORT (env SPLITSERVE_LMCACHE_URL, which keeps a password off the command line; "
+        f"default: {lmcache_url_default})",
+    )
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that runs a decoding engine. Unset n-gram bounds keep
+    ``SpeculativeConfig``'s defaults, which the help repeats (a test holds them equal)."""
+    group = parser.add_argument_group("speculative decoding (off unless one of the first two is given)")
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="drafts verified per step; alone, turns on n-gram (prompt lookup) drafting (try 4)",
+    )
+    group.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft model: a local Hugging Face folder with the target's vocabulary (default: n-gram)",
+    )
+    group.add_argument(
+        "--speculative-ngram-min", type=int, default=None, help="shortest suffix n-gram looked up (default: 2)"
+    )
+    group.add_argument(
+        "--speculative-ngram-max", type=int, default=None, help="longest suffix n-gram looked up (default: 4)"
+    )
+
+
+def speculative_argv(args: argparse.Namespace) -> list[str]:
+    """The speculative flags as given, for a launcher passing them on to its decoding instances."""
+    argv: list[str] = []
+    for flag, value in (
+        ("--num-speculative-tokens", args.num_speculative_tokens),
+        ("--speculative-model", args.speculative_model),
+        ("--speculative-ngram-min", args.speculative_ngram_min),
+        ("--speculative-ngram-max", args.speculative_ngram_max),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _chunk_cap(value: str) -> int | Literal["auto"]:
+    """--long-prefill-token-threshold: "auto", or a token count (0: no cap)."""
+    if value == "auto":
+        return "auto"
+    try:
+        num_tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or 'auto', got {value!r}") from None
+    if num_tokens < 0 or num_tokens == 1:
+        raise argparse.ArgumentTypeError(f"expected 0 (no cap), at least 2 tokens, or 'auto'; got {num_tokens}")
+    return num_tokens

@@ -1,0 +1,90 @@
+"""The flags the commands share (splitserve/flags.py): one declaration, the same choices and
+defaults on every command that takes it, and help that states the engine's real defaults."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import get_args
+
+import pytest
+
+from engine.config import DEFAULT_KV_CACHE_MEMORY, DTypeName
+from engine.spec_decode.config import SpeculativeConfig, speculative_config_from_args
+from kv_connector.registry import BACKENDS
+from launcher import up
+from serving.instance import add_instance_arguments
+from splitserve import generate
+from splitserve.flags import DTYPES, add_engine_arguments
+
+
+def _instance(parser: argparse.ArgumentParser) -> None:
+    add_instance_arguments(parser, default_port=0)
+
+
+# command -> (its add_arguments, argv its required arguments need)
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], list[str]]] = {
+    "instance": (_instance, []),
+    "up": (up.add_arguments, []),
+    "generate": (generate.add_arguments, ["a prompt"]),
+}
+
+
+def _parse(command: str, *argv: str) -> argparse.Namespace:
+    add, required = COMMANDS[command]
+    parser = argparse.ArgumentParser()
+    add(parser)
+    return parser.parse_args([*required, *argv])
+
+
+def _help(name: str) -> str:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    (action,) = [action for action in parser._actions if name in action.option_strings]
+    return action.help or ""
+
+
+def test_dtype_choices_are_the_engines() -> None:
+    assert sorted(DTYPES) == sorted(get_args(DTypeName))
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_defaults_to_auto_and_takes_every_dtype(command: str) -> None:
+    assert _parse(command).dtype == "auto"
+    for dtype in DTYPES:
+        assert _parse(command, "--dtype", dtype).dtype == dtype
+    with pytest.raises(SystemExit):
+        _parse(command, "--dtype", "float64")
+
+
+@pytest.mark.parametrize("command", ["instance", "up"])
+def test_connector_choices_are_the_registrys(command: str) -> None:
+    for name in BACKENDS:
+        assert _parse(command, "--kv-connector", name).kv_connector == name
+    with pytest.raises(SystemExit):
+        _parse(command, "--kv-connector", "nixl")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_parses_the_engine_flags_alike(command: str) -> None:
+    argv = ["--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "auto", "--kv-cache-memory", "8"]
+    args = _parse(command, *argv)
+    assert (args.max_num_batched_tokens, args.long_prefill_token_threshold, args.kv_cache_memory) == (512, "auto", 8)
+
+
+def test_help_states_the_engines_defaults() -> None:
+    assert DEFAULT_KV_CACHE_MEMORY == 1 << 30 and "(default: 1 GiB)" in _help("--kv-cache-memory")
+    defaults = SpeculativeConfig()
+    assert f"(default: {defaults.ngram_min})" in _help("--speculative-ngram-min")
+    assert f"(default: {defaults.ngram_max})" in _help("--speculative-ngram-max")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_speculation_is_off_unless_asked_and_unset_bounds_keep_the_configs_defaults(command: str) -> None:
+    assert speculative_config_from_args(_parse(command)) is None
+    assert speculative_config_from_args(_parse(command, "--num-speculative-tokens", "2")) == SpeculativeConfig(
+        num_speculative_tokens=2
+    )
+    assert speculative_config_from_args(_parse(command, "--speculative-model", "/draft")) == SpeculativeConfig(
+        method="draft_model", model="/draft"
+    )
