@@ -37,7 +37,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TypeVar
 
 from engine.config import EngineConfig
@@ -49,7 +49,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_Command = Callable[[], None]
+_Command = Callable[[], object]  # run for its effect; a result is dropped
 IDLE_WAIT_S = 0.5  # an idle engine thread looks again this often even if nothing wakes it
 
 
@@ -123,7 +123,7 @@ class AsyncEngine:
         first_token_id: int | None = None,
         cache_salt: str | None = None,
         kv_load_failure_policy: KVLoadFailurePolicy = "recompute",
-    ) -> AsyncIterator[EngineCoreOutput]:
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Stream a request's outputs as the engine produces them, until it finishes.
 
         ``first_token_id`` (decode role): the prompt was prefilled elsewhere and its KV is
@@ -209,7 +209,7 @@ class AsyncEngine:
     def release_kv(self, request_id: str) -> None:
         """Prefill role: unpin a handed-off request's blocks at the next step boundary.
         Returns at once; a second release of the same id does nothing."""
-        self._submit(lambda: self.core.release_kv(request_id))
+        self._submit(functools.partial(self.core.release_kv, request_id))
 
     def latest_load_report(self) -> LoadReport:
         """The load as of the latest step (or hand-off admission), at once, plus the requests
@@ -266,8 +266,8 @@ class AsyncEngine:
         outputs = self.core.step()
         # Before the outputs go out: a caller who has seen them sees a report at least as new.
         self.core.publish_load_report()
-        if outputs:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)  # set by start(), before this thread runs
+        if outputs and self._loop is not None:  # set by start(), before this thread runs
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
         return True
 
     def _drain_commands(self) -> bool:

@@ -168,9 +168,10 @@ class EngineCore:
             raise ValueError("this decode engine has no KV loader: it cannot continue a prompt prefilled elsewhere")
         if num_prompt == 0:
             raise ValueError("the prompt is empty; send at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad or (first_token_id is not None and not 0 <= first_token_id < self.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {(bad or [first_token_id])[:5]}")
+        token_ids = prompt_token_ids if first_token_id is None else [*prompt_token_ids, first_token_id]
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         return resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
 
     # ------------------------------------------------------------------- step

@@ -110,11 +110,14 @@ class ChatTemplate:
 
     def _render(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         try:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+            rendered = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except (jinja2.TemplateError, ValueError, TypeError) as error:
             # The template's own checks (raise_exception: "roles must alternate"), and data of a
             # shape it cannot use: the client's to fix.
             raise bad_request(f"cannot apply the chat template: {error}", param="messages") from error
+        if not isinstance(rendered, str):  # tokenize=False renders text
+            raise RuntimeError(f"bug: the chat template rendered a {type(rendered).__name__}, not text")
+        return rendered
 
 
 def _undeclared_variables(source: str) -> set[str]:

@@ -126,13 +126,15 @@ class RedisDiscovery:
     async def poll_once(self) -> None:
         seen = set()
         for registration in await scan_registrations(self.client):
-            role = registration.report.role
-            if role not in ROLES or not registration.grpc_address:
-                logger.warning("ignoring a registration with role %r at %r", role, registration.grpc_address)
+            role = next((r for r in ROLES if r == registration.report.role), None)
+            if role is None or not registration.grpc_address:
+                logger.warning(
+                    "ignoring a registration with role %r at %r", registration.report.role, registration.grpc_address
+                )
                 continue
             address = registration.grpc_address
             seen.add(address)
-            self.pool.add(address, role)  # type: ignore[arg-type] - checked against ROLES above
+            self.pool.add(address, role)
             # Freshness by the gateway's clock: a heartbeat counts when its timestamp moves,
             # so clock skew between nodes does not matter.
             if registration.unix_s > self._heartbeat_unix_s.get(address, 0.0):

@@ -24,7 +24,7 @@ take nothing new (``gateway.admission``); when none qualifies the request gets 4
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Literal
 
 from gateway.dispatch_request import DispatchRequest, PinnedKV, TokenEvent
@@ -54,7 +54,7 @@ class Dispatcher:
         self.metrics = metrics
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
 
-    async def generate(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: DispatchRequest) -> AsyncGenerator[TokenEvent, None]:
         """Stream a request's tokens. Raises APIError (before or between events) on failure."""
         if self.pool.healthy("colocated"):
             async for event in self._colocated(request):
@@ -106,7 +106,7 @@ class Dispatcher:
             return "decode", "cached_on_decode"
         return "disaggregated", "uncached_prompt"
 
-    async def _colocated(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
+    async def _colocated(self, request: DispatchRequest) -> AsyncGenerator[TokenEvent, None]:
         message = generation_pb2.GenerateRequest(
             request_id=request.request_id,
             token_ids=generation_pb2.TokenIds(ids=request.prompt_token_ids),

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
 
 import grpc
@@ -169,7 +169,9 @@ class Failover:
                 raise
         raise _exhausted("prefill", last_error)
 
-    async def _reprefill(self, request: DispatchRequest, prefill_request_id: str, prefer: InstanceState) -> PinnedKV:
+    async def _reprefill(
+        self, request: DispatchRequest, prefill_request_id: str, prefer: InstanceState | None
+    ) -> PinnedKV:
         """The prompt's KV again, pinned under a new id (steps 3 and 4); the token P samples is not used."""
         prefilled, prefill = await self.prefill(
             request, prefill_request_id, request.sampling, kv_only=True, prefer=prefer
@@ -182,7 +184,7 @@ class Failover:
 
     async def decode_and_migrate(
         self, request: DispatchRequest, pinned: PinnedKV | None, output_token_ids: list[int]
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Decode after ``output_token_ids`` (the tokens already sent; P's first token after a
         prefill there), from P's pinned KV, or prefilling on D itself when ``pinned`` is None.
         A lost KV goes back to prefill (step 3); a D that fails after streaming hands the
@@ -262,7 +264,7 @@ class Failover:
         handle: disaggregation_pb2.KVHandle | None = None,
         first_token_id: int = 0,
         allow_recompute: bool = False,
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """One hand-off (step 2): decode from P's KV ``handle``, continuing after
         ``first_token_id`` (only a D with the handle's fingerprint can take it); with no
         handle, D prefills the prompt itself (conditional disaggregation)."""
@@ -300,7 +302,7 @@ class Failover:
         role: Role,
         pick: Callable[[list[InstanceState]], InstanceState | None],
         open_stream: Callable[[InstanceState], grpc.aio.UnaryStreamCall],
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Stream from the first instance that takes the request. Until it has streamed
         something, a failure moves the request to another instance of the role (or, for
         DATA_LOSS, back to prefill: :class:`KVLost`); after that the request fails (its

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -172,7 +172,7 @@ class GenerationService:
             deadline=time.monotonic() + self.request_timeout_s,
         )
 
-    async def stream(self, job: GenerationJob) -> AsyncIterator[Generated]:
+    async def stream(self, job: GenerationJob) -> AsyncGenerator[Generated, None]:
         """Admit and run a job. Raises APIError (429 and 503 before anything streams, others
         whenever it fails); closing the stream early aborts the request everywhere."""
         if not self.pool.is_ready():
@@ -191,7 +191,7 @@ class GenerationService:
             )
         self.num_pending += 1
         status = "abort"  # unless it finishes or fails
-        events: AsyncIterator[TokenEvent] | None = None
+        events: AsyncGenerator[TokenEvent, None] | None = None
         try:
             # Text for every prompt: stop strings match on it even when the caller only wants token ids.
             detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, job.prompt_token_ids, job.params)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from http import HTTPStatus
 
@@ -45,12 +45,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(error.grpc_code, error.message)
         except Exception:
             logger.exception("Generate failed")
-            error = internal_error("while generating")
-            await context.abort(error.grpc_code, error.message)
+            internal = internal_error("while generating")
+            await context.abort(internal.grpc_code, internal.message)
 
     async def _responses(
         self, request: generation_pb2.GenerateRequest, job: GenerationJob
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         request_id = request.request_id or job.request_id
         is_text = request.WhichOneof("prompt") == "text"
         first_token_at: float | None = None

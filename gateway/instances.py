@@ -108,6 +108,13 @@ class InstanceState:
                 self.num_started = max(0, self.num_started - 1)
 
     @property
+    def healthy_report(self) -> disaggregation_pb2.LoadReport:
+        """The latest load report of an instance routed to (healthy ones always have one)."""
+        if self.report is None:
+            raise RuntimeError(f"bug: {self.role} instance {self.address} was routed to before it reported")
+        return self.report
+
+    @property
     def instance_id(self) -> str:
         return self.report.instance_id if self.report is not None and self.report.instance_id else self.address
 
@@ -218,7 +225,7 @@ class InstancePool:
         candidates = [
             s
             for s in self.healthy(role)
-            if id(s) not in excluded and (fingerprint is None or s.report.fingerprint == fingerprint)
+            if id(s) not in excluded and (fingerprint is None or s.healthy_report.fingerprint == fingerprint)
         ]
         return self._admit(role, candidates, num_prompt_tokens, prefer, prompt=prompt)
 
@@ -273,26 +280,27 @@ class InstancePool:
                 "outstanding",
                 1,
             )
-        kv = self.routing == "kv" and prompt is not None
+        kv_prompt = prompt if self.routing == "kv" else None  # routed by its cached prefix
         if prefer in admissible:
             chosen = prefer
-        elif kv:
+        elif kv_prompt is not None:
             chosen = min(
-                admissible, key=lambda s: (self._kv_cost(role, s, admissible, num_prompt_tokens, prompt), s.score)
+                admissible,
+                key=lambda s: (self._kv_cost(role, s, admissible, num_prompt_tokens, kv_prompt), s.score),
             )
         else:
             chosen = min(admissible, key=lambda s: s.score)
         charge = num_prompt_tokens
         if role == "decode":
             charge = 0  # decode instances queue no prompt tokens
-        elif kv:
-            charge = num_prompt_tokens - self._num_hit_tokens(chosen, num_prompt_tokens, prompt)
+        elif kv_prompt is not None:
+            charge = num_prompt_tokens - self._num_hit_tokens(chosen, num_prompt_tokens, kv_prompt)
         chosen.num_dispatched += 1
         chosen.num_picked += 1
         chosen.num_dispatched_tokens += charge
         chosen.charged_tokens = charge
-        if kv:
-            self.index.predict(chosen.address, prompt, self._max_blocks(chosen))
+        if kv_prompt is not None:
+            self.index.predict(chosen.address, kv_prompt, self._max_blocks(chosen))
         return chosen
 
     def _kv_cost(
@@ -304,7 +312,7 @@ class InstancePool:
         prompt: PromptBlocks,
     ) -> float:
         """``gateway.routing``'s cost of sending the prompt to ``state``; lower is better."""
-        report = state.report
+        report = state.healthy_report
         if role == "decode":
             block_size = self._block_size(state)
             num_new = num_new_blocks(num_prompt_tokens, self.index.num_hit_blocks(state.address, prompt), block_size)
@@ -314,7 +322,9 @@ class InstancePool:
                 num_new,
                 report.num_free_blocks,
             )
-        measured = [s.report.prefill_tokens_per_s for s in candidates if s.report.prefill_tokens_per_s > 0]
+        measured = [
+            r.prefill_tokens_per_s for r in (s.healthy_report for s in candidates) if r.prefill_tokens_per_s > 0
+        ]
         fallback_rate = sum(measured) / len(measured) if measured else _UNMEASURED_PREFILL_TOKENS_PER_S
         block_size = self._block_size(state)
         num_hit_blocks = self.index.num_hit_blocks(state.address, prompt)
@@ -335,7 +345,7 @@ class InstancePool:
         )
 
     def _block_size(self, state: InstanceState) -> int:
-        return self.index.block_size(state.address) or state.report.fingerprint.block_size or 16
+        return self.index.block_size(state.address) or state.healthy_report.fingerprint.block_size or 16
 
     @staticmethod
     def _max_blocks(state: InstanceState) -> int:
@@ -361,12 +371,17 @@ class InstancePool:
 
     def _pairable_prefills(self) -> list[InstanceState]:
         """The healthy prefill instances whose KV fingerprint some healthy decode instance shares."""
-        decode_fingerprints = [s.report.fingerprint for s in self.healthy("decode")]
-        return [s for s in self.healthy("prefill") if s.report.fingerprint in decode_fingerprints]
+        decode_fingerprints = [s.healthy_report.fingerprint for s in self.healthy("decode")]
+        return [s for s in self.healthy("prefill") if s.healthy_report.fingerprint in decode_fingerprints]
 
     def max_model_len(self) -> int | None:
         """The smallest context any healthy instance accepts (a request must fit wherever it lands)."""
-        lengths = [s.report.max_model_len for role in ROLES for s in self.healthy(role) if s.report.max_model_len]
+        lengths = [
+            report.max_model_len
+            for role in ROLES
+            for report in (s.healthy_report for s in self.healthy(role))
+            if report.max_model_len
+        ]
         return min(lengths, default=None)
 
     async def close(self) -> None:

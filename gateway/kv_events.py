@@ -10,6 +10,7 @@ pool's instances, and the pool forgets an instance's blocks when the instance le
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import grpc
@@ -36,7 +37,7 @@ class KVEventsSync:
                 for address in list(self.pool.instances):
                     if address not in inflight:
                         task = inflight[address] = asyncio.create_task(self._poll(address))
-                        task.add_done_callback(lambda _, address=address: inflight.pop(address, None))
+                        task.add_done_callback(functools.partial(_forget, inflight, address))
                 await asyncio.sleep(self.interval_s)
         finally:
             for task in list(inflight.values()):
@@ -75,3 +76,7 @@ async def run_kv_events(sync: KVEventsSync) -> None:
     except Exception:
         logger.exception("KV event polling stopped: cache-aware routing now works from stale prefix data")
         raise
+
+
+def _forget(inflight: dict[str, asyncio.Task[None]], address: str, _: asyncio.Task[None]) -> None:
+    inflight.pop(address, None)

@@ -4,7 +4,7 @@ to ``chat.completion`` objects, or ``chat.completion.chunk`` streams."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -113,7 +113,7 @@ async def _stream(
     service: GenerationService,
     job: GenerationJob,
     deltas: AsyncIterator[tuple[int, Generated]],
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     include_usage = request.stream_options is not None and request.stream_options.include_usage
 
     def chunk(choice: ChatChunkChoice) -> str:

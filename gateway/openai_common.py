@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -96,7 +96,7 @@ def sse(payload: BaseModel | dict[str, object]) -> str:
     return f"data: {body}\n\n"
 
 
-async def merged(service: GenerationService, jobs: list[GenerationJob]) -> AsyncIterator[tuple[int, Generated]]:
+async def merged(service: GenerationService, jobs: list[GenerationJob]) -> AsyncGenerator[tuple[int, Generated], None]:
     """The deltas of several jobs (one per prompt) as they come, tagged with the job's index.
     Closing this stops every job that is still running."""
     if len(jobs) == 1:
@@ -132,7 +132,7 @@ async def merged(service: GenerationService, jobs: list[GenerationJob]) -> Async
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def first_then_rest(stream: AsyncIterator[T]) -> AsyncIterator[T]:
+async def first_then_rest(stream: AsyncIterator[T]) -> AsyncGenerator[T, None]:
     """Start a stream now, so errors before its first item (429, 503, a refused prefill)
     still become an HTTP status rather than an error inside a 200 stream."""
     try:
@@ -143,7 +143,7 @@ async def first_then_rest(stream: AsyncIterator[T]) -> AsyncIterator[T]:
         await stream.aclose()  # type: ignore[attr-defined]
         raise
 
-    async def rest() -> AsyncIterator[T]:
+    async def rest() -> AsyncGenerator[T, None]:
         if first is None:
             return
         try:
@@ -157,7 +157,7 @@ async def first_then_rest(stream: AsyncIterator[T]) -> AsyncIterator[T]:
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncGenerator[str, None]:
         try:
             async for chunk in chunks:
                 yield chunk

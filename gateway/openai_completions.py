@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 
 from fastapi import Request
@@ -51,12 +51,15 @@ async def _prompts(request: CompletionRequest, service: GenerationService) -> li
         return [(await service.tokenizer.encode(prompt), prompt)]
     if not prompt:
         raise bad_request("the prompt is empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [(list(prompt), None)]  # type: ignore[arg-type]
+    # The protocol model admits only the four shapes: ints, texts or token lists, never a mix.
+    token_ids = [p for p in prompt if isinstance(p, int)]
+    if len(token_ids) == len(prompt):
+        return [(token_ids, None)]
     service.limits.check_num_prompts(len(prompt))
-    if all(isinstance(p, str) for p in prompt):
-        return [(await service.tokenizer.encode(p, param=f"prompt.{i}"), p) for i, p in enumerate(prompt)]  # type: ignore[arg-type]
-    return [(list(p), None) for p in prompt]  # type: ignore[union-attr]
+    texts = [p for p in prompt if isinstance(p, str)]
+    if len(texts) == len(prompt):
+        return [(await service.tokenizer.encode(text, param=f"prompt.{i}"), text) for i, text in enumerate(texts)]
+    return [(list(p), None) for p in prompt if isinstance(p, list)]
 
 
 async def create_completion(
@@ -130,7 +133,7 @@ async def _stream(
     jobs: list[GenerationJob],
     echoes: list[str],
     deltas: AsyncIterator[tuple[int, Generated]],
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     builders = [CompletionLogprobsBuilder(service.tokenizer, len(echoes[i])) for i in range(len(jobs))]
     echoed = [False] * len(jobs)

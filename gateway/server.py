@@ -170,9 +170,10 @@ async def serve(args: argparse.Namespace) -> None:
     plane = InternalPlane.from_args(args)
     plane.warn_if_open("gateway")
     pool = InstancePool(stale_after_s=args.stale_after, limits=admission, plane=plane, routing=args.routing)
+    discovery: RedisDiscovery | StaticDiscovery
     if args.registry_url:
-        discovery: RedisDiscovery | StaticDiscovery = RedisDiscovery(pool, args.registry_url, args.poll_interval)
-        await discovery.first_poll()
+        discovery = redis_discovery = RedisDiscovery(pool, args.registry_url, args.poll_interval)
+        await redis_discovery.first_poll()
     else:
         discovery = StaticDiscovery(
             pool, {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}, args.poll_interval

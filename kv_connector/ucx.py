@@ -50,11 +50,13 @@ elsewhere firewall the KV port (docs/security.md). P closes a connection idle fo
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +65,8 @@ from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferSt
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
 from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop
 from kv_connector.ucx_messages import (
+    Endpoint,
+    WireBuffer,
     abandon,
     consecutive_runs_error,
     header_buffer,
@@ -95,7 +99,7 @@ IDLE_TIMEOUT_S = 60.0
 class _Connection:
     """D's side of one connection to a P; pulls on it are numbered so that their message tags differ."""
 
-    endpoint: object  # ucxx Endpoint
+    endpoint: Endpoint
     num_pulls: int = 0
     header_buffer: np.ndarray = field(default_factory=header_buffer)
     idle_since: float = 0.0  # monotonic; set when the connection goes back to the idle pool
@@ -136,8 +140,8 @@ class UCXConnector(KVConnector):
         self._cache_bytes = wire_buffer(kv_cache)
         self._published: dict[str, _Published] = {}
         self._readers: dict[str, set[asyncio.Task]] = {}  # P: the pulls reading a request's blocks
-        self._listener = None
-        self._serving: set[object] = set()  # P: endpoints a serving loop runs on
+        self._listener: Any = None  # P: the ucxx listener, once started (ucxx ships no types)
+        self._serving: set[Endpoint] = set()  # P: endpoints a serving loop runs on
         self._idle: dict[str, list[_Connection]] = {}  # D: open connections between pulls, by P address
         self._num_transfers = 0  # pulls being served (P) or made (D) right now
 
@@ -191,7 +195,7 @@ class UCXConnector(KVConnector):
         for endpoint in endpoints:
             await abandon(endpoint, [])
 
-    def _blocks(self, first: int, count: int) -> object:
+    def _blocks(self, first: int, count: int) -> WireBuffer:
         """Blocks ``first .. first + count - 1`` of the cache, one contiguous span, as a wire buffer:
         a slice of one byte view made up front (slicing costs well under a microsecond, where
         making a view of a tensor slice costs several, and a pull of scattered blocks makes
@@ -228,9 +232,7 @@ class UCXConnector(KVConnector):
                 # Registered before the next await, so an unpublish from here on finds it.
                 sending = asyncio.ensure_future(self._send_blocks(endpoint, pull_number, reply, request))
                 self._readers.setdefault(request.request_id, set()).add(sending)
-                sending.add_done_callback(
-                    lambda task, request_id=request.request_id: self._forget_reader(request_id, task)
-                )
+                sending.add_done_callback(functools.partial(self._forget_reader, request.request_id))
                 try:
                     await asyncio.wait([sending])
                 except BaseException:  # the listener is shutting down: stop reading the blocks too
@@ -249,7 +251,7 @@ class UCXConnector(KVConnector):
             self._serving.discard(endpoint)
             await abandon(endpoint, [])
 
-    async def _send_blocks(self, endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:
+    async def _send_blocks(self, endpoint: Endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:
         """Send the reply, then every message straight from the cache. On any failure or
         cancellation the connection is closed before this returns, which ends every send."""
         self._num_transfers += 1
@@ -268,7 +270,7 @@ class UCXConnector(KVConnector):
         finally:
             self._num_transfers -= 1
 
-    def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:
+    def _send(self, endpoint: Endpoint, blocks: WireBuffer, tag: int) -> asyncio.Future:
         return asyncio.ensure_future(endpoint.send(blocks, tag=tag))
 
     def _forget_reader(self, request_id: str, task: asyncio.Task) -> None:
@@ -304,8 +306,8 @@ class UCXConnector(KVConnector):
             ), None
         if not request.block_ids:
             return PullReply(ok=False, error="a pull must name at least one block"), None
-        if (error := consecutive_runs_error(request.block_ids, request.message_blocks)) is not None:
-            return PullReply(ok=False, error=f"bad message plan: {error}"), None
+        if (plan_error := consecutive_runs_error(request.block_ids, request.message_blocks)) is not None:
+            return PullReply(ok=False, error=f"bad message plan: {plan_error}"), None
         self.check_block_ids(request.block_ids)  # published by the engine: in range unless there is a bug
         reply = PullReply(
             ok=True,

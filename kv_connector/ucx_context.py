@@ -72,7 +72,7 @@ def ucxx_for_running_loop() -> ModuleType:
         # The notifier thread is not a daemon: stop it when the interpreter shuts down, before
         # it joins non-daemon threads (the hook concurrent.futures uses for its workers), or
         # the process never exits.
-        threading._register_atexit(ucxx.stop_notifier_thread)
+        threading._register_atexit(ucxx.stop_notifier_thread)  # type: ignore[attr-defined]  # CPython-private, not in typeshed
         _exit_hook_registered = True
     return ucxx
 

@@ -15,11 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from kv_connector.wire import MAX_HEADER_BYTES, PullReply, PullRequest, WireError, encode
+
+# ucxx ships no type information: its endpoints and listeners are Any to the type checker.
+Endpoint = Any
+# What UCX sends from or receives into: host bytes as a uint8 numpy array, device bytes as a uint8 tensor.
+WireBuffer = np.ndarray | torch.Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +80,7 @@ def message_tag(pull_number: int, message: int) -> int:
     return (pull_number << 32) | message
 
 
-def wire_buffer(tensor: torch.Tensor) -> object:
+def wire_buffer(tensor: torch.Tensor) -> WireBuffer:
     """A zero-copy view of a contiguous tensor's bytes that UCX can send from or receive into:
     host tensors as uint8 numpy arrays (numpy has no bfloat16), device tensors through
     __cuda_array_interface__."""

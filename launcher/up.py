@@ -147,7 +147,7 @@ def _start_instances(
     if args.kv_connector == "lmcache":
         # In the environment: the URL may hold the store's password.
         env["SPLITSERVE_LMCACHE_URL"] = args.lmcache_url or _start_redis(children)
-    routes = []
+    routes: list[str] = []
     gpus = _visible_gpus()
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for index in range(count):

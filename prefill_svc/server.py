@@ -23,6 +23,7 @@ import asyncio
 import grpc
 
 from cluster.handle_signing import new_pull_token, sign_handle
+from cluster.internal_grpc import abort_call
 from cluster.sampling_proto import sampling_params_from_proto
 from engine.outputs import EngineCoreOutput, KVHandoff
 from engine.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             aborted = self._prefilling.pop(request_id)
         if final is None or not final.new_token_ids or aborted:
             # Aborted while prefilling: the engine frees whatever the request held.
-            await context.abort(grpc.StatusCode.ABORTED, "the request was aborted during prefill")
+            await abort_call(context, grpc.StatusCode.ABORTED, "the request was aborted during prefill")
         response = disaggregation_pb2.PrefillResponse(
             request_id=final.request_id,
             first_token_id=final.new_token_ids[0],
