@@ -94,6 +94,7 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self.core.close()
 
     @property
     def is_alive(self) -> bool:

@@ -46,6 +46,8 @@ class EngineConfig:
     # None: no cap of its own.
     long_prefill_token_threshold: int | Literal["auto"] | None = None
     enable_prefix_caching: bool = True
+    # Ranks the model is split over, one process each (engine/tensor_parallel/); 1: this process alone.
+    tensor_parallel_size: int = 1
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
     # Speculative decoding (engine/spec_decode): None is off, and costs nothing per step.
@@ -69,6 +71,13 @@ class EngineConfig:
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.method == "draft_model":
+            raise ValueError(
+                "a draft model (--speculative-model) is not supported with --tensor-parallel-size above 1 yet; "
+                "use n-gram drafts (--num-speculative-tokens alone), or tensor parallel size 1"
+            )
         if self.role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be one of colocated, prefill, decode; got {self.role!r}")
         if self.speculative is not None and self.speculative.num_speculative_tokens >= self.max_num_batched_tokens:

@@ -265,6 +265,11 @@ class EngineCore:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_PREFILLED)
         return True
 
+    def close(self) -> None:
+        """Release what outlives a process's garbage collection: the tensor-parallel worker
+        processes, if any. The engine takes no step after it."""
+        self.runner.close()
+
     # ------------------------------------------------------------ observation
 
     def publish_load_report(self) -> None:

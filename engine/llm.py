@@ -43,6 +43,17 @@ class LLM:
         self.engine = EngineCore(EngineConfig(model=model, **config))  # type: ignore[arg-type]
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.engine.model_path))
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (``with LLM(...) as llm:`` does it on leaving;
+        otherwise they exit with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

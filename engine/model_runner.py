@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.attention.backend import select_backend
+from engine.attention.backend import AttentionBackend, select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from engine.flat_batch import FlatBatch, build_flat_batch
@@ -26,6 +26,7 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.rejection_sampler import RejectionSampler
 from engine.structured_output.bitmask import PendingBitmask
 from engine.structured_output.manager import StructuredOutputManager
+from engine.tensor_parallel.executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +46,35 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.block_size = config.block_size
         backend = select_backend(config.attention_backend, self.device)
-        loaded = load_model(model_path, config.dtype, self.device, backend, config.max_model_len)
+        # Tensor parallel: this process is rank 0, with workers for the other ranks (spawned
+        # first: they load their shards while this one loads its own).
+        self.tensor_parallel: TensorParallelExecutor | None = None
+        if config.tensor_parallel_size > 1:
+            self.tensor_parallel = TensorParallelExecutor.start(config, model_path, self.device)
+        try:
+            self._load(config, model_path, backend)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, config: EngineConfig, model_path: Path, backend: AttentionBackend) -> None:
+        group = self.tensor_parallel.group if self.tensor_parallel is not None else None
+        loaded = load_model(model_path, config.dtype, self.device, backend, config.max_model_len, group)
         self.model, self.hf_config, self.architecture = loaded.model, loaded.config, loaded.architecture
         self.dtype = loaded.dtype
         self.shape = self.model.shape
         self.backend_name = backend.name
+        # One rank's share of a block: its KV heads (all of them without tensor parallelism).
         self.bytes_per_block = kv_cache_bytes_per_block(
             self.shape.num_layers,
             self.block_size,
-            self.shape.num_kv_heads,
+            self.model.local.num_kv_heads,
             self.shape.head_dim,
             torch.tensor([], dtype=self.dtype).element_size(),
         )
         self.num_blocks = self._decide_num_blocks()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.share_num_blocks(self.num_blocks)
         # Block-major (engine/kv_cache_layout.py): a KV connector moves each block as one buffer.
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self.layer_caches = layer_views(self.kv_cache)
@@ -70,12 +87,13 @@ class ModelRunner:
                 loaded.max_model_len,
             )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes per block), attention backend %s",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes per block%s), attention backend %s",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
             self.bytes_per_block,
+            f" on each of {config.tensor_parallel_size} ranks" if self.tensor_parallel is not None else "",
             backend.name,
         )
         # CPU decode steps in one native call where the model allows (engine/models/native_decode.py).
@@ -91,16 +109,33 @@ class ModelRunner:
     # ------------------------------------------------------------------ sizing
 
     def _decide_num_blocks(self) -> int:
+        """Blocks every rank allocates. On CPU ``kv_cache_memory`` is the instance's, split
+        evenly over its ranks; on GPU each rank has its device's memory."""
         if self.config.num_blocks_override is not None:
             return self.config.num_blocks_override
         if self.device.type != "cuda":
-            return num_blocks_for_budget(self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, self.bytes_per_block)
+            budget = (self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // self.config.tensor_parallel_size
+            return num_blocks_for_budget(budget, self.bytes_per_block)
+        if self.tensor_parallel is not None:
+            # Written for GPUs, untested where none is lent: no profiling pass (it would need every
+            # rank's forward); the weights this rank holds and a headroom for activations are kept.
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(total * self.config.gpu_memory_utilization) - 2 * torch.cuda.memory_allocated(self.device)
+            if self.config.kv_cache_memory:
+                budget = min(budget, self.config.kv_cache_memory)
+            return self.tensor_parallel.group.all_reduce_min(num_blocks_for_budget(budget, self.bytes_per_block))
         return num_blocks_for_budget(self._profile_free_gpu_memory(), self.bytes_per_block)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         shape = self.shape
         return allocate_kv_cache(
-            num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device
+            num_blocks,
+            shape.num_layers,
+            self.block_size,
+            self.model.local.num_kv_heads,
+            shape.head_dim,
+            self.dtype,
+            self.device,
         )
 
     def _profile_free_gpu_memory(self) -> int:
@@ -168,6 +203,8 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """Float32 logits of the batch's ``logits_indices`` rows."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_step(batch)  # the other ranks run the same step beside this one
         if self.native_decode is not None:
             logits = self.native_decode(batch)
             if logits is not None:
@@ -290,6 +327,11 @@ class ModelRunner:
             accepted_token_ids=verified.accepted_token_ids,
             accepted_logprobs=verified.accepted_logprobs,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the model's device (on CPU, the same memory)."""

@@ -3,6 +3,11 @@
 The batch is flat: ``T`` tokens from many sequences laid end to end, with the
 attention backend told where each sequence starts (``AttentionMetadata``).
 Q/K/V and gate/up projections are fused into single matmuls at load time.
+
+Under tensor parallelism each rank builds this model with its shard of every weight
+(engine/tensor_parallel/layout.py: its heads, its slice of the MLP and of the vocabulary)
+and all-reduces the row-parallel outputs (o_proj, down_proj) and gathers the LM head's
+vocabulary shards; without it the model is whole and no collective runs.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.ops import ModelOps
 from engine.models.rotary import RotaryEmbedding
+from engine.tensor_parallel.group import TensorParallelGroup
+from engine.tensor_parallel.layout import TensorParallelLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,37 @@ class ModelShape:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This rank's shard (``layout``) and the collectives that join the shards (``group``)."""
+
+    layout: TensorParallelLayout
+    group: TensorParallelGroup
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShape:
+    """What this process holds of the model: all of it, or one rank's shard."""
+
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int  # LM-head rows, padding included
+    bias_rank: bool  # adds the row-parallel projections' biases (rank 0; every rank sums them once)
+
+    @classmethod
+    def of(cls, shape: ModelShape, layout: TensorParallelLayout | None) -> LocalShape:
+        if layout is None:
+            return cls(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, True)
+        return cls(
+            layout.num_local_heads,
+            layout.num_local_kv_heads,
+            layout.local_intermediate_size,
+            layout.local_vocab_size,
+            layout.rank == 0,
+        )
+
+
 class RMSNorm(nn.Module):
     """RMSNorm fused with the residual add before it (``ModelOps.add_rms_norm``)."""
 
@@ -75,20 +113,31 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding, backend: AttentionBackend, ops: ModelOps) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        local: LocalShape,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        ops: ModelOps,
+        group: TensorParallelGroup | None,
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, shape.head_dim
+        self.q_size, self.kv_size = local.num_heads * shape.head_dim, local.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
+        # Column-parallel (a shard of the output features): q, k, v, gate, up.
         self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
+        # Row-parallel (a shard of the input features): their partial sums are all-reduced.
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_bias and local.bias_rank)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * local.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = nn.Linear(local.intermediate_size, shape.hidden_size, bias=shape.mlp_bias and local.bias_rank)
         self.rotary = rotary
         self.backend = backend
         self.ops = ops
+        self.group = group
 
     def forward(
         self,
@@ -112,8 +161,13 @@ class DecoderLayer(nn.Module):
         )
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = self.backend.forward(q, k, v, layer_cache, metadata, self.scale)  # [T, H, D]
-        hidden, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(num_tokens, self.q_size)), residual)
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden))), residual
+        attn_out = self._reduce(self.o_proj(attn.reshape(num_tokens, self.q_size)))
+        hidden, residual = self.post_attention_layernorm(attn_out, residual)
+        return self._reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))), residual
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: this rank's partial sum, summed over the ranks."""
+        return partial if self.group is None else self.group.all_reduce(partial)
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -127,16 +181,23 @@ class LlamaFamilyForCausalLM(nn.Module):
         dtype: torch.dtype,
         backend: AttentionBackend,
         ops: ModelOps,
+        parallel: TensorParallel | None = None,
     ) -> None:
+        """``parallel``: build this rank's shard (None: the whole model, in this process)."""
         super().__init__()
         self.shape = ModelShape.from_config(config, architecture)
         shape = self.shape
+        self.layout = parallel.layout if parallel is not None else None
+        self.group = parallel.group if parallel is not None else None
+        self.local = LocalShape.of(shape, self.layout)
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype, ops)
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, self.rotary, backend, ops) for _ in range(shape.num_layers))
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)  # replicated on every rank
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, self.local, self.rotary, backend, ops, self.group) for _ in range(shape.num_layers)
+        )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        if shape.tie_word_embeddings:
+        self.lm_head = nn.Linear(shape.hidden_size, self.local.vocab_size, bias=False)
+        if shape.tie_word_embeddings and self.layout is None:
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
@@ -156,12 +217,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         for layer_index, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, layer_caches[layer_index], metadata)
         hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.group is None:
+            return logits
+        # Every rank's vocabulary shard, side by side; the last shard's padding rows cut off.
+        return self.group.all_gather_last_dim(logits)[:, : self.shape.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face checkpoint tensors into the fused parameters."""
-        shape = self.shape
-        q, kv, inter = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+        """Copy Hugging Face checkpoint tensors (this rank's shard of each) into the fused parameters."""
+        shape, local = self.shape, self.local
+        q, kv, inter = local.num_heads * shape.head_dim, local.num_kv_heads * shape.head_dim, local.intermediate_size
         # HF projection name -> (our parameter name, row offset, rows)
         fused = {
             "self_attn.q_proj": ("qkv_proj", 0, q),
@@ -174,27 +239,66 @@ class LlamaFamilyForCausalLM(nn.Module):
         }
         params = dict(self.named_parameters())
         rows_loaded: Counter[str] = Counter()
-        for name, tensor in weights:
-            if name.startswith("lm_head.") and self.shape.tie_word_embeddings:
+        for name, full in weights:
+            if name.startswith("lm_head.") and shape.tie_word_embeddings:
                 continue  # tied: some checkpoints still store the copy
-            target, offset, rows = _map_name(name, fused)
-            if target not in params:
-                if "rotary_emb" in name:
-                    continue
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[target]
-            dest = param.data if offset is None else param.data[offset : offset + rows]
-            if rows_loaded[target] + dest.shape[0] > param.shape[0]:
-                raise ValueError(f"checkpoint tensor {name!r} appears more than once")
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            rows_loaded[target] += dest.shape[0]
+            loads = [(name, full)]
+            if self.layout is not None and shape.tie_word_embeddings and name.endswith("embed_tokens.weight"):
+                loads.append(("lm_head.weight", full))  # a shard of its own: the embedding stays whole
+            for load_name, load_full in loads:
+                tensor = self._shard(load_name, load_full)
+                if tensor is None:
+                    continue  # not this rank's (a row-parallel bias on a rank other than 0)
+                target, offset, rows = _map_name(load_name, fused)
+                if target not in params:
+                    if "rotary_emb" in load_name:
+                        continue
+                    raise ValueError(f"checkpoint tensor {load_name!r} has no place in the model")
+                param = params[target]
+                dest = param.data if offset is None else param.data[offset : offset + rows]
+                if rows_loaded[target] + dest.shape[0] > param.shape[0]:
+                    raise ValueError(f"checkpoint tensor {load_name!r} appears more than once")
+                if dest.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {load_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor)
+                rows_loaded[target] += dest.shape[0]
         missing = [name for name, param in params.items() if rows_loaded[name] != param.shape[0]]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """This rank's part of checkpoint tensor ``name`` (all of it without tensor parallelism);
+        None when the rank holds none of it."""
+        layout = self.layout
+        if layout is None:
+            return tensor
+        head_dim = self.shape.head_dim
+        rows_of = {
+            "self_attn.q_proj": (layout.head_start * head_dim, layout.num_local_heads * head_dim),
+            "self_attn.k_proj": (layout.kv_head_start * head_dim, layout.num_local_kv_heads * head_dim),
+            "self_attn.v_proj": (layout.kv_head_start * head_dim, layout.num_local_kv_heads * head_dim),
+            "mlp.gate_proj": (layout.rank * layout.local_intermediate_size, layout.local_intermediate_size),
+            "mlp.up_proj": (layout.rank * layout.local_intermediate_size, layout.local_intermediate_size),
+        }
+        columns_of = {
+            "self_attn.o_proj": (layout.head_start * head_dim, layout.num_local_heads * head_dim),
+            "mlp.down_proj": (layout.rank * layout.local_intermediate_size, layout.local_intermediate_size),
+        }
+        for projection, (start, count) in rows_of.items():
+            if f".{projection}." in name:
+                return tensor[start : start + count]
+        for projection, (start, count) in columns_of.items():
+            if f".{projection}." in name:
+                if name.endswith(".bias"):
+                    return tensor if layout.rank == 0 else None  # added once, by rank 0
+                return tensor[:, start : start + count]
+        if name.startswith("lm_head."):
+            shard = tensor[layout.vocab_start : layout.vocab_start + layout.local_vocab_size]
+            padding = layout.local_vocab_size - shard.shape[0]
+            return torch.cat([shard, shard.new_zeros(padding, *shard.shape[1:])]) if padding else shard
+        return tensor  # replicated: the embedding, the norms
 
 
 def _map_name(name: str, fused: dict[str, tuple[str, int | None, int | None]]) -> tuple[str, int | None, int | None]:

@@ -15,8 +15,10 @@ from transformers import AutoConfig, PretrainedConfig
 from engine.attention.backend import AttentionBackend
 from engine.cpu_features import CPUFeatures, cpu_features
 from engine.models.cpu_linear import linear_path, prepare_linears
-from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.llama import LlamaFamilyForCausalLM, ModelShape, TensorParallel
 from engine.models.ops import NativeCPUOps, select_ops
+from engine.tensor_parallel.group import TensorParallelGroup
+from engine.tensor_parallel.layout import TensorParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +104,10 @@ def load_model(
     device: torch.device,
     backend: AttentionBackend,
     max_model_len: int | None,
+    group: TensorParallelGroup | None = None,
 ) -> LoadedModel:
+    """``group``: load this rank's shard of the model, whose collectives run in ``group``
+    (None: the whole model)."""
     config = AutoConfig.from_pretrained(str(path))
     architectures = getattr(config, "architectures", None) or []
     architecture = next((arch for arch in architectures if arch in SUPPORTED_ARCHITECTURES), None)
@@ -116,14 +121,22 @@ def load_model(
         max_model_len = supported_len
     elif max_model_len > supported_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({supported_len})")
+    parallel = None
+    if group is not None:
+        shape = ModelShape.from_config(config, architecture)
+        layout = TensorParallelLayout(
+            group.rank, group.world_size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size
+        )
+        parallel = TensorParallel(layout, group)
     with torch.device(device):
         ops = select_ops(device, dtype)
-        model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops).to(dtype)
+        model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops, parallel).to(dtype)
     model.load_weights(iter_safetensors(path))
     model.eval()
     path_name = linear_path(device, dtype)
     prepare_linears(model, path_name)
-    logger.info("loaded %s (%s) from %s in %s on %s", architecture, config.model_type, path, dtype, device)
+    shard = f", rank {group.rank} of {group.world_size}" if group is not None else ""
+    logger.info("loaded %s (%s) from %s in %s on %s%s", architecture, config.model_type, path, dtype, device, shard)
     if device.type == "cpu":
         kernel_isa = ops.kernels.isa if isinstance(ops, NativeCPUOps) else "none (pure PyTorch)"
         logger.info("CPU %s: linear path %s, kernel ISA %s", cpu_features().describe(), path_name, kernel_isa)

@@ -185,6 +185,8 @@ def _unsupported(
         return "no native CPU kernels"
     if not isinstance(model, LlamaFamilyForCausalLM):
         return f"no native step for {type(model).__name__}"
+    if model.group is not None:
+        return "tensor parallel: the ranks all-reduce between a layer's kernels"
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu" or not kernels.supports(weight.dtype):
         return f"{weight.dtype} on {weight.device.type}"
