@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode-cpus", default=None, help="CPU list for decode instances")
     parser.add_argument("--colocated-cpus", default=None, help="CPU list for the colocated instance")
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"{role} instances' tensor parallel size (default: --tensor-parallel-size)",
+        )
     add_routing_arguments(parser)  # passed on to the gateway
 
 
@@ -149,16 +157,20 @@ def _start_instances(
         env["SPLITSERVE_LMCACHE_URL"] = args.lmcache_url or _start_redis(children)
     routes: list[str] = []
     gpus = _visible_gpus()
+    next_gpu = 0
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for index in range(count):
             port = free_port()
             # Only decode instances speculate; prefill ones sample one token per request.
             spec = speculative_argv(args) if role == "decode" else []
+            tensor_parallel_size = getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size
             argv = splitserve_command(
                 "--log-level",
                 args.log_level,
                 role,
                 *common,
+                "--tensor-parallel-size",  # the role's own, after the common one: the last one counts
+                str(tensor_parallel_size),
                 *connector,
                 *spec,
                 "--port",
@@ -168,8 +180,12 @@ def _start_instances(
             )
             child_env = dict(env)
             if gpus:
-                # One GPU per instance, round robin, so prefill and decode do not share one when there are several.
-                child_env["CUDA_VISIBLE_DEVICES"] = gpus[len(routes) // 2 % len(gpus)]
+                # GPUs of their own per instance, round robin: one per rank.
+                first = next_gpu
+                next_gpu += tensor_parallel_size
+                child_env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                    gpus[i % len(gpus)] for i in range(first, first + tensor_parallel_size)
+                )
             children.append(Child(f"{role}-{index}", argv, env=child_env, cpus=cpus[role]))
             routes += [f"--{role}", f"127.0.0.1:{port}"]
     return routes

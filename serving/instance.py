@@ -108,6 +108,7 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=_long_prefill_token_threshold(args, role),
         enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
         # The prefill role never speculates (it samples one token); the engine ignores it there.
         speculative=speculative_config_from_args(args),
     )
@@ -122,6 +123,7 @@ def fingerprint_of(core: EngineCore) -> Fingerprint:
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
+        tensor_parallel_size=core.config.tensor_parallel_size,
     )
 
 
@@ -176,7 +178,15 @@ class Instance:
         ``config`` replaces the one built from ``args`` (a role may adjust it first).
         Raises ValueError for a bad cluster secret or TLS flag before loading anything."""
         plane = InternalPlane.from_args(args)
-        engine = AsyncEngine(config or engine_config(args, role))
+        config = config or engine_config(args, role)
+        if role != "colocated" and config.tensor_parallel_size > 1:
+            # Each rank holds its own heads' KV: a hand-off must move every rank's share, rank to rank.
+            raise ValueError(
+                f"a {role} instance runs at --tensor-parallel-size 1 for now (the KV hand-off between ranks is not "
+                "built yet); tensor parallelism serves colocated instances (splitserve colocated, splitserve up "
+                "--colocated) and the offline engine"
+            )
+        engine = AsyncEngine(config)
         fingerprint = fingerprint_of(engine.core)
         connector = None
         if role != "colocated":

@@ -66,7 +66,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "that arrive meanwhile share its steps; auto: chunks of about half a second at the measured prefill "
         "rate; 0: no cap (default: auto on prefill instances, no cap elsewhere)",
     )
+    add_tensor_parallel_argument(parser)
     add_speculative_arguments(parser)
+
+
+TENSOR_PARALLEL_HELP = (
+    "ranks the model is split over, one process each (on CPU each with its share of the CPUs, on GPUs each with "
+    "its own GPU): its attention heads, KV heads, MLP and vocabulary"
+)
+
+
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N", help=f"{TENSOR_PARALLEL_HELP} (default: 1)"
+    )
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +91,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The flags of :func:`add_engine_arguments` as parsed, for an instance to parse the same
     (``--model`` aside: the launcher passes the folder it resolved). Speculative flags are
     left to :func:`speculative_argv`: only decoding instances take them."""
-    argv = ["--dtype", args.dtype]
+    argv = ["--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size)]
     for flag, value in (
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--max-model-len", args.max_model_len),

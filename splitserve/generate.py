@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold or None,
+        tensor_parallel_size=args.tensor_parallel_size,
         speculative=speculative_config_from_args(args),
     )
     params = SamplingParams(

@@ -156,3 +156,15 @@ def test_a_worker_that_dies_mid_stream_ends_the_engine_and_leaves_no_process(fou
         assert not worker.is_alive()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_equals_tp1() -> None:
+    """The embedded model: 9 query heads and 3 KV heads, one KV head per rank at TP 3."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    config = dict(dtype="float32", kv_cache_memory=64 << 20, max_model_len=256)
+    with LLM(model=None, **config) as whole:
+        expected = [output.outputs[0].token_ids for output in whole.generate(prompts, params)]
+    with LLM(model=None, tensor_parallel_size=3, **config) as split:
+        assert [output.outputs[0].token_ids for output in split.generate(prompts, params)] == expected
