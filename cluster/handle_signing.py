@@ -9,8 +9,9 @@ verifies the signature before it allocates anything.
 The signature covers every field of the handle but itself (a test alters each one),
 encoded canonically here rather than as protobuf bytes, whose encoding is not
 guaranteed stable: the request id, P's addresses, the connector, the block ids, the
-token count, the fingerprint, the lease, the pull token, and a digest of the prompt's
-token ids. The prompt is not a field of the handle: it travels beside it, in the Decode
+token count, the fingerprint, the lease, the pull token, the digests of the chunks a
+store holds (lmcache: D checks what the store returns against them), and a digest of the
+prompt's token ids. The prompt is not a field of the handle: it travels beside it, in the Decode
 call (``DecodeRequest.prompt_token_ids``), and D verifies the signature against the
 call's prompt, so a handle is good only for the prompt P computed its KV from. The pull
 token, random per handle, is what P's connector asks of each pull
@@ -33,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from splitserve.v1 import disaggregation_pb2
 
 PULL_TOKEN_BYTES = 16
-_VERSION = b"splitserve KV handle v2"
+_VERSION = b"splitserve KV handle v3"  # v3: chunk digests
 
 
 class HandleRejected(ValueError):
@@ -99,6 +100,7 @@ def _signed_bytes(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequenc
         ),
         struct.pack("<d", handle.lease_s),
         handle.pull_token,
+        _framed(handle.chunk_digests),
         hashlib.sha256(_ints(prompt_token_ids)).digest(),
     ]
     return _framed(parts)

@@ -1,7 +1,7 @@
 """The internal plane's gRPC, secured one way everywhere: the servers instances run and
 every channel to an instance (the gateway's, and D's to P for leases) come from an
-:class:`InternalPlane`, which adds the cluster secret's call token
-(``cluster/auth.py``) and TLS (``cluster/tls.py``) when they are configured.
+:class:`InternalPlane`, which adds a call credential made with the cluster secret to every
+call (``cluster/auth.py``) and TLS (``cluster/tls.py``) when they are configured.
 
 Flags (every instance and the gateway take them; the environment variables are the
 defaults, so that ``splitserve up`` and compose pass secrets without putting them on a
@@ -9,25 +9,32 @@ command line other local users can read):
 
 - ``--cluster-secret`` (``SPLITSERVE_CLUSTER_SECRET``) or ``--cluster-secret-file``
   (``SPLITSERVE_CLUSTER_SECRET_FILE``, e.g. a compose secret under /run/secrets);
-- ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (``SPLITSERVE_TLS_CERT``, ``_KEY``, ``_CA``).
+- ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (``SPLITSERVE_TLS_CERT``, ``_KEY``, ``_CA``);
+- ``--require-cluster-secret`` (``SPLITSERVE_REQUIRE_CLUSTER_SECRET=1``): refuse to start
+  without a secret; ``--insecure-internal-plane``: start without one although this process
+  listens beyond loopback.
 
-Without a secret the plane is open: anyone who reaches an instance's port may release
-or abort any request's KV, or hand D a KV handle of their own. Instances and the
-gateway then log a warning at start (:meth:`InternalPlane.warn_if_open`).
+A secret given but empty (an empty file, an empty variable) is an error at start. Without a
+secret the plane is open: anyone who reaches an instance's port may release or abort any
+request's KV, or hand D a KV handle of their own. That is allowed only on loopback (one host:
+``splitserve up``, the tests), or when ``--insecure-internal-plane`` says so; the process then
+logs a warning at start (:meth:`InternalPlane.warn_if_open`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
-from cluster.auth import ClusterSecret, ClusterTokenCheck, cluster_token_interceptors, load_cluster_secret
+from cluster.auth import ClusterCallCheck, ClusterSecret, cluster_call_interceptors, load_cluster_secret
 from cluster.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
@@ -37,7 +44,8 @@ def add_internal_plane_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument(
         "--cluster-secret",
-        default=env("SPLITSERVE_CLUSTER_SECRET") or None,
+        # Set but empty is not the same as unset: an error at start (cluster.auth.load_cluster_secret).
+        default=env("SPLITSERVE_CLUSTER_SECRET"),
         help="shared secret every internal gRPC call carries and KV handles are signed with; the same on "
         "gateway, prefill and decode (env SPLITSERVE_CLUSTER_SECRET; prefer it, or the file, to this flag)",
     )
@@ -64,6 +72,18 @@ def add_internal_plane_arguments(parser: argparse.ArgumentParser) -> None:
         help="PEM CA certificates peers are checked against; on an instance it also requires client "
         "certificates (mutual TLS) (env SPLITSERVE_TLS_CA)",
     )
+    parser.add_argument(
+        "--require-cluster-secret",
+        action="store_true",
+        default=env("SPLITSERVE_REQUIRE_CLUSTER_SECRET", "") not in ("", "0"),
+        help="refuse to start without a cluster secret, even on loopback (env SPLITSERVE_REQUIRE_CLUSTER_SECRET=1)",
+    )
+    parser.add_argument(
+        "--insecure-internal-plane",
+        action="store_true",
+        help="start without a cluster secret although --host is not a loopback address: anyone who reaches "
+        "the internal ports can then abort, release or poison KV (trusted private networks only)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,16 +94,33 @@ class InternalPlane:
     tls: TLSFiles | None = None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> InternalPlane:
-        """Raises ValueError (naming the flag) for a secret too short or a file it cannot read."""
-        return cls(
+    def from_args(cls, args: argparse.Namespace, listen_host: str) -> InternalPlane:
+        """``listen_host``: the address this process binds to (its ``--host``). Raises ValueError
+        (naming the flag) for a secret that is empty, too short or in a file it cannot read, and
+        for a missing one where it is required: by ``--require-cluster-secret``, or by a
+        ``listen_host`` beyond loopback without ``--insecure-internal-plane``."""
+        plane = cls(
             secret=load_cluster_secret(args.cluster_secret, args.cluster_secret_file),
             tls=TLSFiles.load(args.tls_cert, args.tls_key, args.tls_ca),
         )
+        if plane.secret is None:
+            if args.require_cluster_secret:
+                raise ValueError(
+                    "--require-cluster-secret is set but no cluster secret is given: set SPLITSERVE_CLUSTER_SECRET "
+                    "or --cluster-secret-file (the same secret on gateway, prefill and decode)"
+                )
+            if not args.insecure_internal_plane and not is_loopback(listen_host):
+                raise ValueError(
+                    f"--host {listen_host} listens beyond loopback, but no cluster secret is given: anyone who "
+                    "reaches this process could drive the internal plane. Set SPLITSERVE_CLUSTER_SECRET or "
+                    "--cluster-secret-file (the same secret on gateway, prefill and decode; see docs/security.md), "
+                    "or pass --insecure-internal-plane on a network only the cluster reaches"
+                )
+        return plane
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        """A channel to an instance: TLS when configured, the call token on every call."""
-        interceptors = cluster_token_interceptors(self.secret) if self.secret is not None else None
+        """A channel to an instance: TLS when configured, a fresh call credential on every call."""
+        interceptors = cluster_call_interceptors(self.secret) if self.secret is not None else None
         if self.tls is not None:
             return grpc.aio.secure_channel(
                 address, self.tls.channel_credentials(), options=list(options), interceptors=interceptors
@@ -91,8 +128,8 @@ class InternalPlane:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
     def server(self, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
-        """An instance's server: calls without the call token are refused (health checks excepted)."""
-        interceptors = [ClusterTokenCheck(self.secret)] if self.secret is not None else None
+        """An instance's server: calls without a valid call credential are refused (health checks excepted)."""
+        interceptors = [ClusterCallCheck(self.secret)] if self.secret is not None else None
         return grpc.aio.server(interceptors=interceptors, options=list(options))
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
@@ -113,6 +150,20 @@ class InternalPlane:
             )
         if self.tls is None:
             logger.info("%s: internal gRPC is not encrypted (no --tls-cert / --tls-ca)", who)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding to ``host`` keeps a port on this machine: a loopback address, or a name
+    every address of which is one (``localhost``). A name that does not resolve is not."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:

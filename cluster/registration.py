@@ -4,7 +4,8 @@ every heartbeat; gateways scan the keys. An instance that dies simply stops
 renewing its key, which Redis expires after three missed heartbeats.
 
 The gateway imports this module, so it must stay free of engine (torch) imports.
-Values are protobuf bytes, parsed with ``ParseFromString``, never unpickled.
+Values are protobuf bytes, signed with the cluster secret's registry key and checked before
+they are parsed, never unpickled (``cluster/registry_record.py``).
 
 The URL may carry credentials and ask for TLS: ``redis://:PASSWORD@HOST:PORT``, an ACL
 user ``redis://USER:PASSWORD@HOST:PORT``, ``rediss://`` (TLS; redis-py's query options such
@@ -17,10 +18,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import redis.asyncio as redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
+from cluster.registry_record import RecordRefused, decode_record, encode_record
 from cluster.store_urls import redact_url, with_password_file
 from splitserve.v1 import disaggregation_pb2
 
@@ -65,6 +68,7 @@ class RegistryHeartbeat:
         grpc_address: str,
         load_report: Callable[[], disaggregation_pb2.LoadReport],  # answers at once: called from the event loop
         interval_s: float,
+        key: bytes | None,  # the cluster secret's registry key; None: records go unsigned
     ) -> None:
         self._client = registry_client(url)
         self._url = url
@@ -72,6 +76,7 @@ class RegistryHeartbeat:
         self._grpc_address = grpc_address
         self._load_report = load_report
         self._interval_s = interval_s
+        self._signing_key = key
         self._serving = True
         self._task: asyncio.Task[None] | None = None
 
@@ -81,6 +86,12 @@ class RegistryHeartbeat:
     async def register(self) -> None:
         """The first heartbeat, before the instance says it is up. Raises ValueError with the
         fix when the registry refuses us (a wrong or missing password)."""
+        if self._signing_key is None:
+            logger.warning(
+                "registering %s unsigned (no cluster secret): only gateways without a secret will believe it; "
+                "anyone who can write the registry can register instances too",
+                self._key,
+            )
         try:
             await self.beat()
         except (redis.RedisError, OSError) as error:
@@ -107,7 +118,7 @@ class RegistryHeartbeat:
             serving=self._serving,
         )
         ttl_ms = int(self._interval_s * MISSED_HEARTBEATS_BEFORE_EXPIRY * 1000)
-        await self._client.set(self._key, registration.SerializeToString(), px=ttl_ms)
+        await self._client.set(self._key, encode_record(registration, self._key, self._signing_key), px=ttl_ms)
 
     async def stop(self) -> None:
         """Deregister: gateways stop sending new requests here at their next scan."""
@@ -123,20 +134,31 @@ class RegistryHeartbeat:
         await self._client.aclose()
 
 
-async def scan_registrations(client: redis.Redis) -> list[disaggregation_pb2.Registration]:
-    """Every live registration. Malformed values are skipped with a warning, never trusted."""
+@dataclass(slots=True)
+class RegistryScan:
+    """One scan of the registry: the records to believe, and those refused, by Redis key."""
+
+    registrations: list[disaggregation_pb2.Registration] = field(default_factory=list)
+    refused: dict[str, RecordRefused] = field(default_factory=dict)
+
+
+async def scan_registrations(client: redis.Redis, key: bytes | None) -> RegistryScan:
+    """Every live registration, checked (``cluster/registry_record.py``) with ``key``, the
+    cluster secret's registry key (None: no signature is checked)."""
     keys = [key async for key in client.scan_iter(match=REGISTRY_KEY_PREFIX + "*", count=500)]
+    scan = RegistryScan()
     if not keys:
-        return []
-    registrations = []
-    for key, value in zip(keys, await client.mget(keys), strict=True):
+        return scan
+    now = time.time()
+    for redis_key, value in zip(keys, await client.mget(keys), strict=True):
         if value is None:
             continue  # expired between SCAN and MGET
-        registration = disaggregation_pb2.Registration()
+        name = redis_key.decode(errors="replace") if isinstance(redis_key, bytes) else str(redis_key)
         try:
-            registration.ParseFromString(value)
-        except Exception as error:  # protobuf's DecodeError; the message is what matters
-            logger.warning("ignoring malformed registration under %r: %s", key, error)
-            continue
-        registrations.append(registration)
-    return registrations
+            # The client is made without decode_responses: values come back as bytes.
+            scan.registrations.append(
+                decode_record(value if isinstance(value, bytes) else value.encode(), name, key, now)
+            )
+        except RecordRefused as refused:
+            scan.refused[name] = refused
+    return scan

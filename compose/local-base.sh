@@ -66,6 +66,9 @@ import_rootfs() {  # IMAGE [CMD as JSON]; only a missing one: re-importing the b
 # What the Dockerfile installs on its default base, so its apt step has nothing left to fetch.
 apt_install python3.11 python3.11-venv python3.11-dev gcc libc6-dev ca-certificates
 import_rootfs "$base"
+# Prometheus runs as nobody (docker-compose.observability.yml): its storage, as the official
+# image has it, belongs to that user, and so does a named volume mounted there.
+install -d -o 65534 -g 65534 "$rootfs/prometheus"
 # Each extra on top of the base, one after the other in the same tree (they are small).
 for image in "${!extras[@]}"; do
     apt_install "${extras[$image]}"

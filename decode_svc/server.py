@@ -87,7 +87,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         local = not request.HasField("kv")  # conditional disaggregation: prefill here
         handle = request.kv
-        source = None if local else kv_source_from_proto(handle, request.prompt_token_ids)
+        source = None if local else kv_source_from_proto(handle, request.prompt_token_ids, request.cache_salt)
         try:
             params = sampling_params_from_proto(request.sampling)
             if source is not None:

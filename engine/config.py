@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.kv_cache_utils import BlockHasher, PrefixCacheHash
 from engine.spec_decode.config import SpeculativeConfig
+from engine.tensor_parallel.rank_context import WorkerExtension
 
 EngineRole = Literal["colocated", "prefill", "decode"]
 DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
@@ -46,8 +48,16 @@ class EngineConfig:
     # None: no cap of its own.
     long_prefill_token_threshold: int | Literal["auto"] | None = None
     enable_prefix_caching: bool = True
+    # The prefix cache's block hash (engine/kv_cache_utils.py): xxh3, or sha256, collision resistant,
+    # HMAC-SHA256 under prefix_cache_hash_key when one is given (instances derive it from the
+    # cluster secret, so that the gateway, holding the same secret, computes the same chain).
+    prefix_cache_hash: PrefixCacheHash = "xxh3"
+    prefix_cache_hash_key: bytes | None = field(default=None, repr=False)
     # Ranks the model is split over, one process each (engine/tensor_parallel/); 1: this process alone.
     tensor_parallel_size: int = 1
+    # Run in every tensor-parallel worker once its KV cache exists (engine/tensor_parallel/rank_context.py);
+    # a module-level function, so that it reaches the worker by name.
+    worker_extension: WorkerExtension | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
     # Speculative decoding (engine/spec_decode): None is off, and costs nothing per step.
@@ -78,6 +88,7 @@ class EngineConfig:
                 "a draft model (--speculative-model) is not supported with --tensor-parallel-size above 1 yet; "
                 "use n-gram drafts (--num-speculative-tokens alone), or tensor parallel size 1"
             )
+        BlockHasher(self.prefix_cache_hash)  # a ValueError naming the choices for an unknown one
         if self.role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be one of colocated, prefill, decode; got {self.role!r}")
         if self.speculative is not None and self.speculative.num_speculative_tokens >= self.max_num_batched_tokens:
@@ -85,3 +96,9 @@ class EngineConfig:
                 f"--num-speculative-tokens ({self.speculative.num_speculative_tokens}) must be below "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}): a step verifies them with the last token"
             )
+
+    @property
+    def block_hasher(self) -> BlockHasher:
+        """The prefix cache's hash; the key serves sha256 only (xxh3 takes none)."""
+        key = self.prefix_cache_hash_key if self.prefix_cache_hash == "sha256" else None
+        return BlockHasher(self.prefix_cache_hash, key)

@@ -1,5 +1,6 @@
 """Native CPU kernels (paged decode attention and its KV store, fused elementwise ops, a
-linear layer for decode steps on weight panels, and a whole decode step of a Llama-family
+linear layer for decode steps on weight panels, linear layers on GGUF's quantized blocks
+(:mod:`engine.cpu_quant_kernels`), and a whole decode step of a Llama-family
 model strung from them: engine/models/native_decode.py), compiled on first use with the system C
 compiler and loaded with ctypes.
 
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from engine.cpu_features import KERNEL_ISAS, KernelISA, cpu_features
+from engine.cpu_quant_kernels import QuantKernels
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ class CPUKernels:
         self.decode_forward = _bind(library, "decode_forward", _INT, [_P] * 5 + [_I64, _P, _I64, _P])
         # Output features per panel of a packed weight (pack_panels).
         self.panel_width: int = _bind(library, "panel_width", _INT, [])()
+        # Linear layers and embeddings on GGUF's quantized blocks (engine/csrc/quant_linear.c).
+        self.quant = QuantKernels(library, _bind)
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.context_length import resolve_max_tokens
 from engine.default_model import default_model_path
+from engine.gguf_files import is_gguf, metadata_folder
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
 from engine.kv_loader import KVLoader, KVLoadFailurePolicy
@@ -35,8 +36,10 @@ def resolve_model_path(model: str | None) -> Path:
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model must be a local Hugging Face folder with config.json; {path} has none")
+    if not (is_gguf(path) or (path / "config.json").is_file()):
+        raise ValueError(
+            f"--model must be a local Hugging Face folder with config.json, or a .gguf file; {path} is neither"
+        )
     return path
 
 
@@ -44,17 +47,20 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model)
+        # Where config.json and the tokenizer are: the model folder, or a GGUF file's metadata
+        # (derived here once, before any tensor-parallel worker would race to).
+        self.metadata_path = metadata_folder(self.model_path)
         self.runner = ModelRunner(config, self.model_path)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.shape.vocab_size
-        self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.model_path)
-        self.structured_output = StructuredOutputManager(self.model_path, self.eos_token_ids, self.vocab_size)
+        self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.metadata_path)
+        self.structured_output = StructuredOutputManager(self.metadata_path, self.eos_token_ids, self.vocab_size)
         self.runner.structured_output = self.structured_output
         # Bounded at a few times the pool: a gateway polling twice a second falls behind it
         # only when the whole cache turns over several times in between (it then resyncs).
         self.kv_events = KVEventLog(max_events=4 * self.runner.num_blocks + 1024)
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events, config.block_hasher
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,

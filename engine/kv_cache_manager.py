@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock
-from engine.kv_cache_utils import cdiv
+from engine.kv_cache_utils import XXH3, BlockHasher, cdiv
 from engine.kv_events import KVEventLog
 from engine.request import Request
 
@@ -17,9 +17,15 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, events: KVEventLog | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        events: KVEventLog | None = None,
+        block_hasher: BlockHasher = XXH3,
     ) -> None:
         self.block_size = block_size
+        self.block_hasher = block_hasher  # the prefix cache's hash (engine/kv_cache_utils.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching, events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -46,7 +52,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        request.update_block_hashes(self.block_size)
+        request.update_block_hashes(self.block_size, self.block_hasher)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for index, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
@@ -64,7 +70,7 @@ class KVCacheManager:
         estimate for load reports (no token check, no reference taken, no statistics)."""
         if not self.enable_prefix_caching:
             return 0
-        request.update_block_hashes(self.block_size)
+        request.update_block_hashes(self.block_size, self.block_hasher)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         num_hits = 0
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -115,7 +121,7 @@ class KVCacheManager:
         """Register the request's blocks that ``num_tokens`` tokens fill completely."""
         if not self.enable_prefix_caching:
             return
-        request.update_block_hashes(self.block_size)
+        request.update_block_hashes(self.block_size, self.block_hasher)
         blocks = self.req_to_blocks[request.request_id]
         num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)

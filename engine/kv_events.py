@@ -68,7 +68,7 @@ class KVEventLog:
                 or after_seq > self._last_seq
                 or (after_seq < self._last_seq and after_seq + 1 < oldest_kept)
             ):
-                return KVEventBatch(self.epoch, self._last_seq, True, list(self._cached), [])
+                return self._snapshot()
             changed: set[BlockHash] = set()
             for seq, block_hash in reversed(self._events):
                 if seq <= after_seq:
@@ -77,6 +77,14 @@ class KVEventLog:
             stored = [h for h in changed if h in self._cached]
             removed = [h for h in changed if h not in self._cached]
             return KVEventBatch(self.epoch, self._last_seq, False, stored, removed)
+
+    def snapshot(self) -> KVEventBatch:
+        """Every hash cached now, whatever a reader's cursor (a reader paging one that must start over)."""
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> KVEventBatch:
+        return KVEventBatch(self.epoch, self._last_seq, True, list(self._cached), [])
 
     def _append(self, block_hash: BlockHash) -> None:
         self._last_seq += 1

@@ -35,13 +35,13 @@ class _Tracked:
 class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
-    ``model`` is a local Hugging Face folder, or None for the embedded default
+    ``model`` is a local Hugging Face folder or GGUF file, or None for the embedded default
     (SmolLM2-135M-Instruct); every other keyword is an :class:`EngineConfig` field.
     """
 
     def __init__(self, model: str | None = None, **config: object) -> None:
         self.engine = EngineCore(EngineConfig(model=model, **config))  # type: ignore[arg-type]
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.engine.model_path))
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.engine.metadata_path))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (``with LLM(...) as llm:`` does it on leaving;

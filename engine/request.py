@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache_utils import BlockHash, extend_block_hashes
+from engine.kv_cache_utils import BlockHash, BlockHasher, extend_block_hashes
 from engine.kv_loader import KVLoadFailurePolicy
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -107,6 +107,6 @@ class Request:
         if self.grammar is not None:
             self.grammar.accept(token_id)
 
-    def update_block_hashes(self, block_size: int) -> None:
+    def update_block_hashes(self, block_size: int, hasher: BlockHasher) -> None:
         """Hash every newly full block of known tokens (prefix caching works on full blocks only)."""
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt, hasher)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible REST app: routes, API-key check, the body-size limit, and
+"""The OpenAI-compatible REST app: routes, the admission gate (API key, then a pending
+slot: ``gateway/gate.py``) and the body-size limit before anything reads the body, and
 errors in OpenAI's shape (a failure nobody expected included: a 500 that says so)."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import APIError, bearer_matches, internal_error, unknown_model
+from gateway.errors import APIError, internal_error, unknown_model
+from gateway.gate import AdmissionGate, admission_of
 from gateway.generation import GenerationService
 from gateway.instances import ROLES
 from gateway.limits import BodySizeLimit
@@ -33,13 +35,21 @@ from gateway.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from gateway.status import StatusResponse, status_page, status_snapshot
+from gateway.status import (
+    STATUS_AUTH_CHALLENGE,
+    STATUS_PATHS,
+    StatusResponse,
+    status_authorized,
+    status_page,
+    status_snapshot,
+)
 
 logger = logging.getLogger(__name__)
 
-# Probes, scrapes and the status page stay open when an API key is set (as in vLLM: the key
-# guards the API); they show what /metrics shows, never a prompt or a secret.
-_OPEN_PATHS = {"/health", "/ready", "/metrics", "/status", "/status.json"}
+# Probes and scrapes stay open when an API key is set (as in vLLM: the key guards the API); they
+# show no prompt and no secret. The status page checks the key itself (it takes a browser's
+# Basic authentication too, gateway/status.py): it shows internal addresses and engine errors.
+_OPEN_PATHS = {"/health", "/ready", "/metrics"} | STATUS_PATHS
 
 
 def create_app(
@@ -60,23 +70,15 @@ def create_app(
         if model is not None and model != model_name:
             raise unknown_model(model, model_name)
 
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if (
-            api_key is not None
-            and request.url.path not in _OPEN_PATHS
-            and not bearer_matches(request.headers.get("authorization", ""), api_key)
-        ):
-            error = APIError(
-                HTTPStatus.UNAUTHORIZED,
-                "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-            return _error_response(error)
-        return await call_next(request)
-
-    # Outermost: an oversized body is refused before the key check or any parsing reads it.
+    # Added last, so outermost: the key and a slot before the body is read (gateway/gate.py).
     app.add_middleware(BodySizeLimit, max_bytes=service.limits.max_body_bytes)
+    app.add_middleware(
+        AdmissionGate,
+        api_key=api_key,
+        open_paths=_OPEN_PATHS,
+        slots=service.slots,
+        refused=service.metrics.requests,
+    )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -120,12 +122,27 @@ def create_app(
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/status", include_in_schema=False)
-    async def status() -> HTMLResponse:
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+    def status_refused(request: Request) -> JSONResponse | None:
+        """None when the status page may be shown: no API key is set, or the request carries it."""
+        if api_key is None or status_authorized(request.headers.get("authorization", ""), api_key):
+            return None
+        error = APIError(
+            HTTPStatus.UNAUTHORIZED,
+            "the status page needs the API key: 'Authorization: Bearer <key>', or the key as the password of HTTP "
+            "Basic authentication (curl -u :KEY)",
+            code="invalid_api_key",
+        )
+        return JSONResponse(error.to_response().model_dump(), status_code=error.status, headers=STATUS_AUTH_CHALLENGE)
 
-    @app.get("/status.json")
-    async def status_json() -> StatusResponse:
+    @app.get("/status", include_in_schema=False)
+    async def status(request: Request) -> Response:
+        return status_refused(request) or HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/status.json", response_model=StatusResponse)
+    async def status_json(request: Request) -> Response | StatusResponse:
+        refused = status_refused(request)
+        if refused is not None:
+            return refused
         ready = discovery_alive() and service.pool.is_ready()
         return status_snapshot(service.pool, service.metrics.recent, model_name, ready)
 
@@ -146,30 +163,35 @@ def create_app(
         return await create_chat_completion(request, raw, service, model_name)
 
     @app.post("/tokenize")
-    async def tokenize(body: dict[str, Any]) -> TokenizeResponse:
+    async def tokenize(body: dict[str, Any], raw: Request) -> TokenizeResponse:
         # vLLM's two shapes: a prompt, or chat messages through the template.
         try:
             request = (TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest).model_validate(body)
         except ValidationError as error:
             raise RequestValidationError(error.errors()) from error
         check_model(request.model)
-        tokenizer = service.tokenizer
+        tokenizer, client = service.tokenizer, admission_of(raw).client
         if isinstance(request, TokenizeChatRequest):
             tokens = await tokenizer.encode_chat(
                 request.messages,
-                request.add_generation_prompt,
-                request.continue_final_message,
-                request.chat_template_kwargs,
+                client=client,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                template_kwargs=request.chat_template_kwargs,
             )
         else:
-            tokens = await tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            tokens = await tokenizer.encode(
+                request.prompt, client=client, add_special_tokens=request.add_special_tokens
+            )
         return TokenizeResponse(count=len(tokens), max_model_len=service.max_model_len, tokens=tokens)
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
         check_model(request.model)
         service.tokenizer.check_token_ids(request.tokens, param="tokens")
-        return DetokenizeResponse(prompt=await service.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(
+            prompt=await service.tokenizer.decode(request.tokens, client=admission_of(raw).client)
+        )
 
     @app.get("/", include_in_schema=False)
     async def root() -> PlainTextResponse:

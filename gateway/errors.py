@@ -2,7 +2,10 @@
 ``{"error": {"message", "type", "param", "code"}}``, and their HTTP and gRPC statuses.
 
 Anything the client did wrong is a 4xx with a message that says how to fix it;
-a 500 means a bug in splitserve.
+a 500 means a bug in splitserve. What failed inside the cluster (which instance, at which
+address, with which error) is never sent to the client: such an error carries it as
+``detail``, which ``GenerationService.stream`` logs under the request's id, and the client
+gets a generic message naming that id (:func:`instance_failure`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class APIError(Exception):
     param: str | None = None
     code: str | None = None
     retry_after_s: float | None = None  # 429 / 503: sent as ``Retry-After`` (whole seconds)
+    detail: str | None = None  # for the gateway's log only, never sent: what failed inside the cluster
 
     def __str__(self) -> str:
         return self.message
@@ -89,6 +93,16 @@ def no_instance(role: str) -> APIError:
         HTTPStatus.SERVICE_UNAVAILABLE,
         f"no healthy {role} instance is available; retry later",
         code="no_healthy_instance",
+    )
+
+
+def instance_failure(status: HTTPStatus, detail: str) -> APIError:
+    """A failure on the instances as the client sees it: a status and a generic message, with
+    ``detail`` (instance ids, addresses, their errors) kept for the log."""
+    if status == HTTPStatus.TOO_MANY_REQUESTS:
+        return APIError(status, "the serving instances are overloaded; retry later", code="overloaded", detail=detail)
+    return APIError(
+        status, "the request failed on the serving instances; retry later", code="instance_failed", detail=detail
     )
 
 

@@ -43,7 +43,7 @@ from cluster.background import BackgroundTasks
 from cluster.prefill_control import abort_prefill, release_kv
 from gateway.admission import Overloaded
 from gateway.dispatch_request import DispatchRequest, PinnedKV, TokenEvent
-from gateway.errors import APIError, no_instance
+from gateway.errors import APIError, instance_failure, no_instance
 from gateway.flags import DEFAULT_MAX_MIGRATIONS
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
@@ -167,7 +167,7 @@ class Failover:
                 # The client left mid-prefill: P may have pinned blocks just before the cancel reached it.
                 self._background.spawn(abort_prefill(prefill.channel, prefill_request_id, prefill.address))
                 raise
-        raise _exhausted("prefill", last_error)
+        raise _exhausted("prefill", last_error, tried)
 
     async def _reprefill(
         self, request: DispatchRequest, prefill_request_id: str, prefer: InstanceState | None
@@ -209,10 +209,8 @@ class Failover:
                     return
                 except KVLost as lost:
                     if pinned is None or handoff >= MAX_HANDOFFS:
-                        raise APIError(
-                            HTTPStatus.SERVICE_UNAVAILABLE,
-                            f"no decode instance could take the KV: {lost}",
-                            code="instance_failed",
+                        raise instance_failure(
+                            HTTPStatus.SERVICE_UNAVAILABLE, f"no decode instance could take the KV: {lost}"
                         ) from None
                     logger.warning(
                         "hand-off %d of %s lost its KV (%s); prefilling it again", handoff, request.request_id, lost
@@ -241,7 +239,7 @@ class Failover:
                         "decode of %s failed after %d tokens (%s); migrating it (%d of at most %d)",
                         request.request_id,
                         len(output_token_ids),
-                        lost.api_error.message,
+                        lost.api_error.detail or lost.api_error.message,
                         num_migrations,
                         self.max_migrations,
                     )
@@ -328,14 +326,16 @@ class Failover:
                     raise KVLost(error.details()) from None
                 last_error = self._failed(instance, error, role)
                 if streamed:
-                    api_error = _as_api_error(error, f"{role} instance {instance.instance_id} failed mid-stream")
+                    api_error = _as_api_error(
+                        error, f"{role} instance {instance.instance_id} at {instance.address} failed mid-stream"
+                    )
                     if role == "decode":
                         raise DecodeLost(api_error) from error
                     raise api_error from error
             finally:
                 if not call.done():
                     call.cancel()  # the instance aborts the request and frees its blocks
-        raise _exhausted(role, last_error)
+        raise _exhausted(role, last_error, tried)
 
     # --------------------------------------------------------------- cleanup
 
@@ -369,7 +369,7 @@ class Failover:
         """Classify a failed call: the client's fault raises now; otherwise try elsewhere."""
         code = error.code()
         if code not in _RETRYABLE:
-            raise _as_api_error(error, f"{phase} instance {instance.instance_id}")
+            raise _as_api_error(error, f"{phase} instance {instance.instance_id} at {instance.address}")
         logger.warning(
             "%s on %s failed (%s: %s); trying another instance", phase, instance.address, code.name, error.details()
         )
@@ -378,10 +378,11 @@ class Failover:
         return error
 
 
-def _exhausted(role: str, last_error: grpc.aio.AioRpcError | None) -> APIError:
+def _exhausted(role: str, last_error: grpc.aio.AioRpcError | None, tried: list[InstanceState]) -> APIError:
     if last_error is None:
         return no_instance(role)
-    return _as_api_error(last_error, f"every {role} instance tried failed; last")
+    names = ", ".join(f"{s.instance_id} at {s.address}" for s in tried)
+    return _as_api_error(last_error, f"every {role} instance tried failed ({names}); last")
 
 
 def _as_api_error(error: grpc.aio.AioRpcError, where: str) -> APIError:
@@ -391,5 +392,5 @@ def _as_api_error(error: grpc.aio.AioRpcError, where: str) -> APIError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(HTTPStatus.GATEWAY_TIMEOUT, "the request timed out", code="timeout")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return APIError(HTTPStatus.TOO_MANY_REQUESTS, f"{where}: {error.details()}", code="overloaded")
-    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"{where}: {code.name}: {error.details()}", code="instance_failed")
+        return instance_failure(HTTPStatus.TOO_MANY_REQUESTS, f"{where}: {error.details()}")
+    return instance_failure(HTTPStatus.SERVICE_UNAVAILABLE, f"{where}: {code.name}: {error.details()}")

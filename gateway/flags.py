@@ -7,20 +7,48 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Literal
 
 Routing = Literal["load", "kv"]
 ROUTINGS: tuple[Routing, ...] = ("load", "kv")
 DEFAULT_MAX_MIGRATIONS = 2
+API_KEY_FILE_ENV = "SPLITSERVE_API_KEY_FILE"
 
 
 def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
-    """``splitserve up`` hands the key to its gateway through the environment, never argv."""
+    """``splitserve up`` hands the key to its gateway through the environment, never argv.
+    Read the key with :func:`resolve_api_key`."""
     parser.add_argument(
         "--api-key",
         default=os.environ.get("SPLITSERVE_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' on the API (env SPLITSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on the API (env SPLITSERVE_API_KEY; a command line is "
+        "readable by every local user: prefer --api-key-file)",
     )
+    parser.add_argument(
+        "--api-key-file",
+        default=os.environ.get(API_KEY_FILE_ENV) or None,
+        metavar="PATH",
+        help=f"read the API key from this file, e.g. a compose or Kubernetes secret under /run/secrets "
+        f"(env {API_KEY_FILE_ENV})",
+    )
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key the flags give: ``--api-key``, or the content of ``--api-key-file``
+    (surrounding whitespace stripped). Raises ValueError for both at once, or a file that
+    cannot be read or is empty: a key file that gives no key must not leave the API open."""
+    if args.api_key_file is None:
+        return args.api_key
+    if args.api_key is not None:
+        raise ValueError("give the API key once: --api-key (SPLITSERVE_API_KEY) or --api-key-file, not both")
+    try:
+        key = Path(args.api_key_file).read_text().strip()
+    except OSError as error:
+        raise ValueError(f"cannot read the API key from --api-key-file {args.api_key_file}: {error}") from None
+    if not key:
+        raise ValueError(f"--api-key-file {args.api_key_file} is empty: write the API key in it")
+    return key
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,14 +6,15 @@ The fronts only translate: OpenAI JSON or protobuf in, ``Generated`` deltas out.
 
 A request's life here, in call order:
 
+0. The front admitted the request first (``gateway/gate.py``): the API key, then a
+   pending slot (``slots``), held until its response has ended, before any costly work.
 1. ``prepare`` (the front's task): every check that needs the model or the flags
    (empty prompt, vocabulary, context length, stop limits, priority) and the
-   conversion into the protobuf the instances get. Any failure is a 400 and
-   nothing has been taken yet.
-2. ``stream``: refuse with 503 / 429 while nothing is taken; take a pending slot;
-   from that line on everything sits in one ``try`` whose ``finally`` gives the
-   slot back, whatever ends the request (its end, a stop string, an error of any
-   kind, the client leaving and the task being cancelled).
+   conversion into the protobuf the instances get. Any failure is a 400.
+2. ``stream``: refuse with 503 when no instance is ready; from there on everything
+   sits in one ``try`` whose ``finally`` accounts for the request, whatever ends it
+   (its end, a stop string, an error of any kind, the client leaving and the task
+   being cancelled).
 3. The dispatcher's event stream is closed in the same ``finally``, which aborts
    the request on its instances if it has not finished.
 
@@ -27,10 +28,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from cluster.sampling_proto import sampling_params_to_proto
 from engine.context_length import ContextLengthExceeded, resolve_max_tokens
@@ -40,11 +41,13 @@ from gateway.dispatch import Dispatcher
 from gateway.dispatch_request import DispatchRequest, TokenEvent
 from gateway.errors import APIError, bad_request
 from gateway.flags import DEFAULT_MAX_MIGRATIONS
+from gateway.gate import PendingSlots
 from gateway.instances import InstancePool
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.structured_request import GrammarValidator
 from gateway.tokenizer import ModelTokenizer
+from gateway.work_pool import WorkPool
 from splitserve.v1 import generation_pb2
 
 logger = logging.getLogger(__name__)
@@ -101,19 +104,44 @@ class GenerationService:
         self.pool = pool
         self.dispatcher = Dispatcher(pool, metrics, max_migrations, disagg_min_prompt_tokens)
         self.tokenizer = tokenizer
-        self.grammars = GrammarValidator(tokenizer)  # fronts check a structured output with it before prepare
+        # Fronts check a structured output with it before prepare.
+        self.grammars = GrammarValidator(tokenizer, tokenizer.limits.grammar_compile_timeout_s)
         self.metrics = metrics
-        self.max_pending_requests = max_pending_requests
+        self.slots = PendingSlots(max_pending_requests)  # taken at the gate (gateway/gate.py)
         self.request_timeout_s = request_timeout_s
         self._max_model_len = max_model_len
         self.enable_priority = enable_priority
-        self.num_pending = 0
-        # Here rather than in GatewayMetrics: the count lives in this object.
+        # Here rather than in GatewayMetrics: the counts live in these objects.
         Gauge(
             "splitserve_num_pending_requests",
             "Requests holding a pending slot (--max-pending-requests)",
             registry=metrics.registry,
-        ).set_function(lambda: self.num_pending)
+        ).set_function(lambda: self.slots.num_pending)
+        running = Gauge(
+            "splitserve_work_pool_running",
+            "Tasks running on a work pool (tokenizer: templates, tokenizing; grammar: compiles)",
+            ["pool"],
+            registry=metrics.registry,
+        )
+        waiting = Gauge(
+            "splitserve_work_pool_waiting", "Tasks queued on a work pool", ["pool"], registry=metrics.registry
+        )
+        refused = Counter(
+            "splitserve_work_pool_refused",
+            "Tasks a work pool refused with 429 (its queue, or the client's share of it, was full)",
+            ["pool"],
+            registry=metrics.registry,
+        )
+        for work_pool in (tokenizer.pool, self.grammars.pool):
+            _watch(work_pool, running, waiting, refused)
+
+    @property
+    def num_pending(self) -> int:
+        return self.slots.num_pending
+
+    def close(self) -> None:
+        """Stop the grammar pool's threads (the tokenizer's are its owner's to close)."""
+        self.grammars.close()
 
     @property
     def limits(self) -> RequestLimits:
@@ -173,8 +201,8 @@ class GenerationService:
         )
 
     async def stream(self, job: GenerationJob) -> AsyncGenerator[Generated, None]:
-        """Admit and run a job. Raises APIError (429 and 503 before anything streams, others
-        whenever it fails); closing the stream early aborts the request everywhere."""
+        """Run a job of an admitted request. Raises APIError (503 before anything streams,
+        others whenever it fails); closing the stream early aborts the request everywhere."""
         if not self.pool.is_ready():
             job.timer.finished("error_503")
             raise APIError(
@@ -182,14 +210,6 @@ class GenerationService:
                 "no healthy instances to serve the request; retry later",
                 code="no_healthy_instance",
             )
-        if self.num_pending >= self.max_pending_requests:
-            job.timer.finished("error_429")
-            raise APIError(
-                HTTPStatus.TOO_MANY_REQUESTS,
-                f"the server is at its limit of {self.max_pending_requests} requests in flight; retry later",
-                code="queue_full",
-            )
-        self.num_pending += 1
         status = "abort"  # unless it finishes or fails
         events: AsyncGenerator[TokenEvent, None] | None = None
         try:
@@ -231,14 +251,25 @@ class GenerationService:
                     return  # a stop string: leaving the loop aborts the request on its instance
         except APIError as error:
             status = f"error_{error.status.value}"
-            raise
+            if error.detail is None:
+                raise
+            # What failed inside the cluster stays here; the client gets the id to ask about.
+            logger.warning("request %s failed (%d): %s", job.request_id, error.status, error.detail)
+            raise replace(
+                error, message=f"{error.message} (request {job.request_id}; the gateway's log has the details)"
+            ) from None
         except Exception:
             status = "error_500"
             raise
         finally:
-            self.num_pending -= 1
             try:
                 if events is not None:
                     await events.aclose()
             finally:
                 job.timer.finished(status)
+
+
+def _watch(work_pool: WorkPool, running: Gauge, waiting: Gauge, refused: Counter) -> None:
+    running.labels(pool=work_pool.name).set_function(lambda: work_pool.num_running)
+    waiting.labels(pool=work_pool.name).set_function(lambda: work_pool.num_waiting)
+    work_pool.on_refused = refused.labels(pool=work_pool.name).inc

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.sampling_proto import sampling_params_from_proto
 from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
+from gateway.gate import ClientId, client_of_peer
 from gateway.generation import GenerationJob, GenerationService
 from gateway.protocol import MAX_CACHE_SALT_CHARS
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -34,19 +35,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.api_key = api_key
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC signature
+        admission = None
         try:
+            # The gate's order (gateway/gate.py): the key, a slot, then the costly work.
             self._authorize(context)
+            admission = self.service.slots.admit(client_of_peer(context.peer()))
             if request.model and request.model != self.model_name:
                 raise unknown_model(request.model, self.model_name)
-            job = await self._job(request)
+            job = await self._job(request, admission.client)
             async for response in self._responses(request, job):
                 yield response
         except APIError as error:
+            if admission is None:  # refused at the gate: counted as the REST gate counts
+                self.service.metrics.requests.labels(status=f"error_{error.status.value}").inc()
             await context.abort(error.grpc_code, error.message)
         except Exception:
             logger.exception("Generate failed")
             internal = internal_error("while generating")
             await context.abort(internal.grpc_code, internal.message)
+        finally:
+            if admission is not None:
+                admission.release()
 
     async def _responses(
         self, request: generation_pb2.GenerateRequest, job: GenerationJob
@@ -96,14 +105,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'"
             )
 
-    async def _job(self, request: generation_pb2.GenerateRequest) -> GenerationJob:
+    async def _job(self, request: generation_pb2.GenerateRequest, client: ClientId) -> GenerationJob:
         try:
             params = sampling_params_from_proto(request.sampling)
         except ValueError as error:
             raise bad_request(str(error)) from error
         if params.structured is not None:
             await self.service.grammars.check(
-                params.structured, f"sampling.{request.sampling.WhichOneof('structured')}"
+                params.structured, f"sampling.{request.sampling.WhichOneof('structured')}", client
             )
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise bad_request(
@@ -111,7 +120,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 "cache_salt",
             )
         if request.WhichOneof("prompt") == "text":
-            token_ids = await self.service.tokenizer.encode(request.text, param="text")
+            token_ids = await self.service.tokenizer.encode(request.text, client=client, param="text")
         else:
             token_ids = list(request.token_ids.ids)
         # Token-id prompts get no text back, but stop strings still need the text to match on.
@@ -119,10 +128,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 async def start_grpc_front(
-    service: GenerationService, model_name: str, api_key: str | None, host: str, port: int
+    service: GenerationService,
+    model_name: str,
+    api_key: str | None,
+    host: str,
+    port: int,
+    max_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
+    """``max_concurrent_rpcs``: calls served at once (``--max-connections``); gRPC answers
+    RESOURCE_EXHAUSTED beyond it before the handler runs."""
     # The REST body limit applies to gRPC messages too (gRPC answers RESOURCE_EXHAUSTED beyond it).
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", service.limits.max_body_bytes)])
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", service.limits.max_body_bytes)],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, model_name, api_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -24,6 +24,7 @@ from cluster.internal_grpc import InternalPlane
 from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
 from gateway.flags import Routing
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
+from gateway.registry_state import RegistryState
 from gateway.routing import (
     WAITING_WEIGHT,
     decode_cost,
@@ -149,6 +150,7 @@ class InstancePool:
     index: PrefixIndex = field(default_factory=PrefixIndex)  # filled by gateway.kv_events with kv routing
     plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of every channel
     instances: dict[str, InstanceState] = field(default_factory=dict)  # by address
+    registry: RegistryState | None = None  # with Redis discovery: its reachability and refused records
     _closing: BackgroundTasks = field(default_factory=BackgroundTasks)  # channels of removed instances
 
     def add(self, address: str, role: Role) -> InstanceState:

@@ -1,7 +1,8 @@
 """Size limits on what one request may ask of the gateway, so that no client can
 hold its event loop, its memory or its tokenizer for long: the request body, the
 prompts of one completion request, the stop strings, a prompt's characters
-before tokenizing, and the time a chat template may take to render.
+before tokenizing, and the time a chat template may take to render and a grammar
+to compile.
 
 Each is a gateway flag (``gateway.server``); the defaults are generous for a
 128k-token context and still keep a single request cheap to refuse.
@@ -30,6 +31,7 @@ DEFAULT_MAX_PROMPT_CHARS = 1 << 20  # about 4 characters a token for 128k tokens
 DEFAULT_MAX_STOP = 32  # stop strings, and separately stop token ids, per request
 DEFAULT_MAX_STOP_CHARS = 256  # one stop string; matched against the text after every token
 DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # llguidance compiles a large JSON schema in well under a second
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class RequestLimits:
     max_stop: int = DEFAULT_MAX_STOP
     max_stop_chars: int = DEFAULT_MAX_STOP_CHARS
     chat_template_timeout_s: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name in (
@@ -49,6 +52,7 @@ class RequestLimits:
             "max_stop",
             "max_stop_chars",
             "chat_template_timeout_s",
+            "grammar_compile_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,6 +1,6 @@
 """The gateway's Prometheus metrics (``GET /metrics``): request latencies as the
-client sees them, request and token counts, KV hand-off volume, and each
-instance's latest load report."""
+client sees them, request and token counts, KV hand-off volume, each
+instance's latest load report, and the state of the Redis registry."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, read
+from cluster.registry_record import REFUSAL_REASONS
 from gateway.instances import ROLES, InstancePool
 from gateway.status import RecentLatencies
 from splitserve.v1 import disaggregation_pb2
@@ -108,6 +109,7 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(_InstanceCollector(pool))
+        r.register(_RegistryCollector(pool))
         self.recent = RecentLatencies()  # points in time for the status page (gateway/status.py)
 
     def render(self) -> bytes:
@@ -199,3 +201,35 @@ class _InstanceCollector(Collector):
                 family.add_metric(values, read(counter, report))
         yield from (healthy_gauge, inflight, indexed, picked)
         yield from (family for _, family in reported)
+
+
+class _RegistryCollector(Collector):
+    """The Redis registry as the gateway sees it (nothing with a static instance list)."""
+
+    def __init__(self, pool: InstancePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        registry = self.pool.registry
+        if registry is None:
+            return
+        yield GaugeMetricFamily(
+            "splitserve_registry_reachable",
+            "1 while the registry's scans succeed; 0 during an outage, when the gateway keeps the instances it "
+            "knows on their own gRPC health and load reports",
+            value=1.0 if registry.reachable else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "splitserve_registry_unreachable_seconds",
+            "Seconds since the registry's outage under way began (0 while it answers)",
+            value=registry.unreachable_for_s(),
+        )
+        refused = CounterMetricFamily(
+            "splitserve_registry_records_refused",
+            "Registry records ignored, by reason (unsigned, bad_signature, malformed, stale, future, invalid); "
+            "counted at every scan that finds them",
+            labels=["reason"],
+        )
+        for reason in REFUSAL_REASONS:
+            refused.add_metric([reason], registry.num_refused[reason])
+        yield refused

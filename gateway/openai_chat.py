@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import bad_request
+from gateway.gate import admission_of
 from gateway.generation import Generated, GenerationJob, GenerationService
 from gateway.openai_common import (
     cancel_on_disconnect,
@@ -69,9 +70,14 @@ async def create_chat_completion(
     # OpenAI's default is "as long as the context allows" (max_tokens None).
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    params = await checked_sampling_params(request, service, max_tokens, _num_logprobs(request))
+    client = admission_of(raw).client
+    params = await checked_sampling_params(request, service, max_tokens, _num_logprobs(request), client)
     token_ids = await service.tokenizer.encode_chat(
-        request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
+        request.messages,
+        client=client,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        template_kwargs=request.chat_template_kwargs,
     )
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     job = service.prepare(

@@ -3,7 +3,9 @@ server-sent-events framing, usage objects, and running a request so that a
 client who leaves aborts it.
 
 Every stream of ``GenerationService.stream`` opened here is closed on every path
-(``aclosing``), so a request's pending slot never waits for the garbage collector."""
+(``aclosing``), so a request is aborted on its instances at once, never when the garbage
+collector gets to it. Its pending slot is the gate's (``gateway/gate.py``), given back when
+the response ends."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pydantic import BaseModel
 
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, bad_request, internal_error
+from gateway.gate import ClientId
 from gateway.generation import Generated, GenerationJob, GenerationService, Usage
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, UsageInfo
 from gateway.structured_request import structured_request
@@ -69,13 +72,15 @@ async def checked_sampling_params(
     service: GenerationService,
     max_tokens: int | None,
     logprobs: int | None,
+    client: ClientId,
 ) -> SamplingParams:
     """:func:`sampling_params`, plus the structured output the request asks for, compiled
-    here first. Raises APIError 400 for bad values, an invalid schema, regex or grammar."""
+    here first. Raises APIError 400 for bad values, an invalid schema, regex or grammar
+    (429 when the grammar pool is full)."""
     params = sampling_params(request, max_tokens, logprobs)
     structured = structured_request(request)
     if structured is not None:
-        await service.grammars.check(structured.spec, structured.param)
+        await service.grammars.check(structured.spec, structured.param, client)
         params.structured = structured.spec
     return params
 

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.errors import bad_request
+from gateway.gate import Admission, admission_of
 from gateway.generation import Generated, GenerationJob, GenerationService
 from gateway.openai_common import (
     cancel_on_disconnect,
@@ -44,11 +45,14 @@ class CompletionLogprobsBuilder:
         return result
 
 
-async def _prompts(request: CompletionRequest, service: GenerationService) -> list[tuple[list[int], str | None]]:
-    """Each prompt as token ids, with its text when given as text."""
-    prompt = request.prompt
+async def _prompts(
+    request: CompletionRequest, service: GenerationService, admission: Admission
+) -> list[tuple[list[int], str | None]]:
+    """Each prompt as token ids, with its text when given as text. Each prompt past the first
+    takes a pending slot of its own, before any is tokenized."""
+    prompt, client = request.prompt, admission.client
     if isinstance(prompt, str):
-        return [(await service.tokenizer.encode(prompt), prompt)]
+        return [(await service.tokenizer.encode(prompt, client=client), prompt)]
     if not prompt:
         raise bad_request("the prompt is empty", param="prompt")
     # The protocol model admits only the four shapes: ints, texts or token lists, never a mix.
@@ -56,9 +60,13 @@ async def _prompts(request: CompletionRequest, service: GenerationService) -> li
     if len(token_ids) == len(prompt):
         return [(token_ids, None)]
     service.limits.check_num_prompts(len(prompt))
+    admission.take_more(len(prompt) - 1)
     texts = [p for p in prompt if isinstance(p, str)]
     if len(texts) == len(prompt):
-        return [(await service.tokenizer.encode(text, param=f"prompt.{i}"), text) for i, text in enumerate(texts)]
+        return [
+            (await service.tokenizer.encode(text, client=client, param=f"prompt.{i}"), text)
+            for i, text in enumerate(texts)
+        ]
     return [(list(p), None) for p in prompt if isinstance(p, list)]
 
 
@@ -72,10 +80,11 @@ async def create_completion(
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", param="echo")
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = await _prompts(request, service)
+    admission = admission_of(raw)
+    prompts = await _prompts(request, service, admission)
     jobs = []
     # Validated (and extras logged) once for every prompt.
-    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs)
+    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs, admission.client)
     for index, (token_ids, _) in enumerate(prompts):
         request_id = completion_id if len(prompts) == 1 else f"{completion_id}-{index}"
         # Each job gets its own copy: prepare fills in max_tokens from its prompt's length.
@@ -89,7 +98,9 @@ async def create_completion(
             )
         )
     echoes = [
-        (text if text is not None else await service.tokenizer.decode(ids)) if request.echo else ""
+        (text if text is not None else await service.tokenizer.decode(ids, client=admission.client))
+        if request.echo
+        else ""
         for ids, text in prompts
     ]
     if request.stream:

@@ -11,19 +11,22 @@ from pathlib import Path
 
 import uvicorn
 
+from cluster.derived_keys import prefix_cache_key
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.startup_heap import freeze_startup_heap
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+from engine.gguf_files import metadata_folder
 from gateway import limits
 from gateway.admission import AdmissionLimits
 from gateway.app import create_app
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
-from gateway.flags import add_api_key_argument, add_routing_arguments
+from gateway.flags import add_api_key_argument, add_routing_arguments, resolve_api_key
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instances import InstancePool
 from gateway.kv_events import KVEventsSync, run_kv_events
 from gateway.metrics import GatewayMetrics
+from gateway.prefix_index import PrefixIndex
 from gateway.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face folder whose tokenizer the gateway uses (default: embedded SmolLM2-135M-Instruct)",
+        help="local Hugging Face folder or .gguf file whose tokenizer the gateway uses (default: embedded "
+        "SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -89,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1024,
         help="requests in flight at once; beyond this the gateway answers 429",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="HTTP connections (idle keep-alive ones too) and gRPC calls served at once; beyond it the REST "
+        "server answers 503 without reading the request, the gRPC server RESOURCE_EXHAUSTED "
+        "(default: twice --max-pending-requests, plus 64 for probes and scrapes)",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)"
@@ -144,11 +156,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=limits.DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
         help="seconds the chat template may take to render one conversation",
     )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=limits.DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+        help="seconds one structured output's grammar may take to compile",
+    )
     # The internal plane: the cluster secret and TLS of the gateway's calls to instances.
     add_internal_plane_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    args.api_key = resolve_api_key(args)
     if not (args.prefill or args.decode or args.colocated or args.registry_url):
         raise ValueError(
             "no instances to route to: give --registry-url redis://HOST:PORT, or --prefill and --decode HOST:PORT (or "
@@ -167,9 +186,16 @@ async def serve(args: argparse.Namespace) -> None:
     admission = AdmissionLimits(
         max_queue_delay_s=args.max_queue_delay, max_inflight_per_instance=args.max_inflight_per_instance
     )
-    plane = InternalPlane.from_args(args)
+    plane = InternalPlane.from_args(args, args.host)
     plane.warn_if_open("gateway")
-    pool = InstancePool(stale_after_s=args.stale_after, limits=admission, plane=plane, routing=args.routing)
+    pool = InstancePool(
+        stale_after_s=args.stale_after,
+        limits=admission,
+        plane=plane,
+        routing=args.routing,
+        # Instances hashing their prefix cache with --prefix-cache-hash sha256 key it with the secret too.
+        index=PrefixIndex(hash_key=prefix_cache_key(plane.secret)),
+    )
     discovery: RedisDiscovery | StaticDiscovery
     if args.registry_url:
         discovery = redis_discovery = RedisDiscovery(pool, args.registry_url, args.poll_interval)
@@ -193,8 +219,12 @@ async def serve(args: argparse.Namespace) -> None:
         max_stop=args.max_stop_sequences,
         max_stop_chars=args.max_stop_chars,
         chat_template_timeout_s=args.chat_template_timeout,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
-    tokenizer = ModelTokenizer(model_path, request_limits)
+    # Room for every admitted request and as many idle keep-alive connections.
+    max_connections = args.max_connections or 2 * args.max_pending_requests + 64
+    # A GGUF file's tokenizer is in the folder derived from its metadata (once, engine/gguf_files.py).
+    tokenizer = ModelTokenizer(metadata_folder(model_path), request_limits)
     service = GenerationService(
         pool,
         tokenizer,
@@ -208,7 +238,9 @@ async def serve(args: argparse.Namespace) -> None:
     )
     grpc_server = None
     if args.grpc_port >= 0:
-        grpc_server, grpc_port = await start_grpc_front(service, model_name, args.api_key, args.host, args.grpc_port)
+        grpc_server, grpc_port = await start_grpc_front(
+            service, model_name, args.api_key, args.host, args.grpc_port, max_connections
+        )
         logger.info("gRPC Generation API on %s:%d", args.host, grpc_port)
     app = create_app(
         service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive, model_root=str(model_path)
@@ -220,6 +252,8 @@ async def serve(args: argparse.Namespace) -> None:
         log_level="warning",
         timeout_graceful_shutdown=30,
         timeout_keep_alive=args.timeout_keep_alive,
+        # A backstop beneath the gate's 429s (gateway/gate.py): answered by uvicorn itself.
+        limit_concurrency=max_connections,
     )
     freeze_startup_heap()  # the tokenizer, app and clients are built by now
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
@@ -236,4 +270,5 @@ async def serve(args: argparse.Namespace) -> None:
         if isinstance(discovery, RedisDiscovery):
             await discovery.close()
         await pool.close()
+        service.close()
         tokenizer.close()

@@ -7,10 +7,18 @@ the table's order: ``status.json`` sends the columns with the values.
 Recent latencies are kept here, apart from the Prometheus histograms, because a page needs
 points in time and a histogram keeps only counts: each request adds its TTFT when its first
 token goes out and its mean inter-token gap when it finishes (``gateway.metrics.RequestTimer``).
+
+Both show internal addresses and engine errors, so with ``--api-key`` they need the key
+(:func:`status_authorized`): as a bearer token like the API, or as the password of HTTP
+Basic authentication (any user name), which a browser asks for itself when the page answers
+401 with :data:`STATUS_AUTH_CHALLENGE`; the page's own fetches then carry it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import time
 from collections import deque
 from importlib import resources
@@ -19,10 +27,28 @@ from typing import Literal
 from pydantic import BaseModel
 
 from cluster.instance_counters import STATUS_PAGE_COUNTERS, read
+from gateway.errors import bearer_matches
 from gateway.instances import ROLES, InstancePool
 from splitserve.v1 import disaggregation_pb2
 
 RECENT_POINTS = 300  # per series: a few minutes of traffic on a small deployment
+STATUS_PATHS = frozenset({"/status", "/status.json"})
+STATUS_AUTH_CHALLENGE = {"WWW-Authenticate": 'Basic realm="splitserve status", charset="UTF-8"'}
+
+
+def status_authorized(authorization: str, api_key: str) -> bool:
+    """``Authorization: Bearer KEY``, or ``Basic`` with KEY as the password; constant time."""
+    if bearer_matches(authorization, api_key):
+        return True
+    scheme, _, encoded = authorization.partition(" ")
+    if scheme.lower() != "basic":
+        return False
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    _, _, password = decoded.partition(b":")
+    return hmac.compare_digest(password, api_key.encode())
 
 
 class RecentLatencies:
@@ -62,11 +88,20 @@ class InstanceStatus(BaseModel):
     report_age_s: float | None  # seconds since the latest load report
 
 
+class RegistryStatus(BaseModel):
+    """The Redis registry, for a gateway that discovers instances there."""
+
+    reachable: bool  # false: the gateway keeps the instances it knew, on their gRPC health and load reports
+    unreachable_for_s: float  # since the outage under way began; 0 while reachable
+    records_refused: int  # records the latest scan ignored (unsigned, stale, ...: see /metrics)
+
+
 class StatusResponse(BaseModel):
     object: Literal["status"] = "status"
     model: str
     ready: bool
     time: float  # unix seconds, the server's clock (the points below use it too)
+    registry: RegistryStatus | None  # None with a static instance list
     instances: list[InstanceStatus]
     columns: list[StatusColumn]  # the instance counters shown, in order
     ttft: list[tuple[float, float]]  # (unix seconds, seconds)
@@ -102,10 +137,18 @@ def status_snapshot(pool: InstancePool, recent: RecentLatencies, model_name: str
                 report_age_s=round(now - state.reported_at, 3) if report is not None else None,
             )
         )
+    registry = pool.registry
     return StatusResponse(
         model=model_name,
         ready=ready,
         time=time.time(),
+        registry=RegistryStatus(
+            reachable=registry.reachable,
+            unreachable_for_s=round(registry.unreachable_for_s(), 1),
+            records_refused=len(registry.refused_now),
+        )
+        if registry is not None
+        else None,
         instances=instances,
         columns=[
             StatusColumn(

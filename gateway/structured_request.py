@@ -2,10 +2,14 @@
 
 A request may ask for a format in three dialects — OpenAI's ``response_format``,
 vLLM's ``structured_outputs`` and vLLM's older ``guided_*`` fields — and may use
-only one of them, for one format. The spec is compiled here, on the tokenizer's
-thread pool, so an invalid schema, regex or grammar is a 400 naming the problem
-before any instance is touched. Compiled grammars are cached by (kind, spec) in a
-bounded LRU; instances compile again from the spec (nothing compiled is sent).
+only one of them, for one format. The spec is compiled here, on a work pool of its
+own (``gateway/work_pool.py``: bounded, fair between clients, so a flood of huge
+grammars never delays tokenizing), so an invalid schema, regex or grammar is a 400
+naming the problem before any instance is touched. A compile that runs past
+``--grammar-compile-timeout`` is a 400 too; llguidance cannot be interrupted, so its
+worker stays taken until the compile ends (llguidance's own limits bound it). Compiled
+grammars are cached by (kind, spec) in a bounded LRU; instances compile again from the
+spec (nothing compiled is sent).
 """
 
 from __future__ import annotations
@@ -17,10 +21,16 @@ from dataclasses import dataclass
 from engine.structured_output.compiler import GrammarCompiler
 from engine.structured_output.spec import StructuredOutputSpec
 from gateway.errors import bad_request
+from gateway.gate import ClientId
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, StructuredOutputsParams
 from gateway.tokenizer import ModelTokenizer
+from gateway.work_pool import WorkPool
 
 logger = logging.getLogger(__name__)
+
+NUM_WORKERS = 2  # one client may hold one of them
+MAX_WAITING = 64
+MAX_WAITING_PER_CLIENT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,25 +127,36 @@ def _param_of(error: ValueError) -> str | None:
 
 class GrammarValidator:
     """The gateway's grammar compiler, made on the first structured request (a vocabulary
-    of the model's size takes a moment to index), used on the tokenizer's thread pool."""
+    of the model's size takes a moment to index), used on its own work pool."""
 
-    def __init__(self, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, timeout_s: float) -> None:
         self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        self.pool = WorkPool("grammar", NUM_WORKERS, MAX_WAITING, MAX_WAITING_PER_CLIENT)
         self._compiler: GrammarCompiler | None = None
         self._lock = asyncio.Lock()
 
-    async def check(self, spec: StructuredOutputSpec, param: str) -> None:
-        """Raises APIError 400 naming the problem when ``spec`` does not compile."""
-        compiler = await self._get_compiler()
+    async def check(self, spec: StructuredOutputSpec, param: str, client: ClientId) -> None:
+        """Raises APIError 400 naming the problem when ``spec`` does not compile, or not in
+        time; 429 when the pool is full."""
+        compiler = await self._get_compiler(client)
         try:
-            await self.tokenizer.run(lambda: compiler.compile(spec))
+            await self.pool.run(client, lambda stop: compiler.compile(spec), self.timeout_s)
         except ValueError as error:
             raise bad_request(f"{param}: {error}", param=param) from None
+        except TimeoutError:
+            raise bad_request(
+                f"{param}: compiling it took over {self.timeout_s} s (--grammar-compile-timeout); simplify it",
+                param=param,
+            ) from None
 
-    async def _get_compiler(self) -> GrammarCompiler:
+    def close(self) -> None:
+        self.pool.close()
+
+    async def _get_compiler(self, client: ClientId) -> GrammarCompiler:
         async with self._lock:
             if self._compiler is None:
-                self._compiler = await self.tokenizer.run(
-                    lambda: GrammarCompiler.from_hf_tokenizer(self.tokenizer.tokenizer)
+                self._compiler = await self.pool.run(
+                    client, lambda stop: GrammarCompiler.from_hf_tokenizer(self.tokenizer.tokenizer)
                 )
             return self._compiler

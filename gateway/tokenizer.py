@@ -4,13 +4,13 @@ Only the gateway (and the offline ``engine.LLM``) hold a tokenizer; prefill and
 decode instances speak token ids. Loaded as ``PreTrainedTokenizerFast`` because
 ``AutoTokenizer`` imports torch, which the gateway never needs.
 
-Tokenizing, rendering a chat template and decoding a whole sequence run in a
-small thread pool, never on the event loop: a long prompt must not stall every
-other request's stream. A prompt's characters are checked against
-``--max-prompt-chars`` before it is tokenized. A chat template that takes longer
-than ``--chat-template-timeout`` fails the request; its thread cannot be stopped
-and finishes in the background, which stays bounded because the template is the
-model's own and its input is size-limited.
+Tokenizing, rendering a chat template and decoding a whole sequence run on a
+bounded work pool (``gateway/work_pool.py``), never on the event loop: a long prompt
+must not stall every other request's stream, and one client's flood must not hold
+every worker. A prompt's characters are checked against ``--max-prompt-chars``
+before it is tokenized. A chat template that takes longer than
+``--chat-template-timeout`` fails the request with 400 and stops at its next line,
+freeing its worker (``gateway/chat_template.py``).
 
 Concurrent use from the pool is safe: the gateway never asks for truncation or
 padding, so the Rust tokenizer's settings are never changed while one encodes.
@@ -18,11 +18,10 @@ padding, so the Rust tokenizer's settings are never changed while one encodes.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,10 +30,17 @@ from transformers import PreTrainedTokenizerFast
 
 from gateway.chat_template import ChatTemplate
 from gateway.errors import bad_request
+from gateway.gate import ClientId
 from gateway.limits import RequestLimits
 from gateway.protocol import ChatMessage
+from gateway.work_pool import WorkPool
 
 T = TypeVar("T")
+
+# GIL-bound work (templates) gains nothing from more threads; the tokenizer's Rust code does.
+NUM_WORKERS = max(2, min(4, os.cpu_count() or 1))
+MAX_WAITING = 256  # tasks queued in all: a normal request spends a millisecond or two here
+MAX_WAITING_PER_CLIENT = 64
 
 
 class ModelTokenizer:
@@ -49,15 +55,19 @@ class ModelTokenizer:
         config = json.loads((model_path / "config.json").read_text()) if (model_path / "config.json").is_file() else {}
         # The model's own limit, used until instances report theirs (they may be configured lower).
         self.config_max_model_len: int | None = config.get("max_position_embeddings")
-        self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenizer")
+        self.pool = WorkPool("tokenizer", NUM_WORKERS, MAX_WAITING, MAX_WAITING_PER_CLIENT)
 
-    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    async def encode(
+        self, text: str, *, client: ClientId, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
         self.limits.check_prompt_chars(text, param)
-        return await self.run(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+        return await self.run(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens), client)
 
     async def encode_chat(
         self,
         messages: list[ChatMessage],
+        *,
+        client: ClientId,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
@@ -68,7 +78,7 @@ class ModelTokenizer:
         )
         timeout_s = self.limits.chat_template_timeout_s
         try:
-            text = await asyncio.wait_for(self.run(render), timeout_s)
+            text = await self.pool.run(client, render, timeout_s)
         except TimeoutError:
             raise bad_request(
                 f"rendering the chat template took over {timeout_s} s (--chat-template-timeout); shorten the "
@@ -77,10 +87,12 @@ class ModelTokenizer:
             ) from None
         self.limits.check_prompt_chars(text, "messages")
         # The rendered text carries the template's special tokens: add none.
-        return await self.run(partial(self.tokenizer.encode, text, add_special_tokens=False))
+        return await self.run(partial(self.tokenizer.encode, text, add_special_tokens=False), client)
 
-    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return await self.run(partial(self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens))
+    async def decode(self, token_ids: list[int], *, client: ClientId, skip_special_tokens: bool = True) -> str:
+        return await self.run(
+            partial(self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens), client
+        )
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (as vLLM shows them: decoded, not the raw vocab entry)."""
@@ -99,7 +111,12 @@ class ModelTokenizer:
 
     def close(self) -> None:
         """Stop the worker threads once the work they hold is done; queued work is dropped."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
-    async def run(self, work: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
+    async def run(self, work: Callable[[], T], client: ClientId) -> T:
+        """``work`` (which cannot stop early) on the pool, for ``client``."""
+        return await self.pool.run(client, _unstoppable(work))
+
+
+def _unstoppable(work: Callable[[], T]) -> Callable[[threading.Event], T]:
+    return lambda stop: work()

@@ -9,10 +9,19 @@ transfer names blocks by id on each side, never raw offsets chosen by the peer.
 Ownership: P's blocks are pinned by P's engine from the end of prefill until
 D confirms the pull (ReleaseKV), the request is aborted, or its lease expires;
 the connector reads them only between :meth:`KVConnector.publish` and the end of
-:meth:`KVConnector.unpublish`, which returns once no transfer reads them any more.
-D's destination blocks are allocated by D's engine, written only by
-:meth:`KVConnector.pull`, and not shared with any other request until the engine
-is told the pull finished.
+:meth:`KVConnector.unpublish`, which returns once no transfer reads them any more
+(a publish still copying them included). D's destination blocks are allocated by D's
+engine, written only by :meth:`KVConnector.pull`, and not shared with any other
+request until the engine is told the pull finished.
+
+Threads: every method is called on the instance's event loop, which also answers health,
+RenewKV, ReleaseKV and registry heartbeats; a method that blocks (copies, a store's round
+trips) does that work on a worker thread and awaits it, never on the loop.
+
+What P's publish returns (:class:`PublishedKV`) travels in the signed KV handle to D, and
+back to the connector in :class:`KVSource`: a backend that keeps KV in a shared store
+(lmcache) returns the digest of every chunk it stored, and D's pull refuses bytes the store
+returns with another digest, so that nothing the store holds is believed without proof.
 """
 
 from __future__ import annotations
@@ -50,6 +59,20 @@ class KVSource:
     token_ids: tuple[int, ...] = ()
     # What P asked pulls of these blocks to present (its ``publish(pull_token=...)``); empty: none.
     pull_token: bytes = field(default=b"", repr=False)
+    # The request's prefix-cache salt (the Decode call's; P published under the same): a store
+    # namespaces its keys by it.
+    cache_salt: str = ""
+    # What P's publish returned (:class:`PublishedKV`), from the signed handle.
+    chunk_digests: tuple[bytes, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedKV:
+    """What a publish adds to the request's KV handle, for D's pull to check."""
+
+    # Backends that keep the KV in a shared store: SHA-256 of each chunk's bytes as P stored
+    # them, in prompt order. Empty for backends that send from P's own blocks.
+    chunk_digests: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,23 +127,34 @@ class KVConnector(abc.ABC):
         Returns the address peers should use (P) or an empty string (D)."""
 
     @abc.abstractmethod
-    def publish(
-        self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None
-    ) -> None:
+    async def publish(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        token_ids: list[int],
+        pull_token: bytes | None = None,
+        cache_salt: str = "",
+    ) -> PublishedKV:
         """P, right after prefill, while the engine keeps ``block_ids`` pinned: make the
-        prompt KV they hold (``token_ids``' KV) available to pulls for ``request_id``.
+        prompt KV they hold (``token_ids``' KV) available to pulls for ``request_id``, and
+        return once a pull can find it, with what the KV handle must carry for the pull to
+        check it. Blocking work runs off the event loop (module docstring). A caller that
+        unpins the blocks while a publish runs (an abort) calls :meth:`unpublish`, which
+        waits for the publish to stop reading them.
 
         ``pull_token``: random bytes a pull must present (backends whose peers reach P:
-        compared in constant time). The prefill service makes one per request and puts it in
-        the signed KV handle; None lets any pull that names the request through, for tools
-        that publish in-process (benchmarks, connector tests)."""
+        compared in constant time; a store's backend derives its keys from them). The prefill
+        service makes one per request and puts it in the signed KV handle; None lets any pull
+        that names the request through, for tools that publish in-process (benchmarks,
+        connector tests). ``cache_salt``: the request's prefix-cache salt."""
 
     @abc.abstractmethod
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         """P, before the engine unpins the request's blocks (release, abort or lease expiry):
-        refuse further pulls of them, and return once no transfer reads them any more. A pull
-        in progress gets ``grace_s`` to finish, then is cut off. A release passes a grace: D
-        releases once its pull is over, which P may not have seen yet. Idempotent."""
+        refuse further pulls of them, and return once no transfer reads them any more (nor a
+        publish still copying them). A pull in progress gets ``grace_s`` to finish, then is cut
+        off. A release passes a grace: D releases once its pull is over, which P may not have
+        seen yet. Idempotent."""
 
     # -------------------------------------------------------------- decode side
 
@@ -131,8 +165,9 @@ class KVConnector(abc.ABC):
         """D: copy the KV of ``source.block_ids[num_local_hit_blocks:]`` into its own
         ``block_ids[num_local_hit_blocks:]`` (the blocks before are hits in D's own prefix
         cache, already holding that KV: not pulled). Raises
-        :class:`KVTransferError` on any failure, including a fingerprint mismatch or the timeout;
-        on error the destination blocks hold garbage and must be recomputed or freed."""
+        :class:`KVTransferError` on any failure, including a fingerprint mismatch, the timeout,
+        or (store backends) bytes that do not match ``source.chunk_digests``; on error the
+        destination blocks hold garbage and must be recomputed or freed."""
 
     def check_source(self, source: KVSource) -> None:
         """D, before a pull: refuse a source whose fingerprint differs from this side's,

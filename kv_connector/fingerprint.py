@@ -13,6 +13,8 @@ import struct
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
+from engine.gguf_files import gguf_digest, is_gguf
+
 # Bytes of each weights file folded into the model identity: enough to tell two
 # fine-tunes of one architecture apart without reading gigabytes.
 _WEIGHT_SAMPLE_BYTES = 1 << 16
@@ -47,7 +49,11 @@ class Fingerprint:
 
 def model_identity(model_path: Path) -> str:
     """``<folder name>-<digest>``: the digest covers config.json (minus tooling keys), every
-    safetensors header (names, dtypes, shapes) and a sample of each file's weight bytes."""
+    safetensors header (names, dtypes, shapes) and a sample of each file's weight bytes. A
+    GGUF file is ``<file name>-<digest>`` over its header and a sample of its tensor bytes
+    (engine/gguf_files.py)."""
+    if is_gguf(model_path):
+        return f"{model_path.name}-{gguf_digest(model_path)}"
     digest = hashlib.sha256()
     config = json.loads((model_path / "config.json").read_text())
     for key in _VOLATILE_CONFIG_KEYS:

@@ -5,10 +5,16 @@ objects with CUDA kernels. This one does the same for splitserve's block-major c
 ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` with plain torch indexing,
 so it runs wherever the cache lives (CPU here, a GPU elsewhere). Memory objects use
 LMCache's ``KV_2LTD`` layout: ``[2, layers, tokens, kv_heads * head_dim]``.
+
+Digests: given a ``chunk_digests`` dict among the keyword arguments, both directions record
+the SHA-256 of each chunk's memory object (:func:`chunk_digest`) under the chunk's first
+token, as stored on P and as fetched on D: the bytes the store holds, which P's signed
+handle vouches for and D compares before any of them reaches its cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -51,22 +57,28 @@ class PagedKVAdapter(GPUConnectorInterface):
 
     def batched_from_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
         """Inside ``store`` on P: copy prompt tokens ``starts[i]..ends[i]-1`` out of their
-        blocks into ``memory_objs[i]``, one LMCache chunk each."""
+        blocks into ``memory_objs[i]``, one LMCache chunk each (and digest it)."""
         block_ids = kwargs["block_ids"]
+        digests: dict[int, bytes] | None = kwargs.get("chunk_digests")
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
             blocks, offsets = token_slots(block_ids, start, end, self.block_size, self.kv_cache.device)
             tokens = self.kv_cache[blocks, :, :, offsets]  # [n, layers, 2, kv_heads, head_dim]
-            self._checked(memory_obj, start, end).copy_(
-                tokens.permute(2, 1, 0, 3, 4).reshape(self.get_shape(end - start))
-            )
+            chunk = self._checked(memory_obj, start, end)
+            chunk.copy_(tokens.permute(2, 1, 0, 3, 4).reshape(self.get_shape(end - start)))
+            if digests is not None:
+                digests[start] = chunk_digest(chunk)
 
     def batched_to_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
-        """Inside ``retrieve`` on D: copy each fetched chunk into the staging tensor."""
+        """Inside ``retrieve`` on D: copy each fetched chunk into the staging tensor (and digest it)."""
         staging: torch.Tensor = kwargs["staging"]
         staging_start: int = kwargs["staging_start"]
+        digests: dict[int, bytes] | None = kwargs.get("chunk_digests")
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            chunk = self._checked(memory_obj, start, end)
+            if digests is not None:
+                digests[start] = chunk_digest(chunk)
             # Synchronous copy: LMCache recycles the memory object as soon as this returns.
-            staging[:, :, start - staging_start : end - staging_start].copy_(self._checked(memory_obj, start, end))
+            staging[:, :, start - staging_start : end - staging_start].copy_(chunk)
 
     def _checked(self, memory_obj: MemoryObj, start: int, end: int) -> torch.Tensor:
         """The object's tensor, if it has exactly the chunk's shape and the cache's dtype."""
@@ -78,6 +90,11 @@ class PagedKVAdapter(GPUConnectorInterface):
                 f"LMCache holds {found} for tokens [{start}, {end}), expected {tuple(expected)} {self.kv_cache.dtype}"
             )
         return tensor
+
+
+def chunk_digest(chunk: torch.Tensor) -> bytes:
+    """SHA-256 of a memory object's bytes (host memory: LMCache stages every chunk there)."""
+    return hashlib.sha256(chunk.contiguous().view(-1).view(torch.uint8).cpu().numpy().data).digest()
 
 
 def token_slots(

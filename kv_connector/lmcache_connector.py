@@ -25,15 +25,37 @@ Store access: a Redis store takes a password or an ACL user in the URL
 (``redis://[USER:]PASSWORD@HOST:PORT``) and TLS with ``rediss://``; :meth:`start` checks
 the store accepts them. The URL is shown only redacted (``cluster.store_urls.redact_url``): in
 logs, errors, load reports and KV handles. lmcache logs the URLs it connects to at INFO,
-so its log level defaults to WARNING here (``LMCACHE_LOG_LEVEL``). P and D never talk to
-each other: pull tokens (``publish(pull_token=...)``) have no use here, and who may read or
-write the KV is the store's to decide.
+so its log level defaults to WARNING here (``LMCACHE_LOG_LEVEL``).
+
+The store is not trusted (docs/security.md):
+
+- **Digests.** P records the SHA-256 of every chunk as it stores it
+  (:mod:`kv_connector.lmcache_adapter`); :meth:`publish` returns them for the KV handle, which P
+  signs. D digests every chunk it fetches and refuses the pull (a :class:`KVTransferError`,
+  before anything is written to its blocks) unless each matches, and refuses a handle that
+  carries none. Bytes someone else wrote under a real key never reach D's prefix cache.
+- **Keys.** LMCache keys a chunk by a hash of the tokens up to its end, unkeyed and the same
+  for every tenant. Each publish adds a tag of its own to its keys: HMAC-SHA256, under the KV
+  store key derived from the cluster secret (``cluster/derived_keys.py``), of the request's
+  cache salt and the handle's pull token (random per handle). No two publishes, and no two
+  tenants, share a key (so one publish never overwrites another's chunks, whose bytes may
+  differ in the last bits), and without the secret and the handle nobody can tell which keys
+  hold a prompt's KV. A pull derives the same tag from the handle and the Decode call's salt.
+- **Expiry.** On a Redis store every chunk P stored expires after ``ttl_s`` (a publish that
+  the store confirms late, after P gave up, keeps none: the store's ``maxmemory-policy``
+  bounds those). LMCache's ``lm://`` server has no expiry.
+
+Threads: :meth:`publish` and :meth:`pull` run LMCache's blocking calls on worker threads, one
+at a time (``LMCacheEngine`` is not documented thread-safe), so the event loop keeps answering
+health, RenewKV and heartbeats while a slow store takes seconds; :meth:`unpublish` waits for a
+publish of the same request still copying its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import multiprocessing
@@ -61,7 +83,15 @@ from lmcache.v1.metadata import LMCacheMetadata
 
 from cluster.store_urls import redact_url, with_password_file
 from engine.kv_cache_utils import cdiv
-from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, block_count_error, bounded_transfer
+from kv_connector.base import (
+    KVConnector,
+    KVSource,
+    KVTransferError,
+    PublishedKV,
+    TransferStats,
+    block_count_error,
+    bounded_transfer,
+)
 from kv_connector.fingerprint import Fingerprint
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks
 
@@ -76,6 +106,10 @@ _MAX_DEFAULT_BUFFER_BYTES = 256 << 20
 _REMOTE_OP_TIMEOUT_S = 10  # lmcache gives up on one remote get after this long
 _PROBE_TIMEOUT_S = 1.0
 _CLOSE_TIMEOUT_S = 10.0
+DEFAULT_TTL_S = 600.0  # a hand-off is pulled within seconds; a handle queued longer is re-prefilled
+_KEY_TAG = "lmcache.tag.k"  # LMCache appends a request's tags to its keys: "...@k%<tag>"
+_KEY_TAG_BYTES = 12  # hex-encoded: 24 characters, within lm://'s 150-byte keys
+_KV_STORE_SUFFIXES = ("kv_bytes", "metadata")  # lmcache's Redis connector: two Redis keys per chunk
 _T = TypeVar("_T")
 
 
@@ -91,10 +125,14 @@ class LMCacheConnector(KVConnector):
         chunk_size: int | None = None,
         buffer_bytes: int | None = None,
         publish_timeout_s: float = 5.0,
+        store_key: bytes | None = None,
+        ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         """``chunk_size`` defaults to whole blocks near LMCache's 256 tokens; ``buffer_bytes``
         (host memory LMCache stages one transfer in, allocated up front) to the cache's
-        size capped at 256 MiB — a prompt whose KV exceeds it is not stored."""
+        size capped at 256 MiB — a prompt whose KV exceeds it is not stored. ``store_key``:
+        the KV store key derived from the cluster secret (``cluster.derived_keys``), the same
+        on P and D; None without a secret. ``ttl_s``: how long a Redis store keeps a chunk."""
         super().__init__(kv_cache, fingerprint)
         block_size = self.block_size
         if fingerprint.block_size != block_size:
@@ -112,6 +150,10 @@ class LMCacheConnector(KVConnector):
         if self.chunk_size % block_size != 0:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of the block size {block_size}")
         self.publish_timeout_s = publish_timeout_s
+        if ttl_s <= 0:
+            raise ValueError(f"the LMCache chunks' TTL must be positive, got {ttl_s} s")
+        self.ttl_s = ttl_s
+        self._store_key = store_key or b""
         self._bytes_per_token = self.bytes_per_block // block_size
         cache_bytes = kv_cache.numel() * kv_cache.element_size()
         # Two spare chunks absorb the allocator's per-object alignment.
@@ -122,6 +164,8 @@ class LMCacheConnector(KVConnector):
         self._instance_id = f"splitserve-{uuid.uuid4().hex[:12]}"
         self._engine: LMCacheEngine | None = None
         self._lock = threading.Lock()  # LMCacheEngine calls are not documented thread-safe
+        self._publishing: dict[str, asyncio.Future[PublishedKV]] = {}  # P: stores still copying blocks
+        self._redis: redis.Redis | None = None  # P, Redis stores: sets the chunks' TTL
 
     # ------------------------------------------------------------------ both
 
@@ -165,54 +209,58 @@ class LMCacheConnector(KVConnector):
 
     # ------------------------------------------------------------- prefill side
 
-    def publish(
-        self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None
-    ) -> None:
+    async def publish(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        token_ids: list[int],
+        pull_token: bytes | None = None,
+        cache_salt: str = "",
+    ) -> PublishedKV:
         """P, right after prefill: store the KV of ``token_ids`` (held in ``block_ids``, the
-        last block possibly partial) and wait until the store confirms every chunk, so a
-        pull that follows finds it. Blocks the caller for that round trip (bounded by
-        ``publish_timeout_s``). A store failure is logged, not raised: the handle still goes
-        out, and D's pull fails as a miss and recomputes."""
+        last block possibly partial) under this publish's keys, on a worker thread, and wait
+        until the store confirms every chunk (bounded by ``publish_timeout_s``), so a pull
+        that follows finds it. Returns the chunks' digests for the handle. A store failure is
+        logged, not raised: the handle still goes out, and D's pull fails as a miss."""
         engine = self._started()
         tokens = [int(token) for token in token_ids]
         if (mismatch := block_count_error(len(block_ids), len(tokens), self.block_size)) is not None:
             raise RuntimeError(f"publishing {request_id!r}: {mismatch} (bug)")
         self.check_block_ids(block_ids)
         if not tokens:
-            return
-        deadline = time.monotonic() + self.publish_timeout_s
-        try:
-            with self._lock:
-                engine.store(tokens, block_ids=list(block_ids), req_id=request_id)
-                num_stored, reason = self._wait_until_stored(engine, tokens, deadline)
-        except Exception:  # the request must still get its handle and lease (see the docstring)
-            logger.exception("storing the KV of %s in LMCache at %s failed", request_id, self.shown_url)
-            return
-        if num_stored < len(tokens):
-            logger.error(
-                "LMCache stored the KV of %d of %d prompt tokens of %s in %s (%s); decode instances will miss it",
-                num_stored,
-                len(tokens),
-                request_id,
-                self.shown_url,
-                reason,
-            )
+            return PublishedKV()
+        if request_id in self._publishing:
+            raise RuntimeError(f"{request_id!r} is being published already (bug)")
+        configs = self._request_configs(cache_salt, pull_token or b"")
+        storing = asyncio.ensure_future(
+            asyncio.to_thread(self._store, engine, request_id, list(block_ids), tokens, configs)
+        )
+        self._publishing[request_id] = storing
+        storing.add_done_callback(lambda _: self._publishing.pop(request_id, None))
+        # Shielded: a caller that gives up (its call cancelled) unpublishes, which waits for the copy.
+        return await asyncio.shield(storing)
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
-        """A no-op: stored chunks belong to a token prefix, not to a request — another
-        request with the same prefix may be reading them — and P's blocks were copied at
-        publish. The store reclaims space by its own eviction (Redis ``maxmemory-policy``)."""
+        """Waits for a publish of the request still copying its blocks; otherwise nothing to do:
+        stored chunks outlive the request (a pull may be reading them) until their TTL, and P's
+        blocks were copied at publish."""
+        storing = self._publishing.get(request_id)
+        if storing is not None:
+            await asyncio.wait([storing])
 
     # -------------------------------------------------------------- decode side
 
     async def pull(
         self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
     ) -> TransferStats:
-        """D: retrieve the KV of ``source.token_ids`` from the store and write blocks
-        ``num_local_hit_blocks:`` of it into ``block_ids[num_local_hit_blocks:]``; earlier
-        blocks (D's own prefix-cache hits) are not touched. Raises :class:`KVTransferError`
-        on a fingerprint mismatch, a miss (not stored, evicted, or stored under another
-        fingerprint), an unreachable store or the timeout; D's blocks are then untouched."""
+        """D: retrieve the KV of ``source.token_ids`` from the store (under the keys of P's
+        publish: its pull token and the call's cache salt), check each chunk against the
+        handle's digests, and write blocks ``num_local_hit_blocks:`` of it into
+        ``block_ids[num_local_hit_blocks:]``; earlier blocks (D's own prefix-cache hits) are not
+        touched. Raises :class:`KVTransferError` on a fingerprint mismatch, a handle without
+        a digest per chunk, a miss (not stored, evicted, stored under another fingerprint or
+        salt), a chunk whose bytes are not the ones P stored, an unreachable store or the
+        timeout; D's blocks are then untouched."""
         engine = self._started()
         tokens = [int(token) for token in source.token_ids]
         block_size = self.block_size
@@ -235,6 +283,12 @@ class LMCacheConnector(KVConnector):
         if num_local_hit_blocks == num_blocks:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
         self.check_source(source)
+        if len(source.chunk_digests) != cdiv(len(tokens), self.chunk_size):
+            raise KVTransferError(
+                f"the KV handle of {source.request_id!r} carries {len(source.chunk_digests)} chunk digests for the "
+                f"{cdiv(len(tokens), self.chunk_size)} chunks of {len(tokens)} tokens: the store's bytes cannot be "
+                "checked (a prefill instance that does not digest them, or another --lmcache chunk size)"
+            )
         started = time.perf_counter()
         first_token = num_local_hit_blocks * block_size
         # LMCache skips only whole chunks; the chunk holding first_token is fetched whole.
@@ -242,14 +296,26 @@ class LMCacheConnector(KVConnector):
         staging = torch.empty(
             self._adapter.get_shape(len(tokens) - fetch_start), dtype=self.kv_cache.dtype, device=self.kv_cache.device
         )
+        fetched: dict[int, bytes] = {}  # chunk start -> digest of the bytes the store returned
+        configs = self._request_configs(source.cache_salt, source.pull_token)
         retrieved = await bounded_transfer(
-            asyncio.to_thread(self._retrieve, engine, tokens, fetch_start, staging, source.request_id),
+            asyncio.to_thread(
+                self._retrieve, engine, tokens, fetch_start, staging, source.request_id, configs, fetched
+            ),
             timeout_s,
             f"retrieving {source.request_id!r} from LMCache at {self.shown_url}",
         )
         missing = (~retrieved[fetch_start:]).nonzero()
         if len(missing):
             raise await self._miss(source, fetch_start + int(missing[0]), len(tokens))
+        for start in range(fetch_start, len(tokens), self.chunk_size):
+            digest = fetched.get(start)
+            if digest is None or not hmac.compare_digest(digest, source.chunk_digests[start // self.chunk_size]):
+                raise KVTransferError(
+                    f"LMCache at {self.shown_url} returned other bytes for tokens {start}.."
+                    f"{min(start + self.chunk_size, len(tokens)) - 1} of {source.request_id!r} than the prefill "
+                    "instance stored (their digest is not the KV handle's): refused, nothing written"
+                )
         write_blocks(self.kv_cache, block_ids, first_token, len(tokens), staging[:, :, first_token - fetch_start :])
         return TransferStats(
             num_blocks=num_blocks - num_local_hit_blocks,
@@ -297,13 +363,71 @@ class LMCacheConnector(KVConnector):
             raise RuntimeError("the lmcache KV connector was used before start() or after close() (bug)")
         return self._engine
 
-    def _wait_until_stored(self, engine: LMCacheEngine, tokens: list[int], deadline: float) -> tuple[int, str]:
+    def _request_configs(self, cache_salt: str, pull_token: bytes) -> dict[str, str]:
+        """LMCache's request configs that tag one publish's keys: P and D derive the same."""
+        return {_KEY_TAG: key_tag(self._store_key, cache_salt, pull_token)}
+
+    def _store(
+        self, engine: LMCacheEngine, request_id: str, block_ids: list[int], tokens: list[int], configs: dict[str, str]
+    ) -> PublishedKV:
+        """Worker thread: :meth:`publish`'s store, its confirmation and the chunks' expiry."""
+        digests: dict[int, bytes] = {}  # chunk start -> digest, filled by the adapter as it copies
+        deadline = time.monotonic() + self.publish_timeout_s
+        try:
+            with self._lock:
+                engine.store(
+                    tokens, block_ids=block_ids, req_id=request_id, request_configs=configs, chunk_digests=digests
+                )
+            num_stored, reason = self._wait_until_stored(engine, tokens, configs, deadline)
+            if num_stored >= len(tokens):
+                self._expire(engine, tokens, configs)
+        except Exception:  # the request must still get its handle and lease (see publish)
+            logger.exception("storing the KV of %s in LMCache at %s failed", request_id, self.shown_url)
+            num_stored, reason = 0, "failed"
+        if num_stored < len(tokens):
+            logger.error(
+                "LMCache stored the KV of %d of %d prompt tokens of %s in %s (%s); decode instances will miss it",
+                num_stored,
+                len(tokens),
+                request_id,
+                self.shown_url,
+                reason,
+            )
+        chunk_digests = []
+        for start in range(0, len(tokens), self.chunk_size):
+            if start not in digests:
+                break  # LMCache stopped storing here (no room): D misses from this chunk on anyway
+            chunk_digests.append(digests[start])
+        return PublishedKV(chunk_digests=tuple(chunk_digests))
+
+    def _expire(self, engine: LMCacheEngine, tokens: list[int], configs: dict[str, str]) -> None:
+        """Worker thread, Redis stores: give every chunk this publish stored its TTL."""
+        if urlsplit(self.remote_url).scheme not in ("redis", "rediss"):
+            return  # lm:// keeps chunks until its own eviction
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(
+                self.remote_url, socket_timeout=_PROBE_TIMEOUT_S, socket_connect_timeout=_PROBE_TIMEOUT_S
+            )
+        ttl_ms = int(self.ttl_s * 1000)
+        with self._redis.pipeline(transaction=False) as pipeline:
+            for _, _, key in engine.token_database.process_tokens(tokens, request_configs=configs):
+                for suffix in _KV_STORE_SUFFIXES:
+                    pipeline.pexpire(key.to_string() + suffix, ttl_ms)
+            try:
+                pipeline.execute()
+            except (redis.RedisError, OSError) as error:
+                logger.warning("could not set the TTL of stored KV chunks in %s: %s", self.shown_url, error)
+
+    def _wait_until_stored(
+        self, engine: LMCacheEngine, tokens: list[int], configs: dict[str, str], deadline: float
+    ) -> tuple[int, str]:
         """Poll the store until it holds every chunk: lmcache writes in the background and
         Redis may answer a lookup before the write lands. Returns (tokens stored, why not all)."""
         delay_s, probed = 0.001, False
         started = time.monotonic()
         while True:
-            num_stored = engine.lookup(tokens, search_range=[_REMOTE_BACKEND])
+            with self._lock:
+                num_stored = engine.lookup(tokens, search_range=[_REMOTE_BACKEND], request_configs=configs)
             if num_stored >= len(tokens):
                 return num_stored, ""
             if time.monotonic() >= deadline:
@@ -316,16 +440,31 @@ class LMCacheConnector(KVConnector):
             delay_s = min(2 * delay_s, 0.05)
 
     def _retrieve(
-        self, engine: LMCacheEngine, tokens: list[int], fetch_start: int, staging: torch.Tensor, request_id: str
+        self,
+        engine: LMCacheEngine,
+        tokens: list[int],
+        fetch_start: int,
+        staging: torch.Tensor,
+        request_id: str,
+        configs: dict[str, str],
+        digests: dict[int, bytes],
     ) -> torch.Tensor:
-        """Worker thread: fill ``staging`` from token ``fetch_start`` on. Returns LMCache's
-        per-token hit mask (bool, on CPU)."""
+        """Worker thread: fill ``staging`` from token ``fetch_start`` on, and ``digests`` with
+        each fetched chunk's. Returns LMCache's per-token hit mask (bool, on CPU)."""
         mask = None
         if fetch_start:
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[:fetch_start] = False  # a local prefix hit on D: not fetched
         with self._lock:
-            return engine.retrieve(tokens, mask=mask, staging=staging, staging_start=fetch_start, req_id=request_id)
+            return engine.retrieve(
+                tokens,
+                mask=mask,
+                staging=staging,
+                staging_start=fetch_start,
+                req_id=request_id,
+                request_configs=configs,
+                chunk_digests=digests,
+            )
 
     async def _miss(self, source: KVSource, first_missing: int, num_tokens: int) -> KVTransferError:
         error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
@@ -338,7 +477,8 @@ class LMCacheConnector(KVConnector):
         )
         return KVTransferError(
             f"LMCache at {where} has no KV for tokens {first_missing}..{num_tokens - 1} of {source.request_id!r} "
-            f"under {key_model_name(self.fingerprint)}: not stored, evicted, or stored for another fingerprint"
+            f"under {key_model_name(self.fingerprint)}: not stored, expired, evicted, or stored for another "
+            "fingerprint, cache salt or KV handle"
         )
 
 
@@ -351,6 +491,14 @@ def key_model_name(fingerprint: Fingerprint) -> str:
     the ``@`` and ``%`` LMCache uses as key separators."""
     digest = hashlib.sha256(json.dumps(astuple(fingerprint)).encode()).hexdigest()[:16]
     return f"{re.sub(r'[^A-Za-z0-9._-]', '_', fingerprint.model)[:64]}~{digest}"
+
+
+def key_tag(store_key: bytes, cache_salt: str, pull_token: bytes) -> str:
+    """The tag of one publish's store keys (module docstring), hex: HMAC-SHA256 under the KV
+    store key of the request's cache salt and the handle's pull token, each length-prefixed.
+    LMCache writes it into every key of the publish as ``@k%<tag>``."""
+    message = b"".join(len(part).to_bytes(8, "little") + part for part in (cache_salt.encode(), pull_token))
+    return hmac.new(store_key, message, hashlib.sha256).digest()[:_KEY_TAG_BYTES].hex()
 
 
 def probe(url: str, timeout_s: float) -> str | None:

@@ -38,13 +38,33 @@ it is published: the engine reads the sampled token back, which waits for the fo
 pass). For speed on one host set ``UCX_TLS=tcp,sm,self UCX_RNDV_SCHEME=put_zcopy``
 (docs/benchmarks.md, "KV transfer").
 
+A late write cannot land in a reused block through the messages themselves: D closes a
+connection whose pull failed (it never serves another pull), every receive is tagged with
+its pull's number on its connection (and ucxx mixes the connection into every tag), so a
+message P sends after D's settle window matches nothing D posted later, into whatever
+blocks (tests/kv_connector/test_ucx.py holds P's message back past the window, reuses the
+blocks for another pull, then lets it go). What the window cannot rule out is a transport
+writing into D's memory on P's side (``UCX_RNDV_SCHEME=put_zcopy`` over shared memory,
+RDMA puts) after a rendezvous D had already matched, when P stalls mid-transfer for longer
+than ``SETTLE_S``: the receiver-driven default (``get_zcopy``) does not write from P's side.
+
 Who may pull: P serves a pull only for a request it published, only of that request's
 blocks, and, when it published with a pull token (the prefill service always does; the
 token travels in the signed KV handle), only to a pull presenting that token, compared in
-constant time. ucxx 0.52's listener binds every address (it takes none); on a loopback
-host the connector limits UCX's data lanes to ``lo`` (:mod:`kv_connector.ucx_context`),
-elsewhere firewall the KV port (docs/security.md). P closes a connection idle for
-``IDLE_TIMEOUT_S``; D reuses one only while it has been idle for less than half that.
+constant time, and only once: a handle is good for one pull. ucxx 0.52's listener binds
+every address (it takes none); on a loopback host the connector limits UCX's data lanes to
+``lo`` (:mod:`kv_connector.ucx_context`), elsewhere firewall the KV port (docs/security.md).
+Whoever reaches the port gets little before proving anything: at most ``max_connections``
+connections at once (one past that is closed at once); a connection's headers are received
+into a buffer just large enough for a pull of the whole cache
+(:func:`~kv_connector.wire.max_pull_request_bytes`), so UCX refuses a longer one before
+anything is parsed; its first header must come within ``FIRST_FRAME_TIMEOUT_S``; after a
+refused pull (bad token, spent token, unknown request, malformed header) and its reply,
+nothing more is read from the connection (D closes it; a stranger gets
+``FIRST_FRAME_TIMEOUT_S``), so each connection costs at most one parse; and refusals are logged once, then once every
+thousand (as refused gRPC calls are, ``cluster/auth.py``), counted in ``num_refused``. P
+closes a connection idle for ``IDLE_TIMEOUT_S``; D reuses one only while it has been idle
+for less than half that.
 """
 
 from __future__ import annotations
@@ -61,7 +81,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats, bounded_transfer
+from kv_connector.base import KVConnector, KVSource, KVTransferError, PublishedKV, TransferStats, bounded_transfer
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
 from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop
 from kv_connector.ucx_messages import (
@@ -77,7 +97,14 @@ from kv_connector.ucx_messages import (
     send_header,
     wire_buffer,
 )
-from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_reply, decode_pull_request
+from kv_connector.wire import (
+    PullReply,
+    PullRequest,
+    WireError,
+    decode_pull_reply,
+    decode_pull_request,
+    max_pull_request_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +120,13 @@ MAX_IDLE_CONNECTIONS_PER_PEER = 4
 # decode instance gone quiet, or someone who connected and never asked) do not pile up.
 # D reuses a connection only while it has been idle for less than half of this.
 IDLE_TIMEOUT_S = 60.0
+# P: connections served at once (decode instances keep a few idle per prefill instance, plus one
+# per pull in flight); one past this is closed as it arrives.
+MAX_CONNECTIONS = 1024
+# P: a connection that has not carried a served pull yet must send its first header this soon
+# (D sends its pull request as soon as it connects), so strangers cannot hold connections.
+FIRST_FRAME_TIMEOUT_S = 10.0
+_LOG_REFUSALS_EVERY = 1000  # a flood of refused connections and pulls must not flood the log too
 
 
 @dataclass(slots=True)
@@ -126,19 +160,31 @@ class UCXConnector(KVConnector):
         fingerprint: Fingerprint,
         max_message_blocks: int | None = None,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        first_frame_timeout_s: float = FIRST_FRAME_TIMEOUT_S,
     ) -> None:
         """``max_message_blocks``: the most blocks D puts in one message (default: ``MAX_MESSAGE_BYTES``
         worth, at least one). Only the pulling side's value matters: it names the messages.
-        ``idle_timeout_s``: P closes a connection that has carried no pull for this long."""
+        ``idle_timeout_s``: P closes a connection that has carried no pull for this long;
+        ``max_connections``: P serves at most this many at once; ``first_frame_timeout_s``: P
+        closes a connection whose first header has not come after this long."""
         super().__init__(kv_cache, fingerprint)
         if max_message_blocks is not None and max_message_blocks < 1:
             raise ValueError(f"max_message_blocks must be >= 1, got {max_message_blocks}")
-        if idle_timeout_s <= 0:
-            raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
+        for name, seconds in (("idle_timeout_s", idle_timeout_s), ("first_frame_timeout_s", first_frame_timeout_s)):
+            if seconds <= 0:
+                raise ValueError(f"{name} must be positive, got {seconds}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.max_message_blocks = max_message_blocks or max(1, MAX_MESSAGE_BYTES // self.bytes_per_block)
         self.idle_timeout_s = idle_timeout_s
+        self.max_connections = max_connections
+        self.first_frame_timeout_s = first_frame_timeout_s
+        self.max_request_bytes = max_pull_request_bytes(self.num_blocks)  # P: the cap on a pull request
+        self.num_refused = 0  # P: connections and pulls refused since start
         self._cache_bytes = wire_buffer(kv_cache)
         self._published: dict[str, _Published] = {}
+        self._pulled: set[str] = set()  # P: published with a pull token, and pulled once already
         self._readers: dict[str, set[asyncio.Task]] = {}  # P: the pulls reading a request's blocks
         self._listener: Any = None  # P: the ucxx listener, once started (ucxx ships no types)
         self._serving: set[Endpoint] = set()  # P: endpoints a serving loop runs on
@@ -171,13 +217,22 @@ class UCXConnector(KVConnector):
         logger.info("UCX KV connector listening on %s", address)
         return address
 
-    def publish(
-        self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None
-    ) -> None:
+    async def publish(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        token_ids: list[int],
+        pull_token: bytes | None = None,
+        cache_salt: str = "",
+    ) -> PublishedKV:
+        """Nothing is copied: pulls read the blocks where they are (``token_ids`` and the salt unused)."""
         self._published[request_id] = _Published(frozenset(block_ids), pull_token)
+        self._pulled.discard(request_id)
+        return PublishedKV()
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         self._published.pop(request_id, None)
+        self._pulled.discard(request_id)
         readers = self._readers.pop(request_id, set())
         if readers and grace_s > 0:
             _, readers = await asyncio.wait(readers, timeout=grace_s)
@@ -205,30 +260,39 @@ class UCXConnector(KVConnector):
     # ------------------------------------------------------------ P: serving
 
     async def _serve(self, endpoint) -> None:
-        """One D connection: serve its pulls in order until D closes it."""
+        """One D connection: serve its pulls in order until D closes it, it idles out, or one
+        is refused (module docstring)."""
+        if len(self._serving) >= self.max_connections:
+            self._refuse("closed a KV connection: %d are open, the most this instance serves", len(self._serving))
+            await abandon(endpoint, [])
+            return
         self._serving.add(endpoint)
         try:
             pull_number = 0
-            request_buffer = header_buffer()
+            request_buffer = header_buffer(self.max_request_bytes)
             while True:
+                # Until it has carried a pull, a connection is a stranger's: its first header comes soon or never.
+                timeout_s = self.idle_timeout_s if pull_number else min(self.idle_timeout_s, self.first_frame_timeout_s)
                 try:
                     # asyncio.timeout, not wait_for: it creates no task of its own for each pull.
-                    async with asyncio.timeout(self.idle_timeout_s):
+                    async with asyncio.timeout(timeout_s):
                         data = await recv_header(endpoint, request_buffer)
                 except TimeoutError:
-                    logger.debug("closing a KV connection idle for %.0f s", self.idle_timeout_s)
+                    state = "idle" if pull_number else "silent"
+                    logger.debug("closing a KV connection %s for %.0f s", state, timeout_s)
                     return
                 except WireError as error:
-                    logger.warning("closing a KV connection that sent %s", error)
+                    self._refuse("closed a KV connection that sent %s", error)
                     return
                 except Exception:
                     logger.debug("KV connection closed by the decode side", exc_info=True)
                     return
                 pull_number += 1
                 reply, request = self._answer(data)
-                if request is None:
+                if request is None:  # refused: the reply says why, and the connection carries nothing more
                     await send_header(endpoint, reply)
-                    continue
+                    await self._until_closed(endpoint)
+                    return
                 # Registered before the next await, so an unpublish from here on finds it.
                 sending = asyncio.ensure_future(self._send_blocks(endpoint, pull_number, reply, request))
                 self._readers.setdefault(request.request_id, set()).add(sending)
@@ -250,6 +314,16 @@ class UCXConnector(KVConnector):
         finally:
             self._serving.discard(endpoint)
             await abandon(endpoint, [])
+
+    async def _until_closed(self, endpoint: Endpoint) -> None:
+        """After a refusal: read nothing more from the connection, but leave closing it to D,
+        which does on reading the reply (a peer closing first would fail D's receives still
+        posted); one that does not gets ``first_frame_timeout_s``."""
+        try:
+            async with asyncio.timeout(self.first_frame_timeout_s):
+                await endpoint.recv(np.empty(1, dtype=np.uint8))  # whatever comes is dropped, unread
+        except Exception:
+            logger.debug("a refused KV connection ended", exc_info=True)
 
     async def _send_blocks(self, endpoint: Endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:
         """Send the reply, then every message straight from the cache. On any failure or
@@ -280,8 +354,23 @@ class UCXConnector(KVConnector):
             if not readers:
                 del self._readers[request_id]
 
+    def _refuse(self, message: str, *args: object) -> None:
+        """Count a refused connection or pull; log the first and then one in
+        ``_LOG_REFUSALS_EVERY``, so a flood of them does not flood the log."""
+        self.num_refused += 1
+        if self.num_refused % _LOG_REFUSALS_EVERY == 1:
+            logger.warning(message + " (%d refused since start)", *args, self.num_refused)
+
     def _answer(self, data: bytes) -> tuple[PullReply, PullRequest | None]:
         """The reply to a pull request and, when it is served, the request."""
+        reply, request = self._check(data)
+        if request is None:
+            self._refuse("refused a KV pull: %s", reply.error)
+        elif self._published[request.request_id].pull_token is not None:
+            self._pulled.add(request.request_id)  # its token is spent: a handle serves one pull
+        return reply, request
+
+    def _check(self, data: bytes) -> tuple[PullReply, PullRequest | None]:
         try:
             request = decode_pull_request(data)
         except WireError as error:
@@ -296,9 +385,13 @@ class UCXConnector(KVConnector):
                 ok=False, error=f"no KV published for request {request.request_id!r} (released or expired)"
             ), None
         if published.pull_token is not None and not _token_matches(request.pull_token, published.pull_token):
-            logger.warning("refused a pull of %s that did not present its pull token", request.request_id)
             return PullReply(
                 ok=False, error=f"the pull token for request {request.request_id!r} does not match the KV handle's"
+            ), None
+        if request.request_id in self._pulled:
+            return PullReply(
+                ok=False,
+                error=f"the pull token for request {request.request_id!r} was spent: a KV handle serves one pull",
             ), None
         if not published.block_ids.issuperset(request.block_ids):
             return PullReply(

@@ -27,6 +27,7 @@ call: ucxx cannot switch a context it created on its own to these settings.
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import os
@@ -56,10 +57,16 @@ def ucxx_for_running_loop() -> ModuleType:
     if _loop_ref is not None:
         try:
             ucxx.reset()  # the previous loop is finished; its futures cannot serve this one
-        except ucxx.exceptions.UCXError as error:
-            raise RuntimeError(
-                f"ucxx is still in use by a previous event loop (close its connectors first): {error}"
-            ) from None
+        except ucxx.exceptions.UCXError:
+            # A closed endpoint of the finished loop may still be held by a reference cycle (a
+            # failed pull's traceback): collect those, then try once more.
+            gc.collect()
+            try:
+                ucxx.reset()
+            except ucxx.exceptions.UCXError as error:
+                raise RuntimeError(
+                    f"ucxx is still in use by a previous event loop (close its connectors first): {error}"
+                ) from None
     try:
         ucxx.init(progress_mode="thread", enable_python_future=True)
     except RuntimeError as error:

@@ -99,13 +99,20 @@ def send_header(endpoint, message: PullRequest | PullReply) -> asyncio.Future:
 
 async def recv_header(endpoint, buffer: np.ndarray) -> bytes:
     """Receive one header (as :func:`send_header` frames it) into ``buffer`` (from
-    :func:`header_buffer`, reused): a larger message fails in UCX as truncated.
+    :func:`header_buffer`, reused). The buffer's size is the cap: UCX fails a larger message
+    as truncated, without copying it, which raises :class:`WireError` here before anything
+    is parsed; so does a size prefix past the buffer.
 
     UCX accepts a message shorter than the buffer without saying how long it was, so the
     bytes past it are whatever the buffer held. The buffer is zeroed as far as each header
     reached once it is read, so a message shorter than the size it claims decodes as NUL
     bytes, which no JSON parser accepts, never as an earlier header."""
-    await endpoint.recv(buffer)
+    from ucxx.exceptions import UCXMessageTruncatedError
+
+    try:
+        await endpoint.recv(buffer)
+    except UCXMessageTruncatedError:
+        raise WireError(f"a header longer than {buffer.nbytes - _SIZE_BYTES} bytes") from None
     num_bytes = int.from_bytes(buffer[:_SIZE_BYTES].tobytes(), "little")
     if not 0 < num_bytes <= buffer.nbytes - _SIZE_BYTES:
         buffer[:_SIZE_BYTES] = 0
@@ -116,10 +123,10 @@ async def recv_header(endpoint, buffer: np.ndarray) -> bytes:
     return data
 
 
-def header_buffer() -> np.ndarray:
-    """A reusable buffer for :func:`recv_header`, all zeros (its pages are touched only as far
-    as headers reach)."""
-    return np.zeros(_SIZE_BYTES + MAX_HEADER_BYTES, dtype=np.uint8)
+def header_buffer(max_header_bytes: int = MAX_HEADER_BYTES) -> np.ndarray:
+    """A reusable buffer for :func:`recv_header` of headers up to ``max_header_bytes``, all zeros
+    (its pages are touched only as far as headers reach)."""
+    return np.zeros(_SIZE_BYTES + max_header_bytes, dtype=np.uint8)
 
 
 async def cancel_tasks(tasks: list[asyncio.Future]) -> None:

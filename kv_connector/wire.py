@@ -15,6 +15,9 @@ from kv_connector.fingerprint import Fingerprint
 PROTOCOL_VERSION = 3  # 3: pulls present P's pull token; 2: zero-copy messages of whole blocks; 1 sent gathered chunks
 MAX_HEADER_BYTES = 1 << 20
 _MAX_PULL_TOKEN_CHARS = 128
+# A pull request's fields but its two lists: version, fingerprint (a model identity of a few
+# dozen characters), request id, pull token, JSON punctuation; with a generous margin.
+_PULL_REQUEST_FIXED_BYTES = 4096
 
 
 class WireError(ValueError):
@@ -44,6 +47,15 @@ class PullReply:
     num_bytes: int = 0
     shape: list[int] | None = None  # of one block: [num_layers, 2, block_size, num_kv_heads, head_dim]
     dtype: str = ""
+
+
+def max_pull_request_bytes(num_blocks: int) -> int:
+    """The longest pull request a peer has reason to send to a cache of ``num_blocks`` blocks
+    (at most :data:`MAX_HEADER_BYTES`): every block id once, in ``block_ids`` and at most
+    once more as a count in ``message_blocks``, each with its comma. P receives headers into a
+    buffer of this size, so a longer one is refused before anything is parsed."""
+    per_block = 2 * (len(str(num_blocks)) + 1)
+    return min(MAX_HEADER_BYTES, _PULL_REQUEST_FIXED_BYTES + num_blocks * per_block)
 
 
 def encode(message: PullRequest | PullReply) -> bytes:

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gateway.flags import add_api_key_argument, add_routing_arguments, routing_argv
+from gateway.flags import API_KEY_FILE_ENV, add_api_key_argument, add_routing_arguments, resolve_api_key, routing_argv
 from launcher.processes import Child, embedded_model_path, free_port, parse_cpu_list, splitserve_command
 from splitserve.flags import add_engine_arguments, add_kv_connector_arguments, engine_argv, speculative_argv
 
@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.api_key = resolve_api_key(args)  # --api-key-file read here, once
     if args.num_prefill < 1 or args.num_decode < 1:
         raise ValueError("--num-prefill and --num-decode must be at least 1")
     cpus = {
@@ -106,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
         gateway_argv += routing_argv(args)
         # The key travels in the environment, not argv, where any local user could read it.
         children.append(
-            Child("gateway", gateway_argv, env={"SPLITSERVE_API_KEY": args.api_key or "", **cluster_env}, stop_stage=0)
+            Child(
+                "gateway",
+                gateway_argv,
+                env={"SPLITSERVE_API_KEY": args.api_key or "", API_KEY_FILE_ENV: "", **cluster_env},
+                stop_stage=0,
+            )
         )
         url = f"http://{_dial_host(args.host)}:{args.port}"
         if not _wait_ready(url, children, stop):
@@ -193,10 +199,17 @@ def _start_instances(
 
 def _cluster_secret_env() -> dict[str, str]:
     """The environment that gives every child the cluster secret: one made for this run, so
-    that only this run's processes get in, unless the user gave one (a file they then all read)."""
+    that only this run's processes get in, unless the user gave one (a file they then all read).
+    Raises ValueError for one given empty, as every child would."""
     if os.environ.get("SPLITSERVE_CLUSTER_SECRET_FILE"):
         return {}
-    return {"SPLITSERVE_CLUSTER_SECRET": os.environ.get("SPLITSERVE_CLUSTER_SECRET") or secrets.token_urlsafe(32)}
+    given = os.environ.get("SPLITSERVE_CLUSTER_SECRET")
+    if given is not None and not given.strip():
+        raise ValueError(
+            "SPLITSERVE_CLUSTER_SECRET is set but empty: set it to the cluster's secret, or unset it to have a "
+            "secret made for this run"
+        )
+    return {"SPLITSERVE_CLUSTER_SECRET": given or secrets.token_urlsafe(32)}
 
 
 def _visible_gpus() -> list[str]:
@@ -259,8 +272,19 @@ def _wait_ready(url: str, children: list[Child], stop: threading.Event) -> bool:
     return False
 
 
+def masked_key(key: str) -> str:
+    """An API key as the banner shows it: its last four characters at most, a quarter of a short one."""
+    return "****" + key[-min(4, len(key) // 4) :] if len(key) >= 4 else "****"
+
+
 def _print_banner(args: argparse.Namespace, url: str, model: Path) -> None:
-    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    # Never the key itself: terminals are scrolled back, shared and recorded.
+    auth = ' -H "Authorization: Bearer $SPLITSERVE_API_KEY"' if args.api_key else ""
+    key_note = (
+        f"the API wants the key you gave ({masked_key(args.api_key)}): export it as SPLITSERVE_API_KEY to run this\n"
+        if args.api_key
+        else ""
+    )
     example = json.dumps(
         {
             "model": model.name if args.model is None else args.model,
@@ -271,6 +295,6 @@ def _print_banner(args: argparse.Namespace, url: str, model: Path) -> None:
     print(
         f"\nsplitserve is up: OpenAI API at {url}/v1, gRPC Generation at {_dial_host(args.host)}:{args.grpc_port}\n"
         f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{example}'\n"
-        "Ctrl-C stops everything.\n",
+        f"{key_note}Ctrl-C stops everything.\n",
         flush=True,
     )

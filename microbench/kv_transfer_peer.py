@@ -267,7 +267,7 @@ async def serve(spec: PeerSpec, host: str) -> None:
         for num_blocks in spec.request_num_blocks:
             for layout in BLOCK_LAYOUTS:
                 block_ids = request_block_ids("prefill", layout, spec, num_blocks)
-                connector.publish(
+                await connector.publish(
                     request_id(num_blocks, layout), block_ids, token_ids=[]
                 )  # the UCX connector ignores token_ids
         sys.stdout.write(PeerReady(connector_address, raw.start(host)).to_json() + "\n")

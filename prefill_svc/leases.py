@@ -1,5 +1,11 @@
 """The prefill side of KV leases: the prompt KV this instance keeps pinned after a prefill.
 
+:meth:`KVLeases.pin` starts the lease first, then publishes the blocks on the connector,
+awaiting it off the event loop (a store may take seconds; health, RenewKV and heartbeats
+answer meanwhile), and starts the lease again from when the handle goes out. An abort, a
+release or an expiry during the publish unpins as usual: the connector's ``unpublish``
+waits for the publish to stop reading the blocks before the engine frees them.
+
 A request's blocks are pinned from the end of its prefill until exactly one of: the decode
 instance releases them (ReleaseKV), the request is aborted (Abort), or the lease expires. A
 decode instance holding the handle renews the lease (RenewKV), so it expires only when that
@@ -22,7 +28,7 @@ from collections.abc import Iterable
 
 from cluster.background import BackgroundTasks
 from engine.async_engine import AsyncEngine
-from kv_connector.base import KVConnector
+from kv_connector.base import KVConnector, PublishedKV
 from serving.instance import ServiceCounters
 
 logger = logging.getLogger(__name__)
@@ -43,11 +49,27 @@ class KVLeases:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
 
-    def pin(self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes) -> None:
-        """Right after the prefill, while the engine keeps ``block_ids`` pinned: publish them
-        (the KV of ``token_ids``) to pulls that present ``pull_token``, and start the lease."""
-        self._connector.publish(request_id, block_ids, token_ids, pull_token=pull_token)
+    async def pin(
+        self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes, cache_salt: str
+    ) -> PublishedKV | None:
+        """Right after the prefill, while the engine keeps ``block_ids`` pinned: start the lease,
+        publish the blocks (the KV of ``token_ids``) to pulls that present ``pull_token``, and
+        return what the handle must carry; None when the request was unpinned meanwhile (its
+        blocks are being freed: no handle may go out). A caller cancelled meanwhile unpins."""
         self._leases[request_id] = self._arm(request_id)
+        try:
+            published = await self._connector.publish(
+                request_id, block_ids, token_ids, pull_token=pull_token, cache_salt=cache_salt
+            )
+        except BaseException:
+            self.unpin(request_id, grace_s=0.0)
+            raise
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return None
+        lease.cancel()  # the lease runs from when the handle goes out, however long the publish took
+        self._leases[request_id] = self._arm(request_id)
+        return published
 
     def renew(self, request_ids: Iterable[str]) -> list[str]:
         """RenewKV: restart the lease of each request; returns the ids not pinned here (released,

@@ -12,7 +12,10 @@ that record and frees the blocks.
 
 Control calls never wait for an engine step (a prefill step of a long prompt
 takes seconds on a CPU): ReleaseKV, RenewKV and Abort change the leases' record
-of what is pinned and answer at once; freeing runs in the background.
+of what is pinned and answer at once; freeing runs in the background. Nor do they wait
+for a publish: the connector's publish (with the lmcache connector, storing the KV and
+waiting for the store to confirm it, seconds when the store is slow) runs off the event
+loop while the Prefill call awaits it (``prefill_svc/leases.py``).
 """
 
 from __future__ import annotations
@@ -88,14 +91,22 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         if final.new_logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
         if final.kv_handoff is not None:
-            response.kv.CopyFrom(self._pin(request_id, final.kv_handoff, list(request.prompt_token_ids)))
+            handle = await self._pin(request_id, final.kv_handoff, list(request.prompt_token_ids), request.cache_salt)
+            if handle is None:
+                await abort_call(context, grpc.StatusCode.ABORTED, "the request was aborted while its KV was published")
+            response.kv.CopyFrom(handle)
         return response
 
-    def _pin(self, request_id: str, handoff: KVHandoff, prompt_token_ids: list[int]) -> disaggregation_pb2.KVHandle:
-        """Publish the pinned blocks on the connector under a fresh pull token, start the lease
-        that frees them, and return the handle, signed when the instance has a cluster secret."""
+    async def _pin(
+        self, request_id: str, handoff: KVHandoff, prompt_token_ids: list[int], cache_salt: str
+    ) -> disaggregation_pb2.KVHandle | None:
+        """Start the lease that frees the pinned blocks, publish them on the connector under a
+        fresh pull token (off the event loop), and return the handle, signed when the instance
+        has a cluster secret; None when the request was aborted or released meanwhile."""
         pull_token = new_pull_token()
-        self.leases.pin(request_id, handoff.block_ids, prompt_token_ids, pull_token)
+        published = await self.leases.pin(request_id, handoff.block_ids, prompt_token_ids, pull_token, cache_salt)
+        if published is None:
+            return None
         handle = disaggregation_pb2.KVHandle(
             request_id=request_id,
             connector=self.connector.name,
@@ -106,6 +117,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             lease_s=self.leases.lease_s,
             prefill_address=self.instance.grpc_address,
             pull_token=pull_token,
+            chunk_digests=published.chunk_digests,
         )
         if self.instance.plane.secret is not None:
             sign_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)

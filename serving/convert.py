@@ -63,8 +63,10 @@ def fingerprint_from_proto(message: disaggregation_pb2.Fingerprint) -> Fingerpri
     )
 
 
-def kv_source_from_proto(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int]) -> KVSource:
-    """``prompt_token_ids``: the Decode call's prompt, whose KV the handle holds."""
+def kv_source_from_proto(
+    handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequence[int], cache_salt: str
+) -> KVSource:
+    """``prompt_token_ids`` and ``cache_salt``: the Decode call's, whose prompt's KV the handle holds."""
     return KVSource(
         request_id=handle.request_id,
         address=handle.connector_address,
@@ -73,4 +75,6 @@ def kv_source_from_proto(handle: disaggregation_pb2.KVHandle, prompt_token_ids: 
         fingerprint=fingerprint_from_proto(handle.fingerprint),
         token_ids=tuple(prompt_token_ids),
         pull_token=handle.pull_token,
+        cache_salt=cache_salt,
+        chunk_digests=tuple(handle.chunk_digests),
     )

@@ -22,6 +22,8 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.auth import load_cluster_secret
+from cluster.derived_keys import kv_store_key, prefix_cache_key
 from cluster.instance_counters import fill_load_report
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.registration import RegistryHeartbeat
@@ -36,6 +38,7 @@ from kv_connector.base import KVConnector, TransferStats
 from kv_connector.fingerprint import Fingerprint, model_identity
 from kv_connector.registry import make_connector
 from serving.convert import fingerprint_to_proto
+from serving.kv_event_pages import KVEventPages
 from serving.metrics import MetricsServer
 from serving.warmup import warm_up
 from splitserve.flags import add_device_argument, add_engine_arguments, add_kv_connector_arguments
@@ -108,6 +111,9 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=_long_prefill_token_threshold(args, role),
         enable_prefix_caching=not args.no_prefix_caching,
+        prefix_cache_hash=args.prefix_cache_hash,
+        # Keyed by the cluster secret, as the gateway hashes prompts for kv routing (cluster/derived_keys.py).
+        prefix_cache_hash_key=prefix_cache_key(load_cluster_secret(args.cluster_secret, args.cluster_secret_file)),
         tensor_parallel_size=args.tensor_parallel_size,
         # The prefill role never speculates (it samples one token); the engine ignores it there.
         speculative=speculative_config_from_args(args),
@@ -177,7 +183,7 @@ class Instance:
         """Load the model and size the KV cache (blocking); log capacity and fingerprint.
         ``config`` replaces the one built from ``args`` (a role may adjust it first).
         Raises ValueError for a bad cluster secret or TLS flag before loading anything."""
-        plane = InternalPlane.from_args(args)
+        plane = InternalPlane.from_args(args, args.host)
         config = config or engine_config(args, role)
         if role != "colocated" and config.tensor_parallel_size > 1:
             # Each rank holds its own heads' KV: a hand-off must move every rank's share, rank to rank.
@@ -190,7 +196,9 @@ class Instance:
         fingerprint = fingerprint_of(engine.core)
         connector = None
         if role != "colocated":
-            options = {"remote_url": args.lmcache_url} if args.kv_connector == "lmcache" else {}
+            # lmcache: its store keys are tagged under a key derived from the cluster secret (cluster/derived_keys.py).
+            lmcache_options = {"remote_url": args.lmcache_url, "store_key": kv_store_key(plane.secret)}
+            options = lmcache_options if args.kv_connector == "lmcache" else {}
             connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint, options)
         instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         report = engine.core.load_report()
@@ -241,21 +249,28 @@ class Instance:
 class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
     def __init__(self, instance: Instance) -> None:
         self.instance = instance
+        self._kv_event_pages: KVEventPages | None = None  # on the first call: the engine's log exists by then
 
     async def GetLoadReport(self, request, context):  # noqa: N802 - gRPC signature
         return self.instance.load_report()
 
     async def GetKVEvents(self, request, context):  # noqa: N802 - gRPC signature
-        """Prefix-cache changes since the caller's cursor (engine/kv_events.py); answers at once
-        (the log has its own lock and never waits for an engine step)."""
-        batch = self.instance.engine.core.kv_events.read(request.epoch, request.after_seq)
+        """Prefix-cache changes since the caller's cursor (engine/kv_events.py), a page at most
+        (serving/kv_event_pages.py); answers at once (the log has its own lock and never waits
+        for an engine step)."""
+        if self._kv_event_pages is None:
+            self._kv_event_pages = KVEventPages(self.instance.engine.core.kv_events)
+        page = self._kv_event_pages.read(request.epoch, request.after_seq, request.snapshot_offset, request.max_hashes)
         return disaggregation_pb2.KVEvents(
-            epoch=batch.epoch,
-            last_seq=batch.last_seq,
-            snapshot=batch.snapshot,
-            stored=[h.to_bytes(16, "little") for h in batch.stored],
-            removed=[h.to_bytes(16, "little") for h in batch.removed],
+            epoch=page.epoch,
+            last_seq=page.last_seq,
+            snapshot=page.snapshot,
+            stored=[h.to_bytes(16, "little") for h in page.stored],
+            removed=[h.to_bytes(16, "little") for h in page.removed],
             block_size=self.instance.fingerprint.block_size,
+            block_hash=self.instance.engine.core.kv_cache_manager.block_hasher.name,
+            snapshot_offset=page.snapshot_offset,
+            more=page.more,
         )
 
 
@@ -307,8 +322,14 @@ async def serve(
     )
     heartbeat = None
     if args.registry_url:
+        secret = instance.plane.secret
         heartbeat = RegistryHeartbeat(
-            args.registry_url, instance.instance_id, instance.grpc_address, instance.load_report, args.heartbeat_seconds
+            args.registry_url,
+            instance.instance_id,
+            instance.grpc_address,
+            instance.load_report,
+            args.heartbeat_seconds,
+            key=secret.registry_key if secret is not None else None,
         )
         await heartbeat.register()  # registered before we say we are up
         heartbeat.start()

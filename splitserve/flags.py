@@ -17,6 +17,10 @@ from typing import Literal
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DTypeChoice, ...] = ("auto", "float32", "bfloat16", "float16")
 
+# engine.kv_cache_utils.PREFIX_CACHE_HASHES, spelled here so that this module loads no part of the engine.
+PrefixCacheHashChoice = Literal["xxh3", "sha256"]
+PREFIX_CACHE_HASHES: tuple[PrefixCacheHashChoice, ...] = ("xxh3", "sha256")
+
 DTYPE_HELP = (
     "auto: bfloat16 for a bfloat16 checkpoint (such as the embedded model) where the CPU computes it natively "
     "(AVX512_BF16 or AMX), float32 on other CPUs (exact, and faster in batches there), the checkpoint's own "
@@ -26,7 +30,10 @@ DTYPE_HELP = (
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="local Hugging Face folder, or a .gguf file (its Q4_0, Q4_1 and Q8_0 weights kept quantized on the "
+        "CPU; other types dequantized at load) (default: embedded SmolLM2-135M-Instruct)",
     )
 
 
@@ -66,6 +73,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "that arrive meanwhile share its steps; auto: chunks of about half a second at the measured prefill "
         "rate; 0: no cap (default: auto on prefill instances, no cap elsewhere)",
     )
+    parser.add_argument(
+        "--prefix-cache-hash",
+        default="xxh3",
+        choices=PREFIX_CACHE_HASHES,
+        help="the prefix cache's block hash: xxh3, the fastest, or sha256, collision resistant (a crafted prompt "
+        "cannot reuse KV computed for another), keyed by the cluster secret where there is one; the gateway follows "
+        "each instance's choice (default: xxh3)",
+    )
     add_tensor_parallel_argument(parser)
     add_speculative_arguments(parser)
 
@@ -91,7 +106,14 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The flags of :func:`add_engine_arguments` as parsed, for an instance to parse the same
     (``--model`` aside: the launcher passes the folder it resolved). Speculative flags are
     left to :func:`speculative_argv`: only decoding instances take them."""
-    argv = ["--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    argv = [
+        "--dtype",
+        args.dtype,
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+        "--prefix-cache-hash",
+        args.prefix_cache_hash,
+    ]
     for flag, value in (
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--max-model-len", args.max_model_len),

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold or None,
         tensor_parallel_size=args.tensor_parallel_size,
+        prefix_cache_hash=args.prefix_cache_hash,
         speculative=speculative_config_from_args(args),
     )
     params = SamplingParams(

@@ -36,15 +36,16 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float) -> Non
 
 
 def start_redis(
-    password: str | None = None, tls: tuple[Path, Path, Path] | None = None
+    password: str | None = None, tls: tuple[Path, Path, Path] | None = None, port: int | None = None
 ) -> tuple[subprocess.Popen, str]:
-    """A Redis server on a free loopback port and its URL; with ``password`` it requires it
-    (``--requirepass``) and the URL carries it; with ``tls`` (certificate, key, CA) it speaks
-    only TLS, and the URL is ``rediss://`` trusting that CA."""
+    """A Redis server on a free loopback port (or ``port``: to start one again where another
+    stopped) and its URL; with ``password`` it requires it (``--requirepass``) and the URL
+    carries it; with ``tls`` (certificate, key, CA) it speaks only TLS, and the URL is
+    ``rediss://`` trusting that CA."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
+    port = port or free_port()
     options = ["--requirepass", password] if password else []
     if tls is not None:
         cert, key, ca = tls

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -74,6 +75,22 @@ class TensorParallel:
 
     layout: TensorParallelLayout
     group: TensorParallelGroup
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSlice:
+    """The part of a checkpoint tensor one rank holds: ``count`` rows (``dim`` 0, output
+    features) or columns (``dim`` 1, input features) from ``start``, then ``padding`` zero rows
+    (the LM head's last vocabulary shard)."""
+
+    dim: Literal[0, 1]
+    start: int
+    count: int
+    padding: int = 0
+
+
+# A rank holds a slice of a tensor, all of it (replicated, or no tensor parallelism), or none.
+Shard = ShardSlice | Literal["whole", "none"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,12 +240,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         # Every rank's vocabulary shard, side by side; the last shard's padding rows cut off.
         return self.group.all_gather_last_dim(logits)[:, : self.shape.vocab_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face checkpoint tensors (this rank's shard of each) into the fused parameters."""
+    def fused_projections(self) -> dict[str, tuple[str, int | None, int | None]]:
+        """HF projection name -> (our module, row offset, rows): where each projection's rows go
+        in the fused ones (offset None: the projection is the whole module)."""
         shape, local = self.shape, self.local
         q, kv, inter = local.num_heads * shape.head_dim, local.num_kv_heads * shape.head_dim, local.intermediate_size
-        # HF projection name -> (our parameter name, row offset, rows)
-        fused = {
+        return {
             "self_attn.q_proj": ("qkv_proj", 0, q),
             "self_attn.k_proj": ("qkv_proj", q, kv),
             "self_attn.v_proj": ("qkv_proj", q + kv, kv),
@@ -237,6 +254,11 @@ class LlamaFamilyForCausalLM(nn.Module):
             "mlp.up_proj": ("gate_up_proj", inter, inter),
             "mlp.down_proj": ("down_proj", None, None),
         }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face checkpoint tensors (this rank's shard of each) into the fused parameters."""
+        shape = self.shape
+        fused = self.fused_projections()
         params = dict(self.named_parameters())
         rows_loaded: Counter[str] = Counter()
         for name, full in weights:
@@ -249,7 +271,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 tensor = self._shard(load_name, load_full)
                 if tensor is None:
                     continue  # not this rank's (a row-parallel bias on a rank other than 0)
-                target, offset, rows = _map_name(load_name, fused)
+                target, offset, rows = map_name(load_name, fused)
                 if target not in params:
                     if "rotary_emb" in load_name:
                         continue
@@ -271,9 +293,18 @@ class LlamaFamilyForCausalLM(nn.Module):
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """This rank's part of checkpoint tensor ``name`` (all of it without tensor parallelism);
         None when the rank holds none of it."""
+        shard = self.shard_of(name, tensor.shape[0])
+        if not isinstance(shard, ShardSlice):
+            return tensor if shard == "whole" else None
+        part = tensor.narrow(shard.dim, shard.start, shard.count)
+        return torch.cat([part, part.new_zeros(shard.padding, *part.shape[1:])]) if shard.padding else part
+
+    def shard_of(self, name: str, num_rows: int) -> Shard:
+        """Which part of checkpoint tensor ``name`` (of ``num_rows`` rows) this rank holds; the
+        GGUF loader applies the same answer to quantized rows (engine/models/gguf_loader.py)."""
         layout = self.layout
         if layout is None:
-            return tensor
+            return "whole"
         head_dim = self.shape.head_dim
         rows_of = {
             "self_attn.q_proj": (layout.head_start * head_dim, layout.num_local_heads * head_dim),
@@ -288,20 +319,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         }
         for projection, (start, count) in rows_of.items():
             if f".{projection}." in name:
-                return tensor[start : start + count]
+                return ShardSlice(0, start, count)
         for projection, (start, count) in columns_of.items():
             if f".{projection}." in name:
                 if name.endswith(".bias"):
-                    return tensor if layout.rank == 0 else None  # added once, by rank 0
-                return tensor[:, start : start + count]
+                    return "whole" if layout.rank == 0 else "none"  # added once, by rank 0
+                return ShardSlice(1, start, count)
         if name.startswith("lm_head."):
-            shard = tensor[layout.vocab_start : layout.vocab_start + layout.local_vocab_size]
-            padding = layout.local_vocab_size - shard.shape[0]
-            return torch.cat([shard, shard.new_zeros(padding, *shard.shape[1:])]) if padding else shard
-        return tensor  # replicated: the embedding, the norms
+            count = max(0, min(layout.local_vocab_size, num_rows - layout.vocab_start))
+            return ShardSlice(0, layout.vocab_start, count, padding=layout.local_vocab_size - count)
+        return "whole"  # replicated: the embedding, the norms
 
 
-def _map_name(name: str, fused: dict[str, tuple[str, int | None, int | None]]) -> tuple[str, int | None, int | None]:
+def map_name(name: str, fused: dict[str, tuple[str, int | None, int | None]]) -> tuple[str, int | None, int | None]:
     """``model.layers.3.self_attn.k_proj.weight`` -> (``layers.3.qkv_proj.weight``, offset, rows)."""
     name = name.removeprefix("model.")
     if name.startswith("layers."):

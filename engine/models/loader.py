@@ -1,4 +1,5 @@
-"""Load a Hugging Face folder (config.json + safetensors) into one of our model classes."""
+"""Load a Hugging Face folder (config.json + safetensors), or a GGUF file
+(engine/models/gguf_loader.py), into one of our model classes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from engine.attention.backend import AttentionBackend
 from engine.cpu_features import CPUFeatures, cpu_features
+from engine.gguf_files import is_gguf, metadata_folder
 from engine.models.cpu_linear import linear_path, prepare_linears
+from engine.models.gguf_loader import load_gguf
 from engine.models.llama import LlamaFamilyForCausalLM, ModelShape, TensorParallel
 from engine.models.ops import NativeCPUOps, select_ops
 from engine.tensor_parallel.group import TensorParallelGroup
@@ -106,9 +109,9 @@ def load_model(
     max_model_len: int | None,
     group: TensorParallelGroup | None = None,
 ) -> LoadedModel:
-    """``group``: load this rank's shard of the model, whose collectives run in ``group``
-    (None: the whole model)."""
-    config = AutoConfig.from_pretrained(str(path))
+    """``path``: a Hugging Face folder or a GGUF file. ``group``: load this rank's shard of the
+    model, whose collectives run in ``group`` (None: the whole model)."""
+    config = AutoConfig.from_pretrained(str(metadata_folder(path)))
     architectures = getattr(config, "architectures", None) or []
     architecture = next((arch for arch in architectures if arch in SUPPORTED_ARCHITECTURES), None)
     if architecture is None:
@@ -128,10 +131,14 @@ def load_model(
             group.rank, group.world_size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size
         )
         parallel = TensorParallel(layout, group)
-    with torch.device(device):
-        ops = select_ops(device, dtype)
-        model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops, parallel).to(dtype)
-    model.load_weights(iter_safetensors(path))
+    ops = select_ops(device, dtype)
+    if is_gguf(path):
+        model = load_gguf(path, config, architecture, supported_len, dtype, device, backend, ops, parallel)
+    else:
+        with torch.device(device):
+            model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops, parallel)
+            model = model.to(dtype)
+        model.load_weights(iter_safetensors(path))
     model.eval()
     path_name = linear_path(device, dtype)
     prepare_linears(model, path_name)

@@ -31,6 +31,7 @@ from engine.flat_batch import FlatBatch
 from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.models.ops import NativeCPUOps
+from engine.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,8 @@ def _unsupported(
         return f"no native step for {type(model).__name__}"
     if model.group is not None:
         return "tensor parallel: the ranks all-reduce between a layer's kernels"
+    if any(isinstance(module, QuantizedLinear | QuantizedEmbedding) for module in model.modules()):
+        return "quantized weights: the native step strings float panels only, so far"
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu" or not kernels.supports(weight.dtype):
         return f"{weight.dtype} on {weight.device.type}"

@@ -25,7 +25,8 @@ def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, fl
         return inv_freq, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is unknown to transformers {ROPE_INIT_FUNCTIONS.keys()}")
-    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    # On the device being built on (meta, for a GGUF file: engine/models/gguf_loader.py).
+    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.get_default_device())
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -46,9 +46,16 @@ JOIN_TIMEOUT_S = 10.0  # a worker told to stop that has not exited by then is ki
 
 
 class TensorParallelExecutor:
-    def __init__(self, group: TensorParallelGroup, workers: list[tuple[BaseProcess, Connection]]) -> None:
+    def __init__(
+        self,
+        group: TensorParallelGroup,
+        workers: list[tuple[BaseProcess, Connection]],
+        extension_channels: list[Connection],
+    ) -> None:
         self.group = group  # rank 0's
         self._workers = workers
+        # Rank 0's ends of the worker extension's channels, ranks 1..N-1 in order (none without one).
+        self.extension_channels = extension_channels
         self._closed = False
 
     @classmethod
@@ -61,8 +68,10 @@ class TensorParallelExecutor:
             torch.set_num_threads(len(cpus[0]))  # rank 0's share; its process keeps its affinity
         context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
         workers = []
+        extension_channels = []
         for rank in range(1, world_size):
             parent, child = context.Pipe()
+            extension_parent, extension_child = context.Pipe() if config.worker_extension else (None, None)
             spec = WorkerSpec(
                 config=replace(config),
                 model_path=model_path,
@@ -72,10 +81,15 @@ class TensorParallelExecutor:
                 cpus=frozenset(cpus[rank]) if cpus is not None else None,
                 log_level=logging.getLogger().getEffectiveLevel(),
             )
-            process = context.Process(target=main, args=(spec, child), name=f"tp-rank{rank}", daemon=True)
+            process = context.Process(
+                target=main, args=(spec, child, extension_child), name=f"tp-rank{rank}", daemon=True
+            )
             process.start()
             child.close()
             workers.append((process, parent))
+            if extension_parent is not None and extension_child is not None:
+                extension_child.close()
+                extension_channels.append(extension_parent)
         logger.info(
             "tensor parallel: %d ranks, workers %s%s",
             world_size,
@@ -87,7 +101,7 @@ class TensorParallelExecutor:
         except BaseException:
             _stop(workers)
             raise
-        return cls(group, workers)
+        return cls(group, workers, extension_channels)
 
     def share_num_blocks(self, num_blocks: int) -> None:
         """Every worker allocates ``num_blocks`` KV blocks; returns once all have."""
@@ -117,6 +131,8 @@ class TensorParallelExecutor:
         if not self._closed:
             self._closed = True
             _stop(self._workers)
+            for channel in self.extension_channels:
+                channel.close()
 
 
 def _stop(workers: list[tuple[BaseProcess, Connection]]) -> None:

@@ -45,21 +45,17 @@ class TensorParallelLayout:
 
     @property
     def num_local_kv_heads(self) -> int:
-        return max(1, self.num_kv_heads // self.world_size)
+        return len(self.kv_heads)
 
     @property
     def kv_head_start(self) -> int:
         """The first of this rank's KV heads, in the model's numbering."""
-        if self.world_size <= self.num_kv_heads:
-            return self.rank * self.num_local_kv_heads
-        return self.rank // (self.world_size // self.num_kv_heads)  # replicated: ranks share a head
+        return self.kv_heads.start
 
-    def kv_heads_of(self, rank: int) -> range:
-        """The model's KV heads that ``rank`` holds."""
-        other = TensorParallelLayout(
-            rank, self.world_size, self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size
-        )
-        return range(other.kv_head_start, other.kv_head_start + other.num_local_kv_heads)
+    @property
+    def kv_heads(self) -> range:
+        """The model's KV heads this rank holds."""
+        return kv_head_range(self.rank, self.world_size, self.num_kv_heads)
 
     @property
     def head_start(self) -> int:
@@ -77,6 +73,16 @@ class TensorParallelLayout:
     @property
     def vocab_start(self) -> int:
         return self.rank * self.local_vocab_size
+
+
+def kv_head_range(rank: int, world_size: int, num_kv_heads: int) -> range:
+    """The model's KV heads rank ``rank`` of ``world_size`` holds: an even share, or one head
+    replicated on ``world_size / num_kv_heads`` consecutive ranks when the ranks outnumber them."""
+    if world_size <= num_kv_heads:
+        share = num_kv_heads // world_size
+        return range(rank * share, (rank + 1) * share)
+    head = rank // (world_size // num_kv_heads)
+    return range(head, head + 1)
 
 
 def check_tensor_parallel_size(

@@ -5,7 +5,8 @@ In call order (rank 0's side: engine/tensor_parallel/executor.py):
 
 1. Start (spawned by rank 0): die with the parent, pin to this rank's CPUs, join the group.
 2. Load this rank's shard of the checkpoint; wait for ``INIT`` (the KV blocks every rank
-   allocates), allocate them, answer ``READY``.
+   allocates), allocate them, start the worker extension if the config names one
+   (engine/tensor_parallel/rank_context.py), answer ``READY``.
 3. For each ``STEP``: rebuild the flat batch and run the forward pass, whose all-reduces and
    logits gather meet rank 0's and the other workers' (the logits are then dropped here).
 4. ``STOP``, or the pipe closing (rank 0 is gone), or a failed collective (a peer is gone):
@@ -31,6 +32,7 @@ from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.models import load_model
 from engine.tensor_parallel import messages
 from engine.tensor_parallel.group import TensorParallelGroup
+from engine.tensor_parallel.rank_context import RankContext
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +52,9 @@ class WorkerSpec:
     log_level: int
 
 
-def main(spec: WorkerSpec, conn: Connection) -> None:
-    """The worker process's target."""
+def main(spec: WorkerSpec, conn: Connection, extension_channel: Connection | None = None) -> None:
+    """The worker process's target. ``extension_channel``: the worker extension's, when the
+    config names one."""
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s")
     # Die with rank 0 even if it is killed outright: no worker outlives its instance.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -59,7 +62,7 @@ def main(spec: WorkerSpec, conn: Connection) -> None:
         os.sched_setaffinity(0, spec.cpus)
         torch.set_num_threads(len(spec.cpus))
     try:
-        _serve(spec, conn)
+        _serve(spec, conn, extension_channel)
     except (EOFError, BrokenPipeError):
         logger.info("rank 0 is gone: exiting")
     except BaseException as error:
@@ -69,7 +72,7 @@ def main(spec: WorkerSpec, conn: Connection) -> None:
         raise SystemExit(1) from None
 
 
-def _serve(spec: WorkerSpec, conn: Connection) -> None:
+def _serve(spec: WorkerSpec, conn: Connection, extension_channel: Connection | None) -> None:
     config, device = spec.config, torch.device(spec.device)
     world_size = config.tensor_parallel_size
     group = TensorParallelGroup(spec.rank, world_size, spec.store_port, device)
@@ -90,6 +93,8 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
         device,
     )
     layer_caches = layer_views(kv_cache)
+    if config.worker_extension is not None and extension_channel is not None and model.layout is not None:
+        config.worker_extension(RankContext(spec.rank, world_size, kv_cache, model.layout.kv_heads, extension_channel))
     conn.send_bytes(messages.encode_words(messages.READY))
     logger.info(
         "rank %d of %d ready: %d KV heads, %d KV blocks", spec.rank, world_size, model.local.num_kv_heads, num_blocks

@@ -26,7 +26,7 @@ class Fingerprint(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("connector", "connector_address", "block_ids", "num_tokens", "fingerprint", "prefill_address", "lease_s", "request_id", "pull_token", "signature")
+    __slots__ = ("connector", "connector_address", "block_ids", "num_tokens", "fingerprint", "prefill_address", "lease_s", "request_id", "pull_token", "signature", "chunk_digests")
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class KVHandle(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PULL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     connector: str
     connector_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +48,8 @@ class KVHandle(_message.Message):
     request_id: str
     pull_token: bytes
     signature: bytes
-    def __init__(self, connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., prefill_address: _Optional[str] = ..., lease_s: _Optional[float] = ..., request_id: _Optional[str] = ..., pull_token: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., prefill_address: _Optional[str] = ..., lease_s: _Optional[float] = ..., request_id: _Optional[str] = ..., pull_token: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "kv_only")
@@ -238,37 +240,49 @@ class InstanceCounters(_message.Message):
     def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
-    __slots__ = ("epoch", "after_seq")
+    __slots__ = ("epoch", "after_seq", "max_hashes", "snapshot_offset")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MAX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     after_seq: int
-    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    max_hashes: int
+    snapshot_offset: int
+    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ..., max_hashes: _Optional[int] = ..., snapshot_offset: _Optional[int] = ...) -> None: ...
 
 class KVEvents(_message.Message):
-    __slots__ = ("epoch", "last_seq", "snapshot", "stored", "removed", "block_size")
+    __slots__ = ("epoch", "last_seq", "snapshot", "stored", "removed", "block_size", "block_hash", "snapshot_offset", "more")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     last_seq: int
     snapshot: bool
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     block_size: int
-    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., snapshot: bool = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    block_hash: str
+    snapshot_offset: int
+    more: bool
+    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., snapshot: bool = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., block_hash: _Optional[str] = ..., snapshot_offset: _Optional[int] = ..., more: bool = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("grpc_address", "report", "unix_s", "serving")
+    __slots__ = ("grpc_address", "report", "unix_s", "serving", "signature")
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     UNIX_S_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     grpc_address: str
     report: LoadReport
     unix_s: float
     serving: bool
-    def __init__(self, grpc_address: _Optional[str] = ..., report: _Optional[_Union[LoadReport, _Mapping]] = ..., unix_s: _Optional[float] = ..., serving: bool = ...) -> None: ...
+    signature: bytes
+    def __init__(self, grpc_address: _Optional[str] = ..., report: _Optional[_Union[LoadReport, _Mapping]] = ..., unix_s: _Optional[float] = ..., serving: bool = ..., signature: _Optional[bytes] = ...) -> None: ...

@@ -35,6 +35,7 @@ def make_handle() -> disaggregation_pb2.KVHandle:
         prefill_address="10.0.0.1:50061",
         lease_s=30.0,
         pull_token=bytes(range(16)),
+        chunk_digests=[bytes(range(32)), bytes(32)],
     )
 
 

@@ -1,7 +1,9 @@
-"""The internal plane's gRPC on real servers in the test's event loop: calls without the
-cluster secret's token get UNAUTHENTICATED (unary and streaming alike, the servicer never
-runs), health checks stay open, and TLS / mutual TLS refuse peers without the right
-certificates."""
+"""The internal plane's gRPC on real servers in the test's event loop: calls without a
+credential made with the cluster secret get UNAUTHENTICATED (unary and streaming alike, the
+servicer never runs), a credential is good once, for its method, within the clock window
+(one sniffed off a member's call is worth nothing), health checks stay open, a secret given
+but empty or missing where it is required stops the process at start, and TLS / mutual TLS
+refuse peers without the right certificates."""
 
 from __future__ import annotations
 
@@ -14,26 +16,35 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.auth import METADATA_KEY, ClusterSecret
-from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
+from cluster.auth import CALL_WINDOW_S, METADATA_KEY, ClusterCallCheck, ClusterSecret
+from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments, is_loopback
 from cluster.tls import TLSFiles
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 SECRET = "the-cluster-secret-of-these-tests"
 
 
+ABORT = "/splitserve.v1.Decode/Abort"
+
+
 class EchoDecode(disaggregation_pb2_grpc.DecodeServicer):
-    """Counts the calls that reach it."""
+    """Counts the calls that reach it, and keeps the credential each came with (what someone
+    reading the wire would see)."""
 
     def __init__(self) -> None:
         self.num_calls = 0
+        self.credentials: list[str] = []
+
+    def _served(self, context: grpc.aio.ServicerContext) -> None:
+        self.num_calls += 1
+        self.credentials += [value for key, value in context.invocation_metadata() or () if key == METADATA_KEY]
 
     async def Decode(self, request, context):  # noqa: N802
-        self.num_calls += 1
+        self._served(context)
         yield disaggregation_pb2.DecodeResponse(request_id=request.request_id, token_ids=[1, 2])
 
     async def Abort(self, request, context):  # noqa: N802
-        self.num_calls += 1
+        self._served(context)
         return disaggregation_pb2.AbortResponse(found=True)
 
 
@@ -71,13 +82,43 @@ def test_secret_must_be_long_enough_and_is_never_shown() -> None:
     with pytest.raises(ValueError, match="at least 16 random"):
         ClusterSecret.from_text("short")
     secret = ClusterSecret.from_text(SECRET)
-    assert SECRET not in repr(secret) and secret.call_token not in repr(secret)
-    # Neither derived key is the secret, and they differ: the token on the wire does not sign handles.
-    assert secret.call_token.encode() != secret.handle_key and SECRET.encode() not in (
-        secret.call_token.encode(),
-        secret.handle_key,
+    keys = (secret.call_key, secret.handle_key, secret.registry_key)
+    assert SECRET not in repr(secret) and not any(key.hex() in repr(secret) for key in keys)
+    # No derived key is the secret, and each differs: a key used for one purpose serves no other.
+    assert len(set(keys)) == 3 and SECRET.encode() not in keys
+    # What goes on the wire is a MAC, never a key.
+    credential = secret.call_credential(ABORT)
+    assert not any(key.hex() in credential for key in keys) and SECRET not in credential
+
+
+def test_a_credential_is_good_once_for_its_method_within_the_window() -> None:
+    secret = ClusterSecret.from_text(SECRET)
+    check = ClusterCallCheck(secret)
+    now = 1_700_000_000.0
+    credential = secret.call_credential(ABORT, unix_s=now)
+    assert check.check(ABORT, credential, now) is None
+    assert "used before" in (check.check(ABORT, credential, now + 1) or "")
+    # Made for Abort: worth nothing for Decode, however fresh.
+    assert "for another method" in (
+        check.check("/splitserve.v1.Decode/Decode", secret.call_credential(ABORT, now), now) or ""
     )
-    assert secret.accepts(secret.call_token) and not secret.accepts(SECRET) and not secret.accepts(None)
+    # Dated outside the window either way: refused, and the clock is named.
+    for skew_s in (-CALL_WINDOW_S - 1, CALL_WINDOW_S + 1):
+        problem = check.check(ABORT, secret.call_credential(ABORT, unix_s=now + skew_s), now)
+        assert problem is not None and "clock" in problem
+    # At the window's edges, accepted once.
+    for skew_s in (-CALL_WINDOW_S + 1, CALL_WINDOW_S - 1):
+        assert check.check(ABORT, secret.call_credential(ABORT, unix_s=now + skew_s), now) is None
+    # A nonce is forgotten only once its credential is out of the window anyway: memory stays
+    # bounded by the calls of two windows.
+    assert check.num_remembered == 3
+    later = now + 2 * CALL_WINDOW_S + 1
+    assert "clock" in (check.check(ABORT, credential, later) or "")
+    assert check.check(ABORT, secret.call_credential(ABORT, unix_s=later), later) is None
+    assert check.num_remembered == 1
+    other = ClusterSecret.from_text("not-the-cluster-secret-at-all")
+    for presented in (None, "", "v1.x.y.z", other.call_credential(ABORT, now), SECRET):
+        assert check.check(ABORT, presented, now) is not None, presented
 
 
 def test_calls_without_the_secret_are_unauthenticated_and_never_reach_the_servicer() -> None:
@@ -87,8 +128,8 @@ def test_calls_without_the_secret_are_unauthenticated_and_never_reach_the_servic
         async with plane.channel(address) as member:
             assert await decode_and_abort(member) == ([1, 2], True)
         assert servicer.num_calls == 2
-        stranger_token = ClusterSecret.from_text("not-the-cluster-secret-at-all").call_token
-        for metadata in ((), ((METADATA_KEY, stranger_token),), ((METADATA_KEY, SECRET),)):
+        stranger = ClusterSecret.from_text("not-the-cluster-secret-at-all").call_credential(ABORT)
+        for metadata in ((), ((METADATA_KEY, stranger),), ((METADATA_KEY, SECRET),)):
             async with grpc.aio.insecure_channel(address) as outsider:
                 stub = disaggregation_pb2_grpc.DecodeStub(outsider)
                 with pytest.raises(grpc.aio.AioRpcError) as unary:
@@ -108,6 +149,36 @@ def test_calls_without_the_secret_are_unauthenticated_and_never_reach_the_servic
     asyncio.run(with_server(plane, test))
 
 
+def test_a_credential_read_off_a_members_call_is_refused_when_replayed() -> None:
+    """What someone reading plaintext traffic gets: each credential a member sent. Replayed, for
+    the same method or another, it is refused, and the servicer never runs again."""
+    plane = InternalPlane(secret=ClusterSecret.from_text(SECRET))
+
+    async def test(address: str, servicer: EchoDecode) -> None:
+        async with plane.channel(address) as member:
+            assert await decode_and_abort(member) == ([1, 2], True)
+            assert await decode_and_abort(member) == ([1, 2], True)  # each call its own credential
+        assert servicer.num_calls == 4 and len(set(servicer.credentials)) == 4
+        sniffed = servicer.credentials[1]  # the first Abort's
+        async with grpc.aio.insecure_channel(address) as eavesdropper:
+            stub = disaggregation_pb2_grpc.DecodeStub(eavesdropper)
+            with pytest.raises(grpc.aio.AioRpcError) as replayed:
+                await stub.Abort(
+                    disaggregation_pb2.RequestRef(request_id="other"), timeout=5, metadata=((METADATA_KEY, sniffed),)
+                )
+            assert replayed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "used before (a replay)" in replayed.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as other_method:
+                async for _ in stub.Decode(
+                    disaggregation_pb2.DecodeRequest(request_id="r"), timeout=5, metadata=((METADATA_KEY, sniffed),)
+                ):
+                    pass
+            assert other_method.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert servicer.num_calls == 4, "no replayed call reached the servicer"
+
+    asyncio.run(with_server(plane, test))
+
+
 def test_without_a_secret_the_plane_is_open() -> None:
     async def test(address: str, servicer: EchoDecode) -> None:
         async with grpc.aio.insecure_channel(address) as anyone:
@@ -117,16 +188,16 @@ def test_without_a_secret_the_plane_is_open() -> None:
 
 
 def test_flags_and_environment_configure_the_plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def parse(*argv: str) -> InternalPlane:
+    def parse(*argv: str, host: str = "127.0.0.1") -> InternalPlane:
         parser = argparse.ArgumentParser()
         add_internal_plane_arguments(parser)
-        return InternalPlane.from_args(parser.parse_args(argv))
+        return InternalPlane.from_args(parser.parse_args(argv), host)
 
     assert parse() == InternalPlane()
     secret_file = tmp_path / "cluster_secret"
     secret_file.write_text(SECRET + "\n")  # as `echo` writes it
     from_file = parse("--cluster-secret-file", str(secret_file)).secret
-    assert from_file is not None and from_file.call_token == ClusterSecret.from_text(SECRET).call_token
+    assert from_file is not None and from_file == ClusterSecret.from_text(SECRET)
     monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET", SECRET)
     assert parse().secret == from_file
     with pytest.raises(ValueError, match="either --cluster-secret or --cluster-secret-file"):
@@ -138,6 +209,52 @@ def test_flags_and_environment_configure_the_plane(tmp_path: Path, monkeypatch: 
         parse("--tls-cert", str(secret_file))
     with pytest.raises(ValueError, match="needs its own certificate"):
         parse("--tls-ca", str(secret_file)).tls.server_credentials()
+
+
+def test_a_secret_given_empty_or_missing_where_required_stops_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty Kubernetes Secret key, a ``touch``ed file or an empty variable used to leave the
+    plane open with only a log line; now each is an error naming the fix, and so is a process
+    without a secret that listens beyond loopback (unless told it is fine) or is told to require one."""
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET_FILE", raising=False)
+    monkeypatch.delenv("SPLITSERVE_REQUIRE_CLUSTER_SECRET", raising=False)
+
+    def parse(*argv: str, host: str = "127.0.0.1") -> InternalPlane:
+        parser = argparse.ArgumentParser()
+        add_internal_plane_arguments(parser)
+        return InternalPlane.from_args(parser.parse_args(argv), host)
+
+    empty = tmp_path / "empty"
+    empty.touch()
+    blank = tmp_path / "blank"
+    blank.write_text(" \n")
+    for path in (empty, blank):
+        with pytest.raises(ValueError, match=f"--cluster-secret-file {path} is empty: write the secret into it"):
+            parse("--cluster-secret-file", str(path))
+    with pytest.raises(ValueError, match="given but empty"):
+        parse("--cluster-secret", "")
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET", "")
+    with pytest.raises(ValueError, match="given but empty .* or unset the variable"):
+        parse()
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET")
+    assert parse().secret is None  # not given at all: loopback development, as before
+
+    with pytest.raises(ValueError, match="--require-cluster-secret is set but no cluster secret"):
+        parse("--require-cluster-secret")
+    monkeypatch.setenv("SPLITSERVE_REQUIRE_CLUSTER_SECRET", "1")
+    with pytest.raises(ValueError, match="--require-cluster-secret is set"):
+        parse()
+    assert parse("--cluster-secret", SECRET).secret is not None
+    monkeypatch.delenv("SPLITSERVE_REQUIRE_CLUSTER_SECRET")
+
+    for host in ("0.0.0.0", "10.1.2.3", "::", "splitserve-prefill.invalid"):
+        with pytest.raises(ValueError, match=f"--host {host} listens beyond loopback, but no cluster secret"):
+            parse(host=host)
+        assert parse("--insecure-internal-plane", host=host).secret is None
+        assert parse("--cluster-secret", SECRET, host=host).secret is not None
+    assert all(is_loopback(host) for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
 
 
 def test_mutual_tls_refuses_peers_without_a_certificate_from_the_cluster_ca(tmp_path: Path) -> None:
@@ -172,3 +289,23 @@ def test_mutual_tls_refuses_peers_without_a_certificate_from_the_cluster_ca(tmp_
         assert servicer.num_calls == 2
 
     asyncio.run(with_server(server_plane, test))
+
+
+def test_a_gateway_or_instance_without_its_secret_refuses_to_start(tmp_path: Path) -> None:
+    """The checks above at the command line: each process exits at once, before loading
+    anything, with the fix in its error."""
+    import os
+    import subprocess
+
+    from launcher.processes import splitserve_command
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
+    empty = tmp_path / "cluster_secret"
+    empty.touch()
+    cases = {
+        ("gateway", "--registry-url", "redis://127.0.0.1:1", "--host", "0.0.0.0"): "listens beyond loopback",
+        ("decode", "--cluster-secret-file", str(empty)): "is empty: write the secret into it",
+    }
+    for argv, message in cases.items():
+        done = subprocess.run(splitserve_command(*argv), env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, (argv, done.stderr[-2000:])

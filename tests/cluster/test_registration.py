@@ -36,14 +36,16 @@ def report() -> disaggregation_pb2.LoadReport:
 
 async def register_and_discover(url: str) -> None:
     """An instance registers at ``url``; a gateway polling it finds the instance."""
-    heartbeat = RegistryHeartbeat(url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0)
+    heartbeat = RegistryHeartbeat(url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0, key=None)
     await heartbeat.register()
     pool = InstancePool(stale_after_s=5.0)
     discovery = RedisDiscovery(pool, url, interval_s=0.2)
     try:
         await discovery.first_poll()
         assert [s.address for s in pool.healthy("decode")] == ["127.0.0.1:50071"]
-        assert [r.grpc_address for r in await scan_registrations(discovery.client)] == ["127.0.0.1:50071"]
+        assert [r.grpc_address for r in (await scan_registrations(discovery.client, None)).registrations] == [
+            "127.0.0.1:50071"
+        ]
     finally:
         await heartbeat.stop()
         await discovery.close()
@@ -63,7 +65,7 @@ def test_without_the_password_instance_and_gateway_fail_with_the_fix(protected_u
     url = protected_url.replace(f":{PASSWORD}@", credentials)
 
     async def scenario() -> None:
-        heartbeat = RegistryHeartbeat(url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0)
+        heartbeat = RegistryHeartbeat(url, "decode-0", "127.0.0.1:50071", report, interval_s=1.0, key=None)
         with pytest.raises(
             ValueError, match=r"refused us .*: put its password in the URL, redis://:PASSWORD@HOST:PORT"
         ) as instance_error:
@@ -91,7 +93,7 @@ def test_urls_are_shown_without_their_password() -> None:
     assert redact_url("lm://cache:65432") == "lm://cache:65432"
     assert "s3cret" not in redact_url("redis://:s3cret@[::1")  # malformed: shown as its scheme only
     with pytest.raises(ValueError, match="--registry-url must be") as raised:
-        RegistryHeartbeat("http://:s3cret@redis:6379", "p", "a:1", report, 1.0)
+        RegistryHeartbeat("http://:s3cret@redis:6379", "p", "a:1", report, 1.0, key=None)
     assert "s3cret" not in str(raised.value)
 
 
@@ -133,7 +135,7 @@ def test_registration_over_tls(tmp_path: Path) -> None:
     try:
 
         async def scenario() -> None:
-            heartbeat = RegistryHeartbeat(url, "prefill-0", "127.0.0.1:50061", report, interval_s=1.0)
+            heartbeat = RegistryHeartbeat(url, "prefill-0", "127.0.0.1:50061", report, interval_s=1.0, key=None)
             await heartbeat.register()
             pool = InstancePool(stale_after_s=5.0)
             discovery = RedisDiscovery(pool, url, interval_s=0.2)
@@ -143,7 +145,12 @@ def test_registration_over_tls(tmp_path: Path) -> None:
             await discovery.close()
             await pool.close()
             untrusted = RegistryHeartbeat(
-                url.replace(str(ca.ca_path), str(TestCA(tmp_path, "other CA").ca_path)), "p", "a:1", report, 1.0
+                url.replace(str(ca.ca_path), str(TestCA(tmp_path, "other CA").ca_path)),
+                "p",
+                "a:1",
+                report,
+                1.0,
+                key=None,
             )
             with pytest.raises(ValueError, match="certificate verify failed"):
                 await untrusted.register()

@@ -1,10 +1,13 @@
 """compose/: the files docker-compose and docker stack accept, every service's command
-against the real ``splitserve`` parser, health checks that run, GPUs, ports, and variables
-that have defaults and are documented."""
+against the real ``splitserve`` parser, health checks that run, GPUs, ports, variables
+that have defaults and are documented, and what keeps the containers in bounds: plain users,
+no capabilities, read-only roots, ports on 127.0.0.1, secrets as files, and Redis users with
+only the commands and keys each needs (the real redis-server, with the real clients' calls)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import http.server
@@ -23,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from unittest import mock
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -42,6 +46,17 @@ SERVICES = ("redis", "prefill", "decode", "gateway")
 INSTANCES = ("prefill", "decode")
 DEFAULT_MODEL = "/opt/splitserve/models/SmolLM2-135M-Instruct"
 EXPECTED_PORTS = {"prefill": 50061, "decode": 50071, "gateway": 8000}
+REGISTRY_URL, KV_STORE_URL = "redis://registry@redis:6379", "redis://kv@redis:6379"
+# Files under compose/ each made once (README); the variable naming another path; the service's secret.
+SECRET_FILES = {
+    "cluster-secret": ("CLUSTER_SECRET_FILE", "cluster_secret"),
+    "redis-registry-password": ("REDIS_REGISTRY_PASSWORD_FILE", "redis_registry_password"),
+    "redis-kv-password": ("REDIS_KV_PASSWORD_FILE", "redis_kv_password"),
+    "api-key": ("API_KEY_FILE", "api_key"),
+    "grafana-admin-password": ("GRAFANA_ADMIN_PASSWORD_FILE", "grafana_admin_password"),
+}
+# Flags whose names hold "secret" or "password"; their values are never secrets.
+FLAGS_NAMING_SECRETS = {"--require-cluster-secret"}
 
 DOLLAR = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<bare>[A-Za-z_]\w*))")
 WITH_DEFAULT = re.compile(r"(?P<name>[A-Z][A-Z0-9_]*):-(?P<default>.*)")
@@ -211,10 +226,12 @@ def test_command_parses_with_the_real_cli(file: str, service: str) -> None:
     assert args.command == service
     assert args.host == "0.0.0.0"
     assert args.port == EXPECTED_PORTS[service]
-    assert args.registry_url == "redis://redis:6379"
+    assert args.registry_url == REGISTRY_URL, "the registry's own Redis user"
     assert args.model == DEFAULT_MODEL
+    assert args.require_cluster_secret, "never started without the cluster secret"
     if service in INSTANCES:
         assert args.advertise_host == service, "peers dial the service's DNS name"
+        assert args.lmcache_url == KV_STORE_URL, "the KV store's own Redis user"
         assert args.kv_connector == "ucx"
         assert args.kv_port == EXPECTED_PORTS[service] + 1, "a fixed KV port, reachable across nodes"
     else:
@@ -278,19 +295,30 @@ def test_the_variable_check_rejects_a_missing_default() -> None:
 # ----------------------------------------------------------------- ports, GPUs, health
 
 
-def test_gateway_publishes_rest_and_grpc_ports() -> None:
+def published_ports(ports: list[Any]) -> set[tuple[str, int, int]]:
+    """(host address, published, target) of compose ports, short ("127.0.0.1:8000:8000/tcp")
+    or long ({host_ip, published, target})."""
+    found = set()
+    for port in ports:
+        if isinstance(port, dict):
+            found.add((port.get("host_ip", "0.0.0.0"), int(port["published"]), int(port["target"])))
+            continue
+        parts = str(port).split("/")[0].split(":")
+        address = parts[0] if len(parts) == 3 else "0.0.0.0"
+        found.add((address, int(parts[-2]), int(parts[-1])))
+    return found
+
+
+def test_gateway_publishes_rest_and_grpc_ports_on_loopback() -> None:
     args = parse_command(command(BASE, "gateway"))
-    published = {
-        tuple(int(part) for part in str(port).split(":"))
-        for port in with_defaults(raw(BASE)["services"]["gateway"]["ports"])
-    }
-    assert {(args.port, args.port), (args.grpc_port, args.grpc_port)} <= published
+    published = published_ports(with_defaults(raw(BASE)["services"]["gateway"]["ports"]))
+    assert published == {("127.0.0.1", args.port, args.port), ("127.0.0.1", args.grpc_port, args.grpc_port)}
 
 
 @pytest.mark.parametrize("variant", ["plain", "gpu", "cpu", "swarm"])
-def test_compose_publishes_the_gateway_ports(variant: str) -> None:
-    ports = {(port["published"], port["target"]) for port in compose_config(variant)["services"]["gateway"]["ports"]}
-    assert {(8000, 8000), (50051, 50051)} <= {(int(published), int(target)) for published, target in ports}
+def test_compose_publishes_the_gateway_ports_on_loopback(variant: str) -> None:
+    ports = published_ports(compose_config(variant)["services"]["gateway"]["ports"])
+    assert ports == {("127.0.0.1", 8000, 8000), ("127.0.0.1", 50051, 50051)}
 
 
 def test_prefill_and_decode_reserve_different_gpus() -> None:
@@ -465,67 +493,162 @@ def test_dockerignore_keeps_what_pip_install_needs() -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_splitserve_service_reads_the_cluster_secret_from_a_compose_secret(variant: str) -> None:
+def test_every_splitserve_service_reads_its_secrets_from_compose_secrets(variant: str) -> None:
     config = compose_config(variant)
-    assert config["secrets"]["cluster_secret"]["file"].endswith("/cluster-secret")
-    assert config["secrets"]["redis_password"]["file"].endswith("/redis-password")
-    for role in ("prefill", "decode", "gateway"):
+    for name, (_, secret) in SECRET_FILES.items():
+        if secret != "grafana_admin_password":
+            assert config["secrets"][secret]["file"].endswith(f"/{name}"), secret
+    wanted = {
+        "prefill": ["cluster_secret", "redis_kv_password", "redis_registry_password"],
+        "decode": ["cluster_secret", "redis_kv_password", "redis_registry_password"],
+        # The gateway reads the registry only: the KV store's password is not its to hold.
+        "gateway": ["api_key", "cluster_secret", "redis_registry_password"],
+        "redis": ["redis_kv_password", "redis_registry_password"],
+    }
+    for role, secrets in wanted.items():
         service = config["services"][role]
-        assert secret_names(service) == ["cluster_secret", "redis_password"], role
+        assert sorted(secret_names(service)) == secrets, role
+        if role == "redis":
+            continue
         assert service["environment"]["SPLITSERVE_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", role
-        assert service["environment"]["SPLITSERVE_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password", role
-        assert not any("secret" in str(token) or "password" in str(token) for token in service["command"]), (
+        assert service["environment"]["SPLITSERVE_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_{user}_password", role
+        words = [str(token) for token in service["command"] if str(token) not in FLAGS_NAMING_SECRETS]
+        assert not any("secret" in word or "password" in word or "key" in word.lower() for word in words), (
             f"{role}: secrets never go on a command line"
         )
-        assert all("@" not in str(token) for token in service["command"]), (
+        assert all(urlsplit(word).password is None for word in words if "://" in word), (
             f"{role}: no credentials in a URL on the command line"
         )
-    assert secret_names(config["services"]["redis"]) == ["redis_password"]
+    gateway = config["services"]["gateway"]["environment"]
+    assert gateway["SPLITSERVE_API_KEY_FILE"] == "/run/secrets/api_key" and "SPLITSERVE_API_KEY" not in gateway
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_redis_requires_the_password_and_its_healthcheck_gives_it(variant: str, tmp_path: Path) -> None:
-    """Redis's command and health check as the container runs them (compose turns ``$$`` into
-    ``$``; the secret is a file here), with the real redis-server and redis-cli."""
+def test_every_container_runs_unprivileged_on_a_read_only_root(variant: str) -> None:
+    services = compose_config(variant)["services"]
+    if variant != "swarm":  # the observability file is named with the others
+        services = services | raw(OBSERVABILITY)["services"]
+    for name, service in services.items():
+        user = str(service.get("user", ""))
+        assert user and user.split(":")[0] not in ("0", "root"), f"{name}: runs as root"
+        assert service.get("read_only") is True, f"{name}: a writable root filesystem"
+        assert service.get("cap_drop") == ["ALL"] and not service.get("cap_add"), f"{name}: keeps capabilities"
+        assert "no-new-privileges:true" in service.get("security_opt", []), f"{name}: can gain privileges"
+        tmpfs = [v for v in service.get("volumes", []) if isinstance(v, dict) and v.get("type") == "tmpfs"]
+        assert [v["target"] for v in tmpfs] == ["/tmp"], f"{name}: no writable /tmp of its own"
+        assert service.get("ipc", "private") != "host" and not service.get("privileged"), name
+        assert service.get("network_mode") is None and service.get("pid") is None, name
+        for address, _, _ in published_ports(with_defaults(service.get("ports", []))):
+            assert address == "127.0.0.1", f"{name}: published on {address}"
+
+
+def test_the_observability_services_need_a_password_and_stay_on_loopback() -> None:
+    services = raw(OBSERVABILITY)["services"]
+    grafana = services["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"], "no password in the file itself"
+    assert secret_names(grafana) == ["grafana_admin_password"]
+    assert raw(OBSERVABILITY)["secrets"]["grafana_admin_password"]["file"].endswith("/grafana-admin-password}")
+
+
+# Redis's command as the container runs it: compose turns ``$$`` into ``$``; the secrets are files here.
+def redis_command(variant: str, secrets: Path, port: int) -> list[str]:
+    redis_service = compose_config(variant)["services"]["redis"]
+    assert redis_service["command"][:2] == ["sh", "-c"]
+    script = redis_service["command"][2].replace("$$", "$").replace("/run/secrets/", f"{secrets}/")
+    return ["sh", "-c", f"{script} --port {port} --bind 127.0.0.1"]
+
+
+@contextlib.contextmanager
+def compose_redis(variant: str, tmp_path: Path) -> Iterator[tuple[int, Path]]:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
-    redis_service = compose_config(variant)["services"]["redis"]
-    secret = tmp_path / "redis_password"
-    secret.write_text("compose-redis-password\n")
-
-    def as_run(text: str) -> str:
-        return text.replace("$$", "$").replace("/run/secrets/redis_password", str(secret))
-
-    assert redis_service["command"][:2] == ["sh", "-c"]
+    for user in ("registry", "kv"):
+        (tmp_path / f"redis_{user}_password").write_text(f"compose-{user}-password\n")
     port = free_port()
-    server = subprocess.Popen(
-        ["sh", "-c", f"{as_run(redis_service['command'][2])} --port {port} --bind 127.0.0.1"], stdout=subprocess.DEVNULL
-    )
+    server = subprocess.Popen(redis_command(variant, tmp_path, port), stdout=subprocess.DEVNULL)
     try:
         wait_for_port(port, server, 10.0)
+        yield port, tmp_path
+    finally:
+        stop(server)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_redis_has_no_default_user_and_its_healthcheck_logs_in(variant: str, tmp_path: Path) -> None:
+    with compose_redis(variant, tmp_path) as (port, secrets):
         unauthenticated = subprocess.run(
             ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, timeout=10
         )
         assert "NOAUTH" in unauthenticated.stdout + unauthenticated.stderr
-        check = redis_service["healthcheck"]["test"]
+        check = compose_config(variant)["services"]["redis"]["healthcheck"]["test"]
         assert check[:3] == ["CMD", "sh", "-c"]
-        healthy = subprocess.run(
-            ["sh", "-c", as_run(check[3]).replace("redis-cli ", f"redis-cli -p {port} ")], timeout=10
-        )
+        script = check[3].replace("$$", "$").replace("/run/secrets/", f"{secrets}/")
+        healthy = subprocess.run(["sh", "-c", script.replace("redis-cli ", f"redis-cli -p {port} ")], timeout=10)
         assert healthy.returncode == 0
-    finally:
-        stop(server)
+
+
+def test_redis_users_can_do_their_own_work_and_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calls splitserve makes (cluster/registration.py: SET PX, SCAN, MGET, DEL; lmcache's
+    Redis connector: SET, GET, EXISTS, DEL, and PEXPIRE on P), through the URLs compose gives
+    and SPLITSERVE_REDIS_PASSWORD_FILE, against the real server; and what either user may not do."""
+    import redis
+
+    from cluster.registration import registry_client
+    from cluster.store_urls import PASSWORD_FILE_ENV, with_password_file
+
+    with compose_redis("plain", tmp_path) as (port, secrets):
+        monkeypatch.setenv(PASSWORD_FILE_ENV, f"{secrets}/redis_{{user}}_password")
+        local = {url: url.replace("@redis:6379", f"@127.0.0.1:{port}") for url in (REGISTRY_URL, KV_STORE_URL)}
+
+        async def registry_work() -> None:
+            client = registry_client(local[REGISTRY_URL])
+            try:
+                await client.set("splitserve:instance:p-1", b"record", px=3000)
+                keys = [key async for key in client.scan_iter(match="splitserve:instance:*")]
+                assert await client.mget(keys) == [b"record"]
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    await client.get("model~0123@1@0@abcd@bfloat16kv_bytes")  # the KV store's
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    await client.flushall()
+                await client.delete("splitserve:instance:p-1")
+            finally:
+                await client.aclose()
+
+        asyncio.run(registry_work())
+        kv = redis.Redis.from_url(with_password_file(local[KV_STORE_URL]))
+        chunk = "model~0123@1@0@abcd@bfloat16"  # LMCache's CacheEngineKey.to_string(): "@"-separated
+        assert kv.set(chunk + "kv_bytes", b"\x00" * 64) and kv.set(chunk + "metadata", b"m")
+        assert kv.exists(chunk + "metadata") == 1 and kv.get(chunk + "kv_bytes") == b"\x00" * 64
+        assert kv.pexpire(chunk + "kv_bytes", 60_000)
+        assert kv.delete(chunk + "metadata") == 1
+        for refused in (
+            lambda: kv.set("splitserve:instance:forged", b"x"),  # a registration: the registry's
+            lambda: kv.get("splitserve:instance:forged"),
+            lambda: kv.keys("*"),
+            lambda: kv.flushall(),
+            lambda: kv.config_get("requirepass"),
+            lambda: kv.client_list(),
+            lambda: kv.acl_list(),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+        kv.close()
+        # The gateway's environment holds the registry's file only: a KV store URL gets no password there.
+        (secrets / "redis_kv_password").unlink()
+        with pytest.raises(ValueError, match="cannot read the Redis password"):
+            with_password_file(local[KV_STORE_URL])
 
 
 def secret_names(service: dict[str, Any]) -> list[str]:
     return [secret["source"] if isinstance(secret, dict) else secret for secret in service.get("secrets", [])]
 
 
-def test_the_cluster_secret_file_stays_out_of_git_and_the_image() -> None:
+def test_the_secret_files_stay_out_of_git_and_the_image() -> None:
     for ignore in (".gitignore", ".dockerignore"):
         patterns = [
             line.strip()
             for line in (ROOT / ignore).read_text().splitlines()
             if line.strip() and not line.startswith("#")
         ]
-        assert "compose/cluster-secret" in patterns and "compose/redis-password" in patterns, ignore
+        assert {f"compose/{name}" for name in SECRET_FILES} <= set(patterns), ignore

@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 from launcher.processes import free_port
-from tests.compose.test_compose import COMPOSE_DIR, compose_environment
+from tests.compose.test_compose import COMPOSE_DIR, SECRET_FILES, compose_environment
 
 DASHBOARD = COMPOSE_DIR / "grafana" / "dashboards" / "splitserve.json"
 
@@ -71,6 +71,7 @@ class Stack:
     env: dict[str, str]
     gateway_port: int
     prometheus_port: int
+    api_key: str
     timings: dict[str, float] = field(default_factory=dict)
 
     def compose(self, *args: str, timeout_s: float = 600.0) -> subprocess.CompletedProcess[str]:
@@ -103,6 +104,10 @@ class Stack:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     def timed(self, phase: str, started: float) -> None:
         self.timings[phase] = time.monotonic() - started
@@ -149,7 +154,7 @@ def instance_samples(samples: dict, name: str, role: str) -> dict[str, float]:
 def chat_and_stream(stack: Stack) -> None:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=300, max_retries=0)
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key=stack.api_key, timeout=300, max_retries=0)
     (model,) = [card.id for card in client.models.list()]  # compose serves the model under its folder's path
     prompt = "List the planets of the solar system, one per line, in order from the Sun."
     reply = client.chat.completions.create(
@@ -180,13 +185,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     if reason is not None:
         pytest.skip(reason)
     scratch = tmp_path_factory.mktemp("compose-up")
-    for name in ("cluster-secret", "redis-password"):
+    env = {**compose_environment(), "CONTAINERS_CONF": str(COMPOSE_DIR / "containers.conf")}
+    for name, (variable, _) in SECRET_FILES.items():  # as compose/README.md has them made: 0644
         (scratch / name).write_text(secrets.token_urlsafe(32) + "\n")
-    env = {
-        **compose_environment(),
-        "CONTAINERS_CONF": str(COMPOSE_DIR / "containers.conf"),
-        "CLUSTER_SECRET_FILE": str(scratch / "cluster-secret"),
-        "REDIS_PASSWORD_FILE": str(scratch / "redis-password"),
+        env[variable] = str(scratch / name)
+    env |= {
         # Less than the CPU file's 1 GiB each: enough for these requests, kinder to a shared CI box.
         "KV_CACHE_MEMORY": str(256 * 1024 * 1024),
     }
@@ -198,7 +201,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "PROMETHEUS_PUBLISHED_PORT": str(prometheus_port),
     }
     stack = Stack(
-        project=f"splitserve-test-{os.getpid()}", env=env, gateway_port=gateway_port, prometheus_port=prometheus_port
+        project=f"splitserve-test-{os.getpid()}",
+        env=env,
+        gateway_port=gateway_port,
+        prometheus_port=prometheus_port,
+        api_key=(scratch / "api-key").read_text().strip(),
     )
 
     started = time.monotonic()
@@ -281,7 +288,7 @@ def test_prometheus_scrapes_every_target_and_the_dashboard_series_arrive(stack: 
 
 
 def test_status_page_lists_both_containers(stack: Stack) -> None:
-    status = httpx.get(f"{stack.url}/status.json", timeout=10).json()
+    status = httpx.get(f"{stack.url}/status.json", headers=stack.auth, timeout=10).json()
     assert {(i["role"], i["address"], i["healthy"]) for i in status["instances"]} == {
         ("prefill", "prefill:50061", True),
         ("decode", "decode:50071", True),

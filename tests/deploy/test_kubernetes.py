@@ -1,8 +1,10 @@
 """deploy/kubernetes/: every resource valid against the Kubernetes schemas (kubernetes-validate,
 strict), what ``kubectl kustomize`` renders from it, and what the manifests promise: P and D on
 GPU nodes of their own advertising their pod IPs, commands the real CLI parses, readiness from
-``/ready`` and grpc.health.v1, the secrets mounted as files and nowhere else, Services and
-disruption budgets that select the pods they mean."""
+``/ready`` and grpc.health.v1, the secrets mounted as files (each pod the ones it needs) and
+nowhere else, Services and disruption budgets that select the pods they mean; every container
+unprivileged on a read-only root, and network policies that let in only the paths the plane
+uses (evaluated here as Kubernetes evaluates them)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -20,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES_DIR = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.30.0"  # the oldest release still maintained when this was written
 PORTS = {"prefill": 50061, "decode": 50071, "gateway": 8000}
+SECRET_FILES = ("cluster-secret", "redis-registry-password", "redis-kv-password", "api-key")
+FLAGS_NAMING_SECRETS = {"--require-cluster-secret"}  # flags whose names hold "secret"; never a secret
 
 
 def resources() -> list[dict[str, Any]]:
@@ -51,7 +56,13 @@ def validate(documents: list[dict[str, Any]]) -> None:
 
 def test_every_resource_is_valid_against_the_kubernetes_schemas() -> None:
     documents = resources()
-    assert {d["kind"] for d in documents} == {"Namespace", "Deployment", "Service", "PodDisruptionBudget"}
+    assert {d["kind"] for d in documents} == {
+        "Namespace",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
     validate(documents)
 
 
@@ -60,14 +71,14 @@ def test_kustomize_renders_valid_resources_with_the_secret(tmp_path: Path) -> No
         pytest.skip("kubectl is not installed: kustomize's output was not checked")
     copy = tmp_path / "kubernetes"
     shutil.copytree(KUBERNETES_DIR, copy)
-    for name in ("cluster-secret", "redis-password"):
+    for name in SECRET_FILES:
         (copy / name).write_text(f"test-{name}\n")
     result = subprocess.run(["kubectl", "kustomize", str(copy)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     rendered = [document for document in yaml.safe_load_all(result.stdout) if document]
     validate(rendered)
     (secret,) = [d for d in rendered if d["kind"] == "Secret"]
-    assert set(secret["data"]) == {"cluster_secret", "redis_password"}
+    assert set(secret["data"]) == {"cluster_secret", "redis_registry_password", "redis_kv_password", "api_key"}
     namespaced = [d for d in rendered if d["kind"] != "Namespace"]
     assert {d["metadata"].get("namespace") for d in namespaced} == {"splitserve"}
     for deployment in (d for d in rendered if d["kind"] == "Deployment"):
@@ -83,12 +94,14 @@ def test_commands_parse_with_the_real_cli(role: str) -> None:
     args = parse_command([str(token) for token in container(role)["args"]])
     assert args.command == role
     assert (args.host, args.port) == ("0.0.0.0", PORTS[role])
-    assert args.registry_url == "redis://redis:6379"
+    assert args.registry_url == "redis://registry@redis:6379", "the registry's own Redis user"
+    assert args.require_cluster_secret, "never started without the cluster secret"
     if role != "gateway":
         assert args.advertise_host == "$(POD_IP)", "each pod advertises its own address, so replicas scale"
         env = {e["name"]: e for e in container(role)["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert args.kv_port == PORTS[role] + 1
+        assert args.lmcache_url == "redis://kv@redis:6379", "the KV store's own Redis user"
         ports = {p["name"]: p["containerPort"] for p in container(role)["ports"]}
         assert ports == {"grpc": args.port, "kv": args.kv_port}
 
@@ -124,20 +137,170 @@ def test_services_and_budgets_select_their_pods() -> None:
         assert budget["spec"]["selector"]["matchLabels"].items() <= pods[name].items(), name
 
 
+SECRETS_MOUNTED = {
+    "redis": {"redis_registry_password", "redis_kv_password"},
+    "prefill": {"cluster_secret", "redis_registry_password", "redis_kv_password"},
+    "decode": {"cluster_secret", "redis_registry_password", "redis_kv_password"},
+    # The registry's password, not the KV store's: the gateway never reads KV.
+    "gateway": {"cluster_secret", "redis_registry_password", "api_key"},
+}
+
+
 @pytest.mark.parametrize("role", ["redis", "prefill", "decode", "gateway"])
 def test_secrets_are_files_never_arguments(role: str) -> None:
     spec = container(role)
     mounts = {m["mountPath"]: m for m in spec["volumeMounts"]}
     assert mounts["/run/secrets"]["readOnly"] is True
+    (volume,) = [v for v in by_kind("Deployment")[role]["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert {item["key"] for item in volume["secret"]["items"]} == SECRETS_MOUNTED[role]
+    assert volume["secret"]["defaultMode"] == 0o440, "readable by the pod's group only"
     words = [str(token) for token in spec.get("args", []) + spec.get("command", [])]
-    assert not any("@" in word for word in words), "no credentials in a URL"
+    assert all(urlsplit(word).password is None for word in words if "://" in word), "no credentials in a URL"
     if role != "redis":
         env = {e["name"]: e.get("value") for e in spec["env"]}
         assert env["SPLITSERVE_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret"
-        assert env["SPLITSERVE_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
-        assert not any("secret" in word or "password" in word for word in words)
+        assert env["SPLITSERVE_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_{user}_password"
+        words = [word for word in words if word not in FLAGS_NAMING_SECRETS]
+        assert not any("secret" in word or "password" in word or "key" in word.lower() for word in words)
+    if role == "gateway":
+        env = {e["name"]: e.get("value") for e in spec["env"]}
+        assert env["SPLITSERVE_API_KEY_FILE"] == "/run/secrets/api_key" and "SPLITSERVE_API_KEY" not in env
+
+
+def pod_specs() -> dict[str, dict[str, Any]]:
+    return {name: d["spec"]["template"]["spec"] for name, d in by_kind("Deployment").items()}
+
+
+def test_every_container_runs_unprivileged_on_a_read_only_root() -> None:
+    for name, pod in pod_specs().items():
+        assert pod.get("automountServiceAccountToken") is False, f"{name}: mounts a service account token"
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC"), name
+        context = pod.get("securityContext", {})
+        assert context.get("runAsNonRoot") is True and context.get("runAsUser", 0) > 0, f"{name}: may run as root"
+        assert context.get("seccompProfile") == {"type": "RuntimeDefault"}, name
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for spec in pod["containers"] + pod.get("initContainers", []):
+            security = spec.get("securityContext")
+            assert security is not None, f"{name}/{spec['name']}: no securityContext"
+            assert security.get("allowPrivilegeEscalation") is False, f"{name}/{spec['name']}"
+            assert security.get("readOnlyRootFilesystem") is True, f"{name}/{spec['name']}"
+            assert security.get("capabilities") == {"drop": ["ALL"]}, f"{name}/{spec['name']}"
+            assert not security.get("privileged") and security.get("runAsUser", 1) != 0, f"{name}/{spec['name']}"
+            tmp = {m["mountPath"]: m["name"] for m in spec["volumeMounts"]}.get("/tmp")
+            assert tmp is not None and "emptyDir" in volumes[tmp], f"{name}/{spec['name']}: no writable /tmp"
+
+
+# -------------------------------------------------------------------- network policies
+
+EXTERNAL = None  # a client outside the namespace (or a pod without splitserve's labels)
+
+
+def pod_labels() -> dict[str, dict[str, str]]:
+    return {name: d["spec"]["template"]["metadata"]["labels"] for name, d in by_kind("Deployment").items()}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str] | None) -> bool:
+    if labels is None:
+        return False
+    assert set(selector) <= {"matchLabels"}, f"the evaluator knows matchLabels only: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _port_number(port: int | str, target: str) -> int:
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for c in pod_specs()[target]["containers"] for p in c.get("ports", [])}
+    return named[port]
+
+
+def allowed(source: str | None, target: str, port: int) -> bool:
+    """Whether NetworkPolicy lets ``source`` (a Deployment's pods, or EXTERNAL) reach ``target``
+    on ``port``: the union of the ingress rules of every policy selecting the target; a pod no
+    policy selects takes everything."""
+    labels, sources = pod_labels()[target], pod_labels().get(source) if source else None
+    selecting = [p["spec"] for p in by_kind("NetworkPolicy").values() if _selects(p["spec"]["podSelector"], labels)]
+    selecting += [p["spec"] for p in by_kind("NetworkPolicy").values() if p["spec"]["podSelector"] == {}]
+    if not selecting:
+        return True
+    for policy in selecting:
+        assert "Ingress" in policy["policyTypes"] and "namespaceSelector" not in str(policy), policy
+        for rule in policy.get("ingress", []):
+            peers = rule.get("from")
+            ports = rule.get("ports")
+            if peers is not None and not any(_selects(peer["podSelector"], sources) for peer in peers):
+                continue
+            if ports is None or any(_port_number(p["port"], target) == port for p in ports):
+                return True
+    return False
+
+
+def test_network_policies_let_in_only_the_paths_the_plane_uses() -> None:
+    redis = 6379
+    p_grpc, p_kv, d_grpc, d_kv = 50061, 50062, 50071, 50072
+    expected = {
+        # (source, target, port): who needs it
+        (EXTERNAL, "gateway", 8000): True,  # clients, REST
+        (EXTERNAL, "gateway", 50051): True,  # clients, gRPC
+        ("gateway", "prefill", p_grpc): True,  # Prefill, Abort, ReleaseKV, load, KV events
+        ("gateway", "decode", d_grpc): True,  # Decode, Abort, load, KV events
+        ("decode", "prefill", p_grpc): True,  # RenewKV, ReleaseKV
+        ("decode", "prefill", p_kv): True,  # the pull
+        ("prefill", "decode", d_kv): True,
+        ("gateway", "redis", redis): True,
+        ("prefill", "redis", redis): True,
+        ("decode", "redis", redis): True,
+        # and nothing else
+        (EXTERNAL, "prefill", p_grpc): False,
+        (EXTERNAL, "prefill", p_kv): False,
+        (EXTERNAL, "decode", d_grpc): False,
+        (EXTERNAL, "decode", d_kv): False,
+        (EXTERNAL, "redis", redis): False,
+        ("gateway", "prefill", p_kv): False,  # the gateway never moves KV
+        ("gateway", "decode", d_kv): False,
+        ("prefill", "decode", d_grpc): False,  # P never calls D
+        ("redis", "prefill", p_grpc): False,
+        ("redis", "decode", d_kv): False,
+        ("redis", "gateway", 9999): False,
+        (EXTERNAL, "gateway", 9999): False,
+    }
+    found = {path: allowed(*path) for path in expected}
+    assert found == expected, {path: found[path] for path in expected if found[path] != expected[path]}
 
 
 def test_the_secret_files_stay_out_of_git() -> None:
     patterns = (ROOT / ".gitignore").read_text().splitlines()
-    assert {"deploy/kubernetes/cluster-secret", "deploy/kubernetes/redis-password"} <= set(patterns)
+    assert {f"deploy/kubernetes/{name}" for name in SECRET_FILES} <= set(patterns)
+
+
+def test_redis_runs_its_command_with_two_users_and_no_default_one(tmp_path: Path) -> None:
+    """The container's command and readiness probe with the real redis-server (the secrets are files here)."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    from launcher.processes import free_port
+    from tests.stores import stop, wait_for_port
+
+    for user in ("registry", "kv"):
+        (tmp_path / f"redis_{user}_password").write_text(f"k8s-{user}-password\n")
+    spec = container("redis")
+    assert spec["command"][:2] == ["sh", "-c"]
+    port = free_port()
+    script = spec["command"][2].replace("/run/secrets/", f"{tmp_path}/")
+    server = subprocess.Popen(["sh", "-c", f"{script} --port {port} --bind 127.0.0.1"], stdout=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, server, 10.0)
+        refused = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, timeout=10)
+        assert "NOAUTH" in refused.stdout + refused.stderr
+        probe = spec["readinessProbe"]["exec"]["command"]
+        assert probe[:2] == ["sh", "-c"]
+        ready = probe[2].replace("/run/secrets/", f"{tmp_path}/").replace("redis-cli ", f"redis-cli -p {port} ")
+        assert subprocess.run(["sh", "-c", ready], timeout=10).returncode == 0
+        kv = subprocess.run(
+            ["redis-cli", "-p", str(port), "--user", "kv", "set", "splitserve:instance:forged", "x"],
+            env={"REDISCLI_AUTH": "k8s-kv-password", "PATH": "/usr/bin:/bin:/usr/local/bin"},
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        assert "NOPERM" in kv.stdout + kv.stderr, "the KV store's user may not write registrations"
+    finally:
+        stop(server)

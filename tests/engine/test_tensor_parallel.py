@@ -20,6 +20,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel.executor import split_cpus
 from engine.tensor_parallel.layout import TensorParallelLayout, check_tensor_parallel_size
+from engine.tensor_parallel.rank_context import RankContext
 from tests.checkpoints import make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -36,14 +37,14 @@ def layouts(world_size: int, num_heads: int, num_kv_heads: int) -> list[TensorPa
 def test_kv_heads_split_evenly_when_the_ranks_are_fewer() -> None:
     ranks = layouts(2, num_heads=8, num_kv_heads=4)
     assert [(r.head_start, r.num_local_heads) for r in ranks] == [(0, 4), (4, 4)]
-    assert [list(r.kv_heads_of(r.rank)) for r in ranks] == [[0, 1], [2, 3]]
+    assert [list(r.kv_heads) for r in ranks] == [[0, 1], [2, 3]]
     assert [r.local_intermediate_size for r in ranks] == [48, 48]
 
 
 def test_kv_heads_are_replicated_when_the_ranks_outnumber_them() -> None:
     """SmolLM2's shape at TP 3 (9 query heads, 3 KV heads) and 4 KV heads over 8 ranks: each
     rank holds one KV head, the one its query heads read."""
-    assert [list(r.kv_heads_of(r.rank)) for r in layouts(3, num_heads=9, num_kv_heads=3)] == [[0], [1], [2]]
+    assert [list(r.kv_heads) for r in layouts(3, num_heads=9, num_kv_heads=3)] == [[0], [1], [2]]
     eight = [TensorParallelLayout(rank, 8, 8, 4, 128, 512) for rank in range(8)]
     assert [r.kv_head_start for r in eight] == [0, 0, 1, 1, 2, 2, 3, 3]
     group_size = 8 // 4  # query heads per KV head
@@ -168,3 +169,21 @@ def test_smollm2_at_tp3_equals_tp1() -> None:
         expected = [output.outputs[0].token_ids for output in whole.generate(prompts, params)]
     with LLM(model=None, tensor_parallel_size=3, **config) as split:
         assert [output.outputs[0].token_ids for output in split.generate(prompts, params)] == expected
+
+
+def report_rank(context: RankContext) -> None:
+    """A worker extension: says where it runs and what it holds, then returns at once."""
+    shape = ",".join(str(n) for n in context.kv_cache.shape)
+    context.channel.send_bytes(f"{context.rank}/{context.world_size} heads {list(context.kv_heads)} {shape}".encode())
+
+
+def test_a_worker_extension_runs_in_every_worker_beside_its_kv_cache(four_kv_heads: Path) -> None:
+    with LLM(
+        model=str(four_kv_heads), kv_cache_memory=1 << 22, tensor_parallel_size=4, worker_extension=report_rank
+    ) as llm:
+        executor = llm.engine.runner.tensor_parallel
+        assert executor is not None
+        num_blocks = llm.engine.runner.num_blocks
+        said = [channel.recv_bytes().decode() for channel in executor.extension_channels]
+        # Ranks 1..3 of 4, one KV head each of the model's 4, 2 layers, block size 16, head dim 8.
+        assert said == [f"{rank}/4 heads [{rank}] {num_blocks},2,2,16,1,8" for rank in (1, 2, 3)]

@@ -84,7 +84,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 def test_model_folder_must_exist(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="has none"):
+    with pytest.raises(ValueError, match="with config.json, or a .gguf file; .* is neither"):
         LLM(model=str(tmp_path))
 
 

@@ -77,6 +77,7 @@ async def inprocess_gateway(
     limits: RequestLimits | None = None,
     max_pending_requests: int = 4,
     enable_priority: bool = False,
+    api_key: str | None = None,
 ) -> AsyncIterator[InProcessGateway]:
     pool = InstancePool(stale_after_s=30.0)
     discovery = StaticDiscovery(pool, {"prefill": [prefill], "decode": [decode]}, interval_s=0.2)
@@ -86,10 +87,10 @@ async def inprocess_gateway(
     service = GenerationService(
         pool, tokenizer, GatewayMetrics(pool), max_pending_requests, 60.0, None, enable_priority
     )
-    grpc_server, grpc_port = await start_grpc_front(service, MODEL_NAME, None, "127.0.0.1", 0)
+    grpc_server, grpc_port = await start_grpc_front(service, MODEL_NAME, api_key, "127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
     # A server logs what the app raises after its 500 went out; here the response is what counts.
-    app = create_app(service, MODEL_NAME, None)
+    app = create_app(service, MODEL_NAME, api_key)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as client:
@@ -101,6 +102,7 @@ async def inprocess_gateway(
         await asyncio.gather(polling, return_exceptions=True)
         await service.dispatcher.drain()
         await pool.close()
+        service.close()
         tokenizer.close()
 
 

@@ -422,9 +422,12 @@ async def test_an_instance_error_becomes_the_http_answer_the_mapping_names(code:
     elif code == Code.DEADLINE_EXCEEDED:
         assert error.message == "the request timed out"
     else:
-        assert DETAILS in error.message
+        # What failed inside the cluster is for the log only (GenerationService.stream logs it under
+        # the request id): the client learns neither the instance, nor its address, nor its words.
+        assert DETAILS not in error.message and "prefill-0" not in error.message
+        assert error.detail is not None and DETAILS in error.detail and "prefill-0" in error.detail
         if error.status == HTTPStatus.SERVICE_UNAVAILABLE:
-            assert code.name in error.message
+            assert code.name in error.detail
 
 
 @in_loop
@@ -458,7 +461,7 @@ async def test_a_colocated_instance_failing_after_a_token_is_not_retried() -> No
     token_ids, error = await collect(Dispatcher(make_pool(colocated=[failing, other])))
     assert token_ids == [11] and other.requests == []
     assert error is not None and (error.status, error.code) == (HTTPStatus.SERVICE_UNAVAILABLE, "instance_failed")
-    assert "mid-stream" in error.message
+    assert "mid-stream" in (error.detail or "")
 
 
 @in_loop
@@ -579,7 +582,9 @@ async def test_a_prefill_tries_at_most_max_attempts_instances() -> None:
     prefills = [FakePrefill(rpc_error(Code.UNAVAILABLE)) for _ in range(MAX_ATTEMPTS + 1)]
     decode = FakeDecode()
     token_ids, error = await collect(Dispatcher(make_pool(prefill=prefills, decode=[decode])))
-    assert token_ids == [] and error is not None and error.message.startswith("every prefill instance tried failed")
+    assert (
+        token_ids == [] and error is not None and (error.detail or "").startswith("every prefill instance tried failed")
+    )
     assert [len(p.requests) for p in prefills] == [1] * MAX_ATTEMPTS + [0]
     assert decode.requests == []
 
@@ -589,7 +594,11 @@ async def test_a_hand_off_tries_at_most_max_attempts_decode_instances_then_relea
     prefill = FakePrefill()
     decodes = [FakeDecode([rpc_error(Code.UNAVAILABLE)]) for _ in range(MAX_ATTEMPTS + 1)]
     token_ids, error = await collect(Dispatcher(make_pool(prefill=[prefill], decode=decodes)))
-    assert token_ids == [FIRST] and error is not None and error.message.startswith("every decode instance tried failed")
+    assert (
+        token_ids == [FIRST]
+        and error is not None
+        and (error.detail or "").startswith("every decode instance tried failed")
+    )
     assert [len(d.requests) for d in decodes] == [1] * MAX_ATTEMPTS + [0]
     assert len(prefill.requests) == 1 and prefill.released == ["r"]
 
@@ -601,7 +610,7 @@ async def test_after_max_handoffs_lost_kvs_the_request_fails_and_only_the_last_m
     token_ids, error = await collect(Dispatcher(make_pool(prefill=[prefill], decode=[decode])))
     assert token_ids == [FIRST]
     assert error is not None and (error.status, error.code) == (HTTPStatus.SERVICE_UNAVAILABLE, "instance_failed")
-    assert "no decode instance could take the KV" in error.message
+    assert "no decode instance could take the KV" in (error.detail or "")
     prefill_ids = ["r", *[f"r.kv{i}" for i in range(1, MAX_HANDOFFS)]]
     assert [r.request_id for r in prefill.requests] == prefill_ids
     assert [(r.kv.request_id, r.allow_recompute) for r in decode.requests] == [

@@ -120,9 +120,11 @@ def assert_error(response: httpx.Response, status: int, param: str | None) -> di
     return error
 
 
-def test_thousands_of_hostile_requests_get_400_and_cost_no_slot(
+def test_thousands_of_hostile_requests_get_400_and_give_their_slots_back(
     model: Path, instances: tuple[Service, Service]
 ) -> None:
+    """Each holds a pending slot from the gate on (gateway/gate.py), and gives it back."""
+
     async def scenario(gateway: InProcessGateway) -> None:
         rounds = 100  # 3,100 requests, 50 at a time
         for _ in range(rounds):
@@ -132,7 +134,7 @@ def test_thousands_of_hostile_requests_get_400_and_cost_no_slot(
                 for (_, _, status, param), response in zip(batch, responses, strict=True):
                     assert_error(response, status, param)
         assert gateway.service.num_pending == 0
-        # Four slots (max_pending_requests) and all of them free: a good request runs.
+        # Every slot free again: a good request runs.
         good = await post(gateway, "/v1/completions", GOOD)
         assert good.status_code == 200, good.text
         assert good.json()["usage"]["completion_tokens"] == GOOD["max_tokens"]
@@ -140,7 +142,8 @@ def test_thousands_of_hostile_requests_get_400_and_cost_no_slot(
         metrics = (await gateway.client.get("/metrics")).text
         assert "splitserve_num_pending_requests 0.0" in metrics
 
-    run_inprocess(instances, model, scenario, LIMITS)
+    # A slot for each request of a batch, which all arrive at once.
+    run_inprocess(instances, model, scenario, LIMITS, max_pending_requests=len(HOSTILE))
 
 
 def test_a_hundred_thousand_prompts_is_a_400(model: Path, instances: tuple[Service, Service]) -> None:

@@ -17,6 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cluster.auth import ClusterSecret
+from cluster.derived_keys import prefix_cache_key
+from engine.kv_cache_utils import BlockHasher
+from gateway.prefix_index import PromptBlocks
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.checkpoints import make_checkpoint
 from tests.gateway.processes import HTTPProcess, routes, running_gateway
@@ -120,6 +124,48 @@ def test_a_shared_prefix_lands_on_the_instance_that_holds_it(model: Path, cluste
     assert _delta(after, before, holder.address) == 4, (before, after)
     assert all(c >= 512 for c in cached), cached
     assert_all_free(*prefills, *decodes)
+
+
+def test_keyed_sha256_prefix_hashes_are_what_the_gateway_routes_by(model: Path) -> None:
+    """Instances on --prefix-cache-hash sha256 with a cluster secret report HMAC-SHA256 hashes under
+    the key derived from it; the gateway, holding the same secret, computes the very same chain,
+    so a shared prefix still lands on the prefill instance that holds it."""
+    secret = "kv-routing-secret-0f6b2c9d"
+    flags = ("--prefix-cache-hash", "sha256", "--kv-cache-memory", str(1 << 25), "--lease-seconds", "10")
+    with (
+        running("prefill", model, *flags, secret=secret) as other,
+        running("prefill", model, *flags, secret=secret) as holder,
+        running("decode", model, *flags[:4], secret=secret) as decode,
+    ):
+        system = _prompt(500, 512)
+        warm = disaggregation_pb2_grpc.PrefillStub(holder.channel).Prefill(
+            disaggregation_pb2.PrefillRequest(request_id="warm", prompt_token_ids=system + [7], sampling=GREEDY),
+            timeout=30,
+        )
+        disaggregation_pb2_grpc.PrefillStub(holder.channel).ReleaseKV(
+            disaggregation_pb2.RequestRef(request_id="warm"), timeout=10
+        )
+        assert warm.HasField("kv")
+        events = disaggregation_pb2_grpc.LoadStub(holder.channel).GetKVEvents(
+            disaggregation_pb2.KVEventsRequest(), timeout=10
+        )
+        key = prefix_cache_key(ClusterSecret.from_text(secret))
+        chain = PromptBlocks(system + [7]).chain(events.block_size, BlockHasher("sha256", key))
+        assert events.block_hash == "hmac-sha256" and len(chain) == 32
+        assert {h.to_bytes(16, "little") for h in chain} <= set(events.stored)
+        with running_gateway(
+            model, *routes(other, holder, decode), "--routing", "kv", env={"SPLITSERVE_CLUSTER_SECRET": secret}
+        ) as gateway:
+            before = _routed(gateway)
+            cached = []
+            for i in range(4):
+                answer = _complete(gateway.url, system + _prompt(600 + i, 40))
+                assert answer.status_code == 200, answer.text
+                cached.append(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            after = _routed(gateway)
+        assert _delta(after, before, holder.address) == 4, (before, after)
+        assert all(c >= 512 for c in cached), cached
+        assert_all_free(other, holder, decode)
 
 
 def test_an_instance_that_stops_reporting_is_drained_and_used_again_when_back(model: Path, cluster) -> None:

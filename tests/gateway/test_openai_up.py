@@ -330,10 +330,10 @@ def test_instances_only_answer_this_runs_secret(stack: HTTPProcess) -> None:
         with pytest.raises(grpc.RpcError) as raised:
             stub.GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=10)
         assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        token = ClusterSecret.from_text(secret).call_token
+        credential = ClusterSecret.from_text(secret).call_credential("/splitserve.v1.Load/GetLoadReport")
         assert (
             stub.GetLoadReport(
-                disaggregation_pb2.LoadReportRequest(), timeout=10, metadata=[(METADATA_KEY, token)]
+                disaggregation_pb2.LoadReportRequest(), timeout=10, metadata=[(METADATA_KEY, credential)]
             ).num_total_blocks
             > 0
         )
@@ -349,5 +349,8 @@ def test_each_run_gets_its_own_secret_unless_the_user_gave_one(monkeypatch: pyte
     assert first["SPLITSERVE_CLUSTER_SECRET"] != second["SPLITSERVE_CLUSTER_SECRET"]
     monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET", "the-users-own-cluster-secret")
     assert _cluster_secret_env() == {"SPLITSERVE_CLUSTER_SECRET": "the-users-own-cluster-secret"}
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET", " ")
+    with pytest.raises(ValueError, match="set but empty"):
+        _cluster_secret_env()
     monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET_FILE", "/run/secrets/cluster_secret")
     assert _cluster_secret_env() == {}, "the children read the user's file (they inherit the variable)"

@@ -121,7 +121,7 @@ def test_a_concurrent_mixed_batch_through_prefill_and_decode_all_parses(
             assert check(choice.text), (extra_body, choice.text)  # type: ignore[operator]
             assert choice.finish_reason == ("length" if "ignore_eos" in extra_body else "stop"), (extra_body, choice)
 
-        gateway.service.max_pending_requests = 16
+        gateway.service.slots.max_pending = 16
         await asyncio.gather(*(one(i) for i in range(15)))
         await client.close()
 

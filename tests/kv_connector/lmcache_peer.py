@@ -43,8 +43,8 @@ async def serve(url: str, seed: int, model: str) -> None:
 
     connector = LMCacheConnector(seeded_cache(seed), fingerprint(model), remote_url=url, chunk_size=CHUNK_SIZE)
     await connector.start("127.0.0.1", 0)
-    connector.publish("r", PUBLISHED_BLOCKS, PROMPT)
-    print("published", flush=True)
+    published = await connector.publish("r", PUBLISHED_BLOCKS, PROMPT)
+    print("published " + ",".join(digest.hex() for digest in published.chunk_digests), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the test closes stdin
     await connector.close()
 

@@ -1,5 +1,7 @@
 """LMCache transfers between two real processes on loopback, through a Redis server and
-through LMCache's own ``lm://`` server, each started here on a free port."""
+through LMCache's own ``lm://`` server, each started here on a free port. The store is not
+believed: what it returns must match the digests P's publish returned, keys are P's own for
+each publish, and a Redis store expires them."""
 
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 with warnings.catch_warnings():  # lmcache's opentelemetry import warns about its own deprecations
     warnings.simplefilter("ignore", DeprecationWarning)
     pytest.importorskip("lmcache")
-    from kv_connector.lmcache_connector import LMCacheConnector, key_model_name
+    from kv_connector.lmcache_connector import DEFAULT_TTL_S, LMCacheConnector, key_model_name, key_tag
 
 from kv_connector.base import KVSource, KVTransferError
 from kv_connector.registry import make_connector
 from tests.kv_connector.lmcache_peer import CHUNK_SIZE, PROMPT, PUBLISHED_BLOCKS, SHAPE, fingerprint, seeded_cache
+from tests.stalling_proxy import stalling_proxy
 from tests.stores import LMCACHE_ENV, free_port, start_lm_server, start_redis, stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +47,14 @@ def lm_url() -> Iterator[str]:
         stop(process)
 
 
+# The digests of PROMPT's chunks as the prefill peer stored them (its KV is seeded: the same every time).
+DIGESTS: list[bytes] = []
+
+
 @contextlib.contextmanager
 def prefill_peer(url: str) -> Iterator[None]:
-    """A prefill process (seed 7) that has published PROMPT's KV into the store at ``url``."""
+    """A prefill process (seed 7) that has published PROMPT's KV into the store at ``url``;
+    :data:`DIGESTS` holds what its publish returned."""
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.kv_connector.lmcache_peer", "--url", url, "--seed", "7"],
         cwd=ROOT,
@@ -56,7 +64,10 @@ def prefill_peer(url: str) -> Iterator[None]:
         env=PEER_ENV,
     )
     try:
-        assert process.stdout.readline().strip() == "published"
+        word, _, digests = process.stdout.readline().strip().partition(" ")
+        assert word == "published"
+        DIGESTS[:] = [bytes.fromhex(digest) for digest in digests.split(",")]
+        assert len(DIGESTS) == 2  # 60 tokens in chunks of 32
         yield
     finally:
         process.stdin.close()
@@ -81,7 +92,14 @@ def store(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_store")
 
 
-def source(tokens: list[int] = PROMPT, model: str = "tiny-0123", address: str = "") -> KVSource:
+def source(
+    tokens: list[int] = PROMPT,
+    model: str = "tiny-0123",
+    address: str = "",
+    digests: list[bytes] | None = None,
+    cache_salt: str = "",
+    pull_token: bytes = b"",
+) -> KVSource:
     return KVSource(
         request_id="r",
         address=address,
@@ -89,6 +107,9 @@ def source(tokens: list[int] = PROMPT, model: str = "tiny-0123", address: str = 
         num_tokens=len(tokens),
         fingerprint=fingerprint(model),
         token_ids=tuple(tokens),
+        pull_token=pull_token,
+        cache_salt=cache_salt,
+        chunk_digests=tuple(DIGESTS if digests is None else digests),
     )
 
 
@@ -100,9 +121,12 @@ def pull(
     num_local_hit_blocks: int = 0,
     model: str = "tiny-0123",
     timeout_s: float = 10.0,
+    store_key: bytes | None = None,
 ):
     async def run():
-        connector = LMCacheConnector(cache, fingerprint(model), remote_url=url, chunk_size=CHUNK_SIZE)
+        connector = LMCacheConnector(
+            cache, fingerprint(model), remote_url=url, chunk_size=CHUNK_SIZE, store_key=store_key
+        )
         await connector.start("127.0.0.1", 0)
         try:
             return await connector.pull(src, local_blocks, num_local_hit_blocks, timeout_s)
@@ -199,7 +223,7 @@ def test_store_that_goes_away(caplog: pytest.LogCaptureFixture) -> None:
         stop(process)
         started = time.monotonic()
         with caplog.at_level(logging.ERROR, logger="kv_connector.lmcache_connector"):
-            prefill.publish("r", PUBLISHED_BLOCKS, PROMPT)
+            await prefill.publish("r", PUBLISHED_BLOCKS, PROMPT)
         assert time.monotonic() - started < 2.5
         assert "decode instances will miss it" in caplog.text
         started = time.monotonic()
@@ -274,3 +298,122 @@ def test_keys_tell_every_fingerprint_field_apart() -> None:
         type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "model": "a@b%c d/" + "x" * 100})
     )
     assert "@" not in odd and "%" not in odd and " " not in odd and len(odd) <= 81
+
+
+# ------------------------------------------------------------- the store is not trusted
+
+
+def _publish_keys(client, tag: str) -> list[bytes]:
+    """The Redis keys of one publish (every chunk's bytes and metadata), by its tag."""
+    return sorted(client.scan_iter(match=f"*@k%{tag}*"))
+
+
+def test_bytes_the_store_returns_must_be_those_p_stored() -> None:
+    """Someone who can write the store overwrites a real key of P's publish with bytes of their
+    own (the same length, so LMCache takes them): D refuses the pull before writing anything.
+    A handle without digests is refused too."""
+    import redis
+
+    process, url = start_redis()
+    try:
+        with prefill_peer(url):
+            client = redis.Redis.from_url(url)
+            keys = _publish_keys(client, key_tag(b"", "", b""))
+            assert len(keys) == 4  # 2 chunks, bytes and metadata each
+            forged = next(key for key in keys if key.endswith(b"kv_bytes"))  # one of the two chunks
+            genuine = client.get(forged)
+            client.set(forged, bytes(b ^ 0x40 for b in genuine))
+            local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+            with pytest.raises(KVTransferError, match=r"returned other bytes for tokens (0\.\.31|32\.\.59) of 'r'"):
+                pull(local, url, source(), [0, 3, 11, 6])
+            assert not local.any(), "nothing written"
+            with pytest.raises(KVTransferError, match="carries 0 chunk digests for the 2 chunks"):
+                pull(local, url, source(digests=[]), [0, 3, 11, 6])
+            client.set(forged, genuine)
+            pull(local, url, source(), [0, 3, 11, 6])
+            assert torch.equal(local[[0, 3, 11]], seeded_cache(7)[PUBLISHED_BLOCKS[:3]])
+    finally:
+        stop(process)
+
+
+def test_keys_belong_to_one_publish_and_expire() -> None:
+    """Each publish tags its keys with HMAC(store key, cache salt, pull token): the same prompt
+    published twice, or under another salt, shares no key; a pull finds it only with the same
+    store key, salt and token; every key P stored expires."""
+    import redis
+
+    process, url = start_redis()
+    store_key, token = bytes(range(32)), bytes(range(16))
+
+    async def scenario() -> None:
+        prefill = LMCacheConnector(seeded_cache(7), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE, ttl_s=300)
+        decode_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
+        decode = LMCacheConnector(decode_cache, fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE)
+        prefill._store_key = decode._store_key = store_key
+        await prefill.start("127.0.0.1", 0)
+        await decode.start("127.0.0.1", 0)
+        try:
+            published = await prefill.publish("r", PUBLISHED_BLOCKS, PROMPT, pull_token=token, cache_salt="tenant-a")
+            again = await prefill.publish("r2", PUBLISHED_BLOCKS, PROMPT, pull_token=token[::-1], cache_salt="tenant-a")
+            await prefill.publish("r3", PUBLISHED_BLOCKS, PROMPT, pull_token=token, cache_salt="tenant-b")
+            assert published.chunk_digests == again.chunk_digests == tuple(DIGESTS or published.chunk_digests)
+            client = redis.Redis.from_url(url)
+            tags = [key_tag(store_key, salt, t) for salt, t in (("tenant-a", token), ("tenant-a", token[::-1]))]
+            tags.append(key_tag(store_key, "tenant-b", token))
+            key_sets = [set(_publish_keys(client, tag)) for tag in tags]
+            assert [len(keys) for keys in key_sets] == [4, 4, 4] and len(set().union(*key_sets)) == 12
+            ttls = [client.pttl(key) for keys in key_sets for key in keys]
+            assert all(0 < ttl <= 300_000 for ttl in ttls), ttls
+            good = source(digests=list(published.chunk_digests), cache_salt="tenant-a", pull_token=token)
+            for wrong in (
+                source(digests=list(published.chunk_digests), cache_salt="tenant-c", pull_token=token),
+                source(digests=list(published.chunk_digests), cache_salt="tenant-a", pull_token=bytes(16 * [1])),
+            ):
+                with pytest.raises(KVTransferError, match="has no KV for tokens 0..59"):
+                    await decode.pull(wrong, [0, 3, 11, 6], 0, timeout_s=10.0)
+            decode._store_key = store_key[::-1]  # another cluster secret
+            with pytest.raises(KVTransferError, match="has no KV for tokens 0..59"):
+                await decode.pull(good, [0, 3, 11, 6], 0, timeout_s=10.0)
+            assert not decode_cache.any()
+            decode._store_key = store_key
+            await decode.pull(good, [0, 3, 11, 6], 0, timeout_s=10.0)
+            assert torch.equal(decode_cache[[0, 3, 11]], seeded_cache(7)[PUBLISHED_BLOCKS[:3]])
+        finally:
+            await prefill.close()
+            await decode.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop(process)
+    assert DEFAULT_TTL_S == 600.0
+
+
+def test_a_slow_store_never_holds_up_the_event_loop(redis_url: str) -> None:
+    """The store stops answering mid-publish: the event loop runs on (the publish waits on a
+    worker thread), an unpublish of the request waits for the publish to stop copying the
+    blocks, and both end once the store answers again."""
+
+    async def scenario(url: str, proxy) -> None:
+        prefill = LMCacheConnector(seeded_cache(7), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE)
+        await prefill.start("127.0.0.1", 0)
+        try:
+            proxy.stall()
+            publishing = asyncio.ensure_future(prefill.publish("slow", PUBLISHED_BLOCKS, PROMPT, pull_token=b"t"))
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, proxy.holding.wait, 30.0)  # the loop ran meanwhile
+            assert not publishing.done()
+            unpublishing = asyncio.ensure_future(prefill.unpublish("slow"))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not unpublishing.done() and not publishing.done()
+            proxy.resume()
+            published = await publishing
+            await unpublishing
+            assert len(published.chunk_digests) == 2
+        finally:
+            proxy.resume()
+            await prefill.close()
+
+    with stalling_proxy(redis_url) as (proxy, url):
+        asyncio.run(scenario(url, proxy))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,7 +31,14 @@ from kv_connector.ucx_messages import (
     recv_header,
     send_header,
 )
-from kv_connector.wire import PullReply, PullRequest, WireError, decode_pull_request, encode
+from kv_connector.wire import (
+    PullReply,
+    PullRequest,
+    WireError,
+    decode_pull_request,
+    encode,
+    max_pull_request_bytes,
+)
 from tests.kv_connector.ucx_peer import (
     GUARDED_BLOCKS,
     GUARDED_TOKEN,
@@ -117,12 +125,24 @@ def test_a_message_plan_must_cut_the_blocks_into_consecutive_runs() -> None:
     assert consecutive_runs_error([3, 3], [2]) == "message 0 names blocks [3, 3], which are not consecutive"
 
 
-def answer(request: PullRequest) -> PullReply:
-    """What a prefill-side connector holding ``PUBLISHED_BLOCKS`` and ``RUN_BLOCKS`` answers (no UCX involved)."""
+def prefill_side() -> UCXConnector:
+    """A prefill-side connector holding ``PUBLISHED_BLOCKS`` and ``RUN_BLOCKS`` (any pull), and
+    ``GUARDED_BLOCKS`` (pulls presenting ``GUARDED_TOKEN``); not listening: its answers are read
+    without UCX."""
     connector = UCXConnector(seeded_cache(7), fingerprint())
-    connector.publish("r", PUBLISHED_BLOCKS, token_ids=[])
-    connector.publish("run", RUN_BLOCKS, token_ids=[])
-    reply, _ = connector._answer(encode(request))
+
+    async def publish() -> None:
+        await connector.publish("r", PUBLISHED_BLOCKS, token_ids=[])
+        await connector.publish("run", RUN_BLOCKS, token_ids=[])
+        await connector.publish("guarded", GUARDED_BLOCKS, token_ids=[], pull_token=GUARDED_TOKEN)
+
+    asyncio.run(publish())
+    return connector
+
+
+def answer(request: PullRequest) -> PullReply:
+    """What :func:`prefill_side` answers."""
+    reply, _ = prefill_side()._answer(encode(request))
     return reply
 
 
@@ -471,7 +491,7 @@ def test_unpublish_cuts_off_a_pull_reading_the_blocks() -> None:
                 await connector.close()
 
         run(scenario)
-        assert running.stop() == PeerState(transfers_in_flight=0, serving_connections=0, messages_sent=4)
+        assert running.stop() == PeerState(transfers_in_flight=0, serving_connections=0, messages_sent=4, refused=1)
 
 
 def test_idle_connection_the_peer_dropped_is_replaced() -> None:
@@ -498,3 +518,150 @@ def test_idle_connection_the_peer_dropped_is_replaced() -> None:
 def test_unreachable_peer_fails_fast_without_hanging() -> None:
     with pytest.raises(KVTransferError, match="127.0.0.1:9"):
         pull(empty_cache(), source("127.0.0.1:9"), [0, 1, 2, 3])
+
+
+# ------------------------------------------------------------- the listener against strangers
+
+
+def test_refused_pulls_are_logged_once_then_once_in_a_thousand(caplog: pytest.LogCaptureFixture) -> None:
+    connector = prefill_side()
+    wrong_token = encode(PullRequest("guarded", GUARDED_BLOCKS, fingerprint(), [1, 1], pull_token=bytes(16).hex()))
+    with caplog.at_level(logging.WARNING, logger="kv_connector.ucx"):
+        for _ in range(2500):
+            reply, request = connector._answer(wrong_token)
+            assert request is None and "does not match" in reply.error
+    refusals = [record.getMessage() for record in caplog.records]
+    assert connector.num_refused == 2500 and len(refusals) == 3, refusals
+    assert refusals[0].startswith("refused a KV pull: the pull token for request 'guarded' does not match")
+    assert refusals[0].endswith("(1 refused since start)") and refusals[2].endswith("(2001 refused since start)")
+
+
+def test_a_pull_token_serves_one_pull() -> None:
+    remote = seeded_cache(7)
+    with running_peer() as running:
+        guarded = source(running.address, "guarded", GUARDED_BLOCKS, pull_token=GUARDED_TOKEN)
+        local = empty_cache()
+        pull(local, guarded, [1, 2])
+        assert torch.equal(local[[1, 2]], remote[GUARDED_BLOCKS])
+        local.zero_()
+        with pytest.raises(KVTransferError, match="the pull token for request 'guarded' was spent"):
+            pull(local, guarded, [1, 2])
+        assert not local.any()
+        # A request published without a token (tools, benchmarks) may be pulled again.
+        for _ in range(2):
+            pull(local, source(running.address), [0, 3, 11, 6])
+        assert running.stop().refused == 1
+
+
+async def _connect(address: str):
+    host, _, port = address.rpartition(":")
+    return await ucxx_for_running_loop().create_endpoint(host, int(port))
+
+
+async def _closed_by_peer(endpoint) -> None:
+    """Until the peer closes the connection: a receive on it fails (10 s at most, not to hang)."""
+    with pytest.raises(Exception):  # noqa: B017 - ucxx names a closed connection variously
+        await asyncio.wait_for(endpoint.recv(np.empty(8, dtype=np.uint8)), 10.0)
+
+
+async def _until_serving(running: Peer, num_connections: int) -> None:
+    deadline = time.monotonic() + 10
+    while running.state().serving_connections != num_connections and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert running.state().serving_connections == num_connections
+
+
+def test_connections_past_the_cap_are_closed_as_they_arrive() -> None:
+    remote = seeded_cache(7)
+    with running_peer("--max-connections", "2", "--first-frame-timeout", "60") as running:
+
+        async def scenario() -> None:
+            strangers = [await _connect(running.address) for _ in range(2)]
+            await _until_serving(running, 2)
+            third = await _connect(running.address)
+            await _closed_by_peer(third)
+            await third.close()
+            assert running.state() == PeerState(transfers_in_flight=0, serving_connections=2, refused=1)
+            for stranger in strangers:
+                await stranger.close()
+            await _until_serving(running, 0)
+            local = empty_cache()
+            connector = decode_connector(local)
+            try:
+                await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
+            finally:
+                await connector.close()
+            assert torch.equal(local[[0, 1, 2, 3]], remote[PUBLISHED_BLOCKS])
+
+        run(scenario)
+
+
+def test_a_first_header_longer_than_a_pull_of_the_whole_cache_is_never_parsed() -> None:
+    """The peer's cache holds 12 blocks: no pull request to it needs more than a few KiB. A
+    100 KB header (under the 1 MiB every header may have) is refused by UCX as truncated:
+    no reply, the connection closed, nothing parsed."""
+    cap = max_pull_request_bytes(SHAPE[0])
+    assert cap < 5000
+    with running_peer() as running:
+
+        async def scenario() -> None:
+            endpoint = await _connect(running.address)
+            body = b"[" + b"0," * 50_000 + b"0]"
+            frame = np.frombuffer(len(body).to_bytes(8, "little") + body, dtype=np.uint8)
+            await endpoint.send(frame)
+            await _closed_by_peer(endpoint)
+            await endpoint.close()
+
+        run(scenario)
+        assert running.stop() == PeerState(transfers_in_flight=0, serving_connections=0, refused=1)
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_first_frame_timeout() -> None:
+    with running_peer("--first-frame-timeout", "0.5") as running:
+
+        async def scenario() -> None:
+            endpoint = await _connect(running.address)
+            await _closed_by_peer(endpoint)
+            await endpoint.close()
+
+        run(scenario)
+        assert running.stop().serving_connections == 0
+
+
+def test_what_p_sends_after_the_settle_window_never_lands_in_reused_blocks() -> None:
+    """P holds back the second message of a pull of "slow" until told. D's pull ends (the
+    engine cancels it) once every other message has landed; it settles and drops its
+    connection. D reuses the very blocks for a pull of "r" on a new connection; only then does
+    P send the held-back message. It lands nowhere: the reused blocks keep "r"'s KV, through
+    one more pull that makes D's UCX progress whatever has come."""
+    remote = seeded_cache(7)
+    local = empty_cache()
+    reused = [6, 0, 8, 4]
+    with running_peer("--hold", "slow:1", "--drain-seconds", "5") as running:
+
+        async def command(line: str) -> str:
+            return await asyncio.get_running_loop().run_in_executor(None, running.command, line)
+
+        async def scenario() -> None:
+            connector = decode_connector(local)
+            try:
+                slow = source(running.address, "slow", SLOW_BLOCKS)
+                pulling = asyncio.ensure_future(connector.pull(slow, reused, 0, timeout_s=60.0))
+                assert await command("held") == "holding"
+                while not all(local[block].any() for block in (6, 8, 4)):  # every message but the held one
+                    await asyncio.sleep(0.01)
+                pulling.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pulling
+                assert not local[0].any() and connector.num_idle_connections == 0
+                await connector.pull(source(running.address), reused, 0, timeout_s=10.0)
+                assert torch.equal(local[reused], remote[PUBLISHED_BLOCKS])
+                assert await command("release") in ("released sent", "released failed")
+                await connector.pull(source(running.address, "run", RUN_BLOCKS), [1, 2, 3, 5], 0, timeout_s=10.0)
+                assert torch.equal(local[reused], remote[PUBLISHED_BLOCKS])
+                assert torch.equal(local[[1, 2, 3, 5]], remote[RUN_BLOCKS])
+            finally:
+                await connector.close()
+
+        run(scenario)
+        assert running.stop().transfers_in_flight == 0

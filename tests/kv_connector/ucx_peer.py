@@ -7,17 +7,21 @@ connections to close and prints its connector's state as one JSON line
 
 Commands on stdin, one per line, each answered with one line once done: ``drop`` closes
 every connection from a decode side (``dropped``); ``unpublish NAME`` unpublishes a
-request (``unpublished``); ``state`` prints the state as at exit.
+request (``unpublished``); ``state`` prints the state as at exit; ``held`` answers
+``holding`` once the message ``--hold`` names is held back; ``release`` lets it go, and
+answers once its send is over (``released sent`` or ``released failed``).
 
 ``--stall-at-send K --stall-seconds S`` holds back the K-th message the peer sends
 (counting from 1 over the peer's life) for S seconds, without blocking its event loop:
-the other messages of that pull go out, that one does not.
+the other messages of that pull go out, that one does not. ``--hold NAME:K`` holds back
+message K (from 0) of the first pull of request NAME until the ``release`` command.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import sys
 import time
@@ -27,6 +31,7 @@ import torch
 
 from kv_connector.fingerprint import Fingerprint
 from kv_connector.ucx import UCXConnector
+from kv_connector.wire import PullReply, PullRequest
 
 SHAPE = (12, 2, 2, 16, 2, 8)  # blocks, layers, K/V, block_size, kv_heads, head_dim (block-major)
 PUBLISHED_BLOCKS = [5, 2, 9, 7]
@@ -41,6 +46,7 @@ class PeerState:
     transfers_in_flight: int
     serving_connections: int
     messages_sent: int = 0
+    refused: int = 0  # connections and pulls refused
 
 
 def fingerprint(model: str = "tiny-0123") -> Fingerprint:
@@ -58,17 +64,40 @@ def seeded_cache(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-class StallingConnector(UCXConnector):
-    """Counts the messages it sends, and holds back the ``stall_at``-th for ``stall_s`` seconds."""
+_SENDING = contextvars.ContextVar("request id of the pull whose messages this task sends", default="")
 
-    def __init__(self, *args, stall_at: int, stall_s: float, **kwargs) -> None:
+
+class StallingConnector(UCXConnector):
+    """Counts the messages it sends, and holds back the ``stall_at``-th for ``stall_s`` seconds,
+    or message ``hold_index`` of the first pull of ``hold_request`` until :attr:`release` is set."""
+
+    def __init__(self, *args, stall_at: int, stall_s: float, hold: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._stall_at = stall_at
         self._stall_s = stall_s
+        self._hold_request, _, hold_index = hold.partition(":")
+        self._hold_index = int(hold_index or -1)
+        self.release = asyncio.Event()
+        self.holding = asyncio.Event()
+        self.held: asyncio.Future | None = None  # the held-back send, once asked for
         self.num_sends = 0
+
+    async def _send_blocks(self, endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:
+        _SENDING.set(request.request_id)  # this pull's own task: its context only
+        await super()._send_blocks(endpoint, pull_number, reply, request)
 
     def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:
         self.num_sends += 1
+        index = tag & 0xFFFFFFFF
+        if self.held is None and _SENDING.get() == self._hold_request and index == self._hold_index:
+
+            async def held() -> None:
+                await self.release.wait()
+                await super(StallingConnector, self)._send(endpoint, blocks, tag)
+
+            self.held = asyncio.ensure_future(held())
+            self.holding.set()
+            return self.held
         if self.num_sends != self._stall_at:
             return super()._send(endpoint, blocks, tag)
 
@@ -79,7 +108,7 @@ class StallingConnector(UCXConnector):
         return asyncio.ensure_future(stalled())
 
     def state(self) -> PeerState:
-        return PeerState(self.num_transfers_in_flight, self.num_serving_connections, self.num_sends)
+        return PeerState(self.num_transfers_in_flight, self.num_serving_connections, self.num_sends, self.num_refused)
 
     async def drop_connections(self) -> None:
         """Close every decode-side connection, as a restarted prefill instance would have."""
@@ -94,12 +123,15 @@ async def serve(args: argparse.Namespace) -> None:
         fingerprint(args.model),
         stall_at=args.stall_at_send,
         stall_s=args.stall_seconds,
+        hold=args.hold,
         idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections,
+        first_frame_timeout_s=args.first_frame_timeout,
     )
     address = await connector.start("127.0.0.1", args.port)
     for name, blocks in (("r", PUBLISHED_BLOCKS), ("slow", SLOW_BLOCKS), ("run", RUN_BLOCKS)):
-        connector.publish(name, blocks, token_ids=list(range(60)))
-    connector.publish("guarded", GUARDED_BLOCKS, token_ids=list(range(30)), pull_token=GUARDED_TOKEN)
+        await connector.publish(name, blocks, token_ids=list(range(60)))
+    await connector.publish("guarded", GUARDED_BLOCKS, token_ids=list(range(30)), pull_token=GUARDED_TOKEN)
     print(address, flush=True)
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):  # "" once the test closes stdin
@@ -114,6 +146,15 @@ async def serve(args: argparse.Namespace) -> None:
             print("unpublished", flush=True)
         elif command == "state":
             print(json.dumps(asdict(connector.state())), flush=True)
+        elif command == "held":
+            await connector.holding.wait()
+            print("holding", flush=True)
+        elif command == "release":
+            connector.release.set()
+            if connector.held is None:
+                raise ValueError("release: no send is held back (bug in the test)")
+            outcome = (await asyncio.gather(connector.held, return_exceptions=True))[0]
+            print("released " + ("failed" if isinstance(outcome, BaseException) else "sent"), flush=True)
         else:
             raise ValueError(f"unknown command {line!r}")
     deadline = time.monotonic() + args.drain_seconds  # connections the test closed end on their own, soon
@@ -130,6 +171,9 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--stall-at-send", type=int, default=0, help="0: never stall")
     parser.add_argument("--stall-seconds", type=float, default=0.0)
+    parser.add_argument("--hold", default="", metavar="NAME:K", help="hold message K of NAME's first pull")
+    parser.add_argument("--max-connections", type=int, default=1024)
+    parser.add_argument("--first-frame-timeout", type=float, default=10.0)
     parser.add_argument(
         "--drain-seconds",
         type=float,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.auth import ClusterSecret
+from cluster.derived_keys import prefix_cache_key
 from engine.spec_decode.config import SpeculativeConfig
 from launcher.up import add_arguments, engine_flags
 from serving.instance import add_instance_arguments, engine_config
@@ -58,6 +60,8 @@ def test_every_engine_flag_reaches_every_instance_as_given() -> None:
         "256",
         "--long-prefill-token-threshold",
         "384",
+        "--prefix-cache-hash",
+        "sha256",
     ]
     up = _up_args(*given)
     instance = _instance_args(*engine_flags(up, Path("/m")))
@@ -107,3 +111,18 @@ def test_a_bad_prompt_chunk_cap_is_refused_when_parsed(value: str, capsys: pytes
     with pytest.raises(SystemExit):
         _instance_args("--long-prefill-token-threshold", value)
     assert "--long-prefill-token-threshold" in capsys.readouterr().err
+
+
+def test_the_prefix_cache_hash_is_keyed_by_the_cluster_secret_where_there_is_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET_FILE", raising=False)
+    assert engine_config(_instance_args(), "decode").block_hasher.name == "xxh3"
+    assert engine_config(_instance_args("--prefix-cache-hash", "sha256"), "decode").block_hasher.name == "sha256"
+    secret = "a cluster secret of some length"
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET", secret)
+    for role in ("prefill", "decode", "colocated"):
+        config = engine_config(_instance_args("--prefix-cache-hash", "sha256"), role)  # type: ignore[arg-type]
+        assert config.block_hasher.name == "hmac-sha256"
+        assert config.prefix_cache_hash_key == prefix_cache_key(ClusterSecret.from_text(secret))

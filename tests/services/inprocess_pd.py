@@ -22,7 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, EngineRole
 from engine.kv_loader import KVLoader
 from engine.load_report import LoadReport
-from kv_connector.base import KVConnector, KVSource, KVTransferError, TransferStats
+from kv_connector.base import KVConnector, KVSource, KVTransferError, PublishedKV, TransferStats
 from kv_connector.fingerprint import Fingerprint
 from prefill_svc import server as prefill_server
 from serving.instance import Instance, fingerprint_of
@@ -69,10 +69,16 @@ class InProcessConnector(KVConnector):
         self._peers[self.address] = self
         return self.address
 
-    def publish(
-        self, request_id: str, block_ids: list[int], token_ids: list[int], pull_token: bytes | None = None
-    ) -> None:
+    async def publish(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        token_ids: list[int],
+        pull_token: bytes | None = None,
+        cache_salt: str = "",
+    ) -> PublishedKV:
         self._published[request_id] = list(block_ids)
+        return PublishedKV()
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         self._published.pop(request_id, None)

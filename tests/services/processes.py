@@ -23,17 +23,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICE_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
 
 
-class _CallToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """The test's side of the cluster secret on a synchronous channel: its call token on every call."""
+class _CallCredential(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """The test's side of the cluster secret on a synchronous channel: a fresh call credential on every call."""
 
     def __init__(self, secret: str) -> None:
-        self._metadata = (METADATA_KEY, ClusterSecret.from_text(secret).call_token)
+        self._secret = ClusterSecret.from_text(secret)
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         return _Details(
             details.method,
             details.timeout,
-            [*(details.metadata or ()), self._metadata],
+            [*(details.metadata or ()), (METADATA_KEY, self._secret.call_credential(details.method))],
             details.credentials,
             details.wait_for_ready,
             details.compression,
@@ -58,7 +58,7 @@ class _Details(
 def open_channel(address: str, secret: str | None = None, tls: grpc.ChannelCredentials | None = None) -> grpc.Channel:
     """A synchronous channel to an instance, as a member of its cluster when given its secret / TLS."""
     channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
-    return grpc.intercept_channel(channel, _CallToken(secret)) if secret is not None else channel
+    return grpc.intercept_channel(channel, _CallCredential(secret)) if secret is not None else channel
 
 
 class Service:

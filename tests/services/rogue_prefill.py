@@ -40,7 +40,7 @@ async def main(fingerprint: Fingerprint, request_id: str, num_blocks: int) -> No
     cache = torch.full(shape, POISON, dtype=getattr(torch, fingerprint.dtype))
     connector = CountingConnector(cache, fingerprint)
     print(await connector.start("127.0.0.1", 0), flush=True)
-    connector.publish(request_id, list(range(num_blocks)), token_ids=[])
+    await connector.publish(request_id, list(range(num_blocks)), token_ids=[])
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         if line.strip() != "pulls":

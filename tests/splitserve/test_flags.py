@@ -10,12 +10,14 @@ from typing import get_args
 import pytest
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, DTypeName
+from engine.kv_cache_utils import PREFIX_CACHE_HASHES as ENGINE_PREFIX_CACHE_HASHES
+from engine.kv_cache_utils import PrefixCacheHash
 from engine.spec_decode.config import SpeculativeConfig, speculative_config_from_args
 from kv_connector.registry import BACKENDS
 from launcher import up
 from serving.instance import add_instance_arguments
 from splitserve import generate
-from splitserve.flags import DTYPES, add_engine_arguments
+from splitserve.flags import DTYPES, PREFIX_CACHE_HASHES, add_engine_arguments
 
 
 def _instance(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +48,13 @@ def _help(name: str) -> str:
 
 def test_dtype_choices_are_the_engines() -> None:
     assert sorted(DTYPES) == sorted(get_args(DTypeName))
+
+
+def test_prefix_cache_hash_choices_are_the_engines() -> None:
+    assert PREFIX_CACHE_HASHES == ENGINE_PREFIX_CACHE_HASHES == get_args(PrefixCacheHash)
+    for command in COMMANDS:
+        assert _parse(command).prefix_cache_hash == "xxh3"
+        assert _parse(command, "--prefix-cache-hash", "sha256").prefix_cache_hash == "sha256"
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -1,0 +1,204 @@
+/*
+ * Linear layers on quantized weights kept in GGUF's block formats (quant_blocks.h):
+ * out = x @ w^T (+ bias), x, bias and out float32 or bf16 alike, w [out_features] rows of
+ * in_features / 32 blocks (the tensor as the file holds it), float32 accumulation and one
+ * rounding at the end in bf16.
+ *
+ * quant_linear takes float activations: each weight block is dequantized in registers (one
+ * FMA per vector, w = q * d + m) and multiplied into a tile of input rows, so a block read
+ * from memory serves every row of the tile; more rows take more tiles, each dequantizing the
+ * (cached) row again. Threads split the output features, a contiguous range each, and read
+ * their weight rows in order. For many rows (prefill) the caller dequantizes a slice of rows
+ * at a time with quant_dequantize_rows and runs a float GEMM (engine/models/quantized_linear.py
+ * says which is faster where).
+ *
+ * quant_dequantize_rows also serves the embedding lookup: the rows a batch's token ids name.
+ */
+#include <stdlib.h>
+
+#include "quant_blocks.h"
+
+int64_t quant_row_bytes(int qtype, int64_t in_features) {
+    if (!qtype_known(qtype) || in_features % QUANT_BLOCK != 0) return -1;
+    return in_features / QUANT_BLOCK * qtype_block_bytes(qtype);
+}
+
+#if SIMD_WIDTH > 1
+/* Input rows per tile. Taller AVX2 tiles (6, 8) measured no faster: past a few rows the FMAs
+   and input loads per row, not the dequantization shared by the tile, set the pace. */
+#if SIMD_WIDTH >= 16
+#define QTILE_ROWS 8
+#else
+#define QTILE_ROWS 4
+#endif
+/* Vector registers a tile's accumulators and the block's vectors may take (of 16 with AVX2,
+   32 with AVX-512), leaving some for loads and the dequantization's constants. */
+#define QTILE_REGISTERS (SIMD_WIDTH >= 16 ? 28 : 12)
+
+/* Dot products of one weight row with `rows` input rows (x_row floats apart) into sums[rows].
+   Each row keeps up to QVECS independent accumulators (FMA latency), as registers allow. */
+static inline __attribute__((always_inline)) void qrow_tile(const float *x, int64_t x_row, const uint8_t *w_row,
+                                                            int64_t num_blocks, const int qtype, const int rows,
+                                                            float *sums) {
+    const int accs = rows * QVECS + QVECS <= QTILE_REGISTERS ? QVECS : (rows * 2 + QVECS <= QTILE_REGISTERS ? 2 : 1);
+    const int64_t block_bytes = qtype_block_bytes(qtype);
+    vfloat acc[QTILE_ROWS][QVECS];
+    for (int m = 0; m < rows; ++m)
+        for (int a = 0; a < accs; ++a) acc[m][a] = vf_zero();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+        vfloat w[QVECS];
+        dequantize_block(w_row + b * block_bytes, qtype, w);
+        const float *xb = x + b * QUANT_BLOCK;
+        for (int m = 0; m < rows; ++m)
+            for (int v = 0; v < QVECS; ++v)
+                acc[m][v % accs] = vf_fmadd(vf_load(xb + m * x_row + v * SIMD_WIDTH), w[v], acc[m][v % accs]);
+    }
+    for (int m = 0; m < rows; ++m) {
+        vfloat total = acc[m][0];
+        for (int a = 1; a < accs; ++a) total = vf_add(total, acc[m][a]);
+        sums[m] = vf_sum(total);
+    }
+}
+
+static inline __attribute__((always_inline)) void qrow(const float *x, int64_t x_row, int64_t num_rows,
+                                                       const uint8_t *w_row, int64_t num_blocks, const int qtype,
+                                                       float *sums) {
+    for (int64_t m = 0; m < num_rows; m += QTILE_ROWS) {
+        const float *x_tile = x + m * x_row;
+        /* Constant tile heights, so each variant's loops unroll into straight register code. */
+        switch (num_rows - m) {
+#define QTILE_CASE(R) \
+    case R: qrow_tile(x_tile, x_row, w_row, num_blocks, qtype, R, sums + m); break;
+            QTILE_CASE(1)
+            QTILE_CASE(2)
+            QTILE_CASE(3)
+#if QTILE_ROWS >= 8
+            QTILE_CASE(4)
+            QTILE_CASE(5)
+            QTILE_CASE(6)
+            QTILE_CASE(7)
+#endif
+#undef QTILE_CASE
+            default: qrow_tile(x_tile, x_row, w_row, num_blocks, qtype, QTILE_ROWS, sums + m); break;
+        }
+    }
+}
+#else
+/* Generic build: a block dequantized into a buffer, then its dot product with every row. */
+static inline __attribute__((always_inline)) void qrow(const float *x, int64_t x_row, int64_t num_rows,
+                                                       const uint8_t *w_row, int64_t num_blocks, const int qtype,
+                                                       float *sums) {
+    const int64_t block_bytes = qtype_block_bytes(qtype);
+    for (int64_t m = 0; m < num_rows; ++m) sums[m] = 0.0f;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+        float w[QUANT_BLOCK];
+        dequantize_block_scalar(w_row + b * block_bytes, qtype, w);
+        for (int64_t m = 0; m < num_rows; ++m) {
+            const float *xb = x + m * x_row + b * QUANT_BLOCK;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < QUANT_BLOCK; ++j) sum += xb[j] * w[j];
+            sums[m] += sum;
+        }
+    }
+}
+#endif
+
+/* Output features [n_start, n_end) for every row. sums: num_rows floats of scratch. */
+static inline __attribute__((always_inline)) void qlinear_range(const float *x, int64_t num_rows, int64_t in_features,
+                                                                const uint8_t *w, const void *bias, void *out,
+                                                                int64_t out_features, int64_t n_start, int64_t n_end,
+                                                                const int qtype, const int is_bf16, float *sums) {
+    const int64_t num_blocks = in_features / QUANT_BLOCK, row_bytes = num_blocks * qtype_block_bytes(qtype);
+    for (int64_t n = n_start; n < n_end; ++n) {
+        qrow(x, in_features, num_rows, w + n * row_bytes, num_blocks, qtype, sums);
+        const float b = bias == NULL ? 0.0f : load(bias, n, is_bf16);
+        for (int64_t m = 0; m < num_rows; ++m) store(out, m * out_features + n, sums[m] + b, is_bf16);
+    }
+}
+
+/* The qtype and dtype as constants, so the inlined kernels specialise on them. */
+static void qlinear_dispatch(const float *x, int64_t num_rows, int64_t in_features, const uint8_t *w,
+                             const void *bias, void *out, int64_t out_features, int64_t n_start, int64_t n_end,
+                             int qtype, int is_bf16, float *sums) {
+#define QLINEAR_CASE(QTYPE)                                                                                     \
+    if (qtype == QTYPE) {                                                                                       \
+        if (is_bf16)                                                                                            \
+            qlinear_range(x, num_rows, in_features, w, bias, out, out_features, n_start, n_end, QTYPE, 1, sums); \
+        else                                                                                                    \
+            qlinear_range(x, num_rows, in_features, w, bias, out, out_features, n_start, n_end, QTYPE, 0, sums); \
+        return;                                                                                                 \
+    }
+    QLINEAR_CASE(QTYPE_Q4_0)
+    QLINEAR_CASE(QTYPE_Q4_1)
+    QLINEAR_CASE(QTYPE_Q8_0)
+#undef QLINEAR_CASE
+}
+
+/* Returns 0; -1 when a buffer cannot be allocated; -2 for an unknown qtype or in_features not
+   a whole number of blocks. */
+int quant_linear(const void *x, int64_t x_stride, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                 int64_t in_features, int64_t out_features, int qtype, int is_bf16) {
+    if (quant_row_bytes(qtype, in_features) < 0) return -2;
+    /* Rows gathered once into contiguous float32 (bf16 upcast exactly). */
+    float *x32 = malloc((size_t)(num_rows * in_features) * sizeof(float));
+    if (x32 == NULL) return -1;
+    for (int64_t m = 0; m < num_rows; ++m) {
+        float *row = x32 + m * in_features;
+#pragma omp simd
+        for (int64_t k = 0; k < in_features; ++k) row[k] = load(x, m * x_stride + k, is_bf16);
+    }
+    int status = 0;
+#pragma omp parallel if (out_features * in_features >= QUANT_PARALLEL_MIN_WEIGHTS)
+    {
+        int64_t n_start, n_end;
+        thread_range(out_features, &n_start, &n_end);
+        float *sums = malloc((size_t)num_rows * sizeof(float));
+        if (sums == NULL) {
+#pragma omp atomic write
+            status = -1;
+        } else {
+            if (n_start < n_end)
+                qlinear_dispatch(x32, num_rows, in_features, w, bias, out, out_features, n_start, n_end, qtype,
+                                 is_bf16, sums);
+            free(sums);
+        }
+    }
+    free(x32);
+    return status;
+}
+
+/* Rows of w into out [num_rows, in_features] (float32, or bf16 when out_is_bf16): rows
+   first_row.. when row_ids is NULL, else row_ids[i] (an embedding lookup). Returns 0; -2 for an
+   unknown qtype or in_features not a whole number of blocks; -3 for a row id outside
+   [0, num_weight_rows). */
+int quant_dequantize_rows(const uint8_t *w, const int64_t *row_ids, int64_t first_row, int64_t num_rows,
+                          int64_t num_weight_rows, int64_t in_features, int qtype, void *out, int out_is_bf16) {
+    const int64_t row_bytes = quant_row_bytes(qtype, in_features);
+    if (row_bytes < 0) return -2;
+    for (int64_t i = 0; i < num_rows; ++i) {
+        const int64_t row = row_ids == NULL ? first_row + i : row_ids[i];
+        if (row < 0 || row >= num_weight_rows) return -3;
+    }
+    const int64_t num_blocks = in_features / QUANT_BLOCK, block_bytes = qtype_block_bytes(qtype);
+#pragma omp parallel for schedule(static) if (num_rows * in_features >= QUANT_PARALLEL_MIN_WEIGHTS)
+    for (int64_t i = 0; i < num_rows; ++i) {
+        const uint8_t *w_row = w + (row_ids == NULL ? first_row + i : row_ids[i]) * row_bytes;
+        for (int64_t b = 0; b < num_blocks; ++b) {
+            float values[QUANT_BLOCK];
+            const int64_t at = i * in_features + b * QUANT_BLOCK;
+#if SIMD_WIDTH > 1
+            vfloat v[QVECS];
+            dequantize_block(w_row + b * block_bytes, qtype, v);
+            for (int j = 0; j < QVECS; ++j) vf_store(values + j * SIMD_WIDTH, v[j]);
+#else
+            dequantize_block_scalar(w_row + b * block_bytes, qtype, values);
+#endif
+            if (out_is_bf16)
+                for (int j = 0; j < QUANT_BLOCK; ++j) ((uint16_t *)out)[at + j] = float_to_bf16(values[j]);
+            else
+                memcpy((float *)out + at, values, sizeof values);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,108 @@
+"""Linear layers and embeddings on weights kept in GGUF's block formats (Q4_0, Q4_1, Q8_0).
+
+- Up to ``MAX_KERNEL_ROWS`` rows (decode steps, small batches) go to the native kernels, which
+  dequantize each weight block in registers (engine/csrc/quant_linear.c) and so read the
+  weight's 4.5 to 8.5 bits per element instead of the 16 or 32 of a float copy. The
+  activations stay float32: the result equals the float model of the dequantized weights up
+  to summation order. ``SPLITSERVE_QUANT_ACTIVATIONS=q8`` quantizes them on the fly to Q8_0
+  blocks instead, as llama.cpp does, for integer dot products (engine/csrc/quant_q8.c):
+  faster, and no longer equal to the float model (greedy output can part from it).
+- More rows (prefill) dequantize the weight a slice of rows at a time into float32 and run
+  the float GEMM, as BF16WeightLinear does for bf16 panels (engine/models/cpu_linear.py).
+- Without native kernels (no C compiler) every call dequantizes the whole weight in PyTorch:
+  correct, and slow (the GGUF loader dequantizes at load instead, in that case).
+
+What was measured on a 2-core AVX2 EPYC, shared with other work at the time (so rough): one
+decode token's linear layers of SmolLM2-135M (30 layers and the head, weights streamed from
+memory, 2 threads) took about 10 ms with float activations and 7.6 ms with Q8 ones, against
+25 ms for today's float32 panels. A gate/up projection alone, [3072, 576] in Q4_1, took 75 us
+for one row with Q8 activations, 122 us with float ones; and against dequantizing 1024-row
+slices for the float GEMM the Q8 kernel was faster up to 32 rows (2.8 against 3.6 ms) and
+slower from 64 (8.2 against 5.6).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cpu_quant_kernels import QuantKernels
+from engine.models.quant_format import QuantizedWeight
+
+ActivationMode = Literal["q8", "float"]
+ACTIVATIONS_ENV = "SPLITSERVE_QUANT_ACTIVATIONS"
+# Rows up to which the kernels beat dequantizing slices for the float GEMM (module docstring).
+MAX_KERNEL_ROWS = 32
+# Float32 elements of one dequantized weight slice (4 MiB), as cpu_linear's upcast slices.
+_SLICE_ELEMENTS = 1 << 20
+
+
+def activation_mode() -> ActivationMode:
+    """How the kernels take activations: ``SPLITSERVE_QUANT_ACTIVATIONS`` (default ``float``)."""
+    value = os.environ.get(ACTIVATIONS_ENV, "float")
+    if value not in ("q8", "float"):
+        raise ValueError(f"{ACTIVATIONS_ENV} must be q8 or float, got {value!r}")
+    return "q8" if value == "q8" else "float"
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: nn.Parameter | None,
+        kernels: QuantKernels | None,
+        activations: ActivationMode = "float",
+    ) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bias = bias
+        self.kernels = kernels
+        self.q8_activations = activations == "q8"
+        self.max_kernel_rows = 0 if kernels is None else MAX_KERNEL_ROWS
+        self.slice_rows = max(1, _SLICE_ELEMENTS // self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features]
+        num_rows = x.shape[0]
+        if self.kernels is None or not QuantKernels.supports(x.dtype):
+            return F.linear(x, self.qweight.dequantize(x.dtype), self.bias)
+        if num_rows <= self.max_kernel_rows and x.stride(1) == 1:
+            return self.kernels.linear(x, self.qweight, self.bias, self.q8_activations)
+        x32 = x.float()
+        out = torch.empty((num_rows, self.out_features), dtype=x.dtype)
+        for start in range(0, self.out_features, self.slice_rows):
+            end = min(start + self.slice_rows, self.out_features)
+            product = x32 @ self.kernels.dequantize_rows(self.qweight, start, end, torch.float32).T
+            out[:, start:end] = product if self.bias is None else product + self.bias[start:end].float()
+        return out
+
+    def extra_repr(self) -> str:
+        mode = "q8" if self.q8_activations else "float"
+        return f"{self.qweight.format.name}, in={self.in_features}, out={self.out_features}, activations={mode}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings from a quantized table: each lookup dequantizes the rows it reads,
+    into the model's compute dtype. A tied LM head multiplies by the same table
+    (a :class:`QuantizedLinear` over the same :class:`QuantizedWeight`)."""
+
+    def __init__(self, weight: QuantizedWeight, kernels: QuantKernels | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.kernels = kernels
+        self.dtype = dtype
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids: [T] -> [T, hidden]
+        if self.kernels is not None and QuantKernels.supports(self.dtype):
+            return self.kernels.embedding(self.qweight, token_ids.to(torch.int64), self.dtype)
+        rows = QuantizedWeight(self.qweight.format, self.qweight.data[token_ids].contiguous(), self.qweight.in_features)
+        return rows.dequantize(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.qweight.format.name}, {self.qweight.out_features} x {self.qweight.in_features}"
