@@ -227,7 +227,8 @@ class InstancePool:
         candidates = [
             s
             for s in self.healthy(role)
-            if id(s) not in excluded and (fingerprint is None or s.healthy_report.fingerprint == fingerprint)
+            if id(s) not in excluded
+            and (fingerprint is None or kv_compatible(s.healthy_report.fingerprint, fingerprint))
         ]
         return self._admit(role, candidates, num_prompt_tokens, prefer, prompt=prompt)
 
@@ -374,7 +375,11 @@ class InstancePool:
     def _pairable_prefills(self) -> list[InstanceState]:
         """The healthy prefill instances whose KV fingerprint some healthy decode instance shares."""
         decode_fingerprints = [s.healthy_report.fingerprint for s in self.healthy("decode")]
-        return [s for s in self.healthy("prefill") if s.healthy_report.fingerprint in decode_fingerprints]
+        return [
+            s
+            for s in self.healthy("prefill")
+            if any(kv_compatible(s.healthy_report.fingerprint, other) for other in decode_fingerprints)
+        ]
 
     def max_model_len(self) -> int | None:
         """The smallest context any healthy instance accepts (a request must fit wherever it lands)."""
@@ -394,3 +399,17 @@ class InstancePool:
     def _close(self, state: InstanceState) -> None:
         # Requests still streaming over the channel may finish within the grace period.
         self._closing.spawn(state.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
+
+
+def kv_compatible(a: disaggregation_pb2.Fingerprint, b: disaggregation_pb2.Fingerprint) -> bool:
+    """One instance's KV means the same in the other's cache: every fingerprint field equal but
+    the tensor-parallel size, since a pull maps one split of the KV heads onto another (the
+    instances' own check: kv_connector/fingerprint.py)."""
+    return _kv_identity(a) == _kv_identity(b)
+
+
+def _kv_identity(fingerprint: disaggregation_pb2.Fingerprint) -> disaggregation_pb2.Fingerprint:
+    identity = disaggregation_pb2.Fingerprint()
+    identity.CopyFrom(fingerprint)
+    identity.ClearField("tensor_parallel_size")
+    return identity

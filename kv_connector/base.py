@@ -64,6 +64,8 @@ class KVSource:
     cache_salt: str = ""
     # What P's publish returned (:class:`PublishedKV`), from the signed handle.
     chunk_digests: tuple[bytes, ...] = field(default=(), repr=False)
+    # Tensor parallelism: every P rank's endpoint, in rank order (empty at size 1: ``address``).
+    rank_addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +182,16 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop listening and drop connections. Called once at shutdown."""
+
+
+def combined_stats(parts: list[TransferStats]) -> TransferStats:
+    """One pull made of parts that ran at once (a rank's head spans, or every rank's share)."""
+    return TransferStats(
+        num_blocks=max((part.num_blocks for part in parts), default=0),
+        num_bytes=sum(part.num_bytes for part in parts),
+        seconds=max((part.seconds for part in parts), default=0.0),
+        num_messages=sum(part.num_messages for part in parts),
+    )
 
 
 def block_count_error(num_block_ids: int, num_tokens: int, block_size: int) -> str | None:

@@ -22,6 +22,10 @@ _WEIGHT_SAMPLE_BYTES = 1 << 16
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path"}
 
 
+# Fields that say how an instance splits its KV, not what the KV is.
+_LAYOUT_FIELDS = frozenset({"tensor_parallel_size"})
+
+
 class FingerprintMismatchError(ValueError):
     """Two instances whose KV caches are not interchangeable."""
 
@@ -37,11 +41,13 @@ class Fingerprint:
     tensor_parallel_size: int = 1
 
     def check_compatible(self, other: Fingerprint, this_side: str = "this instance", other_side: str = "peer") -> None:
-        """Raise :class:`FingerprintMismatchError` naming every field that differs, with both values."""
+        """Raise :class:`FingerprintMismatchError` naming every field that differs, with both values.
+        The tensor-parallel size may differ: each side splits the same KV heads its own way, and
+        a pull maps one layout onto the other head by head (kv_connector/head_plan.py)."""
         differences = [
             f"{field.name}: {this_side} has {mine!r}, {other_side} has {theirs!r}"
             for field, mine, theirs in zip(fields(self), astuple(self), astuple(other), strict=True)
-            if mine != theirs
+            if mine != theirs and field.name not in _LAYOUT_FIELDS
         ]
         if differences:
             raise FingerprintMismatchError("KV caches are incompatible, refusing to pair: " + "; ".join(differences))

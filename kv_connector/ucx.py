@@ -48,12 +48,21 @@ writing into D's memory on P's side (``UCX_RNDV_SCHEME=put_zcopy`` over shared m
 RDMA puts) after a rendezvous D had already matched, when P stalls mid-transfer for longer
 than ``SETTLE_S``: the receiver-driven default (``get_zcopy``) does not write from P's side.
 
+Tensor parallelism: each rank runs its own connector over its own cache, which holds its
+KV heads of every block. A pull may name a span of P's heads (``PullRequest.heads``, from the
+head plan, kv_connector/head_plan.py): P then copies those heads of each message's blocks
+into a staging buffer and sends that, and D receives it straight into its blocks when the
+span is all of its own heads, or into a staging buffer it scatters into its heads otherwise.
+Without a span (same layout on both sides) nothing is staged.
+
 Who may pull: P serves a pull only for a request it published, only of that request's
 blocks, and, when it published with a pull token (the prefill service always does; the
 token travels in the signed KV handle), only to a pull presenting that token, compared in
-constant time, and only once: a handle is good for one pull. ucxx 0.52's listener binds
-every address (it takes none); on a loopback host the connector limits UCX's data lanes to
-``lo`` (:mod:`kv_connector.ucx_context`), elsewhere firewall the KV port (docs/security.md).
+constant time, and only once: a handle is good for one pull of each span of heads the head
+plan gives this rank for the pulling instance's layout (one span, without tensor
+parallelism). ucxx 0.52's listener binds every address (it takes none); on a loopback
+host the connector limits UCX's data lanes to ``lo`` (:mod:`kv_connector.ucx_context`),
+elsewhere firewall the KV port (docs/security.md).
 Whoever reaches the port gets little before proving anything: at most ``max_connections``
 connections at once (one past that is closed at once); a connection's headers are received
 into a buffer just large enough for a pull of the whole cache
@@ -74,15 +83,25 @@ import functools
 import hmac
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from kv_connector.base import KVConnector, KVSource, KVTransferError, PublishedKV, TransferStats, bounded_transfer
+from kv_connector.base import (
+    KVConnector,
+    KVSource,
+    KVTransferError,
+    PublishedKV,
+    TransferStats,
+    bounded_transfer,
+    combined_stats,
+)
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
+from kv_connector.head_plan import plan_head_pulls
 from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop
 from kv_connector.ucx_messages import (
     Endpoint,
@@ -139,12 +158,15 @@ class _Connection:
     idle_since: float = 0.0  # monotonic; set when the connection goes back to the idle pool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Published:
     """P: a request's blocks, and the token a pull of them must present (None: any pull)."""
 
     block_ids: frozenset[int]
     pull_token: bytes | None
+    # With a token: the head spans (first, count) the pulling instance's ranks may still pull,
+    # from the head plan for its layout, set by its first pull; each is good once.
+    spans_left: Counter[tuple[int, int]] | None = None
 
 
 class _StaleConnection(Exception):
@@ -162,13 +184,16 @@ class UCXConnector(KVConnector):
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
         first_frame_timeout_s: float = FIRST_FRAME_TIMEOUT_S,
+        tensor_parallel_rank: int = 0,
     ) -> None:
         """``max_message_blocks``: the most blocks D puts in one message (default: ``MAX_MESSAGE_BYTES``
         worth, at least one). Only the pulling side's value matters: it names the messages.
         ``idle_timeout_s``: P closes a connection that has carried no pull for this long;
         ``max_connections``: P serves at most this many at once; ``first_frame_timeout_s``: P
-        closes a connection whose first header has not come after this long."""
+        closes a connection whose first header has not come after this long;
+        ``tensor_parallel_rank``: the rank whose cache this is (its KV heads are that rank's)."""
         super().__init__(kv_cache, fingerprint)
+        self.tensor_parallel_rank = tensor_parallel_rank
         if max_message_blocks is not None and max_message_blocks < 1:
             raise ValueError(f"max_message_blocks must be >= 1, got {max_message_blocks}")
         for name, seconds in (("idle_timeout_s", idle_timeout_s), ("first_frame_timeout_s", first_frame_timeout_s)):
@@ -184,7 +209,6 @@ class UCXConnector(KVConnector):
         self.num_refused = 0  # P: connections and pulls refused since start
         self._cache_bytes = wire_buffer(kv_cache)
         self._published: dict[str, _Published] = {}
-        self._pulled: set[str] = set()  # P: published with a pull token, and pulled once already
         self._readers: dict[str, set[asyncio.Task]] = {}  # P: the pulls reading a request's blocks
         self._listener: Any = None  # P: the ucxx listener, once started (ucxx ships no types)
         self._serving: set[Endpoint] = set()  # P: endpoints a serving loop runs on
@@ -227,12 +251,10 @@ class UCXConnector(KVConnector):
     ) -> PublishedKV:
         """Nothing is copied: pulls read the blocks where they are (``token_ids`` and the salt unused)."""
         self._published[request_id] = _Published(frozenset(block_ids), pull_token)
-        self._pulled.discard(request_id)
         return PublishedKV()
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         self._published.pop(request_id, None)
-        self._pulled.discard(request_id)
         readers = self._readers.pop(request_id, set())
         if readers and grace_s > 0:
             _, readers = await asyncio.wait(readers, timeout=grace_s)
@@ -331,12 +353,17 @@ class UCXConnector(KVConnector):
         self._num_transfers += 1
         reply_sent = send_header(endpoint, reply)
         sends: deque[asyncio.Future] = deque()
+        heads = self._head_span(request)
         try:
             await asyncio.sleep(0)  # post the reply now, ahead of the first message
             for index, (first, count) in enumerate(message_spans(request.block_ids, request.message_blocks)):
                 if len(sends) >= WINDOW:
                     await sends.popleft()
-                sends.append(self._send(endpoint, self._blocks(first, count), message_tag(pull_number, index)))
+                if heads is None:
+                    payload = self._blocks(first, count)
+                else:  # a span of this rank's heads: copied out, and kept alive by the send's closure
+                    payload = wire_buffer(self.kv_cache[first : first + count, :, :, :, heads[0] : sum(heads)].clone())
+                sends.append(self._send(endpoint, payload, message_tag(pull_number, index)))
             await asyncio.gather(reply_sent, *sends)
         except BaseException:
             await abandon(endpoint, [reply_sent, *sends])
@@ -346,6 +373,16 @@ class UCXConnector(KVConnector):
 
     def _send(self, endpoint: Endpoint, blocks: WireBuffer, tag: int) -> asyncio.Future:
         return asyncio.ensure_future(endpoint.send(blocks, tag=tag))
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.kv_cache.shape[4]
+
+    def _head_span(self, request: PullRequest) -> tuple[int, int] | None:
+        """The (first, count) of this rank's heads a pull sends; None: all of them, unstaged."""
+        if request.heads is None or request.heads == [0, self.num_local_heads]:
+            return None
+        return request.heads[0], request.heads[1]
 
     def _forget_reader(self, request_id: str, task: asyncio.Task) -> None:
         readers = self._readers.get(request_id)
@@ -366,9 +403,23 @@ class UCXConnector(KVConnector):
         reply, request = self._check(data)
         if request is None:
             self._refuse("refused a KV pull: %s", reply.error)
-        elif self._published[request.request_id].pull_token is not None:
-            self._pulled.add(request.request_id)  # its token is spent: a handle serves one pull
+        else:
+            published = self._published[request.request_id]
+            if published.spans_left is not None:
+                published.spans_left[_span_key(request, self.num_local_heads)] -= 1  # spent: good once
         return reply, request
+
+    def _spans_allowed(self, fingerprint: Fingerprint) -> Counter[tuple[int, int]]:
+        """The head spans of this rank that the ranks of an instance of ``fingerprint``'s layout pull."""
+        plans = plan_head_pulls(
+            self.fingerprint.num_kv_heads, self.fingerprint.tensor_parallel_size, fingerprint.tensor_parallel_size
+        )
+        return Counter(
+            (span.source_start, span.num_heads)
+            for spans in plans
+            for span in spans
+            if span.source_rank == self.tensor_parallel_rank
+        )
 
     def _check(self, data: bytes) -> tuple[PullReply, PullRequest | None]:
         try:
@@ -388,11 +439,20 @@ class UCXConnector(KVConnector):
             return PullReply(
                 ok=False, error=f"the pull token for request {request.request_id!r} does not match the KV handle's"
             ), None
-        if request.request_id in self._pulled:
+        span = _span_key(request, self.num_local_heads)
+        if span[0] + span[1] > self.num_local_heads:
             return PullReply(
-                ok=False,
-                error=f"the pull token for request {request.request_id!r} was spent: a KV handle serves one pull",
+                ok=False, error=f"heads {request.heads} outside this rank's {self.num_local_heads} KV heads"
             ), None
+        if published.pull_token is not None:
+            if published.spans_left is None:
+                published.spans_left = self._spans_allowed(request.fingerprint)
+            if published.spans_left[span] <= 0:
+                return PullReply(
+                    ok=False,
+                    error=f"the pull token for request {request.request_id!r} was spent: a KV handle serves one pull "
+                    "of each head span",
+                ), None
         if not published.block_ids.issuperset(request.block_ids):
             return PullReply(
                 ok=False, error=f"blocks {sorted(set(request.block_ids) - published.block_ids)} are not the request's"
@@ -404,20 +464,69 @@ class UCXConnector(KVConnector):
         self.check_block_ids(request.block_ids)  # published by the engine: in range unless there is a bug
         reply = PullReply(
             ok=True,
-            num_bytes=len(request.block_ids) * self.bytes_per_block,
-            shape=self._block_shape(),
+            num_bytes=len(request.block_ids) * self._bytes_per_block_of(span[1]),
+            shape=self._block_shape(span[1]),
             dtype=str(self.kv_cache.dtype).removeprefix("torch."),
         )
         return reply, request
 
-    def _block_shape(self) -> list[int]:
-        return list(self.kv_cache.shape[1:])
+    def _block_shape(self, num_heads: int | None = None) -> list[int]:
+        """One block's shape on the wire: all of this rank's heads, or ``num_heads`` of them."""
+        shape = list(self.kv_cache.shape[1:])
+        if num_heads is not None:
+            shape[3] = num_heads
+        return shape
+
+    def _bytes_per_block_of(self, num_heads: int) -> int:
+        return self.bytes_per_block // self.num_local_heads * num_heads
 
     # ------------------------------------------------------------- D: pulling
 
     async def pull(
         self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
     ) -> TransferStats:
+        """This rank's share: its KV heads, each from the P rank the head plan names
+        (kv_connector/head_plan.py; one whole-block pull from P when both are one rank)."""
+        self.check_source(source)
+        addresses = source.rank_addresses or (source.address,)
+        if len(addresses) != source.fingerprint.tensor_parallel_size:
+            raise KVTransferError(
+                f"the KV handle names {len(addresses)} rank addresses for a prefill instance of "
+                f"{source.fingerprint.tensor_parallel_size} ranks"
+            )
+        plan = plan_head_pulls(self.fingerprint.num_kv_heads, len(addresses), self.fingerprint.tensor_parallel_size)
+        stats = await asyncio.gather(
+            *(
+                self.pull_heads(
+                    source,
+                    addresses[span.source_rank],
+                    block_ids,
+                    num_local_hit_blocks,
+                    timeout_s,
+                    source_heads=(span.source_start, span.num_heads),
+                    target_start=span.target_start,
+                )
+                for span in plan[self.tensor_parallel_rank]
+            )
+        )
+        return combined_stats(stats)
+
+    async def pull_heads(
+        self,
+        source: KVSource,
+        address: str,
+        block_ids: list[int],
+        num_local_hit_blocks: int,
+        timeout_s: float,
+        source_heads: tuple[int, int] | None = None,
+        target_start: int = 0,
+    ) -> TransferStats:
+        """:meth:`pull` from the rank at ``address``, of the span ``source_heads`` (first, count)
+        of its heads (None: all of them, which must be all of this rank's) into this rank's
+        heads from ``target_start`` on (kv_connector/head_plan.py says which)."""
+        num_heads = source_heads[1] if source_heads is not None else self.num_local_heads
+        if target_start + num_heads > self.num_local_heads:
+            raise KVTransferError(f"heads {target_start}..{target_start + num_heads} outside this rank's (bug)")
         remote_blocks = list(source.block_ids[num_local_hit_blocks:])
         local_blocks = block_ids[num_local_hit_blocks:]
         if len(remote_blocks) != len(local_blocks):
@@ -428,45 +537,64 @@ class UCXConnector(KVConnector):
         self.check_block_ids(local_blocks)
         start = time.perf_counter()
         message_blocks = plan_messages(remote_blocks, local_blocks, self.max_message_blocks)
+        heads = _HeadTransfer(list(source_heads) if source_heads is not None else None, target_start, num_heads)
         await bounded_transfer(
-            self._pull(source, remote_blocks, local_blocks, message_blocks),
+            self._pull(source, address, remote_blocks, local_blocks, message_blocks, heads),
             timeout_s,
-            f"pulling {len(remote_blocks)} blocks from {source.address}",
+            f"pulling {len(remote_blocks)} blocks from {address}",
         )
         return TransferStats(
             num_blocks=len(local_blocks),
-            num_bytes=len(local_blocks) * self.bytes_per_block,
+            num_bytes=len(local_blocks) * self._bytes_per_block_of(num_heads),
             seconds=time.perf_counter() - start,
             num_messages=len(message_blocks),
         )
 
     async def _pull(
-        self, source: KVSource, remote_blocks: list[int], local_blocks: list[int], message_blocks: list[int]
+        self,
+        source: KVSource,
+        address: str,
+        remote_blocks: list[int],
+        local_blocks: list[int],
+        message_blocks: list[int],
+        heads: _HeadTransfer,
     ) -> None:
         """On an idle connection if there is one; if that one turns out stale, once more on a new one."""
         self._num_transfers += 1
+        pull = functools.partial(
+            self._pull_on,
+            source=source,
+            address=address,
+            remote_blocks=remote_blocks,
+            local_blocks=local_blocks,
+            message_blocks=message_blocks,
+            heads=heads,
+        )
         try:
-            connection = await self._take_idle(source.address)
+            connection = await self._take_idle(address)
             if connection is not None:
                 try:
-                    await self._pull_on(connection, source, remote_blocks, local_blocks, message_blocks, reused=True)
+                    await pull(connection, reused=True)
                 except _StaleConnection as stale:
-                    logger.info("idle KV connection to %s went stale (%s); reconnecting", source.address, stale)
+                    logger.info("idle KV connection to %s went stale (%s); reconnecting", address, stale)
                     connection = None
             if connection is None:
-                connection = await self._connect(source.address)
-                await self._pull_on(connection, source, remote_blocks, local_blocks, message_blocks, reused=False)
-            await self._put_idle(source.address, connection)
+                connection = await self._connect(address)
+                await pull(connection, reused=False)
+            await self._put_idle(address, connection)
         finally:
             self._num_transfers -= 1
 
     async def _pull_on(
         self,
         connection: _Connection,
+        *,
         source: KVSource,
+        address: str,
         remote_blocks: list[int],
         local_blocks: list[int],
         message_blocks: list[int],
+        heads: _HeadTransfer,
         reused: bool,
     ) -> None:
         endpoint = connection.endpoint
@@ -479,15 +607,28 @@ class UCXConnector(KVConnector):
         reply_task: asyncio.Future | None = None
         refused = False  # P said no: it sends nothing, so nothing it started can still land
 
+        staged = heads.num_heads != self.num_local_heads
+
         def post_receive() -> None:
             nonlocal num_posted
             first, count = spans[num_posted]
-            buffer = self._blocks(first, count)
-            receives.append(asyncio.ensure_future(endpoint.recv(buffer, tag=message_tag(pull_number, num_posted))))
+            tag = message_tag(pull_number, num_posted)
+            if staged:  # a span of this rank's heads: received whole, then put in place
+                staging = self.kv_cache.new_empty((count, *self._block_shape(heads.num_heads)))
+                receive = endpoint.recv(wire_buffer(staging), tag=tag)
+                target = self.kv_cache[first : first + count, :, :, :, heads.target_start : heads.target_stop]
+                receives.append(asyncio.ensure_future(_then_copy(receive, staging, target)))
+            else:
+                receives.append(asyncio.ensure_future(endpoint.recv(self._blocks(first, count), tag=tag)))
             num_posted += 1
 
         request = PullRequest(
-            source.request_id, remote_blocks, self.fingerprint, message_blocks, source.pull_token.hex()
+            source.request_id,
+            remote_blocks,
+            self.fingerprint,
+            message_blocks,
+            source.pull_token.hex(),
+            heads=heads.source,
         )
         try:
             try:
@@ -499,14 +640,14 @@ class UCXConnector(KVConnector):
                 await request_sent
                 data = await reply_task
             except WireError as error:
-                raise KVTransferError(f"prefill instance {source.address} sent {error}") from None
+                raise KVTransferError(f"prefill instance {address} sent {error}") from None
             except Exception as error:
                 if reused:
                     raise _StaleConnection(f"{type(error).__name__}: {error}") from None
                 raise
-            reply = self._decode_reply(source, data)
+            reply = self._decode_reply(address, data)
             refused = not reply.ok
-            self._check_reply(source, reply, len(remote_blocks))
+            self._check_reply(address, reply, len(remote_blocks), heads.num_heads)
             while receives:
                 await receives.popleft()
                 if num_posted < len(spans):
@@ -520,21 +661,21 @@ class UCXConnector(KVConnector):
                 await abandon(endpoint, [task for task in (request_sent, reply_task, *receives) if task is not None])
             raise
 
-    def _decode_reply(self, source: KVSource, data: bytes) -> PullReply:
+    def _decode_reply(self, address: str, data: bytes) -> PullReply:
         try:
             return decode_pull_reply(data)
         except WireError as error:
-            raise KVTransferError(f"prefill instance {source.address} sent {error}") from None
+            raise KVTransferError(f"prefill instance {address} sent {error}") from None
 
-    def _check_reply(self, source: KVSource, reply: PullReply, num_blocks: int) -> None:
+    def _check_reply(self, address: str, reply: PullReply, num_blocks: int, num_heads: int) -> None:
         if not reply.ok:
-            raise KVTransferError(f"prefill instance {source.address} refused the pull: {reply.error}")
-        expected_shape = self._block_shape()
-        expected_bytes = num_blocks * self.bytes_per_block
+            raise KVTransferError(f"prefill instance {address} refused the pull: {reply.error}")
+        expected_shape = self._block_shape(num_heads)
+        expected_bytes = num_blocks * self._bytes_per_block_of(num_heads)
         expected_dtype = str(self.kv_cache.dtype).removeprefix("torch.")
         if reply.shape != expected_shape or reply.num_bytes != expected_bytes or reply.dtype != expected_dtype:
             raise KVTransferError(
-                f"prefill instance {source.address} offers blocks of {reply.shape} ({reply.num_bytes} bytes of "
+                f"prefill instance {address} offers blocks of {reply.shape} ({reply.num_bytes} bytes of "
                 f"{reply.dtype}), "
                 f"expected {expected_shape} ({expected_bytes} bytes of {expected_dtype})"
             )
@@ -566,6 +707,29 @@ class UCXConnector(KVConnector):
             connections.append(connection)
         else:
             await abandon(connection.endpoint, [])
+
+
+@dataclass(frozen=True, slots=True)
+class _HeadTransfer:
+    """D: which of P's heads a pull asks for (None: all) and where they land in this rank's."""
+
+    source: list[int] | None  # [first, count] of P's heads
+    target_start: int
+    num_heads: int
+
+    @property
+    def target_stop(self) -> int:
+        return self.target_start + self.num_heads
+
+
+def _span_key(request: PullRequest, num_local_heads: int) -> tuple[int, int]:
+    return (request.heads[0], request.heads[1]) if request.heads is not None else (0, num_local_heads)
+
+
+async def _then_copy(receive: Awaitable[object], staging: torch.Tensor, target: torch.Tensor) -> None:
+    """A staged receive, then its heads copied into their place in the blocks."""
+    await receive
+    target.copy_(staging)
 
 
 def _token_matches(presented_hex: str, expected: bytes) -> bool:

@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field, fields
 
 from kv_connector.fingerprint import Fingerprint
 
-PROTOCOL_VERSION = 3  # 3: pulls present P's pull token; 2: zero-copy messages of whole blocks; 1 sent gathered chunks
+# 4: a pull may name a span of P's KV heads (tensor parallelism of different sizes); 3: pulls
+# present P's pull token; 2: zero-copy messages of whole blocks; 1 sent gathered chunks.
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 1 << 20
 _MAX_PULL_TOKEN_CHARS = 128
 # A pull request's fields but its two lists: version, fingerprint (a model identity of a few
@@ -36,6 +38,8 @@ class PullRequest:
     message_blocks: list[int]
     # The pull token from the KV handle, hex: P serves only pulls presenting the one it made.
     pull_token: str = field(default="", repr=False)
+    # [first, count] of P's own KV heads to send (the KV head plan's span), or None: all of them.
+    heads: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +94,18 @@ def decode_pull_request(data: bytes) -> PullRequest:
     pull_token = _require(body.get("pull_token"), str, "pull_token")
     if len(pull_token) > _MAX_PULL_TOKEN_CHARS:
         raise WireError(f"pull_token of {len(pull_token)} characters (at most {_MAX_PULL_TOKEN_CHARS})")
+    heads = body.get("heads")
+    if heads is not None and not (
+        isinstance(heads, list) and len(heads) == 2 and all(_is_int(n) for n in heads) and heads[0] >= 0 < heads[1]
+    ):
+        raise WireError("heads must be [first, count] with first >= 0 and count > 0")
     return PullRequest(
         request_id=request_id,
         block_ids=block_ids,
         fingerprint=parsed_fingerprint,
         message_blocks=message_blocks,
         pull_token=pull_token,
+        heads=heads,
     )
 
 

@@ -118,6 +118,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             prefill_address=self.instance.grpc_address,
             pull_token=pull_token,
             chunk_digests=published.chunk_digests,
+            rank_connector_addresses=self.instance.connector_rank_addresses,
         )
         if self.instance.plane.secret is not None:
             sign_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)

@@ -77,4 +77,5 @@ def kv_source_from_proto(
         pull_token=handle.pull_token,
         cache_salt=cache_salt,
         chunk_digests=tuple(handle.chunk_digests),
+        rank_addresses=tuple(handle.rank_connector_addresses),
     )

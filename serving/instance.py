@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,6 +41,7 @@ from kv_connector.registry import make_connector
 from serving.convert import fingerprint_to_proto
 from serving.kv_event_pages import KVEventPages
 from serving.metrics import MetricsServer
+from serving.ranked_connector import RankedConnector, serve_rank_connector
 from serving.warmup import warm_up
 from splitserve.flags import add_device_argument, add_engine_arguments, add_kv_connector_arguments
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
@@ -174,6 +176,8 @@ class Instance:
     instance_id: str
     grpc_address: str = ""
     connector_address: str = ""
+    # Tensor parallelism: every rank's connector address, rank order (empty at size 1).
+    connector_rank_addresses: list[str] = field(default_factory=list)
     transfers: TransferCounters = field(default_factory=TransferCounters)
     counters: ServiceCounters = field(default_factory=ServiceCounters)
     plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of its gRPC
@@ -185,21 +189,26 @@ class Instance:
         Raises ValueError for a bad cluster secret or TLS flag before loading anything."""
         plane = InternalPlane.from_args(args, args.host)
         config = config or engine_config(args, role)
-        if role != "colocated" and config.tensor_parallel_size > 1:
-            # Each rank holds its own heads' KV: a hand-off must move every rank's share, rank to rank.
-            raise ValueError(
-                f"a {role} instance runs at --tensor-parallel-size 1 for now (the KV hand-off between ranks is not "
-                "built yet); tensor parallelism serves colocated instances (splitserve colocated, splitserve up "
-                "--colocated) and the offline engine"
-            )
+        ranked = role != "colocated" and config.tensor_parallel_size > 1
+        if ranked:
+            # Each rank holds its own heads' KV and moves them itself (serving/ranked_connector.py).
+            if args.kv_connector != "ucx":
+                raise ValueError(
+                    f"a {role} instance at --tensor-parallel-size {config.tensor_parallel_size} moves KV rank to "
+                    f"rank over ucx; --kv-connector {args.kv_connector} moves whole blocks from one rank only"
+                )
+            config = dataclasses.replace(config, worker_extension=serve_rank_connector)
         engine = AsyncEngine(config)
         fingerprint = fingerprint_of(engine.core)
-        connector = None
+        connector: KVConnector | None = None
         if role != "colocated":
             # lmcache: its store keys are tagged under a key derived from the cluster secret (cluster/derived_keys.py).
             lmcache_options = {"remote_url": args.lmcache_url, "store_key": kv_store_key(plane.secret)}
-            options = lmcache_options if args.kv_connector == "lmcache" else {}
+            options: dict[str, Any] = lmcache_options if args.kv_connector == "lmcache" else {}
             connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint, options)
+            executor = engine.core.runner.tensor_parallel
+            if ranked and executor is not None:
+                connector = RankedConnector(connector, executor.extension_channels, args.kv_connector, options)
         instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         report = engine.core.load_report()
         logger.info(
@@ -300,6 +309,10 @@ async def serve(
     if instance.connector is not None:
         connector_address = await instance.connector.start(args.host, args.kv_port)
         instance.connector_address = connector_address.replace(args.host, advertise, 1) if connector_address else ""
+        if isinstance(instance.connector, RankedConnector):
+            instance.connector_rank_addresses = [
+                address.replace(args.host, advertise, 1) for address in instance.connector.rank_addresses
+            ]
     if on_start is not None:
         await on_start()
     server = instance.plane.server()

@@ -36,6 +36,7 @@ def make_handle() -> disaggregation_pb2.KVHandle:
         lease_s=30.0,
         pull_token=bytes(range(16)),
         chunk_digests=[bytes(range(32)), bytes(32)],
+        rank_connector_addresses=["10.0.0.1:50062", "10.0.0.1:50063"],
     )
 
 
@@ -70,7 +71,8 @@ def altered(name: str, handle: disaggregation_pb2.KVHandle) -> None:
         handle.fingerprint.head_dim += 1
     elif field.is_repeated:
         values = list(getattr(handle, name))
-        values[0] = values[0] + 1 if isinstance(values[0], int) else bytes([9]) * 16
+        first = values[0]
+        values[0] = first + 1 if isinstance(first, int) else first + "x" if isinstance(first, str) else bytes([9]) * 16
         del getattr(handle, name)[:]
         getattr(handle, name).extend(values)
     elif field.type == FieldDescriptor.TYPE_STRING:

@@ -148,6 +148,23 @@ def test_never_pairs_mismatched_fingerprints() -> None:
     with_pool(check)
 
 
+def test_instances_at_different_tensor_parallel_sizes_pair() -> None:
+    """A pull maps one split of the KV heads onto another: P at TP 2 pairs with D at TP 1."""
+    split = disaggregation_pb2.Fingerprint()
+    split.CopyFrom(FINGERPRINT)
+    split.tensor_parallel_size = 2
+
+    def check(pool: InstancePool) -> None:
+        pool.add("p:1", "prefill")
+        pool.record_report("p:1", report("prefill", fingerprint=split), serving=True)
+        pool.add("d:1", "decode")
+        pool.record_report("d:1", report("decode"), serving=True)
+        assert pool.is_ready() and pool.pick_prefill().address == "p:1"
+        assert pool.pick("decode", fingerprint=split).address == "d:1"
+
+    with_pool(check)
+
+
 def test_max_model_len_is_the_smallest_reported() -> None:
     def check(pool: InstancePool) -> None:
         assert pool.max_model_len() is None

@@ -1,7 +1,8 @@
-"""``splitserve up --colocated --tensor-parallel-size 2``: the official ``openai`` client gets
-the offline engine's greedy text from an instance split over two rank processes, and a rank
-killed mid-stream ends that stream with an error, takes the instance out of service at once,
-and leaves no process behind when ``up`` stops."""
+"""``splitserve up`` with tensor parallelism: the official ``openai`` client gets the offline
+engine's greedy text from a colocated instance split over two rank processes, and from a
+prefill instance at TP 2 handing off to a decode instance at TP 1; a rank killed mid-stream
+ends that stream with an error, takes the instance out of service at once, and leaves no
+process behind when ``up`` stops."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tp-up"), num_attention_heads=4, num_key_value_heads=2)
 
 
-def start_up(model: Path) -> HTTPProcess:
+COLOCATED_TP2 = ("--colocated", "--tensor-parallel-size", "2")
+
+
+def start_up(model: Path, *layout: str) -> HTTPProcess:
     port = free_port()
     return HTTPProcess(
         "up-tp",
         "up",
-        "--colocated",
-        "--tensor-parallel-size",
-        "2",
+        *(layout or COLOCATED_TP2),
         "--model",
         str(model),
         "--dtype",
@@ -97,6 +99,20 @@ def stack(tiny: Path) -> Iterator[HTTPProcess]:
 
 
 def test_greedy_text_equals_the_offline_engine(stack: HTTPProcess, tiny: Path) -> None:
+    assert_offline_text(stack, tiny)
+
+
+def test_prefill_at_tp2_hands_off_to_decode_at_tp1(tiny: Path) -> None:
+    up = start_up(tiny, "--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1")
+    try:
+        assert_offline_text(up, tiny)
+    finally:
+        below = descendants(up.process.pid)
+        assert up.stop() == 0, up.log_text()[-3000:]
+        assert not [pid for pid in below if alive(pid)], "splitserve up left processes behind"
+
+
+def assert_offline_text(stack: HTTPProcess, tiny: Path) -> None:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     with LLM(model=str(tiny), dtype="float32", kv_cache_memory=1 << 22) as offline:

@@ -1,0 +1,306 @@
+"""KV hand-offs between tensor-parallel instances: every rank moves its own KV heads, rank to
+rank, and nothing is gathered on one rank.
+
+Each rank's process runs a connector over its own cache: rank 0's is the instance's (in its
+event loop), ranks 1..N-1 run one each in a :func:`serve_rank_connector` agent, the engine's
+worker extension (engine/tensor_parallel/rank_context.py), driven over the worker extension's
+channel. :class:`RankedConnector` is rank 0's face of them all: the servicers use it as any
+connector. In call order:
+
+1. ``start`` (instance start-up): rank 0's connector listens, each agent starts its rank's
+   connector (listening too) and answers its address; ``rank_addresses`` lists them, in rank
+   order, and P's KV handles carry them.
+2. ``publish`` / ``unpublish`` (P): every rank publishes (or unpublishes) the request's blocks,
+   its own heads of them, under the same pull token.
+3. ``pull`` (D's KV loader): every rank pulls its share at once, straight into its own cache:
+   its connector follows the head plan (kv_connector/head_plan.py: which P rank holds which of
+   its heads); the pull ends when every rank's has, and fails if any failed.
+
+Messages on a channel are JSON objects, each with an ``id`` its answer repeats; nothing is
+unpickled. The channel is a pipe between processes of one instance on one host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.tensor_parallel.rank_context import RankContext
+from kv_connector.base import KVConnector, KVSource, KVTransferError, PublishedKV, TransferStats, combined_stats
+from kv_connector.fingerprint import Fingerprint
+from kv_connector.registry import make_connector
+
+logger = logging.getLogger(__name__)
+
+
+class RankedConnector(KVConnector):
+    """Rank 0's connector and the other ranks' agents, as one connector."""
+
+    def __init__(self, local: KVConnector, channels: list[Connection], backend: str, options: dict[str, Any]) -> None:
+        super().__init__(local.kv_cache, local.fingerprint)
+        self.name = local.name
+        self.local = local
+        self.backend, self.options = backend, options
+        self.rank_addresses: list[str] = []
+        self._ranks = [_RankChannel(rank, channel) for rank, channel in enumerate(channels, start=1)]
+
+    async def start(self, host: str, port: int) -> str:
+        address = await self.local.start(host, port)
+        loop = asyncio.get_running_loop()
+        for rank in self._ranks:
+            rank.start(loop)
+        fingerprint = dataclasses.asdict(self.fingerprint)
+        answers = await asyncio.gather(
+            *(
+                rank.call(
+                    "start",
+                    backend=self.backend,
+                    options={**self.options, "tensor_parallel_rank": rank.rank},
+                    fingerprint=fingerprint,
+                    host=host,
+                )
+                for rank in self._ranks
+            )
+        )
+        self.rank_addresses = [address, *(answer["address"] for answer in answers)]
+        logger.info("KV connector of each rank: %s", ", ".join(self.rank_addresses))
+        return address
+
+    async def publish(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        token_ids: list[int],
+        pull_token: bytes | None = None,
+        cache_salt: str = "",
+    ) -> PublishedKV:
+        local, *_ = await asyncio.gather(
+            self.local.publish(request_id, block_ids, token_ids, pull_token, cache_salt),
+            *(
+                rank.call(
+                    "publish",
+                    request_id=request_id,
+                    block_ids=block_ids,
+                    token_ids=token_ids,
+                    pull_token=pull_token.hex() if pull_token is not None else None,
+                    cache_salt=cache_salt,
+                )
+                for rank in self._ranks
+            ),
+        )
+        return local
+
+    async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
+        await asyncio.gather(
+            self.local.unpublish(request_id, grace_s),
+            *(rank.call("unpublish", request_id=request_id, grace_s=grace_s) for rank in self._ranks),
+            return_exceptions=True,  # a rank that is gone reads nothing any more
+        )
+
+    async def pull(
+        self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
+    ) -> TransferStats:
+        """Every rank pulls its own heads at once (each rank's connector follows the head plan)."""
+        pulled = await asyncio.gather(
+            self.local.pull(source, block_ids, num_local_hit_blocks, timeout_s),
+            *(
+                rank.call(
+                    "pull",
+                    source=_source_to_json(source),
+                    block_ids=block_ids,
+                    num_local_hit_blocks=num_local_hit_blocks,
+                    timeout_s=timeout_s,
+                )
+                for rank in self._ranks
+            ),
+            return_exceptions=True,
+        )
+        errors = [result for result in pulled if isinstance(result, BaseException)]
+        if errors:
+            raise KVTransferError(f"a rank's pull failed: {errors[0]}")
+        return combined_stats(
+            [result if isinstance(result, TransferStats) else _stats_from_json(result) for result in pulled]
+        )
+
+    async def close(self) -> None:
+        await asyncio.gather(*(rank.call("close") for rank in self._ranks if rank.alive), return_exceptions=True)
+        for rank in self._ranks:
+            rank.stop()
+        await self.local.close()
+
+
+class _RankChannel:
+    """Rank 0's end of one agent's channel: calls, and a thread reading the answers."""
+
+    def __init__(self, rank: int, channel: Connection) -> None:
+        self.rank = rank
+        self._channel = channel
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self.alive = True
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._reader = threading.Thread(target=self._read, name=f"rank{self.rank}-kv-channel", daemon=True)
+        self._reader.start()
+
+    async def call(self, op: str, **fields: object) -> dict[str, Any]:
+        if not self.alive:
+            raise KVTransferError(f"tensor-parallel rank {self.rank} is gone")
+        call_id = next(self._ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = future
+        try:
+            with self._send_lock:
+                self._channel.send_bytes(json.dumps({"id": call_id, "op": op, **fields}).encode())
+        except OSError:
+            self._waiting.pop(call_id, None)
+            raise KVTransferError(f"tensor-parallel rank {self.rank} is gone") from None
+        answer = await future
+        if not answer.get("ok"):
+            raise KVTransferError(f"rank {self.rank}: {answer.get('error', 'failed')}")
+        return answer
+
+    def stop(self) -> None:
+        self.alive = False
+
+    def _read(self) -> None:
+        """Answers to the event loop, until the agent's end closes."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("bug: a rank channel read before it started")
+        try:
+            while True:
+                answer = json.loads(self._channel.recv_bytes())
+                loop.call_soon_threadsafe(self._settle, answer)
+        except (EOFError, OSError):
+            pass
+        finally:
+            self.alive = False
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_all)
+
+    def _settle(self, answer: dict[str, Any]) -> None:
+        future = self._waiting.pop(answer.get("id", -1), None)
+        if future is not None and not future.done():
+            future.set_result(answer)
+
+    def _fail_all(self) -> None:
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(KVTransferError(f"tensor-parallel rank {self.rank} is gone"))
+        self._waiting.clear()
+
+
+# ------------------------------------------------------------------ the agent, in each worker
+
+
+def serve_rank_connector(context: RankContext) -> None:
+    """The worker extension: a thread serving rank 0's calls with a connector over this
+    rank's cache. Returns at once."""
+    agent = _RankAgent(context)
+    threading.Thread(target=agent.run, name=f"rank{context.rank}-kv-agent", daemon=True).start()
+
+
+class _RankAgent:
+    def __init__(self, context: RankContext) -> None:
+        self.context = context
+        self.connector: KVConnector | None = None
+        self._send_lock = threading.Lock()
+
+    def run(self) -> None:
+        """Reads calls on this thread, serves them on an event loop of the agent's own."""
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name=f"rank{self.context.rank}-kv-loop", daemon=True).start()
+        channel = self.context.channel
+        try:
+            while True:
+                call = json.loads(channel.recv_bytes())
+                asyncio.run_coroutine_threadsafe(self._serve(call), loop)
+                if call.get("op") == "close":
+                    return
+        except (EOFError, OSError):
+            return  # rank 0 is gone: the worker exits with it
+
+    async def _serve(self, call: dict[str, Any]) -> None:
+        try:
+            answer = await self._handle(call)
+            answer = {"ok": True, **answer}
+        except Exception as error:  # answered, never raised: rank 0 waits for every call
+            logger.warning("rank %d: KV %s failed: %s", self.context.rank, call.get("op"), error)
+            answer = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        answer["id"] = call.get("id")
+        with self._send_lock:
+            self.context.channel.send_bytes(json.dumps(answer).encode())
+
+    async def _handle(self, call: dict[str, Any]) -> dict[str, Any]:
+        op = call["op"]
+        if op == "start":
+            fingerprint = Fingerprint(**call["fingerprint"])
+            self.connector = make_connector(call["backend"], self.context.kv_cache, fingerprint, call["options"])
+            # Any free port: --kv-port is rank 0's (a firewall between P and D must let the rest through).
+            return {"address": await self.connector.start(call["host"], 0)}
+        connector = self.connector
+        if connector is None:
+            raise RuntimeError(f"bug: {op} before start")
+        if op == "publish":
+            token = call["pull_token"]
+            await connector.publish(
+                call["request_id"],
+                call["block_ids"],
+                call["token_ids"],
+                bytes.fromhex(token) if token is not None else None,
+                call["cache_salt"],
+            )
+            return {}
+        if op == "unpublish":
+            await connector.unpublish(call["request_id"], call["grace_s"])
+            return {}
+        if op == "pull":
+            stats = await connector.pull(
+                _source_from_json(call["source"]), call["block_ids"], call["num_local_hit_blocks"], call["timeout_s"]
+            )
+            return dataclasses.asdict(stats)
+        if op == "close":
+            await connector.close()
+            return {}
+        raise RuntimeError(f"bug: unknown rank call {op!r}")
+
+
+def _source_to_json(source: KVSource) -> dict[str, Any]:
+    return {
+        "request_id": source.request_id,
+        "address": source.address,
+        "block_ids": list(source.block_ids),
+        "num_tokens": source.num_tokens,
+        "fingerprint": dataclasses.asdict(source.fingerprint),
+        "pull_token": source.pull_token.hex(),
+        "cache_salt": source.cache_salt,
+        "rank_addresses": list(source.rank_addresses),
+    }
+
+
+def _source_from_json(body: dict[str, Any]) -> KVSource:
+    return KVSource(
+        request_id=body["request_id"],
+        address=body["address"],
+        block_ids=tuple(body["block_ids"]),
+        num_tokens=body["num_tokens"],
+        fingerprint=Fingerprint(**body["fingerprint"]),
+        pull_token=bytes.fromhex(body["pull_token"]),
+        cache_salt=body["cache_salt"],
+        rank_addresses=tuple(body["rank_addresses"]),
+    )
+
+
+def _stats_from_json(body: dict[str, Any]) -> TransferStats:
+    return TransferStats(body["num_blocks"], body["num_bytes"], body["seconds"], body["num_messages"])
