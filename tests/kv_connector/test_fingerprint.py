@@ -24,13 +24,20 @@ def test_equal_fingerprints_pair() -> None:
         ({"num_layers": 2}, "num_layers"),
         ({"num_kv_heads": 9}, "num_kv_heads"),
         ({"head_dim": 128}, "head_dim"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ],
 )
 def test_any_difference_is_refused_naming_both_values(change: dict[str, object], message: str) -> None:
     other = Fingerprint(**{**{f: getattr(BASE, f) for f in BASE.__slots__}, **change})
     with pytest.raises(FingerprintMismatchError, match=message):
         BASE.check_compatible(other, this_side="decode", other_side="prefill")
+
+
+def test_tensor_parallel_sizes_may_differ() -> None:
+    """P and D may split the same KV heads their own ways: a pull maps one layout onto the
+    other head by head, so the size alone never refuses a pair (head counts still must match)."""
+    wide = Fingerprint(**{**{f: getattr(BASE, f) for f in BASE.__slots__}, "tensor_parallel_size": 3})
+    BASE.check_compatible(wide)
+    wide.check_compatible(BASE)
 
 
 def test_model_identity_tells_weights_and_configs_apart(tmp_path: Path) -> None:
