@@ -13,6 +13,9 @@ Timing rules (client side, ``time.perf_counter``):
 - output tokens come from the usage chunk (``stream_options.include_usage``) when
   the server sends one, prompt tokens too.
 
+The server's own account of the request's TTFT and its phases, where it sends one (splitserve's
+``x-splitserve-timing`` header), is kept beside the client's measurements (``server_timing``).
+
 A request fails, with its error kept, on a non-200 status, an ``error`` event or
 object in the stream, malformed JSON, a transport error or timeout, a stream that
 ends before ``data: [DONE]``, or one that carried no content at all.
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 ENDPOINTS: tuple[Endpoint, ...] = ("/v1/completions", "/v1/chat/completions")
 _MAX_ERROR_CHARS = 2000
+SERVER_TIMING_HEADER = "x-splitserve-timing"  # gateway/request_log.py writes it
 
 
 @dataclass(slots=True)
@@ -53,6 +57,9 @@ class RequestRecord:
     num_content_chunks: int = 0
     generated_text: str = ""
     error: str | None = None
+    # Where the server says the request's time went (splitserve's x-splitserve-timing header:
+    # its TTFT and the TTFT's phases, seconds); None from a server that sends no such header.
+    server_timing: dict[str, float] | None = None
 
     @property
     def success(self) -> bool:
@@ -150,6 +157,21 @@ class StreamAccumulator:
             self.record.error = message[:_MAX_ERROR_CHARS]
 
 
+def parse_server_timing(header: str | None) -> dict[str, float] | None:
+    """``x-splitserve-timing``'s ``name=seconds`` pairs (``ttft=0.1, gateway_queue=0.001, ...``);
+    None when absent or malformed (a benchmark of another server, or of an older splitserve)."""
+    if not header:
+        return None
+    timing: dict[str, float] = {}
+    for pair in header.split(","):
+        name, _, value = pair.strip().partition("=")
+        try:
+            timing[name] = float(value)
+        except ValueError:
+            return None
+    return timing or None
+
+
 def _choice_text(choice: dict[str, Any]) -> str:
     if isinstance(text := choice.get("text"), str):
         return text
@@ -179,6 +201,7 @@ async def send_request(
                 body = (await response.text(errors="replace"))[:_MAX_ERROR_CHARS]
                 stream.fail(f"HTTP {response.status} {response.reason}: {body}")
                 return stream.finish()
+            record.server_timing = parse_server_timing(response.headers.get(SERVER_TIMING_HEADER))
             # Read to the end even after [DONE], so the connection goes back to the pool
             # instead of being closed half-read (a new connection would tax the next TTFT).
             async for data in response.content.iter_any():

@@ -10,7 +10,10 @@ keep their error in ``errors``):
   output token;
 - goodput: requests per second that met every SLO given (``ttft``, ``tpot``,
   ``e2el`` in ms; a one-token request has TPOT 0 for this purpose, as in vLLM);
-- percentiles interpolate linearly (``numpy.percentile``), std is the population std.
+- percentiles interpolate linearly (``numpy.percentile``), std is the population std;
+- server phases: the TTFT phases splitserve reports per request (``x-splitserve-timing``,
+  seconds, measured by the gateway from the request's arrival there), each phase's
+  distribution, and the TTFT breakdown at TTFT percentiles (:func:`phase_breakdown`).
 
 Per-request lists hold every request in send order; a failed request has 0.0 for
 its TTFT and latency and 0 output tokens, as in vLLM (its ``errors`` entry says why).
@@ -68,6 +71,10 @@ class BenchmarkMetrics:
     max_output_tokens_per_s: float
     max_concurrent_requests: int
     latency: dict[str, LatencyStats] = field(default_factory=dict)  # LATENCY_METRICS -> stats
+    # The server's TTFT phases (x-splitserve-timing), name -> stats, in the header's order; and
+    # where TTFT went at TTFT percentiles (:func:`phase_breakdown`). Empty without the header.
+    server_phases: dict[str, LatencyStats] = field(default_factory=dict)
+    phase_breakdown: dict[float, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -153,6 +160,8 @@ def compute_metrics(
     if goodput_slos_ms:
         goodput = sum(meets_slos(r, goodput_slos_ms) for r in done) / duration_s
     peak_tokens, peak_concurrency = _peaks(done)
+    timings = [r.server_timing for r in done if r.server_timing is not None]
+    phase_names = list(dict.fromkeys(name for timing in timings for name in timing))
     return BenchmarkMetrics(
         completed=len(done),
         failed=len(records) - len(done),
@@ -165,7 +174,32 @@ def compute_metrics(
         max_output_tokens_per_s=peak_tokens,
         max_concurrent_requests=peak_concurrency,
         latency={name: LatencyStats.of(values[name], percentiles) for name in LATENCY_METRICS},
+        server_phases={
+            name: LatencyStats.of([t[name] for t in timings if name in t], percentiles) for name in phase_names
+        },
+        phase_breakdown=phase_breakdown(timings, (50.0, *percentiles)),
     )
+
+
+def phase_breakdown(
+    timings: list[dict[str, float]], percentiles: tuple[float, ...], band: float = 2.5
+) -> dict[float, dict[str, float]]:
+    """Where TTFT went at each TTFT percentile, in milliseconds per phase: the mean phases of
+    the requests whose server-side TTFT ranks within ``band`` percentile points of it (the one
+    nearest it at least), so a tail's phases are those of the tail's requests."""
+    ranked = sorted((t for t in timings if "ttft" in t), key=lambda t: t["ttft"])
+    if not ranked:
+        return {}
+    breakdown = {}
+    last = len(ranked) - 1
+    for p in percentiles:
+        low = max(0, math.floor((p - band) / 100 * last))
+        high = min(last, math.ceil((p + band) / 100 * last))
+        nearest = round(p / 100 * last)
+        group = ranked[min(low, nearest) : max(high, nearest) + 1]
+        names = [name for name in group[0] if name != "ttft"]
+        breakdown[p] = {name: 1000.0 * sum(t.get(name, 0.0) for t in group) / len(group) for name in ["ttft", *names]}
+    return breakdown
 
 
 def _peaks(done: list[RequestRecord]) -> tuple[float, int]:
@@ -236,6 +270,13 @@ def result_json(
         for p, value in stats.percentiles.items():
             result[f"{percentile_key(p)}_{name}_ms"] = value
         result[f"max_{name}_ms"] = stats.max
+    for name, stats in metrics.server_phases.items():
+        result[f"mean_phase_{name}_ms"] = stats.mean
+        result[f"median_phase_{name}_ms"] = stats.median
+        for p, value in stats.percentiles.items():
+            result[f"{percentile_key(p)}_phase_{name}_ms"] = value
+    if metrics.phase_breakdown:
+        result["ttft_phase_breakdown_ms"] = {percentile_key(p): row for p, row in metrics.phase_breakdown.items()}
     result.update(
         input_lens=[r.prompt_len for r in records],
         output_lens=[output_tokens(r) for r in records],
@@ -246,5 +287,6 @@ def result_json(
         generated_texts=[r.generated_text for r in records],
         errors=[r.error or "" for r in records],
         workloads=[r.workload for r in records],
+        server_timings=[r.server_timing if r.success else None for r in records],
     )
     return result

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--single-stream", type=int, default=0, metavar="N", help="first, N chatty requests one at a time"
     )
+    parser.add_argument(
+        "--otlp-traces-endpoint", default=None, help="splitserve: trace every request to this OTLP/gRPC collector"
+    )
     parser.add_argument("--server", choices=["pd", "colocated", "vllm"], default="pd")
     parser.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (--server vllm)")
     parser.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
@@ -93,6 +96,8 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.long_prefill_token_threshold is not None:
         flags += ["--long-prefill-token-threshold", args.long_prefill_token_threshold]
+    if args.otlp_traces_endpoint is not None:
+        flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     # INFO: the server log is parsed afterwards for cut-off pulls, failed releases and the like.
     return start_up(port, args.dtype, flags, log, log_level="INFO", source_dir=args.source_dir)
 
@@ -165,13 +170,13 @@ def bench_command(
     )
 
 
-def summarize(path: Path) -> dict[str, float]:
+def summarize(path: Path) -> dict[str, Any]:
     result = json.loads(path.read_text())
     gaps_ms = np.array([gap * 1000 for itl in result["itls"] for gap in itl])
     ok = [not error for error in result["errors"]]
     ttfts_ms = np.array([t * 1000 for t, good in zip(result["ttfts"], ok) if good])
     rejected = sum(1 for error in result["errors"] if error.startswith("HTTP 429"))
-    row = {
+    row: dict[str, Any] = {
         "completed": result["completed"],
         "failed": result["failed"],
         "rejected_429": rejected,
@@ -204,6 +209,12 @@ def summarize(path: Path) -> dict[str, float]:
             ttft_p99_ms=float(np.percentile(ttfts_ms, 99)),
             ttft_max_ms=float(ttfts_ms.max()),
         )
+    # splitserve's account of where TTFT went at its percentiles (x-splitserve-timing).
+    if result.get("ttft_phase_breakdown_ms"):
+        row["ttft_phases_ms"] = {
+            key: {phase: round(ms, 1) for phase, ms in phases.items()}
+            for key, phases in result["ttft_phase_breakdown_ms"].items()
+        }
     return row
 
 

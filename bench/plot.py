@@ -3,6 +3,8 @@
 - ``ttft_cdf.png``, ``itl_cdf.png``: the distributions, one curve per run;
 - ``itl_over_time.png``: every inter-token gap at the moment it ended, with a
   rolling median, to show stalls (e.g. a decode step waiting behind a long prefill);
+- ``ttft_phases.png``: where TTFT went at its median and tail percentiles, phase by phase
+  (runs against splitserve, whose gateway reports each request's phases);
 - ``throughput_vs_rate.png``, ``latency_vs_rate.png``: when runs of one label span
   several request rates (a sweep), one line per label.
 
@@ -109,6 +111,10 @@ def plot_runs(runs: list[Run], output_dir: str | Path) -> list[Path]:
         axes, "Inter-token latency over the run", "time since the first request (s)", "ITL (ms, log scale above 10)"
     )
     save(figure, "itl_over_time.png")
+
+    with_phases = [(run, name) for run, name in zip(runs, names) if run.result.get("ttft_phase_breakdown_ms")]
+    if with_phases:
+        save(_ttft_phases(Figure(figsize=(4 + 3 * len(with_phases), 4.5)), with_phases), "ttft_phases.png")
 
     series = _sweep_series(runs)
     if series:
@@ -217,6 +223,23 @@ def _latency_vs_rate(figure: Any, series: dict[str, list[Run]]) -> Any:
         _set_rate_ticks(axes, positions)
         axes.set_yscale("log")
         _finish(axes, f"{metric.upper()} vs request rate", None, f"{metric.upper()} (ms, log scale)")
+    return figure
+
+
+def _ttft_phases(figure: Any, runs: list[tuple[Run, str]]) -> Any:
+    """Where TTFT went by TTFT percentile: one stacked bar per percentile, its phases the mean
+    of the requests near it (bench.metrics.phase_breakdown), one panel per run."""
+    panels = figure.subplots(1, len(runs), squeeze=False)[0]
+    for axes, (run, name) in zip(panels, runs):
+        breakdown: dict[str, dict[str, float]] = run.result["ttft_phase_breakdown_ms"]
+        percentiles = list(breakdown)
+        phases = [phase for phase in breakdown[percentiles[0]] if phase != "ttft"]
+        bottoms = np.zeros(len(percentiles))
+        for phase in phases:
+            heights = np.array([breakdown[p].get(phase, 0.0) for p in percentiles])
+            axes.bar(percentiles, heights, bottom=bottoms, label=phase)
+            bottoms += heights
+        _finish(axes, f"Where TTFT went: {name}", "TTFT percentile", "ms (stacked)")
     return figure
 
 

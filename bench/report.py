@@ -40,6 +40,7 @@ def format_result(result: dict[str, Any]) -> str:
         row(f" {title} ".center(_WIDTH, "-"))
         for stat, key in _stat_keys(result, name):
             row(_line(f"{stat} {short} (ms):", result[key]))
+    lines += _server_phases(result)
     lines += _per_workload(result)
     if result["failed"]:
         first = next(error for error in result["errors"] if error)
@@ -91,6 +92,29 @@ def _per_workload(result: dict[str, Any]) -> list[str]:
             f"{name} ({len(ok)} req): TTFT p50 {_num(ttft.median)} p99 {_num(ttft.percentiles[99.0])}"
             f" | ITL p50 {_num(itl.median)} p99 {_num(itl.percentiles[99.0])} ms"
         )
+    return lines
+
+
+def _server_phases(result: dict[str, Any]) -> list[str]:
+    """The server's TTFT phases (splitserve's x-splitserve-timing): each phase's median and tail,
+    and what the requests at the median and tail TTFT spent in each."""
+    breakdown: dict[str, dict[str, float]] = result.get("ttft_phase_breakdown_ms") or {}
+    if not breakdown:
+        return []
+    tails = sorted(
+        {key.split("_phase_")[0] for key in result if key.startswith("p") and "_phase_" in key},
+        key=lambda key: float(key[1:]),
+    )
+    names = [name for name in next(iter(breakdown.values())) if name != "ttft"]
+    lines = [" TTFT by Phase (server, ms) ".center(_WIDTH, "-")]
+    header = f"{'phase':<18} {'median':>8}" + "".join(f" {tail.upper():>8}" for tail in tails)
+    lines.append(header)
+    for name in names:
+        values = [result.get(f"median_phase_{name}_ms")] + [result.get(f"{tail}_phase_{name}_ms") for tail in tails]
+        lines.append(f"{name:<18}" + "".join(f" {_num(value, 8)}" for value in values))
+    lines.append("at TTFT percentile: " + " | ".join(f"{key} {row['ttft']:.1f}" for key, row in breakdown.items()))
+    for name in names:
+        lines.append(f"  {name:<16}" + "".join(f" {key}:{row.get(name, 0.0):>8.1f}" for key, row in breakdown.items()))
     return lines
 
 

@@ -13,9 +13,13 @@ import time
 
 import grpc
 
+from cluster.request_phases import LOCAL_PREFILL_PHASES
 from cluster.sampling_proto import sampling_params_from_proto
+from cluster.tracing import Tracer
+from engine.request_timing import RequestTiming
 from serving.convert import output_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
+from serving.request_timing import CallSpans, local_phases
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 DEFAULT_PORT = 50081
@@ -45,12 +49,16 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
             priority=request.priority,
             cache_salt=request.cache_salt or None,
         )
+        spans: CallSpans | None = None
         try:
             async for output in stream:
                 num_completion += len(output.new_token_ids)
-                if first_token_at is None and output.new_token_ids:
-                    first_token_at = time.monotonic()
                 response = output_to_proto(output, generation_pb2.GenerateResponse)
+                first = first_token_at is None and bool(output.new_token_ids)
+                if first:
+                    first_token_at = time.monotonic()
+                    if output.timing is not None:
+                        self._account(arrival, output.timing, response)
                 response.usage.CopyFrom(
                     generation_pb2.Usage(
                         prompt_tokens=len(prompt),
@@ -60,14 +68,48 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
                 )
                 if output.finished:
                     now = time.monotonic()
-                    response.timings.CopyFrom(
-                        generation_pb2.Timings(ttft_s=(first_token_at or now) - arrival, e2e_s=now - arrival)
-                    )
+                    response.timings.ttft_s = (first_token_at or now) - arrival
+                    response.timings.e2e_s = now - arrival
                 yield response
+                # Spans after the response has gone: off the path to its token.
+                if first and output.timing is not None and self.instance.tracer is not None:
+                    spans = self._trace(self.instance.tracer, request, context, arrival, output.timing)
+                if spans is not None and output.step is not None:
+                    spans.step(output.step)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         finally:
             await stream.aclose()  # a client that left aborts the request and frees its blocks now
+            if spans is not None:
+                spans.end(time.monotonic(), {"gen_ai.usage.output_tokens": num_completion})
+
+    def _account(self, arrival: float, timing: RequestTiming, response: generation_pb2.GenerateResponse) -> None:
+        """The call's phases into its first response with tokens and this instance's histograms."""
+        response.timings.phases.CopyFrom(local_phases(arrival, timing))
+        self.instance.phase_metrics.observe(response.timings.phases, LOCAL_PREFILL_PHASES)
+
+    def _trace(
+        self,
+        tracer: Tracer,
+        request: generation_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        arrival: float,
+        timing: RequestTiming,
+    ) -> CallSpans:
+        """The call's spans up to its first token (the call's own span ends with the call)."""
+        spans = CallSpans(
+            tracer,
+            "splitserve.v1.Generation/Generate",
+            context.invocation_metadata(),
+            arrival,
+            {
+                "gen_ai.request.id": request.request_id,
+                "gen_ai.usage.input_tokens": len(request.token_ids.ids),
+                "splitserve.instance.id": self.instance.instance_id,
+            },
+        )
+        spans.prompt(timing)
+        return spans
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from decode_svc.leases import LeaseKeeper
@@ -40,9 +41,12 @@ CANCELLED = "the request ended during its KV pull"
 
 @dataclass(frozen=True, slots=True)
 class KVLoadOutcome:
-    """How a request's KV came: pulled (``stats``), or not (``error``)."""
+    """How a request's KV came: pulled (``stats``), or not (``error``); when the pull ran
+    (``time.monotonic()``; both the moment it failed when it never started)."""
 
     num_local_hit_blocks: int
+    started_at: float
+    ended_at: float
     stats: TransferStats | None = None
     error: str | None = None
 
@@ -132,6 +136,7 @@ class RemoteKVLoader(KVLoader):
 
     async def _pull(self, load: KVLoad, source: KVSource) -> None:
         request_id = load.request_id
+        started_at = time.monotonic()
         error: str | None = "the KV pull stopped on an unexpected error (bug)"
         try:
             stats = await self.connector.pull(source, load.block_ids, load.num_local_hit_blocks, self.pull_timeout_s)
@@ -145,7 +150,9 @@ class RemoteKVLoader(KVLoader):
         else:
             error = None
             self.instance.transfers.add(stats)
-            self._outcomes[request_id] = KVLoadOutcome(load.num_local_hit_blocks, stats=stats)
+            self._outcomes[request_id] = KVLoadOutcome(
+                load.num_local_hit_blocks, started_at, time.monotonic(), stats=stats
+            )
             logger.info(
                 "pulled %d blocks (%d bytes, %d messages) for %s in %.4f s",
                 stats.num_blocks,
@@ -157,13 +164,16 @@ class RemoteKVLoader(KVLoader):
         finally:
             del self._pulls[request_id]
             if error is not None:
-                self._outcomes[request_id] = KVLoadOutcome(load.num_local_hit_blocks, error=error)
+                self._outcomes[request_id] = KVLoadOutcome(
+                    load.num_local_hit_blocks, started_at, time.monotonic(), error=error
+                )
             self.leases.release(request_id)
             self.report(KVLoadResult(request_id, error))
 
     def _fail(self, load: KVLoad, reason: str) -> None:
         self.instance.counters.num_kv_pull_failures += 1
-        self._outcomes[load.request_id] = KVLoadOutcome(load.num_local_hit_blocks, error=reason)
+        now = time.monotonic()
+        self._outcomes[load.request_id] = KVLoadOutcome(load.num_local_hit_blocks, now, now, error=reason)
         self.leases.release(load.request_id)
         self.report(KVLoadResult(load.request_id, reason))
 
@@ -172,5 +182,6 @@ class RemoteKVLoader(KVLoader):
         queued here fails its load now (the engine hands it back or recomputes); one whose
         pull is in flight learns it from the pull."""
         if request_id in self._sources and request_id not in self._pulls and request_id not in self._outcomes:
-            self._outcomes[request_id] = KVLoadOutcome(0, error=reason)
+            now = time.monotonic()
+            self._outcomes[request_id] = KVLoadOutcome(0, now, now, error=reason)
             self.report(KVLoadResult(request_id, reason))

@@ -17,7 +17,9 @@ One Decode call, in call order:
    it has blocks for the prompt, the loader pulls, the scheduler polls the result at a step
    boundary) and the request joins the decode loop.
 3. ``Decode`` streams the engine's outputs; the first response carries how the KV came
-   (``KVTransfer``, from the loader's ``outcome``). A request whose KV could not be loaded
+   (``KVTransfer``, from the loader's ``outcome``) and the call's phases (its wait for blocks,
+   the pull, the first step: ``serving/request_timing.py``), which also become this instance's
+   histograms and, with tracing on, its spans under the gateway's call. A request whose KV could not be loaded
    and may not recompute ends with finish reason "error", which the call turns into its
    status (below).
 4. The call ends: ``forget`` (P's lease released if still held) and the stream closed, which
@@ -43,19 +45,24 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from typing import Literal
 
 import grpc
 
 from cluster.handle_signing import HandleRejected, verify_handle
+from cluster.request_phases import HANDOFF_PHASES, LOCAL_PREFILL_PHASES
 from cluster.sampling_proto import sampling_params_from_proto
-from decode_svc.kv_loader import RemoteKVLoader
+from cluster.tracing import Tracer
+from decode_svc.kv_loader import KVLoadOutcome, RemoteKVLoader
 from engine.kv_loader import KVLoadFailurePolicy
+from engine.request_timing import RequestTiming
 from kv_connector.base import KVSource, block_count_error
 from kv_connector.fingerprint import FingerprintMismatchError
 from serving.convert import kv_source_from_proto, output_to_proto
 from serving.instance import Instance, add_instance_arguments, engine_config, serve
+from serving.request_timing import CallSpans, handoff_phases, local_phases
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -82,6 +89,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
     # -------------------------------------------------------------- the RPC
 
     async def Decode(self, request, context):  # noqa: N802 - gRPC signature
+        received_at = time.monotonic()
         request_id = request.request_id
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
@@ -120,23 +128,86 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             kv_load_failure_policy=policy,
         )
         first = True
+        spans: CallSpans | None = None
+        num_output_tokens, finish_reason = 0, ""
         try:
             async for output in stream:
                 if output.finish_reason == "error":
                     await self._end_without_kv(context, request_id, request.allow_recompute, output.error or "")
                 response = output_to_proto(output, disaggregation_pb2.DecodeResponse)
-                if first and source is not None:
-                    response.kv_transfer.CopyFrom(self._transfer(request_id))
-                elif first:
-                    response.num_cached_tokens = output.num_cached_tokens
-                first = False
+                outcome = None
+                if first:
+                    outcome = self.kv_loader.outcome(request_id) if source is not None else None
+                    if source is not None:
+                        response.kv_transfer.CopyFrom(self._transfer(request_id, outcome))
+                    else:
+                        response.num_cached_tokens = output.num_cached_tokens
+                    if output.timing is not None:
+                        self._account(request, received_at, output.timing, response)
+                num_output_tokens += len(output.new_token_ids)
+                finish_reason = output.finish_reason or ""
                 yield response
+                # Spans after the response has gone: off the path to its token.
+                if first and output.timing is not None and self.instance.tracer is not None:
+                    spans = self._trace(self.instance.tracer, request, context, received_at, output.timing, outcome)
+                first = False
+                if spans is not None and output.step is not None:
+                    spans.step(output.step)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         finally:
             self._calls.discard(request_id)
             self.kv_loader.forget(request_id)  # releases P's blocks unless the pull did
             await stream.aclose()  # aborts the request now if it has not finished
+            if spans is not None:
+                spans.end(
+                    time.monotonic(),
+                    {"gen_ai.usage.output_tokens": num_output_tokens, "splitserve.finish_reason": finish_reason},
+                    error=None if finish_reason else "the call ended before the request finished",
+                )
+
+    def _account(
+        self,
+        request: disaggregation_pb2.DecodeRequest,
+        received_at: float,
+        timing: RequestTiming,
+        response: disaggregation_pb2.DecodeResponse,
+    ) -> None:
+        """The call's phases into its first response and this instance's histograms."""
+        handoff = request.HasField("kv")
+        phases = handoff_phases(received_at, timing) if handoff else local_phases(received_at, timing)
+        response.phases.CopyFrom(phases)
+        self.instance.phase_metrics.observe(phases, HANDOFF_PHASES if handoff else LOCAL_PREFILL_PHASES)
+
+    def _trace(
+        self,
+        tracer: Tracer,
+        request: disaggregation_pb2.DecodeRequest,
+        context: grpc.aio.ServicerContext,
+        received_at: float,
+        timing: RequestTiming,
+        outcome: KVLoadOutcome | None,
+    ) -> CallSpans:
+        """The call's spans up to its first token (the call's own span ends with the call)."""
+        handoff = request.HasField("kv")
+        spans = CallSpans(
+            tracer,
+            "splitserve.v1.Decode/Decode",
+            context.invocation_metadata(),
+            received_at,
+            {
+                "gen_ai.request.id": request.request_id,
+                "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+                "splitserve.instance.id": self.instance.instance_id,
+                "splitserve.kv_handoff": handoff,
+                "splitserve.allow_recompute": request.allow_recompute,
+            },
+        )
+        if handoff:
+            spans.handoff(timing, outcome, self.kv_loader.connector.name)
+        else:
+            spans.prompt(timing)
+        return spans
 
     def _check_handle(
         self, handle: disaggregation_pb2.KVHandle, source: KVSource, prompt_token_ids: Sequence[int]
@@ -166,9 +237,8 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         ) is not None:
             raise ValueError(f"the KV handle does not fit this call's prompt: {mismatch}")
 
-    def _transfer(self, request_id: str) -> disaggregation_pb2.KVTransfer:
-        """How the request's KV came, for its first response: pulled, or recomputed here."""
-        outcome = self.kv_loader.outcome(request_id)
+    def _transfer(self, request_id: str, outcome: KVLoadOutcome | None) -> disaggregation_pb2.KVTransfer:
+        """How the request's KV came (``outcome``), for its first response: pulled, or recomputed here."""
         if outcome is None:
             raise RuntimeError(f"bug: {request_id} decoded before its KV load ended")
         if outcome.stats is None:

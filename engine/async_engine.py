@@ -313,4 +313,6 @@ def merge_outputs(earlier: EngineCoreOutput, later: EngineCoreOutput) -> EngineC
         num_cached_tokens=earlier.num_cached_tokens,
         kv_handoff=later.kv_handoff,
         error=later.error,
+        timing=later.timing or earlier.timing,
+        step=later.step or earlier.step,
     )

@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.kv_cache_dtype import KV_CACHE_DTYPES, KVCacheDType
 from engine.kv_cache_utils import BlockHasher, PrefixCacheHash
 from engine.spec_decode.config import SpeculativeConfig
 from engine.tensor_parallel.rank_context import WorkerExtension
 
 EngineRole = Literal["colocated", "prefill", "decode"]
 DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
+QuantizationName = Literal["int8"]
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes; enough for ~36k tokens of SmolLM2-135M in bf16
 
@@ -30,6 +32,14 @@ class EngineConfig:
     # has bf16 dot products (AVX512_BF16, AMX), everything else in float32
     # (engine/models/loader.py: resolve_dtype).
     dtype: DTypeName = "auto"
+    # Weights quantized at load (vLLM's --quantization): "int8", per output channel, symmetric,
+    # weight-only, from any float checkpoint (engine/models/int8_quantize.py); None: the
+    # checkpoint's own weights (a GGUF file's stay in their blocks). dtype stays the compute dtype.
+    quantization: QuantizationName | None = None
+    # How the KV cache stores K and V (vLLM's --kv-cache-dtype; engine/kv_cache_dtype.py): "auto",
+    # the compute dtype; "int8" or "fp8_e4m3", 8-bit values with a float32 scale per token and KV
+    # head, about half of bf16's bytes in memory and on the wire between prefill and decode.
+    kv_cache_dtype: KVCacheDType = "auto"
     device: str = "auto"  # "auto": cuda when available, else cpu
     role: EngineRole = "colocated"
     block_size: int = 16
@@ -66,6 +76,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -1,4 +1,5 @@
-"""Native CPU kernels (paged decode attention and its KV store, fused elementwise ops, a
+"""Native CPU kernels (paged decode attention and its KV store, over the model's dtype or 8-bit
+rows with their scales (engine/csrc/kv_quant.h), fused elementwise ops, a
 linear layer for decode steps on weight panels, linear layers on GGUF's quantized blocks
 (:mod:`engine.cpu_quant_kernels`), and a whole decode step of a Llama-family
 model strung from them: engine/models/native_decode.py), compiled on first use with the system C
@@ -52,6 +53,9 @@ ISA_FLAGS: dict[KernelISA, list[str]] = {
     "avx512_bf16": [*_AVX512, "-mavx512bf16"],
 }
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+# A layer cache's format code (engine/csrc/kv_quant.h) by its dtype; any other dtype: 0, the
+# model's own (engine/kv_cache_dtype.py).
+_KV_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -73,11 +77,11 @@ class CPUKernels:
         # Bytes the panel kernel reads ahead of itself (the build's PANEL_PREFETCH_BYTES).
         self.panel_prefetch_bytes: int = _bind(library, "panel_prefetch_bytes", _I64, [])()
         self._library = library  # keeps the handle alive as long as the bound functions
-        self._decode = _bind(library, "paged_decode_attention", _INT, [_P] * 6 + [_I64] * 7 + [_F32, _INT])
+        self._decode = _bind(library, "paged_decode_attention", _INT, [_P] * 6 + [_I64] * 7 + [_F32, _INT, _INT])
         self._add_rms_norm = _bind(library, "add_rms_norm", None, [_P] * 4 + [_I64, _I64, _F32, _INT])
         self._silu_and_mul = _bind(library, "silu_and_mul", None, [_P, _P, _I64, _I64, _INT])
         self._rotary = _bind(library, "rotary_embedding", None, [_P, _I64, _P, _I64] + [_P] * 5 + [_I64] * 4 + [_INT])
-        self._store_kv = _bind(library, "store_kv", None, [_P, _I64, _P, _I64, _P, _P, _P] + [_I64] * 5)
+        self._store_kv = _bind(library, "store_kv", None, [_P, _I64, _P, _I64, _P, _P, _P] + [_I64] * 6 + [_INT])
         self._linear = _bind(library, "linear_panels", _INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT])
         self._panel_elements = _bind(library, "panel_elements", _I64, [_I64, _I64, _INT])
         self._pack_panels = _bind(library, "pack_panels", None, [_P, _P, _I64, _I64, _INT])
@@ -91,6 +95,10 @@ class CPUKernels:
         # Linear layers and embeddings on GGUF's quantized blocks (engine/csrc/quant_linear.c).
         self.quant = QuantKernels(library, _bind)
 
+    def bind(self, name: str, restype: object, argtypes: list[object]) -> ctypes._CFuncPtr:
+        """Another module's function of this library, typed (engine/tensor_parallel's rank flags)."""
+        return _bind(self._library, name, restype, argtypes)
+
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
         return dtype in _DTYPES
@@ -103,10 +111,11 @@ class CPUKernels:
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor | None:
-        """query: [S, H, D]; layer_cache: [2, num_blocks, block_size, H_kv, D], each block contiguous
-        (blocks may lie any stride apart: engine/kv_cache_layout.py); block_tables: [S, >=blocks]
-        int32 with unit column stride; seq_lens: [S] int32. Returns [S, H, D], or None for shapes
-        beyond the kernel's buffers."""
+        """query: [S, H, D]; layer_cache: [2, num_blocks, block_size, H_kv, D] of the query's dtype, or
+        [2, num_blocks, block_size, H_kv, D + 4] quantized rows (engine/kv_cache_dtype.py), each block
+        contiguous (blocks may lie any stride apart: engine/kv_cache_layout.py); block_tables:
+        [S, >=blocks] int32 with unit column stride; seq_lens: [S] int32. Returns [S, H, D], or None
+        for shapes beyond the kernel's buffers."""
         num_seqs, num_heads, head_dim = query.shape
         block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
         if not (layer_cache[0, 0].is_contiguous() and block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
@@ -132,6 +141,7 @@ class CPUKernels:
             layer_cache.stride(1),
             scale,
             _DTYPES[query.dtype],
+            kv_format_code(layer_cache),
         )
         return out if status == 0 else None
 
@@ -143,20 +153,22 @@ class CPUKernels:
         self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> bool:
         """Write key, value: [T, H_kv, D] (rows may be strided) into their slots of layer_cache:
-        [2, num_blocks, block_size, H_kv, D]; slot_mapping: [T] int64. Returns False, having
-        written nothing, for layouts the kernel does not take (the caller writes them itself)."""
+        [2, num_blocks, block_size, H_kv, D] of their dtype, or quantized rows [..., D + 4] that
+        they are quantized into (bf16 or float32 keys and values); slot_mapping: [T] int64. Returns
+        False, having written nothing, for layouts the kernel does not take (the caller writes
+        them itself)."""
         num_tokens, num_kv_heads, head_dim = key.shape
-        row_elements = num_kv_heads * head_dim
+        kv_format = kv_format_code(layer_cache)
         if not (
             key.stride(2) == value.stride(2) == 1
             and key.stride(1) == value.stride(1) == head_dim
-            and key.dtype == value.dtype == layer_cache.dtype
+            and key.dtype == value.dtype
+            and (key.dtype in _DTYPES if kv_format else key.dtype == layer_cache.dtype)
             and slot_mapping.dtype == torch.int64
             and slot_mapping.is_contiguous()
             and layer_cache[0, 0].is_contiguous()
         ):
             return False
-        element_size = layer_cache.element_size()
         key_ptr = layer_cache.data_ptr()
         self._store_kv(
             key.data_ptr(),
@@ -164,13 +176,15 @@ class CPUKernels:
             value.data_ptr(),
             value.stride(0),
             key_ptr,
-            key_ptr + layer_cache.stride(0) * element_size,
+            key_ptr + layer_cache.stride(0) * layer_cache.element_size(),
             slot_mapping.data_ptr(),
             num_tokens,
-            row_elements,
+            num_kv_heads,
+            head_dim,
             layer_cache.shape[2],
             layer_cache.stride(1),
-            element_size,
+            key.element_size(),
+            kv_format,
         )
         return True
 
@@ -268,6 +282,12 @@ class CPUKernels:
             _DTYPES[q.dtype],
         )
         return q_out, k_out
+
+
+def kv_format_code(layer_cache: torch.Tensor) -> int:
+    """How the kernels read a layer cache's rows (engine/csrc/kv_quant.h): 0, the model's dtype; 1, int8
+    rows; 2, fp8 e4m3 rows (engine/kv_cache_dtype.py)."""
+    return _KV_FORMATS.get(layer_cache.dtype, 0)
 
 
 def load(isa: KernelISA | None = None) -> CPUKernels | None:

@@ -1,8 +1,10 @@
-"""Typed wrappers over the quantized-weight kernels (engine/csrc/quant_linear.c), which the
-CPU kernel library of :mod:`engine.cpu_kernels` carries: ``CPUKernels.quant``.
+"""Typed wrappers over the quantized-weight kernels (engine/csrc/quant_linear.c, quant_q8.c,
+quant_q8k.c), which the CPU kernel library of :mod:`engine.cpu_kernels` carries:
+``CPUKernels.quant``.
 
 The weights are :class:`engine.models.quant_format.QuantizedWeight` blocks as the GGUF file
-holds them; activations and outputs are float32 or bf16 (the model's compute dtype). Like
+holds them (or INT8 rows); activations and outputs are float32 or bf16 (the model's compute
+dtype). Like
 the other wrappers these are on the per-token path: they allocate the output and pass
 pointers, no more.
 """
@@ -40,8 +42,10 @@ class QuantKernels:
     ) -> torch.Tensor:
         """x: [T, in] with contiguous rows, bias: [out], both of one :meth:`supports`-ed dtype.
         Returns ``x @ dequantize(weight).T + bias``: [T, out] in x's dtype, accumulated in float32.
-        ``q8_activations``: x rounded to Q8_0 blocks first, for integer dot products
-        (engine/csrc/quant_q8.c); otherwise x stays float (engine/csrc/quant_linear.c)."""
+        ``q8_activations``: x rounded to Q8_0 blocks first (Q8_K super-blocks for the K-quants),
+        for integer dot products (engine/csrc/quant_q8.c, quant_q8k.c), where the weight
+        :attr:`~QuantizedWeight.takes_q8_activations`; otherwise x stays float
+        (engine/csrc/quant_linear.c)."""
         num_rows, in_features = x.shape
         out = torch.empty(num_rows, weight.out_features, dtype=x.dtype)
         status = (self._linear_q8 if q8_activations else self._linear)(
@@ -53,13 +57,16 @@ class QuantKernels:
             num_rows,
             in_features,
             weight.out_features,
-            weight.format.ggml_type,
+            weight.format.code,
             _DTYPES[x.dtype],
         )
         if status == -1:
             raise MemoryError(f"quant_linear: no memory for a float32 copy of a {num_rows} x {in_features} input")
         if status != 0:
-            raise RuntimeError(f"quant_linear refused a {weight.format.name} weight of {weight.shape} (bug)")
+            raise RuntimeError(
+                f"quant_linear{'_q8' if q8_activations else ''} refused a {weight.format.name} weight of "
+                f"{weight.shape} (bug)"
+            )
         return out
 
     def dequantize_rows(self, weight: QuantizedWeight, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -85,7 +92,7 @@ class QuantKernels:
             num_rows,
             weight.out_features,
             weight.in_features,
-            weight.format.ggml_type,
+            weight.format.code,
             out.data_ptr(),
             _DTYPES[out.dtype],
         )

@@ -24,6 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import EngineCoreOutput
 from engine.prefill_chunk import auto_long_prefill_threshold
 from engine.request import Request, RequestStatus
+from engine.request_timing import PromptChunk, StepStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.ngram import NgramProposer
@@ -188,7 +189,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and report every request that advanced or ended."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        num_loading = len(self.scheduler.waiting_for_kv)
         outputs.extend(self._output(request, new_token_ids=[]) for request in self.scheduler.update_from_kv_loads())
+        num_loads_finished = num_loading - len(self.scheduler.waiting_for_kv)
         if self.speculative is not None:
             self._plan_drafts()
         if self.config.long_prefill_token_threshold == "auto":
@@ -197,18 +200,38 @@ class EngineCore:
         self.last_step_was_idle = scheduler_output.is_empty
         if scheduler_output.is_empty:
             return outputs
-        started = time.perf_counter()
+        started = time.monotonic()  # the requests' timings use this clock (engine/request_timing.py)
         with self.scheduler.handoff_window():
             model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
-        seconds = time.perf_counter() - started
+        ended = time.monotonic()
+        seconds = ended - started
         num_prefill_tokens = (
             scheduler_output.num_scheduled_tokens - scheduler_output.num_decodes - scheduler_output.num_spec_tokens
         )
         self.prefill_rate.add(num_prefill_tokens, seconds)
         self.num_steps += 1
         self.step_seconds += seconds
+        # Prompt chunks come last in the schedule, after decodes and speculative decodes.
+        num_batched_tokens = scheduler_output.num_scheduled_tokens
+        num_decodes = scheduler_output.num_decodes + scheduler_output.num_spec_decodes
+        for item in scheduler_output.scheduled[num_decodes:]:
+            item.request.timing.prompt_chunks.append(
+                PromptChunk(started, ended, item.num_new_tokens, num_batched_tokens)
+            )
+        step = StepStats(
+            started_at=started,
+            ended_at=ended,
+            num_rows=len(scheduler_output.scheduled),
+            num_decodes=num_decodes,
+            num_prefill_tokens=num_prefill_tokens,
+            num_preempted=len(scheduler_output.preempted_request_ids),
+            num_loads_finished=num_loads_finished,
+        )
         for request, num_new_tokens in self.scheduler.update(scheduler_output, model_output):
-            outputs.append(self._output(request, new_token_ids=request.all_token_ids[-num_new_tokens:]))
+            timing = request.timing
+            if timing.first_token_at is None:
+                timing.first_token_step_started_at, timing.first_token_at = started, ended
+            outputs.append(self._output(request, new_token_ids=request.all_token_ids[-num_new_tokens:], step=step))
         return outputs
 
     def _size_prefill_chunks(self) -> None:
@@ -235,7 +258,7 @@ class EngineCore:
             else:
                 request.num_spec_tokens = num_speculative_tokens
 
-    def _output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+    def _output(self, request: Request, new_token_ids: list[int], step: StepStats | None = None) -> EngineCoreOutput:
         handoff = None
         if request.status is RequestStatus.FINISHED_PREFILLED:
             handoff = self.scheduler.kv_handoff(request)
@@ -248,6 +271,8 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             kv_handoff=handoff,
             error=request.error,
+            timing=request.timing,
+            step=step,
         )
 
     # -------------------------------------------------------- ending requests

@@ -16,6 +16,7 @@ from engine.attention.backend import AttentionBackend, select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from engine.flat_batch import FlatBatch, build_flat_batch
+from engine.kv_cache_dtype import KVCacheFormat
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.kv_cache_utils import cdiv, kv_cache_bytes_per_block, num_blocks_for_budget
 from engine.models import load_model, native_decode
@@ -59,25 +60,29 @@ class ModelRunner:
 
     def _load(self, config: EngineConfig, model_path: Path, backend: AttentionBackend) -> None:
         group = self.tensor_parallel.group if self.tensor_parallel is not None else None
-        loaded = load_model(model_path, config.dtype, self.device, backend, config.max_model_len, group)
+        loaded = load_model(
+            model_path, config.dtype, self.device, backend, config.max_model_len, group, config.quantization
+        )
         self.model, self.hf_config, self.architecture = loaded.model, loaded.config, loaded.architecture
         self.dtype = loaded.dtype
         self.shape = self.model.shape
         self.backend_name = backend.name
+        # How K and V are stored: the model's dtype, or 8-bit rows with their scales (--kv-cache-dtype).
+        self.kv_format = KVCacheFormat(config.kv_cache_dtype, self.dtype, self.shape.head_dim)
         # One rank's share of a block: its KV heads (all of them without tensor parallelism).
         self.bytes_per_block = kv_cache_bytes_per_block(
             self.shape.num_layers,
             self.block_size,
             self.model.local.num_kv_heads,
-            self.shape.head_dim,
-            torch.tensor([], dtype=self.dtype).element_size(),
+            self.kv_format.row_elements,
+            self.kv_format.cache_dtype.itemsize,
         )
         self.num_blocks = self._decide_num_blocks()
         if self.tensor_parallel is not None:
             self.tensor_parallel.share_num_blocks(self.num_blocks)
         # Block-major (engine/kv_cache_layout.py): a KV connector moves each block as one buffer.
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
-        self.layer_caches = layer_views(self.kv_cache)
+        self.layer_caches = layer_views(self.kv_cache, config.kv_cache_dtype)
         # A KV capacity smaller than the context would leave a long request unschedulable forever.
         self.max_model_len = min(loaded.max_model_len, self.num_blocks * self.block_size)
         if self.max_model_len < loaded.max_model_len:
@@ -87,13 +92,14 @@ class ModelRunner:
                 loaded.max_model_len,
             )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes per block%s), attention backend %s",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes per block%s, %s), attention backend %s",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
             self.bytes_per_block,
             f" on each of {config.tensor_parallel_size} ranks" if self.tensor_parallel is not None else "",
+            self.kv_format.fingerprint_dtype,
             backend.name,
         )
         # CPU decode steps in one native call where the model allows (engine/models/native_decode.py).
@@ -136,6 +142,7 @@ class ModelRunner:
             shape.head_dim,
             self.dtype,
             self.device,
+            self.config.kv_cache_dtype,
         )
 
     def _profile_free_gpu_memory(self) -> int:
@@ -160,7 +167,8 @@ class ModelRunner:
             seq_lens_cpu=[num_tokens],
         )
         positions = torch.arange(num_tokens, device=self.device)
-        self.model(positions % self.shape.vocab_size, positions, layer_views(scratch), metadata, positions[-1:])
+        layer_caches = layer_views(scratch, self.config.kv_cache_dtype)
+        self.model(positions % self.shape.vocab_size, positions, layer_caches, metadata, positions[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch

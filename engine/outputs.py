@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.request_timing import RequestTiming, StepStats
 from engine.sampler import TokenLogprobs
 
 
@@ -51,6 +52,10 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     kv_handoff: KVHandoff | None = None
     error: str | None = None  # finish reason "error": why (decode role: the prompt's KV could not be loaded)
+    # The request's moments in the engine so far (engine/request_timing.py): the engine's own
+    # record, shared by every output of the request, not a copy.
+    timing: RequestTiming | None = None
+    step: StepStats | None = None  # the step that produced it; None for an output between steps (an abort)
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from engine.kv_cache_utils import BlockHash, BlockHasher, extend_block_hashes
 from engine.kv_loader import KVLoadFailurePolicy
+from engine.request_timing import RequestTiming
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.grammar_state import GrammarState
@@ -77,6 +78,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Draft model: leading tokens whose KV the draft model holds (it computes its own, prompt included).
     num_draft_computed_tokens: int = 0
+    # When things happened to it here (engine/request_timing.py), for its phases and trace spans.
+    timing: RequestTiming = field(default_factory=lambda: RequestTiming(added_at=time.monotonic()))
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

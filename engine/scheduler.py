@@ -37,6 +37,7 @@ import bisect
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 from engine.config import EngineRole
@@ -165,6 +166,7 @@ class Scheduler:
     def _kv_loaded(self, request: Request, result: KVLoadResult) -> bool:
         """A request whose blocks the loader no longer writes: True when it runs from now on,
         False when it ended (its blocks freed)."""
+        request.timing.kv_loaded_at = time.monotonic()
         if result.error is None:
             request.num_computed_tokens = request.num_external_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_external_tokens)
@@ -264,6 +266,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
+            if request.timing.first_scheduled_at is None:
+                request.timing.first_scheduled_at = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = self._scheduled(request, num_new_tokens)
@@ -341,6 +345,7 @@ class Scheduler:
         self.waiting.pop(0)
         request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.timing.kv_load_started_at = request.timing.first_scheduled_at = time.monotonic()
         self.waiting_for_kv[request.request_id] = request
         self.kv_loader.start_load(
             KVLoad(request.request_id, list(kv.get_block_ids(request.request_id)), len(computed_blocks))

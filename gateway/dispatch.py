@@ -73,6 +73,7 @@ class Dispatcher:
             logprobs=[prefilled.first_logprob] if prefilled.HasField("first_logprob") else [],
             finish_reason=prefilled.finish_reason or None,
             num_cached_tokens=prefilled.num_cached_tokens,
+            phases=prefilled.phases if prefilled.HasField("phases") else None,
         )
         if first.finish_reason is None and not prefilled.HasField("kv"):
             raise RuntimeError(
@@ -120,9 +121,10 @@ class Dispatcher:
             lambda tried: self.pool.pick(
                 "colocated", exclude=tried, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks
             ),
-            lambda instance: generation_pb2_grpc.GenerationStub(instance.channel).Generate(
-                message, timeout=request.timeout_s()
+            lambda instance, metadata: generation_pb2_grpc.GenerationStub(instance.channel).Generate(
+                message, timeout=request.timeout_s(), metadata=metadata
             ),
+            request,
         ):
             yield event
 

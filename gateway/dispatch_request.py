@@ -11,6 +11,7 @@ from http import HTTPStatus
 from gateway.errors import APIError
 from gateway.instances import InstanceState
 from gateway.prefix_index import PromptBlocks
+from gateway.request_trace import RequestTrace
 from splitserve.v1 import disaggregation_pb2, generation_pb2
 
 
@@ -22,6 +23,7 @@ class DispatchRequest:
     priority: int = 0
     deadline: float = float("inf")  # monotonic
     cache_salt: str = ""  # mixed into prefix-cache hashes on every instance; empty: none
+    trace: RequestTrace | None = None  # its spans at the gateway, when tracing is on
     _blocks: PromptBlocks | None = None
 
     @property
@@ -52,6 +54,7 @@ class TokenEvent:
     stop_token_id: int | None = None
     num_cached_tokens: int = 0  # first event only: prompt tokens a prefix cache served
     kv_transfer: disaggregation_pb2.KVTransfer | None = None  # the hand-off, when D reports it
+    phases: generation_pb2.RequestPhases | None = None  # the instance's phases of its call, once per call
 
     @classmethod
     def from_response(
@@ -67,8 +70,12 @@ class TokenEvent:
         if isinstance(response, disaggregation_pb2.DecodeResponse):
             event.kv_transfer = response.kv_transfer if response.HasField("kv_transfer") else None
             event.num_cached_tokens = response.num_cached_tokens if first else 0  # set by a local prefill only
-        elif first:
-            event.num_cached_tokens = response.usage.cached_tokens
+            event.phases = response.phases if response.HasField("phases") else None
+        else:
+            if first:
+                event.num_cached_tokens = response.usage.cached_tokens
+            if response.HasField("timings") and response.timings.HasField("phases"):
+                event.phases = response.timings.phases
         return event
 
 

@@ -28,6 +28,10 @@ in call order:
 
 Every instance is picked through admission first (``gateway.admission``): when none
 qualifies, the request gets 429 with ``Retry-After``; a re-prefill is never refused.
+
+With tracing on, each call to an instance is a client span of the request's trace, its context
+in the call's metadata (:func:`~gateway.request_trace.call_trace`); a retry, a KV re-prefill
+and a migration are events of the request's root span.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from gateway.errors import APIError, instance_failure, no_instance
 from gateway.flags import DEFAULT_MAX_MIGRATIONS
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
+from gateway.request_trace import Metadata, RequestTrace, call_trace
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,12 @@ _RETRYABLE = {
     grpc.StatusCode.FAILED_PRECONDITION,  # a fingerprint mismatch: another D may match
 }
 _INSTANCE_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+PREFILL_METHOD = "splitserve.v1.Prefill/Prefill"  # a call's span name (gateway/request_trace.py)
+_STREAM_METHODS: dict[Role, str] = {
+    "decode": "splitserve.v1.Decode/Decode",
+    "colocated": "splitserve.v1.Generation/Generate",
+    "prefill": PREFILL_METHOD,
+}
 
 
 class KVLost(Exception):
@@ -99,6 +110,7 @@ def resume_request(request: DispatchRequest, output_token_ids: list[int]) -> Dis
         priority=request.priority,
         deadline=request.deadline,
         cache_salt=request.cache_salt,
+        trace=request.trace,
     )
 
 
@@ -156,13 +168,17 @@ class Failover:
                 break
             tried.append(prefill)
             try:
-                with prefill.call():
-                    response = await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(
-                        message, timeout=request.timeout_s()
-                    )
+                with prefill.call(), call_trace(request.trace, PREFILL_METHOD, prefill) as traced:
+                    try:
+                        response = await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(
+                            message, timeout=request.timeout_s(), metadata=traced.metadata
+                        )
+                    except grpc.aio.AioRpcError as error:
+                        traced.failed(error)
+                        raise
                 return response, prefill
             except grpc.aio.AioRpcError as error:
-                last_error = self._failed(prefill, error, "prefill")
+                last_error = self._failed(prefill, error, "prefill", request.trace)
             except asyncio.CancelledError:
                 # The client left mid-prefill: P may have pinned blocks just before the cancel reached it.
                 self._background.spawn(abort_prefill(prefill.channel, prefill_request_id, prefill.address))
@@ -215,6 +231,10 @@ class Failover:
                     logger.warning(
                         "hand-off %d of %s lost its KV (%s); prefilling it again", handoff, request.request_id, lost
                     )
+                    if request.trace is not None:
+                        request.trace.event(
+                            "kv re-prefill", {"splitserve.handoff": handoff, "splitserve.reason": str(lost)}
+                        )
                     if self.metrics is not None:
                         self.metrics.kv_reprefills.inc()
                     self.release(pinned)  # a no-op if D's release got there first
@@ -245,6 +265,15 @@ class Failover:
                     )
                     if self.metrics is not None:
                         self.metrics.migrations.labels(outcome="resumed").inc()
+                    if request.trace is not None:
+                        request.trace.event(
+                            "migration",
+                            {
+                                "splitserve.migration": num_migrations,
+                                "splitserve.num_output_tokens": len(output_token_ids),
+                                "splitserve.reason": lost.api_error.detail or lost.api_error.message,
+                            },
+                        )
                     # The failed D took P's KV over when it streamed; the new KV is the resumed prompt's,
                     # prefilled on a P whatever the first path was (it is long by now, and mostly cached).
                     decoding, handoff = False, 0
@@ -289,9 +318,10 @@ class Failover:
                 num_prompt_tokens=num_prompt_tokens,
                 prompt=request.blocks,
             ),
-            lambda decode: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
-                message, timeout=request.timeout_s()
+            lambda decode, metadata: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
+                message, timeout=request.timeout_s(), metadata=metadata
             ),
+            request,
         ):
             yield event
 
@@ -299,12 +329,14 @@ class Failover:
         self,
         role: Role,
         pick: Callable[[list[InstanceState]], InstanceState | None],
-        open_stream: Callable[[InstanceState], grpc.aio.UnaryStreamCall],
+        open_stream: Callable[[InstanceState, Metadata | None], grpc.aio.UnaryStreamCall],
+        request: DispatchRequest,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Stream from the first instance that takes the request. Until it has streamed
         something, a failure moves the request to another instance of the role (or, for
         DATA_LOSS, back to prefill: :class:`KVLost`); after that the request fails (its
-        tokens are out), or migrates when it was decoding (:class:`DecodeLost`)."""
+        tokens are out), or migrates when it was decoding (:class:`DecodeLost`).
+        ``open_stream`` makes the call, with the metadata given (the trace's context)."""
         tried: list[InstanceState] = []
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
@@ -312,29 +344,31 @@ class Failover:
             if instance is None:
                 break
             tried.append(instance)
-            call = open_stream(instance)
-            streamed = False
-            try:
-                with instance.call() as prefilled:
-                    async for response in call:
-                        first, streamed = not streamed, True
-                        prefilled()
-                        yield TokenEvent.from_response(response, first)
-                return
-            except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.DATA_LOSS and not streamed:
-                    raise KVLost(error.details()) from None
-                last_error = self._failed(instance, error, role)
-                if streamed:
-                    api_error = _as_api_error(
-                        error, f"{role} instance {instance.instance_id} at {instance.address} failed mid-stream"
-                    )
-                    if role == "decode":
-                        raise DecodeLost(api_error) from error
-                    raise api_error from error
-            finally:
-                if not call.done():
-                    call.cancel()  # the instance aborts the request and frees its blocks
+            with call_trace(request.trace, _STREAM_METHODS[role], instance) as traced:
+                call = open_stream(instance, traced.metadata)
+                streamed = False
+                try:
+                    with instance.call() as prefilled:
+                        async for response in call:
+                            first, streamed = not streamed, True
+                            prefilled()
+                            yield TokenEvent.from_response(response, first)
+                    return
+                except grpc.aio.AioRpcError as error:
+                    traced.failed(error)
+                    if error.code() == grpc.StatusCode.DATA_LOSS and not streamed:
+                        raise KVLost(error.details()) from None
+                    last_error = self._failed(instance, error, role, request.trace)
+                    if streamed:
+                        api_error = _as_api_error(
+                            error, f"{role} instance {instance.instance_id} at {instance.address} failed mid-stream"
+                        )
+                        if role == "decode":
+                            raise DecodeLost(api_error) from error
+                        raise api_error from error
+                finally:
+                    if not call.done():
+                        call.cancel()  # the instance aborts the request and frees its blocks
         raise _exhausted(role, last_error, tried)
 
     # --------------------------------------------------------------- cleanup
@@ -365,7 +399,9 @@ class Failover:
                 retry_after_s=overloaded.retry_after_s,
             ) from None
 
-    def _failed(self, instance: InstanceState, error: grpc.aio.AioRpcError, phase: str) -> grpc.aio.AioRpcError:
+    def _failed(
+        self, instance: InstanceState, error: grpc.aio.AioRpcError, phase: str, trace: RequestTrace | None
+    ) -> grpc.aio.AioRpcError:
         """Classify a failed call: the client's fault raises now; otherwise try elsewhere."""
         code = error.code()
         if code not in _RETRYABLE:
@@ -373,6 +409,15 @@ class Failover:
         logger.warning(
             "%s on %s failed (%s: %s); trying another instance", phase, instance.address, code.name, error.details()
         )
+        if trace is not None:
+            trace.event(
+                "retry",
+                {
+                    "splitserve.phase": phase,
+                    "splitserve.instance.id": instance.instance_id,
+                    "rpc.grpc.status_code": code.name,
+                },
+            )
         if code in _INSTANCE_DOWN:
             self.pool.record_failure(instance)
         return error

@@ -12,6 +12,8 @@ from typing import Literal
 
 Routing = Literal["load", "kv"]
 ROUTINGS: tuple[Routing, ...] = ("load", "kv")
+RequestLogFormat = Literal["off", "text", "json"]
+REQUEST_LOG_FORMATS: tuple[RequestLogFormat, ...] = ("off", "text", "json")
 DEFAULT_MAX_MIGRATIONS = 2
 API_KEY_FILE_ENV = "SPLITSERVE_API_KEY_FILE"
 
@@ -94,6 +96,21 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         "(short, or mostly in its prefix cache with --routing kv) is prefilled on that decode instance, "
         "in chunks inside its step budget, instead of on a prefill instance (default: 0, always disaggregate)",
     )
+
+
+def add_request_log_argument(parser: argparse.ArgumentParser) -> None:
+    """One line per finished request (gateway/request_log.py), which ``up`` passes on too."""
+    parser.add_argument(
+        "--request-log",
+        default="text",
+        choices=REQUEST_LOG_FORMATS,
+        help="log one line per finished request at INFO: its id, trace id, outcome, tokens, TTFT and its phases, "
+        "as key=value pairs (text) or a JSON object (json); off: none (default: text)",
+    )
+
+
+def request_log_argv(args: argparse.Namespace) -> list[str]:
+    return ["--request-log", args.request_log]
 
 
 def routing_argv(args: argparse.Namespace) -> list[str]:

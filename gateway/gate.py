@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import NewType
 from urllib.parse import unquote
@@ -37,6 +37,7 @@ from prometheus_client import Counter
 
 from gateway.errors import APIError, bearer_matches
 from gateway.limits import ASGIApp, Receive, Scope, Send
+from gateway.request_trace import EdgeTiming
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +88,13 @@ class PendingSlots:
 
 @dataclass(slots=True)
 class Admission:
-    """A request past the gate: who sent it and the slots it holds until :meth:`release`."""
+    """A request past the gate: who sent it, the slots it holds until :meth:`release`, and
+    when it arrived (its time to first token counts from then) and what the edge did for it."""
 
     client: ClientId
     _slots: PendingSlots
     num_slots: int
+    timing: EdgeTiming = field(default_factory=EdgeTiming)
 
     def take_more(self, num_slots: int) -> None:
         """Slots for the extra prompts of one request. Raises APIError 429 when they are not free."""

@@ -27,24 +27,34 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, replace
 from http import HTTPStatus
 
 from prometheus_client import Counter, Gauge
 
 from cluster.sampling_proto import sampling_params_to_proto
+from cluster.tracing import Tracer
 from engine.context_length import ContextLengthExceeded, resolve_max_tokens
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from gateway.dispatch import Dispatcher
 from gateway.dispatch_request import DispatchRequest, TokenEvent
 from gateway.errors import APIError, bad_request
-from gateway.flags import DEFAULT_MAX_MIGRATIONS
+from gateway.flags import DEFAULT_MAX_MIGRATIONS, RequestLogFormat
 from gateway.gate import PendingSlots
 from gateway.instances import InstancePool
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.request_log import (
+    FinishedRequest,
+    GenAIOperation,
+    finish_attributes,
+    log_finished,
+    request_attributes,
+    timing_header,
+)
+from gateway.request_trace import EdgeTiming, RequestTrace
 from gateway.structured_request import GrammarValidator
 from gateway.tokenizer import ModelTokenizer
 from gateway.work_pool import WorkPool
@@ -85,7 +95,32 @@ class GenerationJob:
     timer: RequestTimer
     deadline: float
     kv_transfer_s: float = 0.0
-    dispatched_at: float = 0.0  # monotonic; when it left the gateway for an instance
+    trace: RequestTrace | None = None  # its spans here, when tracing is on
+    ended_at: float | None = None  # monotonic
+
+    def timing_header(self) -> str | None:
+        """``x-splitserve-timing`` (gateway/request_log.py) once its first token is out; None before."""
+        timer = self.timer
+        if timer.first_token_at is None or timer.phases is None:
+            return None
+        e2e_s = self.ended_at - timer.arrival if self.ended_at is not None else None
+        return timing_header(timer.first_token_at - timer.arrival, timer.phases, e2e_s)
+
+    def finished_record(self, outcome: str) -> FinishedRequest:
+        timer = self.timer
+        ended_at = self.ended_at if self.ended_at is not None else time.monotonic()
+        return FinishedRequest(
+            request_id=self.request_id,
+            trace_id=self.trace.trace_id if self.trace is not None else None,
+            outcome=outcome,
+            prompt_tokens=self.usage.prompt_tokens,
+            cached_tokens=self.usage.cached_tokens,
+            completion_tokens=self.usage.completion_tokens,
+            ttft_s=timer.first_token_at - timer.arrival if timer.first_token_at is not None else None,
+            e2e_s=ended_at - timer.arrival,
+            kv_transfer_s=self.kv_transfer_s,
+            phases=timer.phases,
+        )
 
 
 class GenerationService:
@@ -100,8 +135,16 @@ class GenerationService:
         enable_priority: bool = False,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         disagg_min_prompt_tokens: int = 0,
+        model_name: str = "",
+        tracer: Tracer | None = None,
+        request_log: RequestLogFormat = "off",
     ) -> None:
+        """``model_name``: the served name (traces name requests by it); ``tracer``: None when
+        tracing is off; ``request_log``: a line per finished request (gateway/request_log.py)."""
         self.pool = pool
+        self.model_name = model_name
+        self.tracer = tracer
+        self.request_log = request_log
         self.dispatcher = Dispatcher(pool, metrics, max_migrations, disagg_min_prompt_tokens)
         self.tokenizer = tokenizer
         # Fronts check a structured output with it before prepare.
@@ -161,13 +204,19 @@ class GenerationService:
         priority: int = 0,
         cache_salt: str | None = None,
         max_tokens_param: str = "max_tokens",
+        edge: EdgeTiming | None = None,
+        caller_trace: Mapping[str, str] | None = None,
+        operation: GenAIOperation = "text_completion",
     ) -> GenerationJob:
         """Check a request against the model and the flags, and convert it for the instances.
         Raises APIError (400); admission happens in ``stream``.
 
         ``request_id`` is an id the gateway chose (a completion's id); by default a new one.
-        A client's own id must never be passed: instances key requests by it."""
-        timer = RequestTimer(self.metrics)
+        A client's own id must never be passed: instances key requests by it. ``edge``: the
+        request's arrival at the gate and what the edge did since (default: it arrives now);
+        ``caller_trace``: the client's W3C trace headers, which its trace continues."""
+        edge = edge or EdgeTiming()
+        timer = RequestTimer(self.metrics, edge.arrived_at)
         if priority and not self.enable_priority:
             raise bad_request(
                 f"priority {priority} was requested, but priority scheduling is off on this gateway "
@@ -188,8 +237,18 @@ class GenerationService:
         except (ValueError, TypeError) as error:
             # Both fronts bound every field to its wire type, so this is ours to fix.
             raise RuntimeError(f"sampling parameters {params} do not fit the protobuf (bug): {error}") from error
+        request_id = request_id or uuid.uuid4().hex
+        trace = None
+        if self.tracer is not None:
+            trace = RequestTrace(
+                self.tracer,
+                f"{operation} {self.model_name}",
+                caller_trace,
+                edge,
+                request_attributes(operation, self.model_name, request_id, num_prompt, params),
+            )
         return GenerationJob(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             params=params,
             sampling=sampling,
@@ -198,13 +257,14 @@ class GenerationService:
             usage=Usage(prompt_tokens=num_prompt),
             timer=timer,
             deadline=time.monotonic() + self.request_timeout_s,
+            trace=trace,
         )
 
     async def stream(self, job: GenerationJob) -> AsyncGenerator[Generated, None]:
         """Run a job of an admitted request. Raises APIError (503 before anything streams,
         others whenever it fails); closing the stream early aborts the request everywhere."""
         if not self.pool.is_ready():
-            job.timer.finished("error_503")
+            self._finished(job, "error_503")
             raise APIError(
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 "no healthy instances to serve the request; retry later",
@@ -216,8 +276,7 @@ class GenerationService:
             # Text for every prompt: stop strings match on it even when the caller only wants token ids.
             detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, job.prompt_token_ids, job.params)
             self.metrics.prompt_tokens.inc(job.usage.prompt_tokens)
-            job.dispatched_at = time.monotonic()
-            self.metrics.queue.observe(job.dispatched_at - job.timer.arrival)
+            job.timer.dispatched()
             dispatch = DispatchRequest(
                 request_id=job.request_id,
                 prompt_token_ids=job.prompt_token_ids,
@@ -225,6 +284,7 @@ class GenerationService:
                 priority=job.priority,
                 deadline=job.deadline,
                 cache_salt=job.cache_salt or "",
+                trace=job.trace,
             )
             events = self.dispatcher.generate(dispatch)
             async for event in events:
@@ -234,6 +294,8 @@ class GenerationService:
                 if event.kv_transfer is not None:
                     job.kv_transfer_s = event.kv_transfer.seconds
                     job.timer.kv_transfer(event.kv_transfer)
+                if event.phases is not None:
+                    job.timer.instance_phases(event.phases)
                 update = detokenizer.update(event.token_ids)
                 delta = Generated(
                     update.text_delta, event.token_ids, event.logprobs, event.finish_reason, event.stop_token_id
@@ -266,7 +328,20 @@ class GenerationService:
                 if events is not None:
                     await events.aclose()
             finally:
-                job.timer.finished(status)
+                self._finished(job, status)
+
+    def _finished(self, job: GenerationJob, status: str) -> None:
+        """Account for a request that ended: metrics, its log line, its trace's root span."""
+        job.timer.finished(status)
+        job.ended_at = time.monotonic()
+        if self.request_log == "off" and job.trace is None:
+            return
+        record = job.finished_record(status)
+        log_finished(self.request_log, record)
+        if job.trace is not None:
+            job.trace.finish(
+                job.ended_at, status, finish_attributes(record), job.timer.first_token_at, job.timer.phases
+            )
 
 
 def _watch(work_pool: WorkPool, running: Gauge, waiting: Gauge, refused: Counter) -> None:

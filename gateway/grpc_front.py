@@ -20,9 +20,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.sampling_proto import sampling_params_from_proto
 from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
-from gateway.gate import ClientId, client_of_peer
+from gateway.gate import Admission, client_of_peer
 from gateway.generation import GenerationJob, GenerationService
 from gateway.protocol import MAX_CACHE_SALT_CHARS
+from gateway.request_trace import caller_trace_headers
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             admission = self.service.slots.admit(client_of_peer(context.peer()))
             if request.model and request.model != self.model_name:
                 raise unknown_model(request.model, self.model_name)
-            job = await self._job(request, admission.client)
+            job = await self._job(request, admission, context)
             async for response in self._responses(request, job):
                 yield response
         except APIError as error:
@@ -86,12 +87,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             cached_tokens=job.usage.cached_tokens,
                         )
                     )
+                    timer = job.timer
                     response.timings.CopyFrom(
                         generation_pb2.Timings(
-                            queue_s=job.dispatched_at - job.timer.arrival,
-                            ttft_s=first_token_at - job.timer.arrival,
+                            queue_s=(timer.dispatched_at or timer.arrival) - timer.arrival,
+                            ttft_s=first_token_at - timer.arrival,
                             kv_transfer_s=job.kv_transfer_s,
-                            e2e_s=time.monotonic() - job.timer.arrival,
+                            e2e_s=time.monotonic() - timer.arrival,
+                            phases=timer.phases,
                         )
                     )
                 yield response
@@ -105,26 +108,38 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 HTTPStatus.UNAUTHORIZED, "invalid or missing API key; send metadata 'authorization: Bearer <key>'"
             )
 
-    async def _job(self, request: generation_pb2.GenerateRequest, client: ClientId) -> GenerationJob:
+    async def _job(
+        self, request: generation_pb2.GenerateRequest, admission: Admission, context: grpc.aio.ServicerContext
+    ) -> GenerationJob:
+        client = admission.client
         try:
             params = sampling_params_from_proto(request.sampling)
         except ValueError as error:
             raise bad_request(str(error)) from error
         if params.structured is not None:
-            await self.service.grammars.check(
-                params.structured, f"sampling.{request.sampling.WhichOneof('structured')}", client
-            )
+            with admission.timing.stage("grammar compile"):
+                await self.service.grammars.check(
+                    params.structured, f"sampling.{request.sampling.WhichOneof('structured')}", client
+                )
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise bad_request(
                 f"cache_salt has {len(request.cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}",
                 "cache_salt",
             )
         if request.WhichOneof("prompt") == "text":
-            token_ids = await self.service.tokenizer.encode(request.text, client=client, param="text")
+            with admission.timing.stage("tokenize"):
+                token_ids = await self.service.tokenizer.encode(request.text, client=client, param="text")
         else:
             token_ids = list(request.token_ids.ids)
         # Token-id prompts get no text back, but stop strings still need the text to match on.
-        return self.service.prepare(token_ids, params, priority=request.priority, cache_salt=request.cache_salt or None)
+        return self.service.prepare(
+            token_ids,
+            params,
+            priority=request.priority,
+            cache_salt=request.cache_salt or None,
+            edge=admission.timing,
+            caller_trace=caller_trace_headers(dict(context.invocation_metadata() or ())),
+        )
 
 
 async def start_grpc_front(

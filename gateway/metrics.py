@@ -13,9 +13,11 @@ from prometheus_client.registry import Collector
 
 from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, read
 from cluster.registry_record import REFUSAL_REASONS
+from cluster.request_phases import HANDOFF_PHASES, PHASE_BUCKETS, TTFT_PHASES, add_handoff, phase_seconds, ttft_phases
 from gateway.instances import ROLES, InstancePool
 from gateway.status import RecentLatencies
 from splitserve.v1 import disaggregation_pb2
+from splitserve.v1.generation_pb2 import RequestPhases
 
 # Latency buckets (seconds) spanning a CPU-served small model to a fast GPU.
 _LATENCY_BUCKETS = (
@@ -68,6 +70,22 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttft_phases = Histogram(
+            "splitserve_ttft_phase_seconds",
+            "Time to first token by phase; a request's phases add up to its TTFT (gateway_queue, prefill_queue, "
+            "prefill_compute, kv_publish, transport: docs/observability.md)",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.handoff_phases = Histogram(
+            "splitserve_handoff_phase_seconds",
+            "The hand-off to decode after the first token, by phase (decode_queue, kv_pull, first_decode_step), as "
+            "decode instances report them",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter("splitserve_requests", "Finished requests by outcome", ["status"], registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.cached_prompt_tokens = Counter(
@@ -117,16 +135,46 @@ class GatewayMetrics:
 
 
 class RequestTimer:
-    """Client-visible timings of one request, fed to the histograms as tokens go out."""
+    """Client-visible timings of one request, fed to the histograms as tokens go out, and the
+    phases of its time to first token (``cluster/request_phases.py``), added up at that token."""
 
-    __slots__ = ("metrics", "arrival", "first_token_at", "last_token_at", "num_gaps")
+    __slots__ = (
+        "metrics",
+        "arrival",
+        "dispatched_at",
+        "first_token_at",
+        "last_token_at",
+        "num_gaps",
+        "phases",
+        "_prefill_phases",
+    )
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, arrival: float | None = None) -> None:
+        """``arrival``: when the request passed the gate (monotonic); default now."""
         self.metrics = metrics
-        self.arrival = time.monotonic()
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.dispatched_at: float | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.num_gaps = 0  # inter-token gaps observed so far
+        self.phases: RequestPhases | None = None  # from the first token on
+        self._prefill_phases: RequestPhases | None = None  # the prefilling instance's, until then
+
+    def dispatched(self) -> None:
+        """The request leaves the gateway for its first instance."""
+        self.dispatched_at = time.monotonic()
+        self.metrics.queue.observe(self.dispatched_at - self.arrival)
+
+    def instance_phases(self, phases: RequestPhases) -> None:
+        """An instance's phases of its call: before the first token, the prefilling instance's;
+        after it, the decode instance's hand-off (a migration's hand-off counts too)."""
+        if self.first_token_at is None:
+            self._prefill_phases = phases
+            return
+        for phase in HANDOFF_PHASES:
+            self.metrics.handoff_phases.labels(phase=phase).observe(phase_seconds(phases, phase))
+        if self.phases is not None:
+            add_handoff(self.phases, phases)
 
     def tokens_sent(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -136,6 +184,10 @@ class RequestTimer:
             self.metrics.ttft.observe(now - self.arrival)
             self.metrics.recent.add_ttft(now - self.arrival)
             self.first_token_at = now
+            self.phases = ttft_phases(self.arrival, self.dispatched_at or self.arrival, now, self._prefill_phases)
+            for phase in TTFT_PHASES:
+                self.metrics.ttft_phases.labels(phase=phase).observe(phase_seconds(self.phases, phase))
+            self.metrics.recent.add_phases(self.phases)
             num_gaps = num_tokens - 1
             gap = 0.0
         else:

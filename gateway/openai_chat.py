@@ -19,6 +19,7 @@ from gateway.openai_common import (
     merged,
     sse,
     sse_response,
+    timing_headers,
     usage_info,
 )
 from gateway.protocol import (
@@ -33,6 +34,7 @@ from gateway.protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from gateway.request_trace import caller_trace_headers
 from gateway.tokenizer import ModelTokenizer
 
 
@@ -70,15 +72,16 @@ async def create_chat_completion(
     # OpenAI's default is "as long as the context allows" (max_tokens None).
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    client = admission_of(raw).client
-    params = await checked_sampling_params(request, service, max_tokens, _num_logprobs(request), client)
-    token_ids = await service.tokenizer.encode_chat(
-        request.messages,
-        client=client,
-        add_generation_prompt=request.add_generation_prompt,
-        continue_final_message=request.continue_final_message,
-        template_kwargs=request.chat_template_kwargs,
-    )
+    admission = admission_of(raw)
+    params = await checked_sampling_params(request, service, max_tokens, _num_logprobs(request), admission)
+    with admission.timing.stage("chat template"):  # rendered and tokenized
+        token_ids = await service.tokenizer.encode_chat(
+            request.messages,
+            client=admission.client,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            template_kwargs=request.chat_template_kwargs,
+        )
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     job = service.prepare(
         token_ids,
@@ -87,12 +90,15 @@ async def create_chat_completion(
         priority=request.priority,
         cache_salt=request.cache_salt,
         max_tokens_param=max_tokens_param,
+        edge=admission.timing,
+        caller_trace=caller_trace_headers(raw.headers),
+        operation="chat",
     )
     if request.stream:
         deltas = await first_then_rest(merged(service, [job]))
-        return sse_response(_stream(request, completion_id, model_name, service, job, deltas))
+        return sse_response(_stream(request, completion_id, model_name, service, job, deltas), timing_headers([job]))
     response = await cancel_on_disconnect(raw, _collect(request, completion_id, model_name, service, job))
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=timing_headers([job]))
 
 
 async def _collect(

@@ -22,9 +22,10 @@ from pydantic import BaseModel
 
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, bad_request, internal_error
-from gateway.gate import ClientId
+from gateway.gate import Admission
 from gateway.generation import Generated, GenerationJob, GenerationService, Usage
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, UsageInfo
+from gateway.request_log import TIMING_HEADER
 from gateway.structured_request import structured_request
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ async def checked_sampling_params(
     service: GenerationService,
     max_tokens: int | None,
     logprobs: int | None,
-    client: ClientId,
+    admission: Admission,
 ) -> SamplingParams:
     """:func:`sampling_params`, plus the structured output the request asks for, compiled
     here first. Raises APIError 400 for bad values, an invalid schema, regex or grammar
@@ -80,7 +81,8 @@ async def checked_sampling_params(
     params = sampling_params(request, max_tokens, logprobs)
     structured = structured_request(request)
     if structured is not None:
-        await service.grammars.check(structured.spec, structured.param, client)
+        with admission.timing.stage("grammar compile"):
+            await service.grammars.check(structured.spec, structured.param, admission.client)
         params.structured = structured.spec
     return params
 
@@ -161,7 +163,14 @@ async def first_then_rest(stream: AsyncIterator[T]) -> AsyncGenerator[T, None]:
     return rest()
 
 
-def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+def timing_headers(jobs: list[GenerationJob]) -> dict[str, str] | None:
+    """``x-splitserve-timing`` (gateway/request_log.py) for a one-prompt request whose first
+    token is out; None otherwise (several prompts have a timing each: none is sent)."""
+    value = jobs[0].timing_header() if len(jobs) == 1 else None
+    return {TIMING_HEADER: value} if value is not None else None
+
+
+def sse_response(chunks: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
     async def body() -> AsyncGenerator[str, None]:
         try:
             async for chunk in chunks:
@@ -175,7 +184,9 @@ def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
             yield sse(internal_error("while streaming").to_response())
         yield SSE_DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})}
+    )
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -20,9 +20,11 @@ from gateway.openai_common import (
     merged,
     sse,
     sse_response,
+    timing_headers,
     usage_info,
 )
 from gateway.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from gateway.request_trace import caller_trace_headers
 from gateway.tokenizer import ModelTokenizer
 
 
@@ -52,7 +54,8 @@ async def _prompts(
     takes a pending slot of its own, before any is tokenized."""
     prompt, client = request.prompt, admission.client
     if isinstance(prompt, str):
-        return [(await service.tokenizer.encode(prompt, client=client), prompt)]
+        with admission.timing.stage("tokenize"):
+            return [(await service.tokenizer.encode(prompt, client=client), prompt)]
     if not prompt:
         raise bad_request("the prompt is empty", param="prompt")
     # The protocol model admits only the four shapes: ints, texts or token lists, never a mix.
@@ -63,10 +66,11 @@ async def _prompts(
     admission.take_more(len(prompt) - 1)
     texts = [p for p in prompt if isinstance(p, str)]
     if len(texts) == len(prompt):
-        return [
-            (await service.tokenizer.encode(text, client=client, param=f"prompt.{i}"), text)
-            for i, text in enumerate(texts)
-        ]
+        with admission.timing.stage("tokenize"):
+            return [
+                (await service.tokenizer.encode(text, client=client, param=f"prompt.{i}"), text)
+                for i, text in enumerate(texts)
+            ]
     return [(list(p), None) for p in prompt if isinstance(p, list)]
 
 
@@ -84,7 +88,7 @@ async def create_completion(
     prompts = await _prompts(request, service, admission)
     jobs = []
     # Validated (and extras logged) once for every prompt.
-    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs, admission.client)
+    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs, admission)
     for index, (token_ids, _) in enumerate(prompts):
         request_id = completion_id if len(prompts) == 1 else f"{completion_id}-{index}"
         # Each job gets its own copy: prepare fills in max_tokens from its prompt's length.
@@ -95,6 +99,9 @@ async def create_completion(
                 request_id=request_id,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                edge=admission.timing,
+                caller_trace=caller_trace_headers(raw.headers),
+                operation="text_completion",
             )
         )
     echoes = [
@@ -105,9 +112,11 @@ async def create_completion(
     ]
     if request.stream:
         deltas = await first_then_rest(merged(service, jobs))
-        return sse_response(_stream(request, completion_id, model_name, service, jobs, echoes, deltas))
+        return sse_response(
+            _stream(request, completion_id, model_name, service, jobs, echoes, deltas), timing_headers(jobs)
+        )
     response = await cancel_on_disconnect(raw, _collect(request, completion_id, model_name, service, jobs, echoes))
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=timing_headers(jobs))
 
 
 async def _collect(

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 from pathlib import Path
 
 import uvicorn
@@ -14,13 +15,14 @@ import uvicorn
 from cluster.derived_keys import prefix_cache_key
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.startup_heap import freeze_startup_heap
+from cluster.tracing import add_tracing_arguments, start_tracing
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from engine.gguf_files import metadata_folder
 from gateway import limits
 from gateway.admission import AdmissionLimits
 from gateway.app import create_app
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
-from gateway.flags import add_api_key_argument, add_routing_arguments, resolve_api_key
+from gateway.flags import add_api_key_argument, add_request_log_argument, add_routing_arguments, resolve_api_key
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instances import InstancePool
@@ -164,6 +166,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # The internal plane: the cluster secret and TLS of the gateway's calls to instances.
     add_internal_plane_arguments(parser)
+    add_tracing_arguments(parser)
+    add_request_log_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,6 +229,7 @@ async def serve(args: argparse.Namespace) -> None:
     max_connections = args.max_connections or 2 * args.max_pending_requests + 64
     # A GGUF file's tokenizer is in the folder derived from its metadata (once, engine/gguf_files.py).
     tokenizer = ModelTokenizer(metadata_folder(model_path), request_limits)
+    tracer = start_tracing(args.otlp_traces_endpoint, "splitserve-gateway", f"gateway-{args.host}:{args.port}")
     service = GenerationService(
         pool,
         tokenizer,
@@ -235,6 +240,9 @@ async def serve(args: argparse.Namespace) -> None:
         args.enable_priority,
         args.max_migrations,
         args.disagg_min_prompt_tokens,
+        model_name=model_name,
+        tracer=tracer,
+        request_log=args.request_log,
     )
     grpc_server = None
     if args.grpc_port >= 0:
@@ -257,6 +265,11 @@ async def serve(args: argparse.Namespace) -> None:
     )
     freeze_startup_heap()  # the tokenizer, app and clients are built by now
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)
+    # uvicorn handles SIGTERM/SIGINT while it serves, then raises the signal again once it has
+    # shut down, for the handler it found: with the default one the process died there, before
+    # the cleanup below (the gRPC front's drain, background releases, the last traces' export).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stopped_already)
     try:
         await uvicorn.Server(config).serve()  # returns after SIGTERM/SIGINT and a graceful shutdown
     finally:
@@ -272,3 +285,9 @@ async def serve(args: argparse.Namespace) -> None:
         await pool.close()
         service.close()
         tokenizer.close()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)
+
+
+def _stopped_already(signum: int, frame: object) -> None:
+    """The signal uvicorn raises again after its shutdown: the cleanup that follows is the stop."""

@@ -27,9 +27,11 @@ from typing import Literal
 from pydantic import BaseModel
 
 from cluster.instance_counters import STATUS_PAGE_COUNTERS, read
+from cluster.request_phases import TTFT_PHASES, phase_seconds
 from gateway.errors import bearer_matches
 from gateway.instances import ROLES, InstancePool
 from splitserve.v1 import disaggregation_pb2
+from splitserve.v1.generation_pb2 import RequestPhases
 
 RECENT_POINTS = 300  # per series: a few minutes of traffic on a small deployment
 STATUS_PATHS = frozenset({"/status", "/status.json"})
@@ -52,19 +54,53 @@ def status_authorized(authorization: str, api_key: str) -> bool:
 
 
 class RecentLatencies:
-    """The latest TTFTs and mean ITLs, as (unix seconds, seconds) points, oldest first."""
+    """The latest TTFTs and mean ITLs, as (unix seconds, seconds) points, oldest first; and the
+    latest TTFTs' phases (``cluster/request_phases.py``), one row per request, in
+    :data:`TTFT_PHASES` order."""
 
-    __slots__ = ("ttft", "itl")
+    __slots__ = ("ttft", "itl", "ttft_phases")
 
     def __init__(self, max_points: int = RECENT_POINTS) -> None:
         self.ttft: deque[tuple[float, float]] = deque(maxlen=max_points)
         self.itl: deque[tuple[float, float]] = deque(maxlen=max_points)
+        self.ttft_phases: deque[list[float]] = deque(maxlen=max_points)
 
     def add_ttft(self, seconds: float) -> None:
         self.ttft.append((time.time(), seconds))
 
     def add_itl(self, seconds: float) -> None:
         self.itl.append((time.time(), seconds))
+
+    def add_phases(self, phases: RequestPhases) -> None:
+        self.ttft_phases.append([phase_seconds(phases, phase) for phase in TTFT_PHASES])
+
+    def phase_breakdown(self) -> PhaseBreakdown | None:
+        """The recent requests' TTFT phases: each phase's mean, and its share at the median and
+        the 90th-percentile TTFT (the requests nearest to each); None before any request."""
+        rows = sorted(self.ttft_phases, key=sum)
+        if not rows:
+            return None
+
+        def at(quantile: float) -> list[float]:
+            return rows[min(len(rows) - 1, int(quantile * len(rows)))]
+
+        return PhaseBreakdown(
+            phases=list(TTFT_PHASES),
+            num_requests=len(rows),
+            mean=[sum(column) / len(rows) for column in zip(*rows)],
+            p50=at(0.5),
+            p90=at(0.9),
+        )
+
+
+class PhaseBreakdown(BaseModel):
+    """Where recent requests' time to first token went, seconds per phase (in ``phases``' order)."""
+
+    phases: list[str]
+    num_requests: int
+    mean: list[float]
+    p50: list[float]  # the phases of the request at the median TTFT
+    p90: list[float]  # ... and at the 90th percentile
 
 
 class StatusColumn(BaseModel):
@@ -106,6 +142,7 @@ class StatusResponse(BaseModel):
     columns: list[StatusColumn]  # the instance counters shown, in order
     ttft: list[tuple[float, float]]  # (unix seconds, seconds)
     itl: list[tuple[float, float]]
+    ttft_phases: PhaseBreakdown | None  # None before the first request
 
 
 def describe_fingerprint(fingerprint: disaggregation_pb2.Fingerprint) -> str:
@@ -158,6 +195,7 @@ def status_snapshot(pool: InstancePool, recent: RecentLatencies, model_name: str
         ],
         ttft=list(recent.ttft),
         itl=list(recent.itl),
+        ttft_phases=recent.phase_breakdown(),
     )
 
 

@@ -73,7 +73,8 @@ class PublishedKV:
     """What a publish adds to the request's KV handle, for D's pull to check."""
 
     # Backends that keep the KV in a shared store: SHA-256 of each chunk's bytes as P stored
-    # them, in prompt order. Empty for backends that send from P's own blocks.
+    # them, KV head by head and in prompt order within a head. Empty for backends that send
+    # from P's own blocks.
     chunk_digests: tuple[bytes, ...] = ()
 
 

@@ -23,7 +23,7 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_o
 
 
 # Fields that say how an instance splits its KV, not what the KV is.
-_LAYOUT_FIELDS = frozenset({"tensor_parallel_size"})
+LAYOUT_FIELDS = frozenset({"tensor_parallel_size"})
 
 
 class FingerprintMismatchError(ValueError):
@@ -33,7 +33,9 @@ class FingerprintMismatchError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Fingerprint:
     model: str  # folder name plus a digest of its config and weights
-    dtype: str  # KV cache dtype, e.g. "bfloat16"
+    # The KV cache's dtype: the model's ("bfloat16"), or a quantized cache's format and scale
+    # layout ("int8/f32-token-head": engine/kv_cache_dtype.py), so neither differs between a pair.
+    dtype: str
     block_size: int
     num_layers: int
     num_kv_heads: int
@@ -47,7 +49,7 @@ class Fingerprint:
         differences = [
             f"{field.name}: {this_side} has {mine!r}, {other_side} has {theirs!r}"
             for field, mine, theirs in zip(fields(self), astuple(self), astuple(other), strict=True)
-            if mine != theirs and field.name not in _LAYOUT_FIELDS
+            if mine != theirs and field.name not in LAYOUT_FIELDS
         ]
         if differences:
             raise FingerprintMismatchError("KV caches are incompatible, refusing to pair: " + "; ".join(differences))

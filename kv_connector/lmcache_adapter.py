@@ -3,8 +3,10 @@
 LMCache's shipped engine connectors copy between vLLM's CUDA caches and its memory
 objects with CUDA kernels. This one does the same for splitserve's block-major cache
 ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` with plain torch indexing,
-so it runs wherever the cache lives (CPU here, a GPU elsewhere). Memory objects use
-LMCache's ``KV_2LTD`` layout: ``[2, layers, tokens, kv_heads * head_dim]``.
+so it runs wherever the cache lives (CPU here, a GPU elsewhere). A memory object holds one KV
+head of one chunk, in LMCache's ``KV_2LTD`` layout: ``[2, layers, tokens, head_dim]``: the
+store keeps each head apart, so a tensor-parallel rank stores and fetches exactly its own heads
+(kv_connector/lmcache_connector.py, "Heads").
 
 Digests: given a ``chunk_digests`` dict among the keyword arguments, both directions record
 the SHA-256 of each chunk's memory object (:func:`chunk_digest`) under the chunk's first
@@ -32,11 +34,11 @@ class PagedKVAdapter(GPUConnectorInterface):
     """Copies tokens between the paged KV cache and LMCache memory objects (format KV_2LTD).
 
     The connector passes its own keyword arguments through ``LMCacheEngine.store`` and
-    ``retrieve``: ``block_ids`` (P's blocks) for a store, and for a retrieve a
-    ``staging`` tensor ``[2, layers, tokens, kv_heads * head_dim]`` whose token 0 is
-    prompt token ``staging_start``. D never lets LMCache write its cache directly: a
-    retrieve that outlives its pull (timeout, cancel) must not land in blocks the
-    engine has handed on.
+    ``retrieve``: ``head``, the index in this cache's heads of the one head the call moves;
+    ``block_ids`` (P's blocks) for a store, and for a retrieve a ``staging`` tensor
+    ``[2, layers, tokens, local kv_heads, head_dim]`` whose token 0 is prompt token
+    ``staging_start``. D never lets LMCache write its cache directly: a retrieve that
+    outlives its pull (timeout, cancel) must not land in blocks the engine has handed on.
     """
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
@@ -44,8 +46,12 @@ class PagedKVAdapter(GPUConnectorInterface):
         _, self.num_layers, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
 
     def get_shape(self, num_tokens: int) -> torch.Size:
-        """The memory-object shape for ``num_tokens`` tokens."""
-        return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_dim])
+        """The memory-object shape for one head of ``num_tokens`` tokens."""
+        return torch.Size([2, self.num_layers, num_tokens, self.head_dim])
+
+    def staging_shape(self, num_tokens: int) -> torch.Size:
+        """A retrieve's staging tensor for ``num_tokens`` tokens of every head of this cache."""
+        return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads, self.head_dim])
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """One chunk of :meth:`batched_from_gpu` (LMCache's interface asks for both forms)."""
@@ -56,29 +62,31 @@ class PagedKVAdapter(GPUConnectorInterface):
         self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
 
     def batched_from_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
-        """Inside ``store`` on P: copy prompt tokens ``starts[i]..ends[i]-1`` out of their
-        blocks into ``memory_objs[i]``, one LMCache chunk each (and digest it)."""
-        block_ids = kwargs["block_ids"]
+        """Inside ``store`` on P: copy head ``head`` of prompt tokens ``starts[i]..ends[i]-1``
+        out of their blocks into ``memory_objs[i]``, one LMCache chunk each (and digest it)."""
+        block_ids, head = kwargs["block_ids"], kwargs["head"]
         digests: dict[int, bytes] | None = kwargs.get("chunk_digests")
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
             blocks, offsets = token_slots(block_ids, start, end, self.block_size, self.kv_cache.device)
-            tokens = self.kv_cache[blocks, :, :, offsets]  # [n, layers, 2, kv_heads, head_dim]
+            tokens = self.kv_cache[blocks, :, :, offsets, head]  # [n, layers, 2, head_dim]
             chunk = self._checked(memory_obj, start, end)
-            chunk.copy_(tokens.permute(2, 1, 0, 3, 4).reshape(self.get_shape(end - start)))
+            chunk.copy_(tokens.permute(2, 1, 0, 3))
             if digests is not None:
                 digests[start] = chunk_digest(chunk)
 
     def batched_to_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
-        """Inside ``retrieve`` on D: copy each fetched chunk into the staging tensor (and digest it)."""
+        """Inside ``retrieve`` on D: copy each fetched chunk into head ``head`` of the staging
+        tensor (and digest it)."""
         staging: torch.Tensor = kwargs["staging"]
         staging_start: int = kwargs["staging_start"]
+        head: int = kwargs["head"]
         digests: dict[int, bytes] | None = kwargs.get("chunk_digests")
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
             chunk = self._checked(memory_obj, start, end)
             if digests is not None:
                 digests[start] = chunk_digest(chunk)
             # Synchronous copy: LMCache recycles the memory object as soon as this returns.
-            staging[:, :, start - staging_start : end - staging_start].copy_(chunk)
+            staging[:, :, start - staging_start : end - staging_start, head].copy_(chunk)
 
     def _checked(self, memory_obj: MemoryObj, start: int, end: int) -> torch.Tensor:
         """The object's tensor, if it has exactly the chunk's shape and the cache's dtype."""
@@ -107,8 +115,8 @@ def token_slots(
 
 
 def write_blocks(kv_cache: torch.Tensor, block_ids: list[int], start: int, end: int, tokens: torch.Tensor) -> None:
-    """Write prompt tokens ``start..end-1`` (``tokens``: [2, layers, n, kv_heads * head_dim])
+    """Write prompt tokens ``start..end-1`` (``tokens``: [2, layers, n, kv_heads, head_dim])
     into their slots of ``block_ids``; slots past ``end`` in the last block stay as they are."""
-    _, layers, _, block_size, heads, head_dim = kv_cache.shape
+    block_size = kv_cache.shape[3]
     blocks, offsets = token_slots(block_ids, start, end, block_size, kv_cache.device)
-    kv_cache[blocks, :, :, offsets] = tokens.reshape(2, layers, end - start, heads, head_dim).permute(2, 1, 0, 3, 4)
+    kv_cache[blocks, :, :, offsets] = tokens.permute(2, 1, 0, 3, 4)

@@ -12,10 +12,17 @@ How the pieces fit:
   :class:`~kv_connector.lmcache_adapter.PagedKVAdapter` moves tokens between this
   engine's paged cache and LMCache memory objects with plain torch indexing, so it
   works for CPU and GPU caches alike.
+- **Heads.** Each chunk is stored one KV head per object (the head's index is in its key's
+  tag), so the store's layout is the same whatever either side's tensor parallelism: a
+  prefill rank stores the heads it holds (a head replicated on several ranks, by the first
+  of them only), and a decode rank fetches exactly its own heads, whichever P rank stored
+  them. No rank ever fetches a head it does not hold, and the bytes of a pull are the missing
+  blocks' KV once (vLLM's LMCache integration keys whole ranks instead, so P and D must
+  split alike).
 - **Fingerprint.** The key's model-name field is the model identity plus a digest
-  of the whole :class:`Fingerprint`, its world-size field the tensor-parallel size
-  and its dtype field the cache dtype: a D with another fingerprint computes other
-  keys and can only miss, never read P's bytes. D also compares the handle's
+  of the :class:`Fingerprint` (all but the tensor-parallel size, which changes how KV is
+  split, not what it is) and its dtype field the cache dtype: a D with another fingerprint
+  computes other keys and can only miss, never read P's bytes. D also compares the handle's
   fingerprint with its own first, so the usual mismatch is refused naming both.
 
 The store is configured with ``SPLITSERVE_LMCACHE_URL`` (or ``remote_url=``), the
@@ -29,15 +36,15 @@ so its log level defaults to WARNING here (``LMCACHE_LOG_LEVEL``).
 
 The store is not trusted (docs/security.md):
 
-- **Digests.** P records the SHA-256 of every chunk as it stores it
-  (:mod:`kv_connector.lmcache_adapter`); :meth:`publish` returns them for the KV handle, which P
-  signs. D digests every chunk it fetches and refuses the pull (a :class:`KVTransferError`,
+- **Digests.** P records the SHA-256 of every chunk of every head as it stores it
+  (:mod:`kv_connector.lmcache_adapter`); :meth:`publish` returns them, head by head, for the KV
+  handle, which P signs. D digests every chunk it fetches and refuses the pull (a :class:`KVTransferError`,
   before anything is written to its blocks) unless each matches, and refuses a handle that
   carries none. Bytes someone else wrote under a real key never reach D's prefix cache.
 - **Keys.** LMCache keys a chunk by a hash of the tokens up to its end, unkeyed and the same
   for every tenant. Each publish adds a tag of its own to its keys: HMAC-SHA256, under the KV
   store key derived from the cluster secret (``cluster/derived_keys.py``), of the request's
-  cache salt and the handle's pull token (random per handle). No two publishes, and no two
+  cache salt, the handle's pull token (random per handle) and the head. No two publishes, and no two
   tenants, share a key (so one publish never overwrites another's chunks, whose bytes may
   differ in the last bits), and without the secret and the handle nobody can tell which keys
   hold a prompt's KV. A pull derives the same tag from the handle and the Decode call's salt.
@@ -66,7 +73,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import astuple
+from dataclasses import fields
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -83,6 +90,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 
 from cluster.store_urls import redact_url, with_password_file
 from engine.kv_cache_utils import cdiv
+from engine.tensor_parallel.layout import kv_head_range
 from kv_connector.base import (
     KVConnector,
     KVSource,
@@ -92,7 +100,7 @@ from kv_connector.base import (
     block_count_error,
     bounded_transfer,
 )
-from kv_connector.fingerprint import Fingerprint
+from kv_connector.fingerprint import LAYOUT_FIELDS, Fingerprint
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks
 
 logger = logging.getLogger(__name__)
@@ -127,12 +135,14 @@ class LMCacheConnector(KVConnector):
         publish_timeout_s: float = 5.0,
         store_key: bytes | None = None,
         ttl_s: float = DEFAULT_TTL_S,
+        tensor_parallel_rank: int = 0,
     ) -> None:
         """``chunk_size`` defaults to whole blocks near LMCache's 256 tokens; ``buffer_bytes``
         (host memory LMCache stages one transfer in, allocated up front) to the cache's
         size capped at 256 MiB — a prompt whose KV exceeds it is not stored. ``store_key``:
         the KV store key derived from the cluster secret (``cluster.derived_keys``), the same
-        on P and D; None without a secret. ``ttl_s``: how long a Redis store keeps a chunk."""
+        on P and D; None without a secret. ``ttl_s``: how long a Redis store keeps a chunk.
+        ``tensor_parallel_rank``: the rank whose cache this is (its KV heads are that rank's)."""
         super().__init__(kv_cache, fingerprint)
         block_size = self.block_size
         if fingerprint.block_size != block_size:
@@ -155,6 +165,20 @@ class LMCacheConnector(KVConnector):
         self.ttl_s = ttl_s
         self._store_key = store_key or b""
         self._bytes_per_token = self.bytes_per_block // block_size
+        size, num_kv_heads = fingerprint.tensor_parallel_size, fingerprint.num_kv_heads
+        # The model's KV heads this cache holds, and those of them this rank stores when it
+        # publishes: a head replicated on several ranks is stored by the first only.
+        self.heads = kv_head_range(tensor_parallel_rank, size, num_kv_heads)
+        if len(self.heads) != kv_cache.shape[4]:
+            raise ValueError(
+                f"rank {tensor_parallel_rank} of {size} holds KV heads {self.heads.start}..{self.heads.stop - 1} "
+                f"of {num_kv_heads}, but its cache has {kv_cache.shape[4]} (bug)"
+            )
+        self.stored_heads = [
+            head
+            for head in self.heads
+            if tensor_parallel_rank == min(r for r in range(size) if head in kv_head_range(r, size, num_kv_heads))
+        ]
         cache_bytes = kv_cache.numel() * kv_cache.element_size()
         # Two spare chunks absorb the allocator's per-object alignment.
         self._buffer_bytes = (
@@ -218,9 +242,10 @@ class LMCacheConnector(KVConnector):
         cache_salt: str = "",
     ) -> PublishedKV:
         """P, right after prefill: store the KV of ``token_ids`` (held in ``block_ids``, the
-        last block possibly partial) under this publish's keys, on a worker thread, and wait
-        until the store confirms every chunk (bounded by ``publish_timeout_s``), so a pull
-        that follows finds it. Returns the chunks' digests for the handle. A store failure is
+        last block possibly partial), each head this rank stores apart, under this publish's
+        keys, on a worker thread, and wait until the store confirms every chunk (bounded by
+        ``publish_timeout_s``), so a pull that follows finds it. Returns the chunks' digests
+        for the handle, head by head (a chunk the store did not take has an empty one). A store failure is
         logged, not raised: the handle still goes out, and D's pull fails as a miss."""
         engine = self._started()
         tokens = [int(token) for token in token_ids]
@@ -231,9 +256,8 @@ class LMCacheConnector(KVConnector):
             return PublishedKV()
         if request_id in self._publishing:
             raise RuntimeError(f"{request_id!r} is being published already (bug)")
-        configs = self._request_configs(cache_salt, pull_token or b"")
         storing = asyncio.ensure_future(
-            asyncio.to_thread(self._store, engine, request_id, list(block_ids), tokens, configs)
+            asyncio.to_thread(self._store, engine, request_id, list(block_ids), tokens, cache_salt, pull_token or b"")
         )
         self._publishing[request_id] = storing
         storing.add_done_callback(lambda _: self._publishing.pop(request_id, None))
@@ -253,9 +277,9 @@ class LMCacheConnector(KVConnector):
     async def pull(
         self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
     ) -> TransferStats:
-        """D: retrieve the KV of ``source.token_ids`` from the store (under the keys of P's
-        publish: its pull token and the call's cache salt), check each chunk against the
-        handle's digests, and write blocks ``num_local_hit_blocks:`` of it into
+        """D: retrieve this rank's heads of the KV of ``source.token_ids`` from the store
+        (under the keys of P's publish: its pull token and the call's cache salt), check each
+        chunk against the handle's digests, and write blocks ``num_local_hit_blocks:`` of it into
         ``block_ids[num_local_hit_blocks:]``; earlier blocks (D's own prefix-cache hits) are not
         touched. Raises :class:`KVTransferError` on a fingerprint mismatch, a handle without
         a digest per chunk, a miss (not stored, evicted, stored under another fingerprint or
@@ -283,51 +307,55 @@ class LMCacheConnector(KVConnector):
         if num_local_hit_blocks == num_blocks:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
         self.check_source(source)
-        if len(source.chunk_digests) != cdiv(len(tokens), self.chunk_size):
+        num_chunks = cdiv(len(tokens), self.chunk_size)
+        num_kv_heads = self.fingerprint.num_kv_heads
+        if len(source.chunk_digests) != num_kv_heads * num_chunks:
             raise KVTransferError(
                 f"the KV handle of {source.request_id!r} carries {len(source.chunk_digests)} chunk digests for the "
-                f"{cdiv(len(tokens), self.chunk_size)} chunks of {len(tokens)} tokens: the store's bytes cannot be "
-                "checked (a prefill instance that does not digest them, or another --lmcache chunk size)"
+                f"{num_chunks} chunks of {len(tokens)} tokens of {num_kv_heads} KV heads: the store's bytes cannot "
+                "be checked (a prefill instance that does not digest them, or another --lmcache chunk size)"
             )
         started = time.perf_counter()
         first_token = num_local_hit_blocks * block_size
         # LMCache skips only whole chunks; the chunk holding first_token is fetched whole.
         fetch_start = first_token - first_token % self.chunk_size
         staging = torch.empty(
-            self._adapter.get_shape(len(tokens) - fetch_start), dtype=self.kv_cache.dtype, device=self.kv_cache.device
+            self._adapter.staging_shape(len(tokens) - fetch_start),
+            dtype=self.kv_cache.dtype,
+            device=self.kv_cache.device,
         )
-        fetched: dict[int, bytes] = {}  # chunk start -> digest of the bytes the store returned
-        configs = self._request_configs(source.cache_salt, source.pull_token)
+        fetched: dict[int, dict[int, bytes]] = {}  # head -> chunk start -> digest of the bytes the store returned
         retrieved = await bounded_transfer(
-            asyncio.to_thread(
-                self._retrieve, engine, tokens, fetch_start, staging, source.request_id, configs, fetched
-            ),
+            asyncio.to_thread(self._retrieve, engine, tokens, fetch_start, staging, source, fetched),
             timeout_s,
             f"retrieving {source.request_id!r} from LMCache at {self.shown_url}",
         )
-        missing = (~retrieved[fetch_start:]).nonzero()
-        if len(missing):
-            raise await self._miss(source, fetch_start + int(missing[0]), len(tokens))
-        for start in range(fetch_start, len(tokens), self.chunk_size):
-            digest = fetched.get(start)
-            if digest is None or not hmac.compare_digest(digest, source.chunk_digests[start // self.chunk_size]):
-                raise KVTransferError(
-                    f"LMCache at {self.shown_url} returned other bytes for tokens {start}.."
-                    f"{min(start + self.chunk_size, len(tokens)) - 1} of {source.request_id!r} than the prefill "
-                    "instance stored (their digest is not the KV handle's): refused, nothing written"
-                )
+        for head, hits in zip(self.heads, retrieved, strict=True):
+            missing = (~hits[fetch_start:]).nonzero()
+            if len(missing):
+                raise await self._miss(source, fetch_start + int(missing[0]), len(tokens), head)
+            for start in range(fetch_start, len(tokens), self.chunk_size):
+                digest = fetched[head].get(start)
+                expected = source.chunk_digests[head * num_chunks + start // self.chunk_size]
+                if digest is None or not hmac.compare_digest(digest, expected):
+                    raise KVTransferError(
+                        f"LMCache at {self.shown_url} returned other bytes for tokens {start}.."
+                        f"{min(start + self.chunk_size, len(tokens)) - 1} (KV head {head}) of {source.request_id!r} "
+                        "than the prefill instance stored (their digest is not the KV handle's): refused, nothing "
+                        "written"
+                    )
         write_blocks(self.kv_cache, block_ids, first_token, len(tokens), staging[:, :, first_token - fetch_start :])
         return TransferStats(
             num_blocks=num_blocks - num_local_hit_blocks,
             num_bytes=staging.numel() * staging.element_size(),
             seconds=time.perf_counter() - started,
-            num_messages=cdiv(len(tokens) - fetch_start, self.chunk_size),
+            num_messages=len(self.heads) * cdiv(len(tokens) - fetch_start, self.chunk_size),
         )
 
     # -------------------------------------------------------------- internals
 
     def _build_engine(self) -> LMCacheEngine:
-        _, layers, _, _, heads, head_dim = self.kv_cache.shape
+        _, layers, _, _, _, head_dim = self.kv_cache.shape
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=self.chunk_size,
             local_cpu=False,  # no local hot cache: the remote store is the hand-off
@@ -339,12 +367,13 @@ class LMCacheConnector(KVConnector):
         )
         metadata = LMCacheMetadata(
             model_name=key_model_name(self.fingerprint),
-            world_size=self.fingerprint.tensor_parallel_size,
-            local_world_size=self.fingerprint.tensor_parallel_size,
+            # One head per object, the same whatever the tensor parallelism ("Heads" above).
+            world_size=1,
+            local_world_size=1,
             worker_id=0,
             local_worker_id=0,
             kv_dtype=self.kv_cache.dtype,
-            kv_shape=(layers, 2, self.chunk_size, heads, head_dim),
+            kv_shape=(layers, 2, self.chunk_size, 1, head_dim),
             chunk_size=self.chunk_size,
         )
         # LMCacheEngine forces the "spawn" start method process-wide; keep this process's choice.
@@ -363,41 +392,54 @@ class LMCacheConnector(KVConnector):
             raise RuntimeError("the lmcache KV connector was used before start() or after close() (bug)")
         return self._engine
 
-    def _request_configs(self, cache_salt: str, pull_token: bytes) -> dict[str, str]:
-        """LMCache's request configs that tag one publish's keys: P and D derive the same."""
-        return {_KEY_TAG: key_tag(self._store_key, cache_salt, pull_token)}
+    def _request_configs(self, cache_salt: str, pull_token: bytes, head: int) -> dict[str, str]:
+        """LMCache's request configs that tag one publish's keys of one head: P and D derive the same."""
+        return {_KEY_TAG: key_tag(self._store_key, cache_salt, pull_token, head)}
 
     def _store(
-        self, engine: LMCacheEngine, request_id: str, block_ids: list[int], tokens: list[int], configs: dict[str, str]
+        self,
+        engine: LMCacheEngine,
+        request_id: str,
+        block_ids: list[int],
+        tokens: list[int],
+        cache_salt: str,
+        pull_token: bytes,
     ) -> PublishedKV:
-        """Worker thread: :meth:`publish`'s store, its confirmation and the chunks' expiry."""
-        digests: dict[int, bytes] = {}  # chunk start -> digest, filled by the adapter as it copies
+        """Worker thread: :meth:`publish`'s store of each head, its confirmation and the chunks' expiry."""
+        chunk_digests: list[bytes] = []
         deadline = time.monotonic() + self.publish_timeout_s
-        try:
-            with self._lock:
-                engine.store(
-                    tokens, block_ids=block_ids, req_id=request_id, request_configs=configs, chunk_digests=digests
+        for head in self.stored_heads:
+            configs = self._request_configs(cache_salt, pull_token, head)
+            digests: dict[int, bytes] = {}  # chunk start -> digest, filled by the adapter as it copies
+            try:
+                with self._lock:
+                    engine.store(
+                        tokens,
+                        block_ids=block_ids,
+                        head=head - self.heads.start,
+                        req_id=request_id,
+                        request_configs=configs,
+                        chunk_digests=digests,
+                    )
+                num_stored, reason = self._wait_until_stored(engine, tokens, configs, deadline)
+                if num_stored >= len(tokens):
+                    self._expire(engine, tokens, configs)
+            except Exception:  # the request must still get its handle and lease (see publish)
+                logger.exception("storing the KV of %s in LMCache at %s failed", request_id, self.shown_url)
+                num_stored, reason = 0, "failed"
+            if num_stored < len(tokens):
+                logger.error(
+                    "LMCache stored KV head %d of %d of %d prompt tokens of %s in %s (%s); decode instances will miss "
+                    "it",
+                    head,
+                    num_stored,
+                    len(tokens),
+                    request_id,
+                    self.shown_url,
+                    reason,
                 )
-            num_stored, reason = self._wait_until_stored(engine, tokens, configs, deadline)
-            if num_stored >= len(tokens):
-                self._expire(engine, tokens, configs)
-        except Exception:  # the request must still get its handle and lease (see publish)
-            logger.exception("storing the KV of %s in LMCache at %s failed", request_id, self.shown_url)
-            num_stored, reason = 0, "failed"
-        if num_stored < len(tokens):
-            logger.error(
-                "LMCache stored the KV of %d of %d prompt tokens of %s in %s (%s); decode instances will miss it",
-                num_stored,
-                len(tokens),
-                request_id,
-                self.shown_url,
-                reason,
-            )
-        chunk_digests = []
-        for start in range(0, len(tokens), self.chunk_size):
-            if start not in digests:
-                break  # LMCache stopped storing here (no room): D misses from this chunk on anyway
-            chunk_digests.append(digests[start])
+            # A chunk LMCache did not store (no room) has no digest: D misses it anyway.
+            chunk_digests.extend(digests.get(start, b"") for start in range(0, len(tokens), self.chunk_size))
         return PublishedKV(chunk_digests=tuple(chunk_digests))
 
     def _expire(self, engine: LMCacheEngine, tokens: list[int], configs: dict[str, str]) -> None:
@@ -445,28 +487,37 @@ class LMCacheConnector(KVConnector):
         tokens: list[int],
         fetch_start: int,
         staging: torch.Tensor,
-        request_id: str,
-        configs: dict[str, str],
-        digests: dict[int, bytes],
-    ) -> torch.Tensor:
-        """Worker thread: fill ``staging`` from token ``fetch_start`` on, and ``digests`` with
-        each fetched chunk's. Returns LMCache's per-token hit mask (bool, on CPU)."""
+        source: KVSource,
+        digests: dict[int, dict[int, bytes]],
+    ) -> list[torch.Tensor]:
+        """Worker thread: fill ``staging`` from token ``fetch_start`` on, head by head, and
+        ``digests[head]`` with each fetched chunk's. Returns LMCache's per-token hit mask of
+        each of this rank's heads (bool, on CPU)."""
         mask = None
         if fetch_start:
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[:fetch_start] = False  # a local prefix hit on D: not fetched
-        with self._lock:
-            return engine.retrieve(
-                tokens,
-                mask=mask,
-                staging=staging,
-                staging_start=fetch_start,
-                req_id=request_id,
-                request_configs=configs,
-                chunk_digests=digests,
-            )
+        hits = []
+        for index, head in enumerate(self.heads):
+            digests[head] = {}
+            with self._lock:
+                hits.append(
+                    engine.retrieve(
+                        tokens,
+                        mask=mask,
+                        staging=staging,
+                        staging_start=fetch_start,
+                        head=index,
+                        req_id=source.request_id,
+                        request_configs=self._request_configs(source.cache_salt, source.pull_token, head),
+                        chunk_digests=digests[head],
+                    )
+                )
+            if not hits[-1][fetch_start:].all():
+                break  # a miss: the pull fails on it, the other heads need not be fetched
+        return hits
 
-    async def _miss(self, source: KVSource, first_missing: int, num_tokens: int) -> KVTransferError:
+    async def _miss(self, source: KVSource, first_missing: int, num_tokens: int, head: int) -> KVTransferError:
         error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
         if error is not None:
             return KVTransferError(f"LMCache store {self.shown_url} is unreachable: {error}")
@@ -476,7 +527,8 @@ class LMCacheConnector(KVConnector):
             else f"{self.shown_url} (prefill stored to {source.address})"
         )
         return KVTransferError(
-            f"LMCache at {where} has no KV for tokens {first_missing}..{num_tokens - 1} of {source.request_id!r} "
+            f"LMCache at {where} has no KV for tokens {first_missing}..{num_tokens - 1} (KV head {head}) of "
+            f"{source.request_id!r} "
             f"under {key_model_name(self.fingerprint)}: not stored, expired, evicted, or stored for another "
             "fingerprint, cache salt or KV handle"
         )
@@ -487,17 +539,20 @@ class LMCacheConnector(KVConnector):
 
 def key_model_name(fingerprint: Fingerprint) -> str:
     """The model-name field of this instance's LMCache keys: readable model identity plus a
-    digest of every fingerprint field. Kept short (lm:// keys hold 150 bytes) and free of
-    the ``@`` and ``%`` LMCache uses as key separators."""
-    digest = hashlib.sha256(json.dumps(astuple(fingerprint)).encode()).hexdigest()[:16]
+    digest of every fingerprint field but the tensor-parallel layout (each head is stored
+    apart, so ranks of any size read each other's). Kept short (lm:// keys hold 150 bytes)
+    and free of the ``@`` and ``%`` LMCache uses as key separators."""
+    identity = [getattr(fingerprint, f.name) for f in fields(fingerprint) if f.name not in LAYOUT_FIELDS]
+    digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
     return f"{re.sub(r'[^A-Za-z0-9._-]', '_', fingerprint.model)[:64]}~{digest}"
 
 
-def key_tag(store_key: bytes, cache_salt: str, pull_token: bytes) -> str:
-    """The tag of one publish's store keys (module docstring), hex: HMAC-SHA256 under the KV
-    store key of the request's cache salt and the handle's pull token, each length-prefixed.
-    LMCache writes it into every key of the publish as ``@k%<tag>``."""
-    message = b"".join(len(part).to_bytes(8, "little") + part for part in (cache_salt.encode(), pull_token))
+def key_tag(store_key: bytes, cache_salt: str, pull_token: bytes, head: int) -> str:
+    """The tag of one publish's store keys of one KV head (module docstring), hex: HMAC-SHA256
+    under the KV store key of the request's cache salt, the handle's pull token and the head,
+    each length-prefixed. LMCache writes it into every key of the publish as ``@k%<tag>``."""
+    parts = (cache_salt.encode(), pull_token, str(head).encode())
+    message = b"".join(len(part).to_bytes(8, "little") + part for part in parts)
     return hmac.new(store_key, message, hashlib.sha256).digest()[:_KEY_TAG_BYTES].hex()
 
 

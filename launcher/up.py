@@ -21,7 +21,16 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gateway.flags import API_KEY_FILE_ENV, add_api_key_argument, add_routing_arguments, resolve_api_key, routing_argv
+from cluster.tracing import add_tracing_arguments, tracing_argv
+from gateway.flags import (
+    API_KEY_FILE_ENV,
+    add_api_key_argument,
+    add_request_log_argument,
+    add_routing_arguments,
+    request_log_argv,
+    resolve_api_key,
+    routing_argv,
+)
 from launcher.processes import Child, embedded_model_path, free_port, parse_cpu_list, splitserve_command
 from splitserve.flags import add_engine_arguments, add_kv_connector_arguments, engine_argv, speculative_argv
 
@@ -62,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{role} instances' tensor parallel size (default: --tensor-parallel-size)",
         )
     add_routing_arguments(parser)  # passed on to the gateway
+    add_request_log_argument(parser)  # passed on to the gateway
+    add_tracing_arguments(parser)  # passed on to every process
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,30 +97,11 @@ def run(args: argparse.Namespace) -> int:
     children: list[Child] = []
     try:
         routes = _start_instances(args, model, cpus, children, cluster_env)
-        gateway_argv = splitserve_command(
-            "--log-level",
-            args.log_level,
-            "gateway",
-            "--model",
-            str(model),
-            "--host",
-            args.host,
-            "--port",
-            str(args.port),
-            "--grpc-port",
-            str(args.grpc_port),
-            *routes,
-        )
-        if args.model is None:
-            gateway_argv += ["--served-model-name", model.name]
-        if args.max_model_len:
-            gateway_argv += ["--max-model-len", str(args.max_model_len)]
-        gateway_argv += routing_argv(args)
         # The key travels in the environment, not argv, where any local user could read it.
         children.append(
             Child(
                 "gateway",
-                gateway_argv,
+                splitserve_command("--log-level", args.log_level, "gateway", *gateway_flags(args, model, routes)),
                 env={"SPLITSERVE_API_KEY": args.api_key or "", API_KEY_FILE_ENV: "", **cluster_env},
                 stop_stage=0,
             )
@@ -135,9 +127,21 @@ def run(args: argparse.Namespace) -> int:
         logger.info("stopped")
 
 
+def gateway_flags(args: argparse.Namespace, model: Path, routes: list[str]) -> list[str]:
+    """The gateway's flags: its ports, the instances (``routes``: ``--prefill ADDRESS`` ...), and
+    what ``up`` takes on its behalf (routing, the request log, tracing)."""
+    flags = ["--model", str(model), "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
+    flags += routes
+    if args.model is None:
+        flags += ["--served-model-name", model.name]
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    return flags + routing_argv(args) + request_log_argv(args) + tracing_argv(args)
+
+
 def engine_flags(args: argparse.Namespace, model: Path) -> list[str]:
     """The flags every engine instance of this run gets, whatever its role."""
-    return ["--model", str(model), *engine_argv(args)]
+    return ["--model", str(model), *engine_argv(args), *tracing_argv(args)]
 
 
 def _start_instances(

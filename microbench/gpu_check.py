@@ -9,8 +9,10 @@ module under that name, which the team knows it by)::
 1. **Kernels**: the Triton attention kernels (KV store, paged attention over decodes,
    prefills behind a cached prefix and mixed batches) against the torch reference, on
    one layer of a block-major cache whose other layers hold NaN, for SmolLM2's and a
-   Llama-8B-like head layout in bf16, fp16 and fp32; the largest error per case, and
-   the time of one decode-attention call of each backend.
+   Llama-8B-like head layout in bf16, fp16 and fp32, and in bf16 over int8 and fp8 e4m3 KV
+   caches (``--kv-cache-dtype``: the quantized store's bytes must equal the torch
+   reference's); the largest error per case, and the time of one decode-attention call of
+   each backend.
 2. **Parity**: greedy tokens of the engine on the device against transformers on the
    same device, float32, the embedded SmolLM2.
 3. **Throughput**: ``microbench.throughput`` on the device (engine against transformers).
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_cache_dtype import KVCacheDType
 from engine.kv_cache_utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ HEAD_LAYOUTS = [(9, 3, 64), (32, 8, 128)]
 BLOCK_SIZE = 16
 # Relative to the reference's own rounding in the same dtype (both run in `dtype`).
 TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 4e-3}
+# KV cache dtypes checked beside the compute dtype's own (engine/kv_cache_dtype.py), in bf16.
+QUANTIZED_KV_CACHE_DTYPES: tuple[KVCacheDType, ...] = ("int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,7 @@ class KernelCase:
     store_exact: bool  # the kernel's KV store wrote exactly what the reference's did
     triton_ms: float
     torch_ms: float
+    kv_cache_dtype: str = "auto"
 
     @property
     def ok(self) -> bool:
@@ -108,15 +114,35 @@ def make_step(query_lens: list[int], seq_lens: list[int], device: torch.device, 
 
 
 def layer_of_block_major_cache(
-    num_blocks: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    num_blocks: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: KVCacheDType = "auto",
 ) -> torch.Tensor:
-    """Random K/V as layer 1 of a 3-layer block-major cache whose other layers hold NaN."""
+    """Random K/V as layer 1 of a 3-layer block-major cache whose other layers hold NaN (a
+    quantized cache's other bytes are 0xFF: NaN as fp8 values and as float32 scales)."""
+    from engine.kv_cache_dtype import VALUE_DTYPES, quantize
     from engine.kv_cache_layout import allocate_kv_cache, layer_view
 
-    cache = allocate_kv_cache(num_blocks, 3, BLOCK_SIZE, heads, head_dim, dtype, device).fill_(float("nan"))
-    layer = layer_view(cache, 1)
-    layer.copy_(torch.randn(layer.shape, device=device).to(dtype))
-    return layer
+    cache = allocate_kv_cache(num_blocks, 3, BLOCK_SIZE, heads, head_dim, dtype, device, kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        cache.fill_(float("nan"))
+        layer = layer_view(cache, 1)
+        layer.copy_(torch.randn(layer.shape, device=device).to(dtype))
+        return layer
+    cache.fill_(0xFF)
+    values = torch.randn((2, num_blocks, BLOCK_SIZE, heads, head_dim), device=device)
+    layer_view(cache, 1).copy_(quantize(values, VALUE_DTYPES[kv_cache_dtype]))
+    return layer_view(cache, 1, kv_cache_dtype)
+
+
+def same_cache(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal caches: bytes of a quantized one, values (NaN as NaN) of another."""
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def timed_ms(run, device: torch.device, repeats: int) -> float:
@@ -139,17 +165,21 @@ def check_kernels(device: torch.device, quick: bool) -> list[KernelCase]:
     cases = []
     dtypes = [torch.float32, torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
     layouts = HEAD_LAYOUTS[:1] if quick else HEAD_LAYOUTS
-    for dtype in dtypes:
+    configs: list[tuple[torch.dtype, KVCacheDType]] = [(dtype, "auto") for dtype in dtypes]
+    configs += [(torch.bfloat16, kv_cache_dtype) for kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES]
+    for dtype, kv_cache_dtype in configs:
         for num_heads, num_kv_heads, head_dim in layouts:
             for name, (query_lens, seq_lens) in batch_shapes(quick).items():
                 metadata, num_blocks = make_step(query_lens, seq_lens, device, seed=len(cases))
-                cache = layer_of_block_major_cache(num_blocks, num_kv_heads, head_dim, dtype, device)
+                cache = layer_of_block_major_cache(num_blocks, num_kv_heads, head_dim, dtype, device, kv_cache_dtype)
                 num_tokens = metadata.num_tokens
                 query = torch.randn(num_tokens, num_heads, head_dim, device=device).to(dtype)
                 key = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
                 value = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
                 scale = 1 / math.sqrt(head_dim)
-                reference_cache = cache.clone()
+                reference_cache = (
+                    cache.view(torch.uint8).clone().view(cache.dtype) if cache.element_size() == 1 else cache.clone()
+                )
                 out = triton.forward(query, key, value, cache, metadata, scale)
                 expected = reference.forward(query, key, value, reference_cache, metadata, scale)
                 error = (out.float() - expected.float()).abs().max().item()
@@ -161,7 +191,7 @@ def check_kernels(device: torch.device, quick: bool) -> list[KernelCase]:
                         batch=name,
                         max_abs_error=error if not math.isnan(error) else math.inf,
                         tolerance=TOLERANCES[dtype],
-                        store_exact=torch.equal(cache.nan_to_num(), reference_cache.nan_to_num()),
+                        store_exact=same_cache(cache, reference_cache),
                         triton_ms=timed_ms(
                             functools.partial(triton.forward, query, key, value, cache, metadata, scale),
                             device,
@@ -172,6 +202,7 @@ def check_kernels(device: torch.device, quick: bool) -> list[KernelCase]:
                             device,
                             repeats,
                         ),
+                        kv_cache_dtype=kv_cache_dtype,
                     )
                 )
                 logger.info("%s", cases[-1])
@@ -256,13 +287,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{report['device']}, torch {report['torch']}")
     print(
-        f"{'dtype':9} {'heads':13} {'batch':26} {'max err':>9} {'tol':>7} {'store':>6} {'triton ms':>10} "
+        f"{'dtype':9} {'KV':9} {'heads':13} {'batch':26} {'max err':>9} {'tol':>7} {'store':>6} {'triton ms':>10} "
         f"{'torch ms':>9}"
     )
     for case in kernels:
         print(
-            f"{case.dtype:9} {case.heads:13} {case.batch:26} {case.max_abs_error:9.2e} {case.tolerance:7.0e} "
-            f"{'exact' if case.store_exact else 'DIFF':>6} {case.triton_ms:10.3f} {case.torch_ms:9.3f}"
+            f"{case.dtype:9} {case.kv_cache_dtype:9} {case.heads:13} {case.batch:26} {case.max_abs_error:9.2e} "
+            f"{case.tolerance:7.0e} {'exact' if case.store_exact else 'DIFF':>6} {case.triton_ms:10.3f} "
+            f"{case.torch_ms:9.3f}"
         )
     failed = [case for case in kernels if not case.ok]
     parity = report.get("parity")

@@ -16,23 +16,31 @@ of what is pinned and answer at once; freeing runs in the background. Nor do the
 for a publish: the connector's publish (with the lmcache connector, storing the KV and
 waiting for the store to confirm it, seconds when the store is slow) runs off the event
 loop while the Prefill call awaits it (``prefill_svc/leases.py``).
+
+Each answer carries the call's phases (its queue, its prompt's computation, the publish:
+``serving/request_timing.py``), which the gateway adds into the request's TTFT; with tracing
+on, the call's spans go under the gateway's call span, whose context came in its metadata.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 import grpc
 
 from cluster.handle_signing import new_pull_token, sign_handle
 from cluster.internal_grpc import abort_call
+from cluster.request_phases import PREFILL_CALL_PHASES
 from cluster.sampling_proto import sampling_params_from_proto
 from engine.outputs import EngineCoreOutput, KVHandoff
+from engine.request_timing import RequestTiming
 from engine.sampling_params import SamplingParams
 from prefill_svc.leases import KVLeases
 from serving.convert import fingerprint_to_proto, logprobs_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
+from serving.request_timing import CallSpans, KVPublish, prefill_phases
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 DEFAULT_PORT = 50061
@@ -56,6 +64,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         self._prefilling: dict[str, bool] = {}  # Prefill calls in progress -> aborted meanwhile
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC signature
+        received_at = time.monotonic()
         request_id = request.request_id
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
@@ -90,12 +99,55 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         )
         if final.new_logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
+        publish = None
         if final.kv_handoff is not None:
+            publish_started_at = time.monotonic()
             handle = await self._pin(request_id, final.kv_handoff, list(request.prompt_token_ids), request.cache_salt)
             if handle is None:
                 await abort_call(context, grpc.StatusCode.ABORTED, "the request was aborted while its KV was published")
             response.kv.CopyFrom(handle)
+            publish = KVPublish(publish_started_at, time.monotonic(), len(handle.block_ids), self.connector.name)
+        if final.timing is not None:
+            self._account(request, context, received_at, final.timing, publish, response)
         return response
+
+    def _account(
+        self,
+        request: disaggregation_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+        received_at: float,
+        timing: RequestTiming,
+        publish: KVPublish | None,
+        response: disaggregation_pb2.PrefillResponse,
+    ) -> None:
+        """The call's phases into its answer and this instance's histograms; with tracing on,
+        its spans, built once the answer has gone (off the path to the first token)."""
+        answered_at = time.monotonic()
+        response.phases.CopyFrom(prefill_phases(received_at, timing, answered_at))
+        self.instance.phase_metrics.observe(response.phases, PREFILL_CALL_PHASES)
+        tracer = self.instance.tracer
+        if tracer is None:
+            return
+        attributes: dict[str, str | bool | int | float] = {
+            "gen_ai.request.id": request.request_id,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+            "splitserve.num_cached_tokens": response.num_cached_tokens,
+            "splitserve.kv_only": request.kv_only,
+            "splitserve.instance.id": self.instance.instance_id,
+            # vLLM's names for the same spans of time
+            "gen_ai.latency.time_in_queue": response.phases.prefill_queue_s,
+            "gen_ai.latency.time_in_model_prefill": response.phases.prefill_compute_s,
+        }
+        metadata = context.invocation_metadata()
+
+        def record() -> None:
+            spans = CallSpans(tracer, "splitserve.v1.Prefill/Prefill", metadata, received_at, attributes)
+            spans.prompt(timing)
+            if publish is not None:
+                spans.publish(publish)
+            spans.end(answered_at)
+
+        asyncio.get_running_loop().call_soon(record)
 
     async def _pin(
         self, request_id: str, handoff: KVHandoff, prompt_token_ids: list[int], cache_salt: str

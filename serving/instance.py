@@ -30,6 +30,7 @@ from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.registration import RegistryHeartbeat
 from cluster.startup_heap import freeze_startup_heap
 from cluster.store_urls import redact_url
+from cluster.tracing import Tracer, add_tracing_arguments, start_tracing
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, EngineRole
 from engine.engine_core import EngineCore
@@ -40,7 +41,7 @@ from kv_connector.fingerprint import Fingerprint, model_identity
 from kv_connector.registry import make_connector
 from serving.convert import fingerprint_to_proto
 from serving.kv_event_pages import KVEventPages
-from serving.metrics import MetricsServer
+from serving.metrics import MetricsServer, PhaseMetrics
 from serving.ranked_connector import RankedConnector, serve_rank_connector
 from serving.warmup import warm_up
 from splitserve.flags import add_device_argument, add_engine_arguments, add_kv_connector_arguments
@@ -86,6 +87,7 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
         help="serve this instance's Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free port)",
     )
     add_internal_plane_arguments(parser)
+    add_tracing_arguments(parser)
 
 
 def _long_prefill_token_threshold(args: argparse.Namespace, role: EngineRole) -> int | Literal["auto"] | None:
@@ -102,6 +104,8 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         role=role,
         block_size=args.block_size,
@@ -125,8 +129,9 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
 def fingerprint_of(core: EngineCore) -> Fingerprint:
     shape = core.runner.shape
     return Fingerprint(
-        model=model_identity(core.model_path),
-        dtype=str(core.runner.dtype).removeprefix("torch."),
+        # Weights quantized at load are another model's: their KV is not the float checkpoint's.
+        model=model_identity(core.model_path) + (f"+{core.config.quantization}" if core.config.quantization else ""),
+        dtype=core.runner.kv_format.fingerprint_dtype,  # the KV cache's: "bfloat16", "int8/f32-token-head", ...
         block_size=core.config.block_size,
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,
@@ -181,6 +186,11 @@ class Instance:
     transfers: TransferCounters = field(default_factory=TransferCounters)
     counters: ServiceCounters = field(default_factory=ServiceCounters)
     plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of its gRPC
+    tracer: Tracer | None = None  # None: tracing is off (cluster/tracing.py)
+    phase_metrics: PhaseMetrics = field(init=False)  # its share of requests' phases (serving/request_timing.py)
+
+    def __post_init__(self) -> None:
+        self.phase_metrics = PhaseMetrics(self.instance_id, self.role)
 
     @classmethod
     def create(cls, args: argparse.Namespace, role: EngineRole, config: EngineConfig | None = None) -> Instance:
@@ -192,11 +202,6 @@ class Instance:
         ranked = role != "colocated" and config.tensor_parallel_size > 1
         if ranked:
             # Each rank holds its own heads' KV and moves them itself (serving/ranked_connector.py).
-            if args.kv_connector != "ucx":
-                raise ValueError(
-                    f"a {role} instance at --tensor-parallel-size {config.tensor_parallel_size} moves KV rank to "
-                    f"rank over ucx; --kv-connector {args.kv_connector} moves whole blocks from one rank only"
-                )
             config = dataclasses.replace(config, worker_extension=serve_rank_connector)
         engine = AsyncEngine(config)
         fingerprint = fingerprint_of(engine.core)
@@ -220,7 +225,8 @@ class Instance:
             report.num_total_blocks * fingerprint.block_size,
             fingerprint,
         )
-        return cls(role, engine, connector, fingerprint, instance_id, plane=plane)
+        tracer = start_tracing(args.otlp_traces_endpoint, f"splitserve-{role}", instance_id)
+        return cls(role, engine, connector, fingerprint, instance_id, plane=plane, tracer=tracer)
 
     @property
     def engine_error(self) -> str:
@@ -348,7 +354,13 @@ async def serve(
         heartbeat.start()
         logger.info("registered as %s in %s", instance.instance_id, redact_url(args.registry_url))
     metrics = (
-        MetricsServer(instance.load_report, f"{instance.role} {instance.instance_id}", args.host, args.metrics_port)
+        MetricsServer(
+            instance.load_report,
+            f"{instance.role} {instance.instance_id}",
+            args.host,
+            args.metrics_port,
+            instance.phase_metrics.registry,
+        )
         if args.metrics_port is not None
         else None
     )
@@ -377,6 +389,8 @@ async def serve(
     await instance.engine.stop()
     if metrics is not None:
         metrics.stop()
+    if instance.tracer is not None:
+        await asyncio.to_thread(instance.tracer.shutdown)
     logger.info("stopped after draining for %.1f s", time.monotonic() - started)
 
 

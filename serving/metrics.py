@@ -1,7 +1,8 @@
 """An instance's own Prometheus endpoint (``--metrics-port``): its queue, KV use, step time,
 KV transfers and event counters, one series ``splitserve_engine_<name>`` for each entry of
 ``cluster/instance_counters.py``, read at scrape time from the instance's load report, so a
-scrape never waits for an engine step.
+scrape never waits for an engine step; and the phases of the requests it served
+(``splitserve_engine_phase_seconds``, :class:`PhaseMetrics`).
 
 The gateway's ``/metrics`` shows the same load report as it last polled it
 (``splitserve_instance_<name>``, the same table); this endpoint is the instance's word, scraped
@@ -20,12 +21,14 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, read
+from cluster.request_phases import PHASE_BUCKETS, Phase, phase_seconds
 from splitserve.v1 import disaggregation_pb2
+from splitserve.v1.generation_pb2 import RequestPhases
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -48,14 +51,41 @@ class InstanceCollector(Collector):
             yield family
 
 
+class PhaseMetrics:
+    """This instance's phases of the requests it served (``serving/request_timing.py``), one
+    histogram series per phase; the servicers observe each call's once, at its first output."""
+
+    def __init__(self, instance_id: str, role: str) -> None:
+        self.registry = CollectorRegistry()  # this instance's endpoint serves it (MetricsServer)
+        self._labels = (instance_id, role)
+        self._seconds = Histogram(
+            "splitserve_engine_phase_seconds",
+            "Seconds of each phase of the requests this instance served (prefill_queue, prefill_compute and "
+            "kv_publish on a prefill instance; decode_queue, kv_pull and first_decode_step for a hand-off)",
+            ["instance", "role", "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe(self, phases: RequestPhases, names: tuple[Phase, ...]) -> None:
+        for name in names:
+            self._seconds.labels(*self._labels, name).observe(phase_seconds(phases, name))
+
+
 class MetricsServer:
     """prometheus_client's HTTP server on its own thread, serving only this instance's registry."""
 
     def __init__(
-        self, load_report: Callable[[], disaggregation_pb2.LoadReport], name: str, host: str, port: int
+        self,
+        load_report: Callable[[], disaggregation_pb2.LoadReport],
+        name: str,
+        host: str,
+        port: int,
+        registry: CollectorRegistry | None = None,
     ) -> None:
-        """``load_report``: the instance's (read at each scrape); ``name``: how the log names it."""
-        registry = CollectorRegistry()
+        """``load_report``: the instance's (read at each scrape); ``name``: how the log names it;
+        ``registry``: what else the endpoint serves (``PhaseMetrics.registry``)."""
+        registry = registry or CollectorRegistry()
         registry.register(InstanceCollector(load_report))
         self._server: WSGIServer
         self._thread: threading.Thread

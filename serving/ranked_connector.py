@@ -11,10 +11,12 @@ connector. In call order:
    connector (listening too) and answers its address; ``rank_addresses`` lists them, in rank
    order, and P's KV handles carry them.
 2. ``publish`` / ``unpublish`` (P): every rank publishes (or unpublishes) the request's blocks,
-   its own heads of them, under the same pull token.
+   its own heads of them, under the same pull token. A store connector's digests of what each
+   rank stored are joined in rank order, which is head order (kv_connector/lmcache_connector.py).
 3. ``pull`` (D's KV loader): every rank pulls its share at once, straight into its own cache:
-   its connector follows the head plan (kv_connector/head_plan.py: which P rank holds which of
-   its heads); the pull ends when every rank's has, and fails if any failed.
+   a UCX connector follows the head plan (kv_connector/head_plan.py: which P rank holds which
+   of its heads), an LMCache connector fetches its heads from the store; the pull ends when
+   every rank's has, and fails if any failed.
 
 Messages on a channel are JSON objects, each with an ``id`` its answer repeats; nothing is
 unpickled. The channel is a pipe between processes of one instance on one host.
@@ -61,7 +63,7 @@ class RankedConnector(KVConnector):
                 rank.call(
                     "start",
                     backend=self.backend,
-                    options={**self.options, "tensor_parallel_rank": rank.rank},
+                    options=_options_to_json({**self.options, "tensor_parallel_rank": rank.rank}),
                     fingerprint=fingerprint,
                     host=host,
                 )
@@ -80,7 +82,7 @@ class RankedConnector(KVConnector):
         pull_token: bytes | None = None,
         cache_salt: str = "",
     ) -> PublishedKV:
-        local, *_ = await asyncio.gather(
+        local, *others = await asyncio.gather(
             self.local.publish(request_id, block_ids, token_ids, pull_token, cache_salt),
             *(
                 rank.call(
@@ -94,7 +96,10 @@ class RankedConnector(KVConnector):
                 for rank in self._ranks
             ),
         )
-        return local
+        digests = [*local.chunk_digests]
+        for answer in others:
+            digests.extend(bytes.fromhex(digest) for digest in answer["chunk_digests"])
+        return PublishedKV(chunk_digests=tuple(digests))
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         await asyncio.gather(
@@ -246,7 +251,8 @@ class _RankAgent:
         op = call["op"]
         if op == "start":
             fingerprint = Fingerprint(**call["fingerprint"])
-            self.connector = make_connector(call["backend"], self.context.kv_cache, fingerprint, call["options"])
+            options = _options_from_json(call["options"])
+            self.connector = make_connector(call["backend"], self.context.kv_cache, fingerprint, options)
             # Any free port: --kv-port is rank 0's (a firewall between P and D must let the rest through).
             return {"address": await self.connector.start(call["host"], 0)}
         connector = self.connector
@@ -254,14 +260,14 @@ class _RankAgent:
             raise RuntimeError(f"bug: {op} before start")
         if op == "publish":
             token = call["pull_token"]
-            await connector.publish(
+            published = await connector.publish(
                 call["request_id"],
                 call["block_ids"],
                 call["token_ids"],
                 bytes.fromhex(token) if token is not None else None,
                 call["cache_salt"],
             )
-            return {}
+            return {"chunk_digests": [digest.hex() for digest in published.chunk_digests]}
         if op == "unpublish":
             await connector.unpublish(call["request_id"], call["grace_s"])
             return {}
@@ -276,6 +282,18 @@ class _RankAgent:
         raise RuntimeError(f"bug: unknown rank call {op!r}")
 
 
+def _options_to_json(options: dict[str, Any]) -> dict[str, Any]:
+    """A backend's options for a channel: bytes (the KV store key) travel as hex under ``hex:``."""
+    return {
+        (f"hex:{k}" if isinstance(v, bytes) else k): (v.hex() if isinstance(v, bytes) else v)
+        for k, v in options.items()
+    }
+
+
+def _options_from_json(body: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix("hex:"): bytes.fromhex(v) if k.startswith("hex:") else v for k, v in body.items()}
+
+
 def _source_to_json(source: KVSource) -> dict[str, Any]:
     return {
         "request_id": source.request_id,
@@ -286,6 +304,8 @@ def _source_to_json(source: KVSource) -> dict[str, Any]:
         "pull_token": source.pull_token.hex(),
         "cache_salt": source.cache_salt,
         "rank_addresses": list(source.rank_addresses),
+        "token_ids": list(source.token_ids),
+        "chunk_digests": [digest.hex() for digest in source.chunk_digests],
     }
 
 
@@ -299,6 +319,8 @@ def _source_from_json(body: dict[str, Any]) -> KVSource:
         pull_token=bytes.fromhex(body["pull_token"]),
         cache_salt=body["cache_salt"],
         rank_addresses=tuple(body["rank_addresses"]),
+        token_ids=tuple(body["token_ids"]),
+        chunk_digests=tuple(bytes.fromhex(digest) for digest in body["chunk_digests"]),
     )
 
 

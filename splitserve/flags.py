@@ -16,6 +16,12 @@ from typing import Literal
 
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DTypeChoice, ...] = ("auto", "float32", "bfloat16", "float16")
+# engine.config.QuantizationName, spelled here so that this module loads no part of the engine.
+QUANTIZATIONS = ("int8",)
+
+# engine.kv_cache_dtype.KV_CACHE_DTYPES, spelled here so that this module loads no part of the engine.
+KVCacheDTypeChoice = Literal["auto", "int8", "fp8_e4m3"]
+KV_CACHE_DTYPES: tuple[KVCacheDTypeChoice, ...] = ("auto", "int8", "fp8_e4m3")
 
 # engine.kv_cache_utils.PREFIX_CACHE_HASHES, spelled here so that this module loads no part of the engine.
 PrefixCacheHashChoice = Literal["xxh3", "sha256"]
@@ -32,8 +38,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face folder, or a .gguf file (its Q4_0, Q4_1 and Q8_0 weights kept quantized on the "
-        "CPU; other types dequantized at load) (default: embedded SmolLM2-135M-Instruct)",
+        help="local Hugging Face folder, or a .gguf file (its Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights kept "
+        "quantized on the CPU; other types dequantized at load) (default: embedded SmolLM2-135M-Instruct)",
     )
 
 
@@ -48,6 +54,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     and ``splitserve generate`` takes as well; instances take more of their own."""
     add_model_argument(parser)
     add_dtype_argument(parser)
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="quantize a Hugging Face folder's weights at load: int8, per output channel, symmetric, weight-only "
+        "(kept int8 in memory on the CPU; --dtype stays the compute dtype) (default: the checkpoint's own weights)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores K and V: auto, the compute dtype (--dtype); int8 or fp8_e4m3, 8-bit values "
+        "with a float32 scale per token and KV head, about half of bf16's bytes in memory and in every prefill -> "
+        "decode hand-off (prefill and decode instances must agree: it is in the KV fingerprint) (default: auto)",
+    )
     parser.add_argument(
         "--kv-cache-memory",
         type=int,
@@ -113,8 +135,11 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         str(args.tensor_parallel_size),
         "--prefix-cache-hash",
         args.prefix_cache_hash,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
     ]
     for flag, value in (
+        ("--quantization", args.quantization),
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--max-model-len", args.max_model_len),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),

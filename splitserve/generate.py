@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,

@@ -1,5 +1,5 @@
 """The current docs name only what exists: every repository path in README.md,
-docs/architecture.md and docs/security.md (in prose, code or links), every relative link and
+docs/architecture.md, docs/security.md and docs/observability.md (in prose, code or links), every relative link and
 its anchor, and every ``python -m`` of a first-party module; and every pointer from the code
 to a section of docs/benchmarks.md (``docs/benchmarks.md, "Section title"``) names one.
 docs/benchmarks.md itself is a history and keeps the paths of its time."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/architecture.md", "docs/security.md"]
+DOCS = ["README.md", "docs/architecture.md", "docs/security.md", "docs/observability.md"]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 TOP_LEVEL = {path.name for path in ROOT.iterdir() if not path.name.startswith(".")}
 FILE_SUFFIXES = {".py", ".md", ".c", ".h", ".proto", ".yml", ".yaml", ".toml", ".sh", ".json", ".html", ".png"}

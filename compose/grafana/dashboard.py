@@ -6,7 +6,8 @@ Grafana). The JSON beside it is this script's output, provisioned by compose:
 
 tests/compose/test_observability.py checks that the committed JSON is what this builds.
 
-Panels: gateway-side TTFT, ITL and E2E percentiles and request outcomes; each instance's
+Panels: gateway-side TTFT, ITL and E2E percentiles, where TTFT went phase by phase (stacked)
+and the hand-off after it, and request outcomes; each instance's
 queue and running requests, KV use and step time (its own /metrics); KV transfer bytes and
 time; the failure counters.
 """
@@ -18,7 +19,7 @@ import sys
 
 from grafana_foundation_sdk.builders import common, dashboard, prometheus, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.common import GraphDrawStyle, LegendDisplayMode, LegendPlacement
+from grafana_foundation_sdk.models.common import GraphDrawStyle, LegendDisplayMode, LegendPlacement, StackingMode
 from grafana_foundation_sdk.models.dashboard import DataSourceRef
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="splitserve-prometheus")  # compose/grafana/provisioning
@@ -64,6 +65,20 @@ def percentiles(metric: str, title: str, description: str) -> timeseries.Panel:
     return panel(title, "s", description, *queries)
 
 
+def stacked_phases(metric: str, title: str, description: str) -> timeseries.Panel:
+    """Each phase's mean over the interval, stacked: the stack is the mean of their sum (for
+    the TTFT phases, the mean TTFT)."""
+    mean = (
+        f"sum by (phase) (rate({metric}_sum[$__rate_interval]))"
+        f" / sum by (phase) (rate({metric}_count[$__rate_interval]))"
+    )
+    return (
+        panel(title, "s", description, query(mean, "{{phase}}", "A"))
+        .stacking(common.StackingConfig().mode(StackingMode.NORMAL))
+        .fill_opacity(60)
+    )
+
+
 def per_instance(expr: str, ref_id: str = "A") -> prometheus.Dataquery:
     return query(expr, "{{role}} {{instance}}", ref_id)
 
@@ -92,6 +107,36 @@ def build() -> dashboard.Dashboard:
         )
         .with_panel(
             percentiles("splitserve_e2e_request_latency_seconds", "End-to-end latency", "Arrival to the last token")
+        )
+        .with_panel(
+            stacked_phases(
+                "splitserve_ttft_phase_seconds",
+                "Where TTFT went",
+                "Mean time to first token by phase, stacked: the gateway's queue, the prefilling instance's queue "
+                "and computation, the KV publish, and the transport between them (docs/observability.md)",
+            )
+        )
+        .with_panel(
+            panel(
+                "TTFT phases, p90",
+                "s",
+                "The 90th percentile of each TTFT phase on its own (percentiles do not add up: the stack beside "
+                "shows means)",
+                query(
+                    "histogram_quantile(0.9, sum by (le, phase) "
+                    "(rate(splitserve_ttft_phase_seconds_bucket[$__rate_interval])))",
+                    "{{phase}}",
+                    "A",
+                ),
+            )
+        )
+        .with_panel(
+            stacked_phases(
+                "splitserve_handoff_phase_seconds",
+                "Hand-off to decode",
+                "Mean hand-off after the first token, stacked: the decode instance's wait for blocks, the KV pull "
+                "and the first decode step (the gap before the second token)",
+            )
         )
         .with_row(dashboard.Row("Prefill and decode instances"))
         .with_panel(
@@ -123,6 +168,20 @@ def build() -> dashboard.Dashboard:
                 per_instance(
                     "rate(splitserve_engine_step_seconds_total[$__rate_interval])"
                     " / rate(splitserve_engine_steps_total[$__rate_interval])"
+                ),
+            )
+        )
+        .with_panel(
+            panel(
+                "Phases on each instance",
+                "s",
+                "Mean seconds of each phase of the requests an instance served (its own /metrics): queue, prompt "
+                "computation and KV publish on prefill; wait for blocks, KV pull and first step on decode",
+                query(
+                    "sum by (role, instance, phase) (rate(splitserve_engine_phase_seconds_sum[$__rate_interval]))"
+                    " / sum by (role, instance, phase) (rate(splitserve_engine_phase_seconds_count[$__rate_interval]))",
+                    "{{instance}} {{phase}}",
+                    "A",
                 ),
             )
         )

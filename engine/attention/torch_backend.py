@@ -4,6 +4,12 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 (index 0 holds K, 1 holds V), each block contiguous but blocks a whole cross-layer
 block apart (engine/kv_cache_layout.py). Slot ``s`` is token ``s % block_size`` of
 block ``s // block_size``.
+
+A quantized cache (engine/kv_cache_dtype.py: a layer view of dtype int8 or float8_e4m3fn, rows of
+``head_dim + 4`` bytes) is written through :func:`engine.kv_cache_dtype.quantize`; decodes read it
+through the native kernel, which dequantizes in registers; prefills behind a cached prefix, and the
+pure-PyTorch decode fallback, dequantize the context they gather (a full-precision copy of it,
+as the fallback already makes of the gathered blocks for any dtype).
 """
 
 from __future__ import annotations
@@ -13,31 +19,42 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache_dtype import dequantize, layer_format, quantize, round_trip
 from engine.kv_cache_utils import cdiv
 
 
 def write_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V into their cache slots.
 
-    layer_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    layer_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], or quantized rows [..., head_dim + 4]
     key, value: [num_tokens, num_kv_heads, head_dim]
     slot_mapping: [num_tokens] int64
     """
     # Indexed by (block, offset): blocks are not one layer's block apart, so slots are not one flat axis.
     block_size = layer_cache.shape[2]
     slots = (slot_mapping // block_size, slot_mapping % block_size)
+    value_dtype = layer_format(layer_cache)
+    if value_dtype is not None:
+        layer_cache = layer_cache.view(torch.uint8)
+        key, value = quantize(key, value_dtype), quantize(value, value_dtype)
     layer_cache[0].index_put_(slots, key)
     layer_cache[1].index_put_(slots, value)
 
 
 def gather_context(
-    layer_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+    layer_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's K and V, each [context_len, num_kv_heads, head_dim], read from its blocks."""
-    block_size, num_kv_heads, head_dim = layer_cache.shape[2:]
+    """One sequence's K and V, each [context_len, num_kv_heads, head_dim], read from its blocks: in
+    the cache's dtype, or for a quantized cache dequantized to ``dtype`` (the query's)."""
+    block_size, num_kv_heads, row = layer_cache.shape[2:]
     num_blocks = cdiv(context_len, block_size)
-    blocks = layer_cache[:, block_table[:num_blocks]]  # [2, n, block_size, H, D]
-    blocks = blocks.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len]
+    blocks = layer_cache[:, block_table[:num_blocks]]  # [2, n, block_size, H, row]
+    blocks = blocks.reshape(2, num_blocks * block_size, num_kv_heads, row)[:, :context_len]
+    value_dtype = layer_format(layer_cache)
+    if value_dtype is not None:
+        if dtype is None:
+            raise RuntimeError("gather_context of a quantized cache needs the dtype to dequantize to (bug)")
+        blocks = dequantize(blocks, value_dtype, dtype)
     return blocks[0], blocks[1]
 
 
@@ -77,9 +94,12 @@ def paged_decode_attention(
     "What moved the figure").
     """
     num_seqs, num_heads, head_dim = query.shape
-    # Gather the sequences' blocks: [2, num_seqs * num_blocks, block_size * H_kv * D]
+    # Gather the sequences' blocks: [2, num_seqs * num_blocks, block_size * H_kv * row]
     kv = layer_cache.flatten(2).index_select(1, block_tables.flatten())
-    kv = kv.view(2, num_seqs, -1, head_dim)  # [2, num_seqs, padded_len * H_kv, D], rows are (position, kv head)
+    kv = kv.view(2, num_seqs, -1, layer_cache.shape[-1])  # [2, num_seqs, padded_len * H_kv, row]: (position, kv head)
+    value_dtype = layer_format(layer_cache)
+    if value_dtype is not None:
+        kv = dequantize(kv, value_dtype, query.dtype)  # rows of head_dim values
     scores = torch.bmm(query, kv[0].transpose(1, 2)).float()  # [num_seqs, H, padded_len * H_kv]
     scores.mul_(scale).add_(bias)
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
@@ -172,14 +192,19 @@ class TorchAttentionBackend:
         output = torch.empty_like(query)
         if decode_output is not None:
             output[:num_decodes] = decode_output
+        value_dtype = layer_format(layer_cache)
         starts = metadata.query_start_loc_cpu
         for first, count, q_len, num_prefix_tokens in prefill_runs(metadata):
             start, end = starts[first], starts[first + count]
             q = query[start:end].unflatten(0, (count, q_len))
             if num_prefix_tokens == 0:
                 k, v = key[start:end].unflatten(0, (count, q_len)), value[start:end].unflatten(0, (count, q_len))
+                if value_dtype is not None:  # as the cache holds them, which later steps read
+                    k, v = round_trip(k, value_dtype), round_trip(v, value_dtype)
             else:
-                k, v = gather_context(layer_cache, metadata.block_tables[first], metadata.seq_lens_cpu[first])
+                k, v = gather_context(
+                    layer_cache, metadata.block_tables[first], metadata.seq_lens_cpu[first], query.dtype
+                )
                 k, v = k[None], v[None]
             output[start:end] = prefill_attention(q, k, v, scale, num_prefix_tokens).flatten(0, 1)
         return output

@@ -13,7 +13,8 @@
  * docs/benchmarks.md, "A decode step in one native call".
  *
  * Per layer, as DecoderLayer.forward: input norm (fused with the residual add), qkv
- * projection, rotary on q and k, K/V stored into the paged cache, paged decode attention,
+ * projection, rotary on q and k, K/V stored into the paged cache (quantized there when the cache
+ * is: kv_store.c), paged decode attention,
  * output projection, post-attention norm (fused add), gate/up projection, SiLU-and-mul,
  * down projection. Then the final norm and the head, and the logits upcast to float32.
  */
@@ -29,17 +30,19 @@ void rotary_embedding(const void *q, int64_t q_stride, const void *k, int64_t k_
                       const void *cos_cache, const void *sin_cache, const int64_t *positions, int64_t num_tokens,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int is_bf16);
 void store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *key_cache,
-              void *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t row_elements,
-              int64_t block_size, int64_t block_stride, int64_t element_bytes);
+              void *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+              int64_t head_dim, int64_t block_size, int64_t block_stride, int64_t element_bytes, int kv_format);
 int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
                            const int32_t *block_tables, const int32_t *seq_lens, void *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t block_table_stride, int64_t block_stride, float scale, int is_bf16);
+                           int64_t block_table_stride, int64_t block_stride, float scale, int is_bf16,
+                           int kv_format);
 int linear_panels(const void *x, int64_t x_stride, const void *panels, const void *bias, void *out, int64_t num_rows,
                   int64_t in_features, int64_t out_features, int is_bf16);
 
 /* One decoder layer's weights (panels from pack_panels; biases NULL when absent) and its
-   view of the KV cache: the K and V of block 0, later blocks block_stride elements apart. */
+   view of the KV cache: the K and V of block 0, later blocks block_stride cache elements apart
+   (bytes, when the cache is quantized). */
 typedef struct {
     const void *input_norm, *post_attention_norm;
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
@@ -52,6 +55,7 @@ typedef struct {
     int64_t block_size, block_stride;
     float rms_norm_eps, scale;
     int64_t is_bf16;
+    int64_t kv_format;              /* kv_quant.h: KV_PLAIN (the model's dtype), KV_INT8, KV_FP8_E4M3 */
     const void *embedding;          /* [vocab_size, hidden] */
     const void *final_norm;         /* [hidden] */
     const void *head, *head_bias;   /* panels of [vocab_size, hidden] */
@@ -108,10 +112,11 @@ int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t
         rotary_embedding(qkv, qkv_size, qkv + q_size * bytes, qkv_size, q, k, m->cos, m->sin, positions, rows,
                          m->num_heads, m->num_kv_heads, m->head_dim, bf16);
         store_kv(k, kv_size, qkv + (q_size + kv_size) * bytes, qkv_size, layer->key_cache, layer->value_cache,
-                 slot_mapping, rows, kv_size, m->block_size, m->block_stride, bytes);
+                 slot_mapping, rows, m->num_kv_heads, m->head_dim, m->block_size, m->block_stride, bytes,
+                 (int)m->kv_format);
         if (paged_decode_attention(q, layer->key_cache, layer->value_cache, block_tables, seq_lens, attention, rows,
                                    m->num_heads, m->num_kv_heads, m->head_dim, m->block_size, block_table_stride,
-                                   m->block_stride, m->scale, bf16) != 0) {
+                                   m->block_stride, m->scale, bf16, (int)m->kv_format) != 0) {
             status = DECODE_UNSUPPORTED;
             break;
         }

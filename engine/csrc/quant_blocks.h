@@ -1,6 +1,7 @@
 /*
- * GGUF's (ggml's) 32-element quantization blocks, as llama.cpp lays them out, and their
- * dequantization into this build's float vectors (simd.h).
+ * The quantized weight formats the kernels read, and the dequantization of GGUF's (ggml's)
+ * 32-element blocks into this build's float vectors (simd.h). The K-quants' 256-element
+ * super-blocks are in quant_kblocks.h.
  *
  *   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles          w = d * (q - 8)
  *   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes of nibbles  w = d * q + m
@@ -10,7 +11,13 @@
  * high one. A weight row of in_features elements is in_features / 32 blocks back to back,
  * rows one after another: the tensor as it lies in the file.
  *
- * The type codes are ggml's (GGMLQuantizationType): engine/models/quant_format.py names them.
+ *   INT8  splitserve's own (--quantization int8): a row is its float32 scale, then
+ *         in_features int8 values, w = scale * q (per output channel). The kernels walk it in
+ *         "blocks" of 32 values with unit scale, then the row's tail, and scale each dot
+ *         product once; in_features need not divide into blocks.
+ *
+ * The type codes are ggml's (GGMLQuantizationType), INT8's outside their range:
+ * engine/models/quant_format.py names them.
  */
 #ifndef SPLITSERVE_QUANT_BLOCKS_H
 #define SPLITSERVE_QUANT_BLOCKS_H
@@ -26,6 +33,11 @@
 #define QTYPE_Q4_0 2
 #define QTYPE_Q4_1 3
 #define QTYPE_Q8_0 8
+#define QTYPE_Q4_K 12
+#define QTYPE_Q5_K 13
+#define QTYPE_Q6_K 14
+#define QTYPE_INT8 200
+#define INT8_HEADER_BYTES 4
 
 /* Weight elements below which one thread reads the weight faster than a team wakes up
    (linear_panels.c's threshold, the same trade). */
@@ -40,10 +52,48 @@ static inline void thread_range(int64_t total, int64_t *start, int64_t *end) {
     *end = *start + per_thread < total ? *start + per_thread : total;
 }
 
-static inline int qtype_known(int qtype) { return qtype == QTYPE_Q4_0 || qtype == QTYPE_Q4_1 || qtype == QTYPE_Q8_0; }
+static inline int qtype_known(int qtype) {
+    return qtype == QTYPE_Q4_0 || qtype == QTYPE_Q4_1 || qtype == QTYPE_Q8_0 || qtype == QTYPE_Q4_K ||
+           qtype == QTYPE_Q5_K || qtype == QTYPE_Q6_K || qtype == QTYPE_INT8;
+}
+
+/* Elements of one block as the kernels walk a row (INT8: 32, its tail aside). */
+static inline __attribute__((always_inline)) int64_t qtype_block_elements(const int qtype) {
+    return qtype == QTYPE_Q4_K || qtype == QTYPE_Q5_K || qtype == QTYPE_Q6_K ? 256 : QUANT_BLOCK;
+}
 
 static inline __attribute__((always_inline)) int64_t qtype_block_bytes(const int qtype) {
-    return qtype == QTYPE_Q4_0 ? 18 : (qtype == QTYPE_Q4_1 ? 20 : 34);
+    switch (qtype) {
+        case QTYPE_Q4_0: return 18;
+        case QTYPE_Q4_1: return 20;
+        case QTYPE_Q8_0: return 34;
+        case QTYPE_Q4_K: return 144;
+        case QTYPE_Q5_K: return 176;
+        case QTYPE_Q6_K: return 210;
+        default: return QUANT_BLOCK; /* INT8 */
+    }
+}
+
+/* Bytes of a row of in_features elements; -1 for an unknown qtype or a row that is not whole
+   blocks. */
+static inline int64_t quant_row_bytes_of(int qtype, int64_t in_features) {
+    if (!qtype_known(qtype) || in_features <= 0) return -1;
+    if (qtype == QTYPE_INT8) return INT8_HEADER_BYTES + in_features;
+    const int64_t elements = qtype_block_elements(qtype);
+    return in_features % elements ? -1 : in_features / elements * qtype_block_bytes(qtype);
+}
+
+/* Where a row's blocks start (after an INT8 row's scale). */
+static inline __attribute__((always_inline)) const uint8_t *row_blocks(const uint8_t *w_row, const int qtype) {
+    return qtype == QTYPE_INT8 ? w_row + INT8_HEADER_BYTES : w_row;
+}
+
+/* An INT8 row's scale (1 for every other format, whose scales are in their blocks). */
+static inline __attribute__((always_inline)) float row_scale(const uint8_t *w_row, const int qtype) {
+    if (qtype != QTYPE_INT8) return 1.0f;
+    float scale;
+    memcpy(&scale, w_row, sizeof scale);
+    return scale;
 }
 
 /* IEEE half to float, exact (subnormals included): the generic build's conversion. */
@@ -111,6 +161,10 @@ static inline __attribute__((always_inline)) float half_to_float(const uint8_t *
 /* One block into 32 floats, plain C: the generic build's path and every build's reference. */
 static inline __attribute__((always_inline)) void dequantize_block_scalar(const uint8_t *block, const int qtype,
                                                                           float *out) {
+    if (qtype == QTYPE_INT8) { /* unit scale: the row's is applied to its dot product */
+        for (int j = 0; j < QUANT_BLOCK; ++j) out[j] = (float)((const int8_t *)block)[j];
+        return;
+    }
     const float d = half_to_float(block);
     if (qtype == QTYPE_Q8_0) {
         const int8_t *q = (const int8_t *)(block + 2);
@@ -132,6 +186,16 @@ static inline __attribute__((always_inline)) void dequantize_block_scalar(const 
 /* One block into QVECS float vectors, in registers (w = q * d + m, one FMA per vector). */
 static inline __attribute__((always_inline)) void dequantize_block(const uint8_t *block, const int qtype,
                                                                    vfloat w[QVECS]) {
+    if (qtype == QTYPE_INT8) {
+        for (int v = 0; v < QVECS; ++v) {
+#if SIMD_WIDTH == 16
+            w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 16 * v))));
+#else
+            w[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8 * v))));
+#endif
+        }
+        return;
+    }
     const vfloat d = vf_set1(half_to_float(block));
 #if SIMD_WIDTH == 16
     if (qtype == QTYPE_Q8_0) {

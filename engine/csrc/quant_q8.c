@@ -8,8 +8,11 @@
  *   Q4_0  d_w * d_x * sum(q_w * q_x) - 8 * d_w * s_x
  *   Q4_1  d_w * d_x * sum(q_w * q_x) + m_w * s_x          (q_w the nibbles, 0..15)
  *   Q8_0  d_w * d_x * sum(q_w * q_x)
+ *   INT8  d_x * sum(q_w * q_x), the row's sum times its scale once (in_features a multiple of 32)
  *
- * with s_x = d_x * sum(q_x) kept per input block. On AVX2 a block's 32 products and their sum
+ * with s_x = d_x * sum(q_x) kept per input block. The K-quants pair with Q8_K inputs instead,
+ * 256-element super-blocks as llama.cpp pairs them (quant_q8k.c); quant_linear_q8 hands them
+ * over. On AVX2 a block's 32 products and their sum
  * are one vpmaddubsw (unsigned weights times signed inputs; Q8_0's signed weights take
  * llama.cpp's sign trick) and one vpmaddwd: a few instructions per block where the float path
  * (quant_linear.c) spends a conversion and two FMAs per 8 weights. The price is the rounding
@@ -21,7 +24,7 @@
  */
 #include <stdlib.h>
 
-#include "quant_blocks.h"
+#include "quant_kblocks.h"
 
 /* One input block, quantized. */
 typedef struct {
@@ -51,23 +54,36 @@ static void quantize_input_row(const void *x, int64_t offset, int64_t in_feature
     }
 }
 
+/* A block's scale (INT8's blocks have unit scale: the row's comes last) and what each input
+   block's s_x is multiplied by: Q4_1's minimum, Q4_0's -8 d, none for the int8 formats. */
+static inline __attribute__((always_inline)) float block_d(const uint8_t *block, const int qtype) {
+    return qtype == QTYPE_INT8 ? 1.0f : half_to_float(block);
+}
+
+static inline __attribute__((always_inline)) float block_offset(const uint8_t *block, const int qtype) {
+    if (qtype == QTYPE_Q4_1) return half_to_float(block + 2);
+    return qtype == QTYPE_Q4_0 ? -8.0f * half_to_float(block) : 0.0f;
+}
+
 #if defined(__AVX2__)
 #define Q8_TILE_ROWS 8
 
-/* A weight block as 32 bytes in element order: the nibbles (0..15, unsigned) or Q8_0's int8. */
+/* A weight block as 32 bytes in element order: the nibbles (0..15, unsigned) or Q8_0's and
+   INT8's int8. */
 static inline __attribute__((always_inline)) __m256i weight_bytes(const uint8_t *block, const int qtype) {
     if (qtype == QTYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
+    if (qtype == QTYPE_INT8) return _mm256_loadu_si256((const __m256i *)block);
     const __m128i nibbles = _mm_loadu_si128((const __m128i *)(block + (qtype == QTYPE_Q4_1 ? 4 : 2)));
     const __m128i low_mask = _mm_set1_epi8(0x0F);
     const __m128i low = _mm_and_si128(nibbles, low_mask), high = _mm_and_si128(_mm_srli_epi16(nibbles, 4), low_mask);
     return _mm256_set_m128i(high, low);
 }
 
-/* sum(w * x) over a block as 8 int32 lanes turned float. w unsigned (nibbles) or, for Q8_0,
-   signed: then |w| times x with w's sign, so that vpmaddubsw's unsigned operand holds. */
+/* sum(w * x) over a block as 8 int32 lanes turned float. w unsigned (nibbles) or, for Q8_0
+   and INT8, signed: then |w| times x with w's sign, so that vpmaddubsw's unsigned operand holds. */
 static inline __attribute__((always_inline)) __m256 block_dot(__m256i w, const int8_t *xq, const int qtype) {
     __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    if (qtype == QTYPE_Q8_0) {
+    if (qtype == QTYPE_Q8_0 || qtype == QTYPE_INT8) {
         x = _mm256_sign_epi8(x, w);
         w = _mm256_abs_epi8(w);
     }
@@ -87,7 +103,7 @@ static inline __attribute__((always_inline)) __m512 block_pair_dot(__m512i w, co
                                                                    const int qtype) {
     __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xq0)),
                                    _mm256_loadu_si256((const __m256i *)xq1), 1);
-    if (qtype == QTYPE_Q8_0) { /* no vpsignb in AVX-512: negate x where w is negative */
+    if (qtype == QTYPE_Q8_0 || qtype == QTYPE_INT8) { /* no vpsignb in AVX-512: negate x where w is negative */
         x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
         w = _mm512_abs_epi8(w);
     }
@@ -111,14 +127,13 @@ static inline __attribute__((always_inline)) void q8_row_tile(const InputBlock *
         const uint8_t *block0 = w_row + b * block_bytes, *block1 = block0 + block_bytes;
         const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(weight_bytes(block0, qtype)),
                                              weight_bytes(block1, qtype), 1);
-        const float d0 = half_to_float(block0), d1 = half_to_float(block1);
-        const float offset0 = qtype == QTYPE_Q4_1 ? half_to_float(block0 + 2) : -8.0f * d0;
-        const float offset1 = qtype == QTYPE_Q4_1 ? half_to_float(block1 + 2) : -8.0f * d1;
+        const float d0 = block_d(block0, qtype), d1 = block_d(block1, qtype);
+        const float offset0 = block_offset(block0, qtype), offset1 = block_offset(block1, qtype);
         for (int m = 0; m < rows; ++m) {
             const InputBlock *xb = x + m * x_row + b;
             const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0 * xb[0].d), _mm256_set1_ps(d1 * xb[1].d), 1);
             acc_pairs[m] = _mm512_fmadd_ps(block_pair_dot(w, xb[0].q, xb[1].q, qtype), scale, acc_pairs[m]);
-            if (qtype != QTYPE_Q8_0) offsets[m] += offset0 * xb[0].s + offset1 * xb[1].s;
+            if (qtype == QTYPE_Q4_0 || qtype == QTYPE_Q4_1) offsets[m] += offset0 * xb[0].s + offset1 * xb[1].s;
         }
     }
 #endif
@@ -127,13 +142,11 @@ static inline __attribute__((always_inline)) void q8_row_tile(const InputBlock *
     for (; b < num_blocks; ++b) {
         const uint8_t *block = w_row + b * block_bytes;
         const __m256i w = weight_bytes(block, qtype);
-        const float d = half_to_float(block);
-        /* Q4_1's minimum, Q4_0's -8 d: what each input block's s_x is multiplied by. */
-        const float offset = qtype == QTYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
+        const float d = block_d(block, qtype), offset = block_offset(block, qtype);
         for (int m = 0; m < rows; ++m) {
             const InputBlock *xb = x + m * x_row + b;
             acc[m] = _mm256_fmadd_ps(block_dot(w, xb->q, qtype), _mm256_set1_ps(d * xb->d), acc[m]);
-            if (qtype != QTYPE_Q8_0) offsets[m] += offset * xb->s;
+            if (qtype == QTYPE_Q4_0 || qtype == QTYPE_Q4_1) offsets[m] += offset * xb->s;
         }
     }
     for (int m = 0; m < rows; ++m) {
@@ -175,8 +188,8 @@ static inline __attribute__((always_inline)) void q8_row(const InputBlock *x, in
     for (int64_t b = 0; b < num_blocks; ++b) {
         const uint8_t *block = w_row + b * block_bytes;
         int8_t w[QUANT_BLOCK];
-        if (qtype == QTYPE_Q8_0) {
-            memcpy(w, block + 2, QUANT_BLOCK);
+        if (qtype == QTYPE_Q8_0 || qtype == QTYPE_INT8) {
+            memcpy(w, block + (qtype == QTYPE_Q8_0 ? 2 : 0), QUANT_BLOCK);
         } else {
             const uint8_t *nibbles = block + (qtype == QTYPE_Q4_1 ? 4 : 2);
             for (int j = 0; j < QUANT_BLOCK / 2; ++j) {
@@ -184,8 +197,7 @@ static inline __attribute__((always_inline)) void q8_row(const InputBlock *x, in
                 w[j + QUANT_BLOCK / 2] = (int8_t)(nibbles[j] >> 4);
             }
         }
-        const float d = half_to_float(block);
-        const float offset = qtype == QTYPE_Q4_1 ? half_to_float(block + 2) : (qtype == QTYPE_Q4_0 ? -8.0f * d : 0.0f);
+        const float d = block_d(block, qtype), offset = block_offset(block, qtype);
         for (int64_t m = 0; m < num_rows; ++m) {
             const InputBlock *xb = x + m * x_row + b;
             int32_t dot = 0;
@@ -202,11 +214,12 @@ static inline __attribute__((always_inline)) void q8_linear_range(const InputBlo
                                                                    const void *bias, void *out, int64_t out_features,
                                                                    int64_t n_start, int64_t n_end, const int qtype,
                                                                    const int is_bf16, float *sums) {
-    const int64_t num_blocks = in_features / QUANT_BLOCK, row_bytes = num_blocks * qtype_block_bytes(qtype);
+    const int64_t num_blocks = in_features / QUANT_BLOCK, row_bytes = quant_row_bytes_of(qtype, in_features);
     for (int64_t n = n_start; n < n_end; ++n) {
-        q8_row(x, num_blocks, num_rows, w + n * row_bytes, num_blocks, qtype, sums);
-        const float b = bias == NULL ? 0.0f : load(bias, n, is_bf16);
-        for (int64_t m = 0; m < num_rows; ++m) store(out, m * out_features + n, sums[m] + b, is_bf16);
+        const uint8_t *w_row = w + n * row_bytes;
+        q8_row(x, num_blocks, num_rows, row_blocks(w_row, qtype), num_blocks, qtype, sums);
+        const float b = bias == NULL ? 0.0f : load(bias, n, is_bf16), scale = row_scale(w_row, qtype);
+        for (int64_t m = 0; m < num_rows; ++m) store(out, m * out_features + n, sums[m] * scale + b, is_bf16);
     }
 }
 
@@ -224,14 +237,17 @@ static void q8_linear_dispatch(const InputBlock *x, int64_t num_rows, int64_t in
     Q8_LINEAR_CASE(QTYPE_Q4_0)
     Q8_LINEAR_CASE(QTYPE_Q4_1)
     Q8_LINEAR_CASE(QTYPE_Q8_0)
+    Q8_LINEAR_CASE(QTYPE_INT8)
 #undef Q8_LINEAR_CASE
 }
 
 /* Returns 0; -1 when a buffer cannot be allocated; -2 for an unknown qtype or in_features not
-   a whole number of blocks. */
+   a whole number of blocks (of 32 elements, for INT8). */
 int quant_linear_q8(const void *x, int64_t x_stride, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
                     int64_t in_features, int64_t out_features, int qtype, int is_bf16) {
-    if (!qtype_known(qtype) || in_features % QUANT_BLOCK != 0) return -2;
+    if (quant_row_bytes_of(qtype, in_features) < 0 || in_features % QUANT_BLOCK != 0) return -2;
+    if (qtype_is_k(qtype))
+        return quant_linear_q8k(x, x_stride, w, bias, out, num_rows, in_features, out_features, qtype, is_bf16);
     const int64_t num_blocks = in_features / QUANT_BLOCK;
     InputBlock *xq = malloc((size_t)(num_rows * num_blocks) * sizeof(InputBlock));
     if (xq == NULL) return -1;

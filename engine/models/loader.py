@@ -1,5 +1,6 @@
 """Load a Hugging Face folder (config.json + safetensors), or a GGUF file
-(engine/models/gguf_loader.py), into one of our model classes."""
+(engine/models/gguf_loader.py), into one of our model classes; a folder's weights quantized to
+int8 at load with ``quantization="int8"`` (engine/models/int8_quantize.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -18,10 +20,15 @@ from engine.cpu_features import CPUFeatures, cpu_features
 from engine.gguf_files import is_gguf, metadata_folder
 from engine.models.cpu_linear import linear_path, prepare_linears
 from engine.models.gguf_loader import load_gguf
+from engine.models.int8_quantize import int8_weights
 from engine.models.llama import LlamaFamilyForCausalLM, ModelShape, TensorParallel
 from engine.models.ops import NativeCPUOps, select_ops
+from engine.models.quantized_model import load_quantized
 from engine.tensor_parallel.group import TensorParallelGroup
 from engine.tensor_parallel.layout import TensorParallelLayout
+
+if TYPE_CHECKING:
+    from engine.config import QuantizationName
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +115,16 @@ def load_model(
     backend: AttentionBackend,
     max_model_len: int | None,
     group: TensorParallelGroup | None = None,
+    quantization: QuantizationName | None = None,
 ) -> LoadedModel:
     """``path``: a Hugging Face folder or a GGUF file. ``group``: load this rank's shard of the
-    model, whose collectives run in ``group`` (None: the whole model)."""
+    model, whose collectives run in ``group`` (None: the whole model). ``quantization``: None,
+    or ``int8`` to quantize a folder's weights at load."""
+    if quantization is not None and is_gguf(path):
+        raise ValueError(
+            f"--quantization {quantization} quantizes a float checkpoint at load; {path.name} is a GGUF file whose "
+            "weights are quantized already: drop --quantization, or give a Hugging Face folder"
+        )
     config = AutoConfig.from_pretrained(str(metadata_folder(path)))
     architectures = getattr(config, "architectures", None) or []
     architecture = next((arch for arch in architectures if arch in SUPPORTED_ARCHITECTURES), None)
@@ -134,6 +148,12 @@ def load_model(
     ops = select_ops(device, dtype)
     if is_gguf(path):
         model = load_gguf(path, config, architecture, supported_len, dtype, device, backend, ops, parallel)
+    elif quantization == "int8":
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        weights = int8_weights(iter_safetensors(path), tied)
+        model = load_quantized(
+            f"{path.name} (int8)", weights, config, architecture, supported_len, dtype, device, backend, ops, parallel
+        )
     else:
         with torch.device(device):
             model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops, parallel)

@@ -28,6 +28,7 @@ from torch import nn
 from engine import cpu_kernels
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.flat_batch import FlatBatch
+from engine.kv_cache_dtype import layer_format
 from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.models.ops import NativeCPUOps
@@ -86,6 +87,7 @@ class _Model(ctypes.Structure):
         ("rms_norm_eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("is_bf16", _I64),
+        ("kv_format", _I64),
         *[(name, _P) for name in ("embedding", "final_norm", "head", "head_bias", "cos", "sin")],
         ("layers", ctypes.POINTER(_Layer)),
     ]
@@ -123,6 +125,7 @@ class NativeDecodeStep:
             rms_norm_eps=shape.rms_norm_eps,
             scale=model.layers[0].scale,
             is_bf16=int(dtype == torch.bfloat16),
+            kv_format=cpu_kernels.kv_format_code(first_cache),
             embedding=model.embed_tokens.weight.data_ptr(),
             final_norm=model.norm.weight.data_ptr(),
             head=model.lm_head.panels.data_ptr(),
@@ -207,7 +210,10 @@ def _unsupported(
     if not all(m.max_kernel_rows > 0 for m in linears):
         return "linear layers whose panels take no decode rows"
     strides = {(cache.stride(0), cache.stride(1)) for cache in layer_caches}
-    contiguous_blocks = all(cache[0, 0].is_contiguous() and cache.dtype == weight.dtype for cache in layer_caches)
+    contiguous_blocks = all(
+        cache[0, 0].is_contiguous() and (cache.dtype == weight.dtype or layer_format(cache) is not None)
+        for cache in layer_caches
+    )
     if len(strides) != 1 or not contiguous_blocks:
         return "a KV cache layout the kernels do not read"
     return None

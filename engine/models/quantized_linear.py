@@ -1,12 +1,15 @@
-"""Linear layers and embeddings on weights kept in GGUF's block formats (Q4_0, Q4_1, Q8_0).
+"""Linear layers and embeddings on weights kept in quantized block formats
+(engine/models/quant_format.py: GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; INT8 rows).
 
 - Up to ``MAX_KERNEL_ROWS`` rows (decode steps, small batches) go to the native kernels, which
   dequantize each weight block in registers (engine/csrc/quant_linear.c) and so read the
   weight's 4.5 to 8.5 bits per element instead of the 16 or 32 of a float copy. The
   activations stay float32: the result equals the float model of the dequantized weights up
-  to summation order. ``SPLITSERVE_QUANT_ACTIVATIONS=q8`` quantizes them on the fly to Q8_0
-  blocks instead, as llama.cpp does, for integer dot products (engine/csrc/quant_q8.c):
-  faster, and no longer equal to the float model (greedy output can part from it).
+  to summation order. ``SPLITSERVE_QUANT_ACTIVATIONS=q8`` quantizes them on the fly instead,
+  as llama.cpp does, for integer dot products: to Q8_0 blocks for the 32-element formats and
+  INT8 (engine/csrc/quant_q8.c), to Q8_K super-blocks for the K-quants (quant_q8k.c); faster,
+  and no longer equal to the float model (greedy output can part from it). An INT8 layer
+  whose width is not a multiple of 32 keeps float activations.
 - More rows (prefill) dequantize the weight a slice of rows at a time into float32 and run
   the float GEMM, as BF16WeightLinear does for bf16 panels (engine/models/cpu_linear.py).
 - Without native kernels (no C compiler) every call dequantizes the whole weight in PyTorch:
@@ -62,7 +65,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bias = bias
         self.kernels = kernels
-        self.q8_activations = activations == "q8"
+        self.q8_activations = activations == "q8" and weight.takes_q8_activations
         self.max_kernel_rows = 0 if kernels is None else MAX_KERNEL_ROWS
         self.slice_rows = max(1, _SLICE_ELEMENTS // self.in_features)
 
@@ -106,3 +109,22 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.qweight.format.name}, {self.qweight.out_features} x {self.qweight.in_features}"
+
+
+class MixedQuantizedLinear(nn.Module):
+    """A fused projection (q/k/v, gate/up) whose parts come in different formats, as llama.cpp's
+    mixes write them (a Q4_K_M file's V rows in Q6_K beside Q and K in Q4_K): one
+    :class:`QuantizedLinear` per run of rows of one format, outputs side by side, and the fused
+    bias added once."""
+
+    def __init__(self, parts: list[QuantizedLinear], bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features]
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias

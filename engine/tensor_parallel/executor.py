@@ -57,6 +57,7 @@ class TensorParallelExecutor:
         # Rank 0's ends of the worker extension's channels, ranks 1..N-1 in order (none without one).
         self.extension_channels = extension_channels
         self._closed = False
+        group.watch_peers(lambda: all(process.is_alive() for process, _ in workers))
 
     @classmethod
     def start(cls, config: EngineConfig, model_path: Path, device: torch.device) -> TensorParallelExecutor:
@@ -130,6 +131,7 @@ class TensorParallelExecutor:
         """Stop every worker (idempotent); kills one that does not exit in time."""
         if not self._closed:
             self._closed = True
+            self.group.close()  # workers waiting in a collective give up on it, and read STOP
             _stop(self._workers)
             for channel in self.extension_channels:
                 channel.close()

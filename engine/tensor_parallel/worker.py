@@ -77,7 +77,9 @@ def _serve(spec: WorkerSpec, conn: Connection, extension_channel: Connection | N
     world_size = config.tensor_parallel_size
     group = TensorParallelGroup(spec.rank, world_size, spec.store_port, device)
     backend = select_backend(config.attention_backend, device)
-    loaded = load_model(spec.model_path, config.dtype, device, backend, config.max_model_len, group)
+    loaded = load_model(
+        spec.model_path, config.dtype, device, backend, config.max_model_len, group, config.quantization
+    )
     model, shape = loaded.model, loaded.model.shape
     message = conn.recv_bytes()
     if messages.kind_of(message) != messages.INIT:
@@ -91,8 +93,9 @@ def _serve(spec: WorkerSpec, conn: Connection, extension_channel: Connection | N
         shape.head_dim,
         loaded.dtype,
         device,
+        config.kv_cache_dtype,
     )
-    layer_caches = layer_views(kv_cache)
+    layer_caches = layer_views(kv_cache, config.kv_cache_dtype)
     if config.worker_extension is not None and extension_channel is not None and model.layout is not None:
         config.worker_extension(RankContext(spec.rank, world_size, kv_cache, model.layout.kv_heads, extension_channel))
     conn.send_bytes(messages.encode_words(messages.READY))

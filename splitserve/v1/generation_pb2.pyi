@@ -112,17 +112,41 @@ class Usage(_message.Message):
     cached_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class RequestPhases(_message.Message):
+    __slots__ = ("gateway_queue_s", "prefill_queue_s", "prefill_compute_s", "kv_publish_s", "transport_s", "decode_queue_s", "kv_pull_s", "first_decode_step_s", "num_prefill_chunks")
+    GATEWAY_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_PUBLISH_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    gateway_queue_s: float
+    prefill_queue_s: float
+    prefill_compute_s: float
+    kv_publish_s: float
+    transport_s: float
+    decode_queue_s: float
+    kv_pull_s: float
+    first_decode_step_s: float
+    num_prefill_chunks: int
+    def __init__(self, gateway_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_publish_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., kv_pull_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., num_prefill_chunks: _Optional[int] = ...) -> None: ...
+
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "ttft_s", "kv_transfer_s", "e2e_s")
+    __slots__ = ("queue_s", "ttft_s", "kv_transfer_s", "e2e_s", "phases")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     ttft_s: float
     kv_transfer_s: float
     e2e_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    phases: RequestPhases
+    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., phases: _Optional[_Union[RequestPhases, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_token_id", "stop_string", "usage", "timings")

@@ -116,19 +116,22 @@ def exported_names() -> set[str]:
     (over an empty load report)."""
     from gateway.instances import InstancePool
     from gateway.metrics import GatewayMetrics
-    from serving.metrics import InstanceCollector
+    from serving.metrics import InstanceCollector, PhaseMetrics
     from splitserve.v1 import disaggregation_pb2
 
     report = disaggregation_pb2.LoadReport(instance_id="prefill-1", role="prefill")
     families = [
         *GatewayMetrics(InstancePool(stale_after_s=1.0)).registry.collect(),
         *InstanceCollector(lambda: report).collect(),
+        *PhaseMetrics("prefill-1", "prefill").registry.collect(),
     ]
     names = set()
     for family in families:
         names |= {sample.name for sample in family.samples} | {family.name}
         if family.type == "counter":
             names.add(f"{family.name}_total")
+        if family.type == "histogram":  # a labelled one has no samples before its first observation
+            names |= {f"{family.name}_{suffix}" for suffix in ("bucket", "sum", "count")}
     return names
 
 

@@ -1,7 +1,7 @@
 """Tiny GGUF files written on the spot with the ``gguf`` package, as llama.cpp's converter
 writes them: llama.cpp tensor names, Q and K rows permuted for its rotary layout (llama
 architecture), the config and a gpt2-style tokenizer in the metadata, weights quantized with
-``gguf.quants.quantize``.
+``gguf.quants.quantize`` (the K-quants, which it cannot quantize, by tests/engine/kquants.py).
 
 Beside each file, the same model as a Hugging Face folder whose weights are the GGUF's
 dequantized by ``gguf.quants.dequantize``: the float model the quantized one must equal.
@@ -21,10 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import make_checkpoint, tiny_config
+from tests.engine.kquants import quantize
 
 Q = gguf.GGMLQuantizationType
 # Hugging Face tensor name -> the type it is written in (2-D weights only; the rest is F32).
 Scheme = Callable[[str], Q]
+# A tiny model the K-quants fit: every weight's input features whole 256-element super-blocks.
+K_QUANT_MODEL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -50,6 +53,14 @@ def mixed_qkv(name: str) -> Q:
     if "q_proj" in name:
         return Q.Q4_0
     return Q.Q8_0 if "k_proj" in name or "v_proj" in name else Q.Q4_1
+
+
+def q4_k_m(name: str) -> Q:
+    """llama.cpp's Q4_K_M mix, as it writes it for most layers: V, the down projection, the
+    embedding and the head in Q6_K, the rest in Q4_K (so q/k/v mixes two formats)."""
+    if any(part in name for part in ("v_proj", "down_proj", "embed_tokens", "lm_head")):
+        return Q.Q6_K
+    return Q.Q4_K
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +95,23 @@ def make_gguf(
     **overrides: object,
 ) -> GGUFCheckpoint:
     folder = make_checkpoint(directory / "float", architecture, seed=seed, **overrides)
+    dequantized = write_gguf(folder, directory / "model.gguf", scheme, architecture, **overrides)
+    target = directory / "dequantized"
+    shutil.copytree(folder, target)
+    save_file(dequantized, str(target / "model.safetensors"))
+    return GGUFCheckpoint(directory / "model.gguf", target)
+
+
+def write_gguf(
+    folder: Path, path: Path, scheme: Scheme, architecture: str = "LlamaForCausalLM", **overrides: object
+) -> dict[str, torch.Tensor]:
+    """Write the weights of ``folder`` (a tests/checkpoints.py checkpoint made with ``overrides``)
+    to GGUF file ``path`` as ``scheme`` says. Returns them dequantized by gguf, under their
+    Hugging Face names."""
     config = tiny_config(architecture, **overrides)
     arch = _GGUF_ARCHITECTURES[architecture]
     weights = load_file(str(folder / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(directory / "model.gguf"), arch)
+    writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, config, folder, arch)
     dequantized: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
@@ -97,7 +121,7 @@ def make_gguf(
             dequantized[name] = tensor
             continue
         qtype = scheme(name)
-        data = gguf.quants.quantize(values, qtype)
+        data = quantize(values, qtype)
         dequantized[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
@@ -107,10 +131,7 @@ def make_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    target = directory / "dequantized"
-    shutil.copytree(folder, target)
-    save_file(dequantized, str(target / "model.safetensors"))
-    return GGUFCheckpoint(directory / "model.gguf", target)
+    return dequantized
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config: object, folder: Path, arch: str) -> None:

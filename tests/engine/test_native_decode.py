@@ -101,6 +101,24 @@ def test_native_decode_steps_equal_the_modules(
     assert min(checked.row_counts) < max_rows  # steps of every size down to the stragglers
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_steps_over_a_quantized_kv_cache_equal_the_modules(
+    isa: str, tmp_path: Path, dtype: str, kv_cache_dtype: str
+) -> None:
+    """The native step quantizes the new K/V rows and reads the cache's 8-bit rows as the modules'
+    kernels do: the same bytes written, the same logits."""
+    path = make_checkpoint(tmp_path / "model", "Qwen2ForCausalLM")
+    llm, checked = checked_llm(path, dtype, kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runner.kv_cache.dtype == torch.uint8
+    # More sequences than the kernel takes rows, finishing one after another: steps of every size.
+    prompts = random_prompts(([1, 7, 16, 17, 33, 48] * checked.native.max_rows)[: checked.native.max_rows + 2], seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert checked.num_steps > 0
+
+
 def test_steps_it_does_not_take_go_to_the_modules(tmp_path: Path) -> None:
     path = make_checkpoint(tmp_path / "model")
     llm, checked = checked_llm(path, "float32", max_num_batched_tokens=8)

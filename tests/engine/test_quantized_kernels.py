@@ -1,10 +1,14 @@
-"""The quantized-weight kernels (engine/csrc/quant_linear.c, quant_q8.c) against the ``gguf``
-package's own dequantizers, for every format, at the shape edges, on every ISA build this CPU
-runs (the AVX-512 builds are compiled and checked only where the CPU runs them).
+"""The quantized-weight kernels (engine/csrc/quant_linear.c, quant_q8.c, quant_q8k.c) against
+the ``gguf`` package's own dequantizers, for every format, at the shape edges, on every ISA
+build this CPU runs (the others are skipped, saying why: the AVX-512 builds are compiled and
+checked only where the CPU runs them).
 
 Float activations: ``x @ dequantize(W).T`` within float32 rounding. Q8 activations: the same
-with x first rounded through gguf's own Q8_0 quantizer, which the kernels match exactly, so
-that only summation order is left to tolerate.
+with x first rounded through gguf's own Q8_0 quantizer (for the K-quants, llama.cpp's Q8_K
+rounding, tests/engine/kquants.py), which the kernels match exactly, so that only summation
+order is left to tolerate. The K-quant weights are blocks built by tests/engine/kquants.py
+(gguf cannot quantize them) and dequantized by gguf; INT8 rows have no gguf type, and their
+reference is their definition, ``scale * q``.
 """
 
 from __future__ import annotations
@@ -15,23 +19,38 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.cpu_features import cpu_features
+from engine.cpu_features import KERNEL_ISAS, cpu_features
 from engine.cpu_quant_kernels import QuantKernels
+from engine.models.int8_quantize import quantize_int8
 from engine.models.quant_format import QUANT_FORMATS, QuantizedWeight, QuantType
 from engine.models.quantized_linear import MAX_KERNEL_ROWS, QuantizedEmbedding, QuantizedLinear
+from tests.engine.kquants import quantize, through_q8_k
 
 DEFAULT = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(DEFAULT is None, reason="no C compiler here: the torch path is the only one")
 
-ISAS = cpu_features().supported_isas
-FORMATS: list[QuantType] = ["Q4_0", "Q4_1", "Q8_0"]
+FORMATS: list[QuantType] = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "INT8"]
+K_QUANTS: tuple[QuantType, ...] = ("Q4_K", "Q5_K", "Q6_K")
 ROWS = [1, 2, 7, 16, 33]
-# (out_features, in_features): odd output counts, input features one block and several.
-SHAPES = [(1, 32), (33, 96), (67, 256)]
+# (out_features, in_features): odd output counts; input features one block and several (INT8:
+# widths that leave a tail past the 32-element blocks and the SIMD width, and one under a block).
+SHAPES: dict[QuantType, list[tuple[int, int]]] = {
+    **{name: [(1, 32), (33, 96), (67, 256)] for name in ("Q4_0", "Q4_1", "Q8_0")},
+    **{name: [(1, 256), (33, 512), (67, 768)] for name in K_QUANTS},
+    "INT8": [(1, 5), (33, 96), (67, 301)],
+}
+CASES = [(name, shape) for name in FORMATS for shape in SHAPES[name]]
 
 
-@pytest.fixture(params=ISAS)
+def case_id(case: tuple[QuantType, tuple[int, int]]) -> str:
+    return f"{case[0]}-{case[1][0]}x{case[1][1]}"
+
+
+@pytest.fixture(params=KERNEL_ISAS)
 def kernels(request: pytest.FixtureRequest) -> QuantKernels:
+    features = cpu_features()
+    if request.param not in features.supported_isas:
+        pytest.skip(f"this CPU ({features.describe()}) does not run the {request.param} build")
     loaded = cpu_kernels.load(request.param)
     if loaded is None:
         pytest.fail(f"the {request.param} build failed on a CPU that runs it (see the log)")
@@ -39,16 +58,22 @@ def kernels(request: pytest.FixtureRequest) -> QuantKernels:
 
 
 def quantized(name: QuantType, out_features: int, in_features: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A random weight in ``name``'s blocks, and gguf's dequantization of it."""
+    """A random weight in ``name``'s blocks, and gguf's dequantization of it (INT8's: scale * q)."""
     values = np.random.default_rng(seed).standard_normal((out_features, in_features), dtype=np.float32)
+    if name == "INT8":
+        weight = quantize_int8(torch.from_numpy(values))
+        return weight, weight.data[:, 4:].view(torch.int8).float() * weight.row_scales.unsqueeze(1)
     qtype = gguf.GGMLQuantizationType[name]
-    data = gguf.quants.quantize(values, qtype)
+    data = quantize(values, qtype)
     reference = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
     return QuantizedWeight(QUANT_FORMATS[name], torch.from_numpy(data), in_features), reference
 
 
-def through_q8(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to gguf's Q8_0 blocks and back: what the Q8 kernels compute with."""
+def through_q8(x: torch.Tensor, name: QuantType = "Q8_0") -> torch.Tensor:
+    """x rounded to the blocks the Q8 kernels take and back: gguf's Q8_0 blocks, or for the
+    K-quants llama.cpp's Q8_K super-blocks."""
+    if name in K_QUANTS:
+        return torch.from_numpy(through_q8_k(x.float().numpy()))
     q8 = gguf.GGMLQuantizationType.Q8_0
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x.float().numpy(), q8), q8))
 
@@ -61,43 +86,55 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, relative: float) 
     assert error <= relative * scale, f"max error {error:.3g} against a scale of {scale:.3g}"
 
 
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_float_activations_equal_the_dequantized_matmul(kernels: QuantKernels, name: QuantType, shape) -> None:
-    weight, reference = quantized(name, *shape, seed=shape[0])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_float_activations_equal_the_dequantized_matmul(kernels: QuantKernels, case) -> None:
+    name, (out_features, in_features) = case
+    weight, reference = quantized(name, out_features, in_features, seed=out_features)
     for num_rows in ROWS:
-        x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(num_rows))
+        x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows))
         assert_close(kernels.linear(x, weight, None), x @ reference.T, 1e-5)
 
 
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_q8_activations_equal_the_matmul_of_q8_rounded_inputs(kernels: QuantKernels, name: QuantType, shape) -> None:
-    weight, reference = quantized(name, *shape, seed=shape[0])
+@pytest.mark.parametrize("case", [case for case in CASES if case[1][1] % 32 == 0], ids=case_id)
+def test_q8_activations_equal_the_matmul_of_q8_rounded_inputs(kernels: QuantKernels, case) -> None:
+    name, (out_features, in_features) = case
+    weight, reference = quantized(name, out_features, in_features, seed=out_features)
     for num_rows in ROWS:
-        x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(num_rows)) * 3
+        x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows)) * 3
         out = kernels.linear(x, weight, None, q8_activations=True)
-        assert_close(out, through_q8(x) @ reference.T, 1e-5)
+        assert_close(out, through_q8(x, name) @ reference.T, 1e-5)
         # And what that rounding costs against float activations: about 1/254 per block.
         assert_close(out, x @ reference.T, 2e-2)
 
 
+def test_q8_activations_match_llama_cpp_rounding_at_its_edges(kernels: QuantKernels) -> None:
+    """Q8_K's scale follows the signed extreme of each super-block (a positive one maps to -127),
+    and an all-zero super-block has scale 0: both against the reference rounding."""
+    weight, reference = quantized("Q6_K", 9, 512, seed=11)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(12))
+    x[0, 7], x[1, 300] = 40.0, -40.0  # a positive and a negative extreme
+    x[2, 256:] = 0.0
+    assert_close(kernels.linear(x, weight, None, q8_activations=True), through_q8(x, "Q6_K") @ reference.T, 1e-5)
+
+
 @pytest.mark.parametrize("q8", [False, True], ids=["float", "q8"])
-def test_bf16_activations_bias_and_strided_rows(kernels: QuantKernels, q8: bool) -> None:
-    weight, reference = quantized("Q4_1", 33, 96, seed=1)
-    wide = torch.randn(7, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    x = wide[:, :96]  # rows 128 elements apart
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K", "INT8"])
+def test_bf16_activations_bias_and_strided_rows(kernels: QuantKernels, q8: bool, name: QuantType) -> None:
+    in_features = 256 if name in K_QUANTS else 96
+    weight, reference = quantized(name, 33, in_features, seed=1)
+    wide = torch.randn(7, in_features + 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x = wide[:, :in_features]  # rows in_features + 32 elements apart
     bias = torch.randn(33, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     out = kernels.linear(x, weight, bias, q8_activations=q8)
     assert out.dtype == torch.bfloat16
-    inputs = through_q8(x) if q8 else x.float()
+    inputs = through_q8(x, name) if q8 else x.float()
     # One bf16 rounding of the result: 2^-8 of it.
     assert_close(out, inputs @ reference.T + bias.float(), 2**-8)
 
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_dequantized_rows_and_embedding_lookups_equal_gguf(kernels: QuantKernels, name: QuantType) -> None:
-    weight, reference = quantized(name, 67, 96, seed=4)
+    weight, reference = quantized(name, 67, {"INT8": 101, **dict.fromkeys(K_QUANTS, 512)}.get(name, 96), seed=4)
     torch.testing.assert_close(
         kernels.dequantize_rows(weight, 5, 40, torch.float32), reference[5:40], rtol=0, atol=1e-6
     )
@@ -110,8 +147,29 @@ def test_dequantized_rows_and_embedding_lookups_equal_gguf(kernels: QuantKernels
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_pytorch_dequantization_equals_gguf_exactly(name: QuantType) -> None:
-    weight, reference = quantized(name, 33, 96, seed=5)
+    weight, reference = quantized(name, 33, 512 if name in K_QUANTS else 96, seed=5)
     assert torch.equal(weight.dequantize(), reference)
+
+
+def test_the_k_quant_blocks_built_for_the_tests_hold_their_values() -> None:
+    """tests/engine/kquants.py lays its blocks out as llama.cpp does: gguf's dequantizers read them
+    back to the values within each format's step (so a layout slip cannot pass as rounding)."""
+    values = np.random.default_rng(9).standard_normal((16, 512), dtype=np.float32)
+    for name, bound in (("Q4_K", 0.25), ("Q5_K", 0.12), ("Q6_K", 0.08)):
+        qtype = gguf.GGMLQuantizationType[name]
+        error = np.abs(gguf.quants.dequantize(quantize(values, qtype), qtype) - values)
+        assert error.max() < bound, name
+
+
+def test_int8_rows_are_per_channel_symmetric_and_within_half_a_step() -> None:
+    values = torch.randn(9, 70, generator=torch.Generator().manual_seed(10)) * torch.arange(1, 10).unsqueeze(1)
+    values[4] = 0.0
+    weight = quantize_int8(values)
+    assert weight.nbytes == 9 * (70 + 4)
+    scale = weight.row_scales
+    torch.testing.assert_close(scale, values.abs().amax(dim=1) / 127)
+    assert weight.data[:, 4:].view(torch.int8).abs().max() == 127 and scale[4] == 0
+    assert ((weight.dequantize() - values).abs() <= scale.unsqueeze(1) / 2 + 1e-6).all()
 
 
 def test_rows_and_block_aligned_columns_slice_the_blocks() -> None:
@@ -124,15 +182,23 @@ def test_rows_and_block_aligned_columns_slice_the_blocks() -> None:
     assert torch.equal(both.data, weight.data)
     with pytest.raises(ValueError, match="whole 32-element blocks"):
         weight.columns(16, 32)
+    k_weight, k_reference = quantized("Q5_K", 5, 768, seed=6)
+    assert torch.equal(k_weight.columns(256, 512).dequantize(), k_reference[:, 256:])
+    with pytest.raises(ValueError, match="whole 256-element blocks"):
+        k_weight.columns(128, 256)
+    int8_weight, int8_reference = quantized("INT8", 5, 70, seed=6)
+    assert torch.equal(int8_weight.columns(3, 50).dequantize(), int8_reference[:, 3:53])  # any split, scale kept
 
 
 @pytest.mark.parametrize("q8", [False, True], ids=["float", "q8"])
-def test_quantized_linear_takes_prefill_rows_through_dequantized_slices(q8: bool) -> None:
-    weight, reference = quantized("Q4_0", 67, 96, seed=7)
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_K", "INT8"])
+def test_quantized_linear_takes_prefill_rows_through_dequantized_slices(q8: bool, name: QuantType) -> None:
+    in_features = 256 if name in K_QUANTS else 96
+    weight, reference = quantized(name, 67, in_features, seed=7)
     bias = torch.nn.Parameter(torch.randn(67))
     linear = QuantizedLinear(weight, bias, DEFAULT.quant, "q8" if q8 else "float")
     linear.slice_rows = 10  # several slices, the last one short
-    x = torch.randn(MAX_KERNEL_ROWS + 5, 96)
+    x = torch.randn(MAX_KERNEL_ROWS + 5, in_features)
     assert_close(linear(x), x @ reference.T + bias.detach(), 1e-5)
     # Without kernels: the PyTorch dequantization, same result.
     assert_close(QuantizedLinear(weight, bias, None)(x), x @ reference.T + bias.detach(), 1e-5)
@@ -143,3 +209,12 @@ def test_quantized_embedding_with_and_without_kernels() -> None:
     ids = torch.tensor([3, 49, 0])
     for kernels in (DEFAULT.quant, None):
         torch.testing.assert_close(QuantizedEmbedding(weight, kernels, torch.float32)(ids), reference[ids])
+
+
+def test_int8_layers_whose_width_is_not_whole_q8_blocks_keep_float_activations() -> None:
+    weight, reference = quantized("INT8", 9, 301, seed=13)
+    linear = QuantizedLinear(weight, None, DEFAULT.quant, "q8")
+    assert not linear.q8_activations
+    x = torch.randn(3, 301)
+    assert_close(linear(x), x @ reference.T, 1e-5)
+    assert QuantizedLinear(quantized("INT8", 9, 96, seed=13)[0], None, DEFAULT.quant, "q8").q8_activations

@@ -148,6 +148,33 @@ def test_never_pairs_mismatched_fingerprints() -> None:
     with_pool(check)
 
 
+def test_never_pairs_instances_whose_kv_caches_store_other_dtypes() -> None:
+    """--kv-cache-dtype int8 on P, the model's dtype on D: D cannot read P's rows, so no pair (the
+    fingerprint's dtype is the KV cache's, scale layout included)."""
+    int8 = disaggregation_pb2.Fingerprint()
+    int8.CopyFrom(FINGERPRINT)
+    int8.dtype = "int8/f32-token-head"
+    fp8 = disaggregation_pb2.Fingerprint()
+    fp8.CopyFrom(FINGERPRINT)
+    fp8.dtype = "fp8_e4m3/f32-token-head"
+
+    def check(pool: InstancePool) -> None:
+        pool.add("p-int8:1", "prefill")
+        pool.record_report("p-int8:1", report("prefill", fingerprint=int8), serving=True)
+        pool.add("d:1", "decode")
+        pool.record_report("d:1", report("decode"), serving=True)  # bfloat16 KV
+        pool.add("d-fp8:1", "decode")
+        pool.record_report("d-fp8:1", report("decode", fingerprint=fp8), serving=True)
+        assert not pool.is_ready() and pool.pick_prefill() is None
+        assert pool.pick("decode", fingerprint=int8) is None
+        pool.add("d-int8:1", "decode")
+        pool.record_report("d-int8:1", report("decode", waiting=9, fingerprint=int8), serving=True)
+        assert pool.is_ready() and pool.pick_prefill().address == "p-int8:1"
+        assert pool.pick("decode", fingerprint=int8).address == "d-int8:1"  # busier, but the only one that reads it
+
+    with_pool(check)
+
+
 def test_instances_at_different_tensor_parallel_sizes_pair() -> None:
     """A pull maps one split of the KV heads onto another: P at TP 2 pairs with D at TP 1."""
     split = disaggregation_pb2.Fingerprint()

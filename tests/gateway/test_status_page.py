@@ -68,6 +68,12 @@ def test_status_page_lists_instances_draws_latency_and_follows_a_stopped_decode(
                 "return ['ttft-chart', 'itl-chart'].map(id => document.getElementById(id).dataset.points);"
             )
             assert points == ["3", "3"], points
+            # where their TTFT went: one row per phase, over the three requests
+            phases = browser.run(
+                "return [document.getElementById('phases').dataset.requests, "
+                "[...document.querySelectorAll('#phase-rows tr')].map(r => r.dataset.phase)];"
+            )
+            assert phases == ["3", ["gateway_queue", "prefill_queue", "prefill_compute", "kv_publish", "transport"]]
             assert browser.run("return document.getElementById('ready').textContent;") == "ready"
             shot = Path(os.environ.get("SPLITSERVE_STATUS_SCREENSHOT") or tmp_path / "status.png")
             browser.screenshot(shot)

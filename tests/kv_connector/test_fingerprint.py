@@ -53,3 +53,25 @@ def test_model_identity_tells_weights_and_configs_apart(tmp_path: Path) -> None:
     config["rms_norm_eps"] = 0.5
     (a / "config.json").write_text(json.dumps(config))
     assert model_identity(a) != before
+
+
+def test_kv_caches_of_other_dtypes_or_scale_layouts_refuse_to_pair() -> None:
+    """--kv-cache-dtype: the fingerprint's dtype names how the KV is stored (the values' format and,
+    when quantized, the scales' layout), so P and D never pair across KV dtypes, nor across scale
+    layouts of one format."""
+    import torch
+
+    from engine.kv_cache_dtype import KVCacheFormat
+
+    fields = {f: getattr(BASE, f) for f in BASE.__slots__}
+    int8, fp8, plain = (
+        Fingerprint(**{**fields, "dtype": KVCacheFormat(name, torch.bfloat16, 64).fingerprint_dtype})
+        for name in ("int8", "fp8_e4m3", "auto")
+    )
+    assert plain == BASE
+    for mine, theirs in [(int8, plain), (int8, fp8), (int8, Fingerprint(**{**fields, "dtype": "int8/f16-block-head"}))]:
+        with pytest.raises(
+            FingerprintMismatchError, match=f"dtype: decode has '{mine.dtype}', prefill has '{theirs.dtype}'"
+        ):
+            mine.check_compatible(theirs, this_side="decode", other_side="prefill")
+    int8.check_compatible(Fingerprint(**{**fields, "dtype": "int8/f32-token-head"}))

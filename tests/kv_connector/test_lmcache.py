@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -67,7 +68,7 @@ def prefill_peer(url: str) -> Iterator[None]:
         word, _, digests = process.stdout.readline().strip().partition(" ")
         assert word == "published"
         DIGESTS[:] = [bytes.fromhex(digest) for digest in digests.split(",")]
-        assert len(DIGESTS) == 2  # 60 tokens in chunks of 32
+        assert len(DIGESTS) == 4  # 60 tokens in chunks of 32, each of 2 KV heads apart
         yield
     finally:
         process.stdin.close()
@@ -173,7 +174,8 @@ def test_fingerprint_mismatch_is_refused(redis_store: str) -> None:
         pull(local, redis_store, source(), [0, 1, 2, 3], model="tiny-9999")
     # ...and when the handle claims what P is not, P's KV is under other keys: only a miss.
     with pytest.raises(
-        KVTransferError, match=f"no KV for tokens 0..59 of 'r' under {key_model_name(fingerprint('tiny-9999'))}"
+        KVTransferError,
+        match=rf"no KV for tokens 0..59 \(KV head 0\) of 'r' under {key_model_name(fingerprint('tiny-9999'))}",
     ):
         pull(local, redis_store, source(model="tiny-9999"), [0, 1, 2, 3], model="tiny-9999")
     assert not local.any()
@@ -182,7 +184,7 @@ def test_fingerprint_mismatch_is_refused(redis_store: str) -> None:
 def test_unknown_prompt_is_a_miss(redis_store: str) -> None:
     local = torch.zeros(SHAPE, dtype=torch.bfloat16)
     started = time.monotonic()
-    with pytest.raises(KVTransferError, match="LMCache at redis://.* has no KV for tokens 0..59 of 'r'"):
+    with pytest.raises(KVTransferError, match=r"LMCache at redis://.* has no KV for tokens 0..59 \(KV head 0\) of 'r'"):
         pull(local, redis_store, source([5] * 60), [0, 1, 2, 3])
     # A prompt sharing only the first chunk misses from the second chunk on; nothing is written.
     with pytest.raises(KVTransferError, match=rf"no KV for tokens {CHUNK_SIZE}..59"):
@@ -290,10 +292,12 @@ def test_keys_tell_every_fingerprint_field_apart() -> None:
         {"num_layers": 3},
         {"num_kv_heads": 4},
         {"head_dim": 16},
-        {"tensor_parallel_size": 2},
     ):
         names.add(key_model_name(type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, **change})))
-    assert len(names) == 7
+    assert len(names) == 6
+    # Heads are stored apart: ranks of any tensor-parallel size read each other's keys.
+    split = type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "tensor_parallel_size": 2})
+    assert key_model_name(split) == key_model_name(base)
     odd = key_model_name(
         type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "model": "a@b%c d/" + "x" * 100})
     )
@@ -303,9 +307,13 @@ def test_keys_tell_every_fingerprint_field_apart() -> None:
 # ------------------------------------------------------------- the store is not trusted
 
 
-def _publish_keys(client, tag: str) -> list[bytes]:
-    """The Redis keys of one publish (every chunk's bytes and metadata), by its tag."""
-    return sorted(client.scan_iter(match=f"*@k%{tag}*"))
+def _publish_keys(client, store_key: bytes, salt: str, token: bytes) -> list[bytes]:
+    """The Redis keys of one publish (every chunk's bytes and metadata, of every head), by its tags."""
+    return sorted(
+        key
+        for head in range(SHAPE[4])
+        for key in client.scan_iter(match=f"*@k%{key_tag(store_key, salt, token, head)}*")
+    )
 
 
 def test_bytes_the_store_returns_must_be_those_p_stored() -> None:
@@ -318,16 +326,20 @@ def test_bytes_the_store_returns_must_be_those_p_stored() -> None:
     try:
         with prefill_peer(url):
             client = redis.Redis.from_url(url)
-            keys = _publish_keys(client, key_tag(b"", "", b""))
-            assert len(keys) == 4  # 2 chunks, bytes and metadata each
+            keys = _publish_keys(client, b"", "", b"")
+            assert len(keys) == 8  # 2 chunks of 2 heads, bytes and metadata each
             forged = next(key for key in keys if key.endswith(b"kv_bytes"))  # one of the two chunks
             genuine = client.get(forged)
             client.set(forged, bytes(b ^ 0x40 for b in genuine))
             local = torch.zeros(SHAPE, dtype=torch.bfloat16)
-            with pytest.raises(KVTransferError, match=r"returned other bytes for tokens (0\.\.31|32\.\.59) of 'r'"):
+            with pytest.raises(
+                KVTransferError, match=r"returned other bytes for tokens (0\.\.31|32\.\.59) \(KV head [01]\) of 'r'"
+            ):
                 pull(local, url, source(), [0, 3, 11, 6])
             assert not local.any(), "nothing written"
-            with pytest.raises(KVTransferError, match="carries 0 chunk digests for the 2 chunks"):
+            with pytest.raises(
+                KVTransferError, match="carries 0 chunk digests for the 2 chunks of 60 tokens of 2 KV heads"
+            ):
                 pull(local, url, source(digests=[]), [0, 3, 11, 6])
             client.set(forged, genuine)
             pull(local, url, source(), [0, 3, 11, 6])
@@ -358,10 +370,9 @@ def test_keys_belong_to_one_publish_and_expire() -> None:
             await prefill.publish("r3", PUBLISHED_BLOCKS, PROMPT, pull_token=token, cache_salt="tenant-b")
             assert published.chunk_digests == again.chunk_digests == tuple(DIGESTS or published.chunk_digests)
             client = redis.Redis.from_url(url)
-            tags = [key_tag(store_key, salt, t) for salt, t in (("tenant-a", token), ("tenant-a", token[::-1]))]
-            tags.append(key_tag(store_key, "tenant-b", token))
-            key_sets = [set(_publish_keys(client, tag)) for tag in tags]
-            assert [len(keys) for keys in key_sets] == [4, 4, 4] and len(set().union(*key_sets)) == 12
+            publishes = [("tenant-a", token), ("tenant-a", token[::-1]), ("tenant-b", token)]
+            key_sets = [set(_publish_keys(client, store_key, salt, t)) for salt, t in publishes]
+            assert [len(keys) for keys in key_sets] == [8, 8, 8] and len(set().union(*key_sets)) == 24
             ttls = [client.pttl(key) for keys in key_sets for key in keys]
             assert all(0 < ttl <= 300_000 for ttl in ttls), ttls
             good = source(digests=list(published.chunk_digests), cache_salt="tenant-a", pull_token=token)
@@ -410,10 +421,79 @@ def test_a_slow_store_never_holds_up_the_event_loop(redis_url: str) -> None:
             proxy.resume()
             published = await publishing
             await unpublishing
-            assert len(published.chunk_digests) == 2
+            assert len(published.chunk_digests) == 4
         finally:
             proxy.resume()
             await prefill.close()
 
     with stalling_proxy(redis_url) as (proxy, url):
         asyncio.run(scenario(url, proxy))
+
+
+# ------------------------------------------------------------- tensor-parallel ranks
+
+
+def _rank_cache(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank`` of ``size``'s cache: its KV heads of ``full`` (engine/tensor_parallel/layout.py)."""
+    from engine.tensor_parallel.layout import kv_head_range
+
+    heads = kv_head_range(rank, size, full.shape[4])
+    return full[:, :, :, :, heads.start : heads.stop].clone()
+
+
+def _ranks(caches: list[torch.Tensor], url: str, size: int) -> list[LMCacheConnector]:
+    split = dataclasses.replace(fingerprint(), tensor_parallel_size=size)
+    return [
+        LMCacheConnector(cache, split, remote_url=url, chunk_size=CHUNK_SIZE, tensor_parallel_rank=rank)
+        for rank, cache in enumerate(caches)
+    ]
+
+
+@pytest.mark.parametrize(("prefill_size", "decode_size"), [(2, 1), (1, 2), (4, 2), (1, 4)])
+def test_ranks_of_any_size_store_and_fetch_exactly_their_heads(
+    redis_url: str, prefill_size: int, decode_size: int
+) -> None:
+    """P's ranks store their heads (a replicated head once), their digests joined in rank order
+    make the handle's; D's ranks each fetch exactly their heads: the blocks equal P's, and the
+    bytes of all D's pulls together are the prompt's KV once per head D holds."""
+    full = seeded_cache(11)
+    prefill = _ranks([_rank_cache(full, r, prefill_size) for r in range(prefill_size)], redis_url, prefill_size)
+    decode_caches = [torch.zeros_like(_rank_cache(full, r, decode_size)) for r in range(decode_size)]
+    decode = _ranks(decode_caches, redis_url, decode_size)
+    token = bytes(range(16))
+    local_blocks = [0, 3, 11, 6]
+
+    async def scenario() -> list[int]:
+        for connector in prefill + decode:
+            await connector.start("127.0.0.1", 0)
+        try:
+            published = await asyncio.gather(
+                *(connector.publish("tp", PUBLISHED_BLOCKS, PROMPT, pull_token=token) for connector in prefill)
+            )
+            digests = tuple(digest for part in published for digest in part.chunk_digests)
+            assert len(digests) == SHAPE[4] * 2  # every head's 2 chunks, once
+            src = KVSource(
+                "tp",
+                "",
+                tuple(PUBLISHED_BLOCKS),
+                len(PROMPT),
+                prefill[0].fingerprint,
+                tuple(PROMPT),
+                token,
+                "",
+                digests,
+            )
+            stats = await asyncio.gather(*(connector.pull(src, local_blocks, 0, 10.0) for connector in decode))
+            return [s.num_bytes for s in stats]
+        finally:
+            for connector in prefill + decode:
+                await connector.close()
+
+    pulled = asyncio.run(scenario())
+    for rank, cache in enumerate(decode_caches):
+        assert torch.equal(cache[local_blocks[:3]], _rank_cache(full, rank, decode_size)[PUBLISHED_BLOCKS[:3]])
+        tail = _rank_cache(full, rank, decode_size)[PUBLISHED_BLOCKS[3], :, :, :TAIL]
+        assert torch.equal(cache[local_blocks[3], :, :, :TAIL], tail)
+    bytes_per_head_token = SHAPE[1] * 2 * SHAPE[5] * 2  # layers, K and V, head_dim, bfloat16
+    heads_held = [cache.shape[4] for cache in decode_caches]
+    assert pulled == [heads * len(PROMPT) * bytes_per_head_token for heads in heads_held]

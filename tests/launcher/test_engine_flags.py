@@ -62,6 +62,8 @@ def test_every_engine_flag_reaches_every_instance_as_given() -> None:
         "384",
         "--prefix-cache-hash",
         "sha256",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
     ]
     up = _up_args(*given)
     instance = _instance_args(*engine_flags(up, Path("/m")))
@@ -74,6 +76,7 @@ def test_every_engine_flag_reaches_every_instance_as_given() -> None:
         256,
         384,
     )
+    assert engine_config(instance, "decode").kv_cache_dtype == "fp8_e4m3"
 
 
 @pytest.mark.parametrize("role", ["decode", "colocated"])

@@ -71,8 +71,9 @@ def _forge(redis_url: str, handle: disaggregation_pb2.KVHandle, cache_salt: str)
     someone who can write the store could (its keys follow from the secret, the salt and the
     handle's pull token). Returns how many chunks were forged."""
     client = redis.Redis.from_url(redis_url)
-    tag = key_tag(kv_store_key(ClusterSecret.from_text(SECRET)) or b"", cache_salt, handle.pull_token)
-    keys = list(client.scan_iter(match=f"*@k%{tag}kv_bytes"))
+    store_key = kv_store_key(ClusterSecret.from_text(SECRET)) or b""
+    tags = [key_tag(store_key, cache_salt, handle.pull_token, head) for head in range(handle.fingerprint.num_kv_heads)]
+    keys = [key for tag in tags for key in client.scan_iter(match=f"*@k%{tag}kv_bytes")]
     for key in keys:
         client.set(key, bytes(byte ^ 0x21 for byte in client.get(key)))
     return len(keys)
@@ -84,8 +85,9 @@ def test_bytes_forged_under_a_real_key_are_refused(
     prefill, decode = services
     prompt = random_prompts([70], seed=43)[0]  # 5 blocks: one LMCache chunk (256 tokens)
     prefilled = run_prefill(prefill, "forged-1", prompt, cache_salt=SALT)
-    assert len(prefilled.kv.chunk_digests) == 1
-    assert _forge(redis_url, prefilled.kv, SALT) == 1
+    heads = prefilled.kv.fingerprint.num_kv_heads  # each head of the one chunk is stored apart
+    assert len(prefilled.kv.chunk_digests) == heads
+    assert _forge(redis_url, prefilled.kv, SALT) == heads
     failures = decode.load().counters.num_kv_pull_failures
     with pytest.raises(grpc.RpcError) as raised:
         run_decode(decode, "forged-1", prompt, prefilled, cache_salt=SALT)
@@ -103,7 +105,7 @@ def test_bytes_forged_under_a_real_key_are_refused(
     # On the gateway's last attempt D recomputes instead of believing the store.
     other = random_prompts([40], seed=44)[0]
     forged = run_prefill(prefill, "forged-3", other, cache_salt=SALT)
-    assert _forge(redis_url, forged.kv, SALT) == 1
+    assert _forge(redis_url, forged.kv, SALT) == heads
     tokens, responses = run_decode(decode, "forged-3", other, forged, allow_recompute=True, cache_salt=SALT)
     assert tokens == expected_tokens(colocated, other) and responses[0].kv_transfer.recomputed
     assert_all_free(prefill, decode)
@@ -135,6 +137,6 @@ def test_a_slow_store_holds_up_neither_renewals_nor_health(model: Path, redis_ur
             assert not prefilling.done(), "the publish finished while the store held its writes"
             proxy.resume()
             prefilled = prefilling.result(timeout=60)
-            assert len(prefilled.kv.chunk_digests) == 1
+            assert len(prefilled.kv.chunk_digests) == prefilled.kv.fingerprint.num_kv_heads
             stub.ReleaseKV(disaggregation_pb2.RequestRef(request_id="slow-1"), timeout=10)
             assert_all_free(prefill)

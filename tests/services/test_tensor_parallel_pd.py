@@ -1,5 +1,6 @@
 """Prefill and decode instances at different tensor-parallel sizes, as real processes over
-real UCX: every decode rank pulls its KV heads from the prefill ranks that hold them, the
+real UCX (and through a real LMCache store on Redis): every decode rank pulls its KV heads
+from the prefill ranks that hold them (or from the store, where each head is kept apart), the
 tokens equal the colocated engine's, the bytes of a pull are the missing blocks' KV once
 whatever the pair, D's prefix-cache hits still skip their pulls, and no block leaks after a
 finish or an abort."""
@@ -33,8 +34,9 @@ def colocated(model: Path) -> LLM:
     return LLM(model=str(model), kv_cache_memory=1 << 22, dtype="float32")
 
 
-def instance(role: str, model: Path, tensor_parallel_size: int) -> Iterator[Service]:
-    with running(role, model, "--dtype", "float32", "--tensor-parallel-size", str(tensor_parallel_size)) as service:
+def instance(role: str, model: Path, tensor_parallel_size: int, *extra: str) -> Iterator[Service]:
+    flags = ("--dtype", "float32", "--tensor-parallel-size", str(tensor_parallel_size), *extra)
+    with running(role, model, *flags) as service:
         yield service
 
 
@@ -63,10 +65,36 @@ def decode_tp4(model: Path) -> Iterator[Service]:
     yield from instance("decode", model, 4)
 
 
+@pytest.fixture(scope="module")
+def lmcache_prefill_tp2(model: Path, redis_url: str) -> Iterator[Service]:
+    yield from instance("prefill", model, 2, "--kv-connector", "lmcache", "--lmcache-url", redis_url)
+
+
+@pytest.fixture(scope="module")
+def lmcache_decode_tp1(model: Path, redis_url: str) -> Iterator[Service]:
+    yield from instance("decode", model, 1, "--kv-connector", "lmcache", "--lmcache-url", redis_url)
+
+
+@pytest.fixture(scope="module")
+def lmcache_prefill_tp1(model: Path, redis_url: str) -> Iterator[Service]:
+    yield from instance("prefill", model, 1, "--kv-connector", "lmcache", "--lmcache-url", redis_url)
+
+
+@pytest.fixture(scope="module")
+def lmcache_decode_tp2(model: Path, redis_url: str) -> Iterator[Service]:
+    yield from instance("decode", model, 2, "--kv-connector", "lmcache", "--lmcache-url", redis_url)
+
+
 @pytest.mark.parametrize(
     ("prefill_name", "decode_name"),
-    [("prefill_tp2", "decode_tp1"), ("prefill_tp1", "decode_tp2"), ("prefill_tp2", "decode_tp4")],
-    ids=["P2-D1", "P1-D2", "P2-D4"],
+    [
+        ("prefill_tp2", "decode_tp1"),
+        ("prefill_tp1", "decode_tp2"),
+        ("prefill_tp2", "decode_tp4"),
+        ("lmcache_prefill_tp2", "lmcache_decode_tp1"),
+        ("lmcache_prefill_tp1", "lmcache_decode_tp2"),
+    ],
+    ids=["P2-D1", "P1-D2", "P2-D4", "lmcache-P2-D1", "lmcache-P1-D2"],
 )
 def test_tokens_equal_colocated_and_every_head_moves_once(
     request: pytest.FixtureRequest, colocated: LLM, prefill_name: str, decode_name: str
@@ -78,7 +106,7 @@ def test_tokens_equal_colocated_and_every_head_moves_once(
         prompt = shared + suffix
         request_id = f"{prefill_name}-{decode_name}-{index}"
         prefilled = run_prefill(prefill, request_id, prompt)
-        assert len(prefilled.kv.rank_connector_addresses) == (2 if prefill_name == "prefill_tp2" else 0)
+        assert len(prefilled.kv.rank_connector_addresses) == (2 if prefill_name.endswith("prefill_tp2") else 0)
         tokens, responses = run_decode(decode, request_id, prompt, prefilled)
         assert tokens == expected_tokens(colocated, prompt)
         transfer = responses[0].kv_transfer
@@ -88,7 +116,12 @@ def test_tokens_equal_colocated_and_every_head_moves_once(
         else:  # the shared 32 tokens are D's own prefix-cache hits now: not pulled
             assert transfer.num_local_hit_blocks == 2
         assert transfer.num_pulled_blocks == num_blocks - transfer.num_local_hit_blocks
-        assert transfer.num_bytes == transfer.num_pulled_blocks * BLOCK_BYTES
+        if "lmcache" in prefill_name:
+            assert len(prefilled.kv.chunk_digests) == NUM_KV_HEADS  # one chunk, each head apart
+            # A store hands out whole chunks (here one: the whole prompt), each head once.
+            assert transfer.num_bytes == len(prompt) * BLOCK_BYTES // BLOCK_SIZE
+        else:
+            assert transfer.num_bytes == transfer.num_pulled_blocks * BLOCK_BYTES
     assert_all_free(prefill, decode)
 
 

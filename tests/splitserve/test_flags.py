@@ -10,6 +10,8 @@ from typing import get_args
 import pytest
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, DTypeName
+from engine.kv_cache_dtype import KV_CACHE_DTYPES as ENGINE_KV_CACHE_DTYPES
+from engine.kv_cache_dtype import KVCacheDType
 from engine.kv_cache_utils import PREFIX_CACHE_HASHES as ENGINE_PREFIX_CACHE_HASHES
 from engine.kv_cache_utils import PrefixCacheHash
 from engine.spec_decode.config import SpeculativeConfig, speculative_config_from_args
@@ -17,7 +19,7 @@ from kv_connector.registry import BACKENDS
 from launcher import up
 from serving.instance import add_instance_arguments
 from splitserve import generate
-from splitserve.flags import DTYPES, PREFIX_CACHE_HASHES, add_engine_arguments
+from splitserve.flags import DTYPES, KV_CACHE_DTYPES, PREFIX_CACHE_HASHES, add_engine_arguments
 
 
 def _instance(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +66,16 @@ def test_every_command_defaults_to_auto_and_takes_every_dtype(command: str) -> N
         assert _parse(command, "--dtype", dtype).dtype == dtype
     with pytest.raises(SystemExit):
         _parse(command, "--dtype", "float64")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_takes_the_engines_kv_cache_dtypes_and_defaults_to_auto(command: str) -> None:
+    assert KV_CACHE_DTYPES == ENGINE_KV_CACHE_DTYPES == get_args(KVCacheDType)
+    assert _parse(command).kv_cache_dtype == "auto"
+    for kv_cache_dtype in KV_CACHE_DTYPES:
+        assert _parse(command, "--kv-cache-dtype", kv_cache_dtype).kv_cache_dtype == kv_cache_dtype
+    with pytest.raises(SystemExit):
+        _parse(command, "--kv-cache-dtype", "fp8")
 
 
 @pytest.mark.parametrize("command", ["instance", "up"])
