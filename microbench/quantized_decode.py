@@ -15,7 +15,9 @@ Two models:
 Every variant is loaded once and measured round-robin, so that each sees the same load on a
 shared machine: a round times each of ``--tokens`` decode steps of one sequence (engine steps,
 sampling included, outside the detokenizer) and keeps their median; the figures are the median
-and the best of the rounds' medians.
+and the best of the rounds' medians. Beside it, the linear layers alone: one token's row through
+every linear layer (the LM head's included) once, in PyTorch calls, timed as a sweep: what the
+weight formats change, without the step's attention, sampling and per-layer Python.
 ``--activations q8`` runs the quantized variants with their inputs rounded to Q8_0 / Q8_K as
 well (``SPLITSERVE_QUANT_ACTIVATIONS=q8``)::
 
@@ -94,15 +96,39 @@ def decode_ms(llm: LLM, num_tokens: int, seed: int) -> float:
     return statistics.median(steps) * 1e3
 
 
+LinearLayer = QuantizedLinear | nn.Linear | PackedLinear | BF16WeightLinear
+
+
+def linear_layers(llm: LLM) -> list[LinearLayer]:
+    """The model's linear layers, the LM head's included, as served (a mixed group's parts apart)."""
+    return [module for module in llm.engine.runner.model.modules() if isinstance(module, LinearLayer)]
+
+
+@torch.inference_mode()
+def linear_sweep_ms(llm: LLM, sweeps: int = 9) -> float:
+    """One token through every linear layer once, each on its own random row (the weights
+    streamed from memory, as in a decode step, since together they outgrow the caches): the
+    median of ``sweeps``, ms."""
+    layers = linear_layers(llm)
+    inputs = [torch.randn(1, layer.in_features, dtype=llm.engine.runner.dtype) for layer in layers]
+    times = []
+    for _ in range(sweeps):
+        start = time.perf_counter()
+        for layer, x in zip(layers, inputs, strict=True):
+            layer(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def linear_mib(llm: LLM) -> float:
     """What one decode token reads of the weights: the linear layers' (the LM head's included) in
     the format they are held in (a float layer counted once, though the panel kernel holds a copy
     of its own)."""
     total = 0
-    for module in llm.engine.runner.model.modules():
+    for module in linear_layers(llm):
         if isinstance(module, QuantizedLinear):
             total += module.qweight.nbytes
-        elif isinstance(module, nn.Linear | PackedLinear | BF16WeightLinear):
+        else:
             total += module.in_features * module.out_features * llm.engine.runner.dtype.itemsize
     return total / 2**20
 
@@ -150,15 +176,18 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{name} [{mode} activations]" if quantized else name
                 engines[key] = LLM(model=str(path), dtype="float32", quantization=quantization, kv_cache_memory=1 << 26)
     results: dict[str, list[float]] = {name: [] for name in engines}
+    sweeps: dict[str, list[float]] = {name: [] for name in engines}
     for seed in range(args.rounds):
         for name, llm in engines.items():
             results[name].append(decode_ms(llm, args.tokens, seed))
+            sweeps[name].append(linear_sweep_ms(llm))
     sys.stdout.write(f"threads={args.threads} rounds={args.rounds}: single-stream decode, ms per token\n")
     for name, llm in engines.items():
-        times = results[name]
+        times, linear = results[name], sweeps[name]
         sys.stdout.write(
-            f"{name:<56} linear layers {linear_mib(llm):6.1f} MiB  median {statistics.median(times):6.2f}  "
-            f"best {min(times):6.2f}\n"
+            f"{name:<56} linear layers {linear_mib(llm):6.1f} MiB  step median {statistics.median(times):6.2f}  "
+            f"best {min(times):6.2f}  linear layers alone median {statistics.median(linear):6.2f}  "
+            f"best {min(linear):6.2f}\n"
         )
     return 0
 
