@@ -7,13 +7,16 @@ down), and at one that accepts connections and never answers (blackholed)::
 
 Each mode starts its own server and runs ``splitserve bench serve`` against it (random
 prompts, Poisson arrivals, the same seed every time); the table compares TTFT and ITL.
-Figures are latencies: run it on a quiet machine.
+Latencies need a quiet machine; beside them the table gives each process's CPU seconds per
+request over the run (gateway, prefill, decode: ``/proc/<pid>/stat``), which is what tracing
+adds to serving and which load on other cores barely moves.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -28,9 +31,26 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from bench.splitserve_up import start_up, wait_ready
+from bench.token_profile import child_pids, process_label
 from launcher.processes import free_port, splitserve_command
 
 MODES = ("off", "on", "down", "blackholed")
+ROLES = ("gateway", "prefill", "decode")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds_by_role(up_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) each process under ``splitserve up`` has used so far, by role."""
+    seconds: dict[str, float] = {}
+    for pid in child_pids(up_pid):
+        try:
+            role = process_label(pid)
+            # Fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        seconds[role] = seconds.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return seconds
 
 
 class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
@@ -87,6 +107,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         try:
             wait_ready(url, up)
             name = f"tracing-{mode}"
+            cpu_before = cpu_seconds_by_role(up.pid)
             subprocess.run(
                 splitserve_command(
                     "bench",
@@ -118,6 +139,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 ),
                 check=True,
             )
+            cpu_after = cpu_seconds_by_role(up.pid)
         finally:
             up.send_signal(signal.SIGTERM)
             up.wait(timeout=180)
@@ -127,6 +149,9 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             for stat in ("median", "p90", "p99"):
                 row[f"{metric}_{stat}_ms"] = result[f"{stat}_{metric}_ms"]
         row["spans_received"] = counter.num_spans if counter is not None else None
+        for role in ROLES:
+            used = cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0)
+            row[f"{role}_cpu_ms_per_request"] = 1000 * used / max(result["completed"], 1)
         return row
 
 
@@ -135,12 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows = [run_mode(args, mode) for mode in args.modes.split(",")]
     (args.output_dir / "tracing-cost.json").write_text(json.dumps(rows, indent=2))
-    header = f"{'tracing':<11} {'done':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'spans':>7}"
+    cpu_columns = "".join(f" {role + ' CPU ms':>16}" for role in ROLES)
+    header = (
+        f"{'tracing':<11} {'done':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'spans':>7}"
+        f"{cpu_columns}"
+    )
     print(header)
     for row in rows:
         print(
             f"{row['mode']:<11} {row['completed']:>5} {row['ttft_median_ms']:>9.1f} {row['ttft_p99_ms']:>9.1f} "
             f"{row['itl_median_ms']:>8.1f} {row['itl_p99_ms']:>8.1f} {row['spans_received'] or '':>7}"
+            + "".join(f" {row[f'{role}_cpu_ms_per_request']:>16.1f}" for role in ROLES)
         )
     return 0
 

@@ -5,7 +5,8 @@ that instance's lease alive (engine/kv_loader.py has the engine's side of the co
 One hand-off, in call order (the engine's steps in brackets):
 
 1. ``expect`` (event loop, the Decode call, before the engine has the request): hold the
-   handle; :class:`~decode_svc.leases.LeaseKeeper` renews P's lease from now on.
+   handle; :class:`~decode_svc.leases.LeaseKeeper` renews P's lease from now on (each
+   renewal an event of the call's span, with tracing on).
 2. [The scheduler admits the request and calls ``start_load``, on the engine thread or inside
    the hand-off window.] ``start_load`` hands the load to the event loop; there ``_start``
    begins ``_pull``, or reports a failure at once when P no longer holds the KV.
@@ -33,6 +34,7 @@ from decode_svc.leases import LeaseKeeper
 from engine.kv_loader import KVLoad, KVLoader, KVLoadResult
 from kv_connector.base import KVSource, KVTransferError, TransferStats
 from serving.instance import Instance
+from serving.request_timing import CallSpans
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +83,13 @@ class RemoteKVLoader(KVLoader):
 
     # ------------------------------------------------------------ the Decode call's side
 
-    def expect(self, request_id: str, source: KVSource, prefill_address: str, lease_s: float) -> None:
-        """A Decode call with this handle arrived: hold it (renewing P's lease) until pulled."""
+    def expect(
+        self, request_id: str, source: KVSource, prefill_address: str, lease_s: float, spans: CallSpans | None = None
+    ) -> None:
+        """A Decode call with this handle arrived: hold it (renewing P's lease) until pulled;
+        ``spans``: the call's, which get the renewals (None: tracing is off)."""
         self._sources[request_id] = source
-        self.leases.hold(request_id, source.request_id, prefill_address, lease_s)
+        self.leases.hold(request_id, source.request_id, prefill_address, lease_s, spans)
 
     def outcome(self, request_id: str) -> KVLoadOutcome | None:
         """How the request's KV came, once its load has ended."""

@@ -7,6 +7,10 @@ the lease, batched per P, every third of the lease, so the blocks expire only
 when D is gone or silent. Once D no longer needs them it releases them. A P that
 answers a renewal with "unknown" has freed the blocks (released, aborted,
 expired, restarted): D learns the KV is lost before trying to pull it.
+
+With tracing on, each renewal P confirms is an event ("kv lease renewed") on the span
+of the Decode call that holds the handle (``serving/request_timing.py``); with tracing
+off a handle has no span and a renewal costs nothing more.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import grpc
 from cluster.background import BackgroundTasks
 from cluster.internal_grpc import InternalPlane
 from cluster.prefill_control import release_kv, renew_kv
+from serving.request_timing import CallSpans
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +41,7 @@ class HeldKV:
     prefill_address: str  # P's gRPC endpoint
     lease_s: float
     renewed_at: float  # monotonic
+    spans: CallSpans | None = None  # the holding call's, with tracing on
 
 
 class LeaseKeeper:
@@ -57,9 +63,17 @@ class LeaseKeeper:
     def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._renew_forever())
 
-    def hold(self, decode_request_id: str, prefill_request_id: str, prefill_address: str, lease_s: float) -> None:
-        """Called when a Decode call arrives with a handle (the lease started on P just before)."""
-        self._held[decode_request_id] = HeldKV(prefill_request_id, prefill_address, lease_s, time.monotonic())
+    def hold(
+        self,
+        decode_request_id: str,
+        prefill_request_id: str,
+        prefill_address: str,
+        lease_s: float,
+        spans: CallSpans | None = None,
+    ) -> None:
+        """Called when a Decode call arrives with a handle (the lease started on P just before);
+        ``spans``: the call's, to record the renewals on (None: tracing is off)."""
+        self._held[decode_request_id] = HeldKV(prefill_request_id, prefill_address, lease_s, time.monotonic(), spans)
 
     def release(self, decode_request_id: str) -> None:
         """D is done with the blocks (pulled, failed, or the call ended): P may free them now.
@@ -106,7 +120,10 @@ class LeaseKeeper:
             return  # P did not answer; the next tick tries again, and a pull would fail clearly
         lost = set(unknown)
         for decode_request_id, held in batch:
-            if held.prefill_request_id in lost and self._held.get(decode_request_id) is held:
+            if held.prefill_request_id not in lost:
+                if held.spans is not None:
+                    held.spans.kv_lease_renewed(address, held.prefill_request_id, held.lease_s)
+            elif self._held.get(decode_request_id) is held:
                 del self._held[decode_request_id]
                 self._on_lost(
                     decode_request_id,

@@ -19,9 +19,10 @@ One Decode call, in call order:
 3. ``Decode`` streams the engine's outputs; the first response carries how the KV came
    (``KVTransfer``, from the loader's ``outcome``) and the call's phases (its wait for blocks,
    the pull, the first step: ``serving/request_timing.py``), which also become this instance's
-   histograms and, with tracing on, its spans under the gateway's call. A request whose KV could not be loaded
-   and may not recompute ends with finish reason "error", which the call turns into its
-   status (below).
+   histograms and, with tracing on, spans inside the call's span (started in step 1, under the
+   gateway's call; the lease keeper adds P's lease renewals to it meanwhile). A request whose
+   KV could not be loaded and may not recompute ends with finish reason "error", which the
+   call turns into its status (below).
 4. The call ends: ``forget`` (P's lease released if still held) and the stream closed, which
    aborts an unfinished request; the engine frees its blocks once no pull writes to them.
 
@@ -111,8 +112,12 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         if request_id in self._calls:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already decoding here")
         self._calls.add(request_id)
+        # With tracing on the call's span starts now, so that the lease keeper can add P's lease
+        # renewals to it while the request waits; the spans inside it wait for the first response.
+        tracer = self.instance.tracer
+        spans = self._call_spans(tracer, request, context, received_at) if tracer is not None else None
         if source is not None:
-            self.kv_loader.expect(request_id, source, handle.prefill_address, handle.lease_s)
+            self.kv_loader.expect(request_id, source, handle.prefill_address, handle.lease_s, spans)
         else:
             self.instance.counters.num_local_prefills += 1
         policy: KVLoadFailurePolicy = (
@@ -128,11 +133,13 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             kv_load_failure_policy=policy,
         )
         first = True
-        spans: CallSpans | None = None
-        num_output_tokens, finish_reason = 0, ""
+        num_output_tokens, finish_reason, failure = 0, "", None
         try:
             async for output in stream:
                 if output.finish_reason == "error":
+                    failure = output.error or "the request's KV could not be loaded"
+                    if spans is not None and output.timing is not None:  # the wait and the failed pull
+                        self._trace_first_output(spans, request, output.timing, self.kv_loader.outcome(request_id))
                     await self._end_without_kv(context, request_id, request.allow_recompute, output.error or "")
                 response = output_to_proto(output, disaggregation_pb2.DecodeResponse)
                 outcome = None
@@ -148,8 +155,8 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
                 finish_reason = output.finish_reason or ""
                 yield response
                 # Spans after the response has gone: off the path to its token.
-                if first and output.timing is not None and self.instance.tracer is not None:
-                    spans = self._trace(self.instance.tracer, request, context, received_at, output.timing, outcome)
+                if first and output.timing is not None and spans is not None:
+                    self._trace_first_output(spans, request, output.timing, outcome)
                 first = False
                 if spans is not None and output.step is not None:
                     spans.step(output.step)
@@ -163,7 +170,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
                 spans.end(
                     time.monotonic(),
                     {"gen_ai.usage.output_tokens": num_output_tokens, "splitserve.finish_reason": finish_reason},
-                    error=None if finish_reason else "the call ended before the request finished",
+                    error=None if finish_reason else failure or "the call ended before the request finished",
                 )
 
     def _account(
@@ -179,18 +186,15 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         response.phases.CopyFrom(phases)
         self.instance.phase_metrics.observe(phases, HANDOFF_PHASES if handoff else LOCAL_PREFILL_PHASES)
 
-    def _trace(
+    def _call_spans(
         self,
         tracer: Tracer,
         request: disaggregation_pb2.DecodeRequest,
         context: grpc.aio.ServicerContext,
         received_at: float,
-        timing: RequestTiming,
-        outcome: KVLoadOutcome | None,
     ) -> CallSpans:
-        """The call's spans up to its first token (the call's own span ends with the call)."""
-        handoff = request.HasField("kv")
-        spans = CallSpans(
+        """The call's span, from its arrival, under the gateway's call (it ends with the call)."""
+        return CallSpans(
             tracer,
             "splitserve.v1.Decode/Decode",
             context.invocation_metadata(),
@@ -199,15 +203,24 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
                 "gen_ai.request.id": request.request_id,
                 "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
                 "splitserve.instance.id": self.instance.instance_id,
-                "splitserve.kv_handoff": handoff,
+                "splitserve.kv_handoff": request.HasField("kv"),
                 "splitserve.allow_recompute": request.allow_recompute,
             },
         )
-        if handoff:
+
+    def _trace_first_output(
+        self,
+        spans: CallSpans,
+        request: disaggregation_pb2.DecodeRequest,
+        timing: RequestTiming,
+        outcome: KVLoadOutcome | None,
+    ) -> None:
+        """The spans inside the call's, up to its first token (or up to the failed load that
+        ended it without one)."""
+        if request.HasField("kv"):
             spans.handoff(timing, outcome, self.kv_loader.connector.name)
         else:
             spans.prompt(timing)
-        return spans
 
     def _check_handle(
         self, handle: disaggregation_pb2.KVHandle, source: KVSource, prompt_token_ids: Sequence[int]

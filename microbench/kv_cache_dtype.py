@@ -35,11 +35,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.kv_cache_dtype import KV_CACHE_DTYPES, KVCacheDType
@@ -114,43 +112,9 @@ def chat_prompts(llm: Any) -> list[list[int]]:
     return [llm.tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
-@torch.inference_mode()
-def teacher_forced_logits(llm: Any, prompts: list[list[int]], continuations: list[list[int]]) -> Iterator[torch.Tensor]:
-    """The engine's next-token logits [num_prompts, vocab] at each position of the continuations,
-    every prompt's reference tokens fed in (position 0: after the prompt). The engine is idle and
-    has no prefix cache, so its blocks are borrowed directly: prompt i owns a run of them."""
-    from engine.flat_batch import build_flat_batch
-    from engine.kv_cache_utils import cdiv
-
-    runner = llm.engine.runner
-    block_size = runner.block_size
-    blocks_each = cdiv(max(map(len, prompts)) + len(continuations[0]), block_size)
-    if blocks_each * len(prompts) > runner.num_blocks:
-        raise ValueError("the KV cache is too small for the teacher-forced runs; raise kv_cache_memory")
-    block_rows = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(prompts))]
-
-    def forward(input_ids: list[int], num_new: list[int], num_computed: list[int], num_decodes: int) -> torch.Tensor:
-        batch = build_flat_batch(
-            input_ids,
-            np.asarray(num_new, dtype=np.int64),
-            np.asarray(num_computed, dtype=np.int64),
-            block_rows,
-            np.ones(len(prompts), dtype=bool),
-            num_decodes,
-            block_size,
-            runner.to_device,
-        )
-        return runner.model(batch.input_ids, batch.positions, runner.layer_caches, batch.metadata, batch.logits_indices)
-
-    lengths = [len(p) for p in prompts]
-    yield forward([t for p in prompts for t in p], lengths, [0] * len(prompts), 0)
-    for step in range(len(continuations[0]) - 1):
-        tokens = [c[step] for c in continuations]
-        yield forward(tokens, [1] * len(prompts), [n + step for n in lengths], len(prompts))
-
-
 def run_agreement(args: argparse.Namespace) -> dict[str, Any]:
     from engine import LLM, SamplingParams
+    from engine.teacher_forcing import teacher_forced_logits
 
     engines = {
         kv: LLM(
@@ -163,7 +127,7 @@ def run_agreement(args: argparse.Namespace) -> dict[str, Any]:
     generated = {kv: [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] for kv, llm in engines.items()}
     reference = generated["auto"]
     results: dict[str, Any] = {"num_prompts": len(prompts), "gen_tokens": args.gen_tokens, "kv_dtypes": {}}
-    streams = {kv: teacher_forced_logits(llm, prompts, reference) for kv, llm in engines.items()}
+    streams = {kv: teacher_forced_logits(llm.engine, prompts, reference) for kv, llm in engines.items()}
     agree = {kv: 0 for kv in KV_CACHE_DTYPES}
     kl_sum = {kv: 0.0 for kv in KV_CACHE_DTYPES}
     kl_max = {kv: 0.0 for kv in KV_CACHE_DTYPES}
@@ -177,6 +141,8 @@ def run_agreement(args: argparse.Namespace) -> dict[str, Any]:
             kl = (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(dim=-1)
             kl_sum[kv] += float(kl.sum())
             kl_max[kv] = max(kl_max[kv], float(kl.max()))
+    for stream in streams.values():
+        stream.close()  # gives the borrowed blocks back
     num_positions = len(prompts) * args.gen_tokens
     for kv in KV_CACHE_DTYPES:
         matching = [_common_prefix(a, b) for a, b in zip(generated[kv], reference, strict=True)]

@@ -14,6 +14,13 @@ Each servicer, once the engine has handed the request's first output over:
    decode step (D); then, as a stream goes on, each token that came late as an event with
    the step that made it (:meth:`CallSpans.step`).
 
+D starts its call's server span when the call arrives rather than at the first output: while
+it holds P's KV handle, its lease keeper (``decode_svc/leases.py``) adds each lease renewal P
+confirms to that span as it happens (:meth:`CallSpans.kv_lease_renewed`), and a call handed
+back before any token (its KV lost) still has its span. The spans inside it are recorded
+after the first response all the same. P's call span has ended by the time D renews: the
+renewals are events of D's span only.
+
 Phase boundaries are the same moments on both paths, so the spans and the phases always agree.
 """
 
@@ -176,9 +183,10 @@ class CallSpans:
                     "splitserve.kv.num_blocks": pull.stats.num_blocks,
                     "splitserve.kv.num_messages": pull.stats.num_messages,
                 }
-            span = self.tracer.record("kv pull", self.server, pull.started_at, pull.ended_at, attributes=attributes)
+            span = self.tracer.start("kv pull", self.server, pull.started_at, attributes=attributes)
             if pull.error is not None:
-                _set_error(span, pull.error)
+                _set_error(span, pull.error)  # before the end: an ended span takes no status
+            span.end(end_time=wall_ns(pull.ended_at))
         self.prompt_chunks(timing)  # a recompute after a failed pull
         self.first_step(timing)
 
@@ -208,6 +216,20 @@ class CallSpans:
             },
             wall_ns(step.ended_at),
         )
+
+    def kv_lease_renewed(self, prefill_address: str, prefill_request_id: str, lease_s: float) -> None:
+        """P at ``prefill_address`` just confirmed the renewal of the lease on the KV this call
+        holds: an event now, so that a trace shows D keeping P's blocks while the request
+        waited for its pull. A renewal answered after the call ended adds nothing."""
+        if self.server.is_recording():
+            self.server.add_event(
+                "kv lease renewed",
+                {
+                    "splitserve.kv.prefill_address": prefill_address,
+                    "splitserve.kv.prefill_request_id": prefill_request_id,
+                    "splitserve.kv.lease_s": lease_s,
+                },
+            )
 
     def end(self, ended_at: float, attributes: Attributes | None = None, error: str | None = None) -> None:
         if attributes:

@@ -1,6 +1,7 @@
 """Flags that more than one command takes, declared once: the engine instances
 (``splitserve prefill|decode|colocated``), ``splitserve up``, which passes them on to the
-instances it starts, ``splitserve generate``, and the benchmarks that start a server.
+instances it starts, ``splitserve generate``, ``splitserve perplexity`` (the numerics alone),
+and the benchmarks that start a server.
 
 Torch-free and engine-free: the launcher and the client benchmarks parse these flags
 without loading the engine (the benchmarks not even kv_connector). The engine reads the
@@ -49,9 +50,9 @@ def add_dtype_argument(parser: argparse.ArgumentParser, default: DTypeChoice = "
     parser.add_argument("--dtype", default=default, choices=DTYPES, help=f"{DTYPE_HELP} (default: {default})")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags ``splitserve up`` passes on to its instances (:func:`engine_argv`)
-    and ``splitserve generate`` takes as well; instances take more of their own."""
+def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that decide the model's numbers: the weights (``--model``, ``--quantization``),
+    the compute dtype and the KV cache's dtype. ``splitserve perplexity`` takes these alone."""
     add_model_argument(parser)
     add_dtype_argument(parser)
     parser.add_argument(
@@ -70,6 +71,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "with a float32 scale per token and KV head, about half of bf16's bytes in memory and in every prefill -> "
         "decode hand-off (prefill and decode instances must agree: it is in the KV fingerprint) (default: auto)",
     )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags ``splitserve up`` passes on to its instances (:func:`engine_argv`)
+    and ``splitserve generate`` takes as well; instances take more of their own."""
+    add_numerics_arguments(parser)
     parser.add_argument(
         "--kv-cache-memory",
         type=int,

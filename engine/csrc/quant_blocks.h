@@ -22,8 +22,6 @@
 #ifndef SPLITSERVE_QUANT_BLOCKS_H
 #define SPLITSERVE_QUANT_BLOCKS_H
 
-#include <omp.h>
-
 #include "simd.h"
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -38,19 +36,6 @@
 #define QTYPE_Q6_K 14
 #define QTYPE_INT8 200
 #define INT8_HEADER_BYTES 4
-
-/* Weight elements below which one thread reads the weight faster than a team wakes up
-   (linear_panels.c's threshold, the same trade). */
-#define QUANT_PARALLEL_MIN_WEIGHTS (1 << 18)
-
-/* This OpenMP thread's share of `total` output features: a contiguous range, so each thread
-   reads its weight rows in order. */
-static inline void thread_range(int64_t total, int64_t *start, int64_t *end) {
-    const int64_t num_threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t per_thread = (total + num_threads - 1) / num_threads;
-    *start = thread * per_thread < total ? thread * per_thread : total;
-    *end = *start + per_thread < total ? *start + per_thread : total;
-}
 
 static inline int qtype_known(int qtype) {
     return qtype == QTYPE_Q4_0 || qtype == QTYPE_Q4_1 || qtype == QTYPE_Q8_0 || qtype == QTYPE_Q4_K ||

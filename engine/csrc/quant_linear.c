@@ -9,32 +9,30 @@
  * 32-element sub-block likewise) and multiplied into a tile of input rows, so a block read
  * from memory serves every row of the tile; more rows take more tiles, each dequantizing the
  * (cached) row again. An INT8 row's blocks have unit scale and its own scale multiplies the
- * dot product once. Threads split the output features, a contiguous range each, and read
- * their weight rows in order. For many rows (prefill) the caller dequantizes a slice of rows
- * at a time with quant_dequantize_rows and runs a float GEMM (engine/models/quantized_linear.py
- * says which is faster where).
+ * dot product once. Threads split the output features as quant_driver.h does for every
+ * quantized kernel. For many rows (prefill) the caller dequantizes a slice of rows at a time
+ * with quant_dequantize_rows and runs a float GEMM (engine/models/quantized_linear.py says
+ * which is faster where).
  *
  * quant_dequantize_rows also serves the embedding lookup: the rows a batch's token ids name.
  */
-#include <stdlib.h>
-
+#include "quant_driver.h"
 #include "quant_kblocks.h"
 
 int64_t quant_row_bytes(int qtype, int64_t in_features) { return quant_row_bytes_of(qtype, in_features); }
 
-/* An INT8 row's elements past its whole blocks, and its scale: sums[m] of each input row are
-   completed and scaled. Nothing for the block formats. */
+/* An INT8 row's elements past its whole blocks, added to sums[m] of each input row (the driver
+   applies its scale). Nothing for the block formats. */
 static inline __attribute__((always_inline)) void finish_rows(const float *x, int64_t x_row, const uint8_t *w_row,
                                                               int64_t in_features, const int qtype, const int64_t rows,
                                                               float *sums) {
     if (qtype != QTYPE_INT8) return;
     const int8_t *q = (const int8_t *)row_blocks(w_row, qtype);
-    const float scale = row_scale(w_row, qtype);
     for (int64_t m = 0; m < rows; ++m) {
         float tail = 0.0f;
         for (int64_t k = in_features - in_features % QUANT_BLOCK; k < in_features; ++k)
             tail += x[m * x_row + k] * (float)q[k];
-        sums[m] = (sums[m] + tail) * scale;
+        sums[m] += tail;
     }
 }
 
@@ -147,39 +145,14 @@ static inline __attribute__((always_inline)) void qrow(const float *x, int64_t x
 }
 #endif
 
-/* Output features [n_start, n_end) for every row. sums: num_rows floats of scratch. */
-static inline __attribute__((always_inline)) void qlinear_range(const float *x, int64_t num_rows, int64_t in_features,
-                                                                const uint8_t *w, const void *bias, void *out,
-                                                                int64_t out_features, int64_t n_start, int64_t n_end,
-                                                                const int qtype, const int is_bf16, float *sums) {
-    const int64_t row_bytes = quant_row_bytes_of(qtype, in_features);
-    for (int64_t n = n_start; n < n_end; ++n) {
-        qrow(x, in_features, num_rows, w + n * row_bytes, in_features, qtype, sums);
-        const float b = bias == NULL ? 0.0f : load(bias, n, is_bf16);
-        for (int64_t m = 0; m < num_rows; ++m) store(out, m * out_features + n, sums[m] + b, is_bf16);
-    }
+/* The driver's row kernel (quant_driver.h): x the float32 input rows, in_features apart. */
+static inline __attribute__((always_inline)) void qlinear_row(const void *x, int64_t num_rows, const uint8_t *w_row,
+                                                              int64_t in_features, const int qtype, float *sums) {
+    qrow(x, in_features, num_rows, w_row, in_features, qtype, sums);
 }
 
-/* The qtype and dtype as constants, so the inlined kernels specialise on them. */
-static void qlinear_dispatch(const float *x, int64_t num_rows, int64_t in_features, const uint8_t *w,
-                             const void *bias, void *out, int64_t out_features, int64_t n_start, int64_t n_end,
-                             int qtype, int is_bf16, float *sums) {
-#define QLINEAR_CASE(QTYPE)                                                                                     \
-    if (qtype == QTYPE) {                                                                                       \
-        if (is_bf16)                                                                                            \
-            qlinear_range(x, num_rows, in_features, w, bias, out, out_features, n_start, n_end, QTYPE, 1, sums); \
-        else                                                                                                    \
-            qlinear_range(x, num_rows, in_features, w, bias, out, out_features, n_start, n_end, QTYPE, 0, sums); \
-        return;                                                                                                 \
-    }
-    QLINEAR_CASE(QTYPE_Q4_0)
-    QLINEAR_CASE(QTYPE_Q4_1)
-    QLINEAR_CASE(QTYPE_Q8_0)
-    QLINEAR_CASE(QTYPE_Q4_K)
-    QLINEAR_CASE(QTYPE_Q5_K)
-    QLINEAR_CASE(QTYPE_Q6_K)
-    QLINEAR_CASE(QTYPE_INT8)
-#undef QLINEAR_CASE
+static void qlinear_range(const QuantLinearCall *call, int64_t n_start, int64_t n_end, float *sums) {
+    quant_range_each_qtype(qlinear_row, QUANT_32_BLOCKS | QUANT_K_BLOCKS, call, n_start, n_end, sums);
 }
 
 /* Returns 0; -1 when a buffer cannot be allocated; -2 for an unknown qtype or in_features not
@@ -195,22 +168,8 @@ int quant_linear(const void *x, int64_t x_stride, const uint8_t *w, const void *
 #pragma omp simd
         for (int64_t k = 0; k < in_features; ++k) row[k] = load(x, m * x_stride + k, is_bf16);
     }
-    int status = 0;
-#pragma omp parallel if (out_features * in_features >= QUANT_PARALLEL_MIN_WEIGHTS)
-    {
-        int64_t n_start, n_end;
-        thread_range(out_features, &n_start, &n_end);
-        float *sums = malloc((size_t)num_rows * sizeof(float));
-        if (sums == NULL) {
-#pragma omp atomic write
-            status = -1;
-        } else {
-            if (n_start < n_end)
-                qlinear_dispatch(x32, num_rows, in_features, w, bias, out, out_features, n_start, n_end, qtype,
-                                 is_bf16, sums);
-            free(sums);
-        }
-    }
+    const QuantLinearCall call = {x32, num_rows, in_features, w, bias, out, out_features, qtype, is_bf16};
+    const int status = quant_linear_run(qlinear_range, &call);
     free(x32);
     return status;
 }

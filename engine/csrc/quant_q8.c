@@ -20,10 +20,9 @@
  * which llama.cpp pays too; engine/models/quantized_linear.py says where this path is used.
  *
  * Same contract as quant_linear: x [num_rows, in_features] (rows x_stride apart), float32 or
- * bf16, bias and out of the same dtype; threads split the output features.
+ * bf16, bias and out of the same dtype; threads split the output features (quant_driver.h).
  */
-#include <stdlib.h>
-
+#include "quant_driver.h"
 #include "quant_kblocks.h"
 
 /* One input block, quantized. */
@@ -89,12 +88,6 @@ static inline __attribute__((always_inline)) __m256 block_dot(__m256i w, const i
     }
     const __m256i pairs = _mm256_maddubs_epi16(w, x);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-static inline float sum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 #if SIMD_WIDTH >= 16
@@ -209,36 +202,16 @@ static inline __attribute__((always_inline)) void q8_row(const InputBlock *x, in
 }
 #endif
 
-static inline __attribute__((always_inline)) void q8_linear_range(const InputBlock *x, int64_t num_rows,
-                                                                   int64_t in_features, const uint8_t *w,
-                                                                   const void *bias, void *out, int64_t out_features,
-                                                                   int64_t n_start, int64_t n_end, const int qtype,
-                                                                   const int is_bf16, float *sums) {
-    const int64_t num_blocks = in_features / QUANT_BLOCK, row_bytes = quant_row_bytes_of(qtype, in_features);
-    for (int64_t n = n_start; n < n_end; ++n) {
-        const uint8_t *w_row = w + n * row_bytes;
-        q8_row(x, num_blocks, num_rows, row_blocks(w_row, qtype), num_blocks, qtype, sums);
-        const float b = bias == NULL ? 0.0f : load(bias, n, is_bf16), scale = row_scale(w_row, qtype);
-        for (int64_t m = 0; m < num_rows; ++m) store(out, m * out_features + n, sums[m] * scale + b, is_bf16);
-    }
+/* The driver's row kernel (quant_driver.h): x the quantized input rows, num_blocks blocks
+   apart; the weight row's blocks from w_row on, after an INT8 row's scale. */
+static inline __attribute__((always_inline)) void q8_weight_row(const void *x, int64_t num_rows, const uint8_t *w_row,
+                                                                int64_t in_features, const int qtype, float *sums) {
+    const int64_t num_blocks = in_features / QUANT_BLOCK;
+    q8_row(x, num_blocks, num_rows, row_blocks(w_row, qtype), num_blocks, qtype, sums);
 }
 
-static void q8_linear_dispatch(const InputBlock *x, int64_t num_rows, int64_t in_features, const uint8_t *w,
-                               const void *bias, void *out, int64_t out_features, int64_t n_start, int64_t n_end,
-                               int qtype, int is_bf16, float *sums) {
-#define Q8_LINEAR_CASE(QTYPE)                                                                                     \
-    if (qtype == QTYPE) {                                                                                         \
-        if (is_bf16)                                                                                              \
-            q8_linear_range(x, num_rows, in_features, w, bias, out, out_features, n_start, n_end, QTYPE, 1, sums); \
-        else                                                                                                      \
-            q8_linear_range(x, num_rows, in_features, w, bias, out, out_features, n_start, n_end, QTYPE, 0, sums); \
-        return;                                                                                                   \
-    }
-    Q8_LINEAR_CASE(QTYPE_Q4_0)
-    Q8_LINEAR_CASE(QTYPE_Q4_1)
-    Q8_LINEAR_CASE(QTYPE_Q8_0)
-    Q8_LINEAR_CASE(QTYPE_INT8)
-#undef Q8_LINEAR_CASE
+static void q8_linear_range(const QuantLinearCall *call, int64_t n_start, int64_t n_end, float *sums) {
+    quant_range_each_qtype(q8_weight_row, QUANT_32_BLOCKS, call, n_start, n_end, sums);
 }
 
 /* Returns 0; -1 when a buffer cannot be allocated; -2 for an unknown qtype or in_features not
@@ -252,22 +225,8 @@ int quant_linear_q8(const void *x, int64_t x_stride, const uint8_t *w, const voi
     InputBlock *xq = malloc((size_t)(num_rows * num_blocks) * sizeof(InputBlock));
     if (xq == NULL) return -1;
     for (int64_t m = 0; m < num_rows; ++m) quantize_input_row(x, m * x_stride, in_features, is_bf16, xq + m * num_blocks);
-    int status = 0;
-#pragma omp parallel if (out_features * in_features >= QUANT_PARALLEL_MIN_WEIGHTS)
-    {
-        int64_t n_start, n_end;
-        thread_range(out_features, &n_start, &n_end);
-        float *sums = malloc((size_t)num_rows * sizeof(float));
-        if (sums == NULL) {
-#pragma omp atomic write
-            status = -1;
-        } else {
-            if (n_start < n_end)
-                q8_linear_dispatch(xq, num_rows, in_features, w, bias, out, out_features, n_start, n_end, qtype,
-                                   is_bf16, sums);
-            free(sums);
-        }
-    }
+    const QuantLinearCall call = {xq, num_rows, in_features, w, bias, out, out_features, qtype, is_bf16};
+    const int status = quant_linear_run(q8_linear_range, &call);
     free(xq);
     return status;
 }

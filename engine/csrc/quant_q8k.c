@@ -18,8 +18,7 @@
  *
  * quant_linear_q8 (quant_q8.c) hands the K-quants here: same contract.
  */
-#include <stdlib.h>
-
+#include "quant_driver.h"
 #include "quant_kblocks.h"
 
 /* One input super-block, quantized (llama.cpp's block_q8_K, its fields reordered). */
@@ -74,12 +73,6 @@ static inline __attribute__((always_inline)) void k_bsum_weights(const KIntScale
    (products of elements 0..15), its second's in the high one. */
 static inline __attribute__((always_inline)) __m256i sub_scales(const KIntScales *scales, const int s) {
     return _mm256_set_m128i(_mm_set1_epi16(scales->scale[2 * s + 1]), _mm_set1_epi16(scales->scale[2 * s]));
-}
-
-static inline float sum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* One weight row against `rows` quantized input rows (x_row super-blocks apart) into sums[rows]. */
@@ -188,34 +181,16 @@ static inline __attribute__((always_inline)) void q8k_row(const InputKBlock *x, 
 }
 #endif
 
-static inline __attribute__((always_inline)) void q8k_linear_range(const InputKBlock *x, int64_t num_rows,
-                                                                   int64_t in_features, const uint8_t *w,
-                                                                   const void *bias, void *out, int64_t out_features,
-                                                                   int64_t n_start, int64_t n_end, const int qtype,
-                                                                   const int is_bf16, float *sums) {
-    const int64_t num_blocks = in_features / QK_K, row_bytes = num_blocks * qtype_block_bytes(qtype);
-    for (int64_t n = n_start; n < n_end; ++n) {
-        q8k_row(x, num_blocks, num_rows, w + n * row_bytes, num_blocks, qtype, sums);
-        const float b = bias == NULL ? 0.0f : load(bias, n, is_bf16);
-        for (int64_t m = 0; m < num_rows; ++m) store(out, m * out_features + n, sums[m] + b, is_bf16);
-    }
+/* The driver's row kernel (quant_driver.h): x the quantized input rows, num_blocks super-blocks
+   apart; the weight row's super-blocks from w_row. */
+static inline __attribute__((always_inline)) void q8k_weight_row(const void *x, int64_t num_rows, const uint8_t *w_row,
+                                                                 int64_t in_features, const int qtype, float *sums) {
+    const int64_t num_blocks = in_features / QK_K;
+    q8k_row(x, num_blocks, num_rows, w_row, num_blocks, qtype, sums);
 }
 
-static void q8k_linear_dispatch(const InputKBlock *x, int64_t num_rows, int64_t in_features, const uint8_t *w,
-                                const void *bias, void *out, int64_t out_features, int64_t n_start, int64_t n_end,
-                                int qtype, int is_bf16, float *sums) {
-#define Q8K_LINEAR_CASE(QTYPE)                                                                                     \
-    if (qtype == QTYPE) {                                                                                          \
-        if (is_bf16)                                                                                               \
-            q8k_linear_range(x, num_rows, in_features, w, bias, out, out_features, n_start, n_end, QTYPE, 1, sums); \
-        else                                                                                                       \
-            q8k_linear_range(x, num_rows, in_features, w, bias, out, out_features, n_start, n_end, QTYPE, 0, sums); \
-        return;                                                                                                    \
-    }
-    Q8K_LINEAR_CASE(QTYPE_Q4_K)
-    Q8K_LINEAR_CASE(QTYPE_Q5_K)
-    Q8K_LINEAR_CASE(QTYPE_Q6_K)
-#undef Q8K_LINEAR_CASE
+static void q8k_linear_range(const QuantLinearCall *call, int64_t n_start, int64_t n_end, float *sums) {
+    quant_range_each_qtype(q8k_weight_row, QUANT_K_BLOCKS, call, n_start, n_end, sums);
 }
 
 /* Returns 0; -1 when a buffer cannot be allocated; -2 for a qtype other than a K-quant or
@@ -228,22 +203,8 @@ int quant_linear_q8k(const void *x, int64_t x_stride, const uint8_t *w, const vo
     if (xq == NULL) return -1;
     for (int64_t m = 0; m < num_rows; ++m)
         quantize_input_row_k(x, m * x_stride, in_features, is_bf16, xq + m * num_blocks);
-    int status = 0;
-#pragma omp parallel if (out_features * in_features >= QUANT_PARALLEL_MIN_WEIGHTS)
-    {
-        int64_t n_start, n_end;
-        thread_range(out_features, &n_start, &n_end);
-        float *sums = malloc((size_t)num_rows * sizeof(float));
-        if (sums == NULL) {
-#pragma omp atomic write
-            status = -1;
-        } else {
-            if (n_start < n_end)
-                q8k_linear_dispatch(xq, num_rows, in_features, w, bias, out, out_features, n_start, n_end, qtype,
-                                    is_bf16, sums);
-            free(sums);
-        }
-    }
+    const QuantLinearCall call = {xq, num_rows, in_features, w, bias, out, out_features, qtype, is_bf16};
+    const int status = quant_linear_run(q8k_linear_range, &call);
     free(xq);
     return status;
 }

@@ -17,6 +17,16 @@
 
 #include "common.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* The sum of 8 floats: the AVX2 build's vf_sum, and the AVX-512 build's for 256-bit halves. */
+static inline float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define SIMD_WIDTH 16
@@ -88,11 +98,7 @@ static inline vfloat vf_div(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
 static inline vfloat vf_min(vfloat a, vfloat b) { return _mm256_min_ps(a, b); }
 static inline vfloat vf_max(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
 static inline vfloat vf_fmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vf_sum(vfloat v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+static inline float vf_sum(vfloat v) { return sum256(v); }
 static inline vfloat vf_floor(vfloat v) { return _mm256_floor_ps(v); }
 static inline vfloat vf_from_bits(vint bits) { return _mm256_castsi256_ps(bits); }
 static inline vint vf_bits(vfloat v) { return _mm256_castps_si256(v); }

@@ -1,11 +1,13 @@
 """HTTP-serving processes for the gateway tests: ``splitserve up`` and ``splitserve
 gateway``, started on free loopback ports and stopped (SIGTERM) by the test; the flags
-that route a gateway to instance processes, and completions streamed a few chunks at a time."""
+that route a gateway to instance processes, completions streamed a few chunks at a time,
+and a stream whose decode instance is killed under it."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -115,3 +117,35 @@ def finish_stream(response: httpx.Response) -> list[dict[str, object]]:
         if line.startswith("data: {"):
             events.append(json.loads(line.removeprefix("data: ")))
     return events
+
+
+def stream_killing_decode(
+    gateway: HTTPProcess,
+    decodes: list[Service],
+    body: dict[str, object],
+    after_chunks: int,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[dict[str, object]], Service]:
+    """Stream ``body``, SIGKILL the one of ``decodes`` serving it once ``after_chunks`` chunks
+    arrived; return every chunk of the stream and the instance that was not killed."""
+    chunks: list[dict[str, object]] = []
+    survivor = None
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream(
+            "POST", f"{gateway.url}/v1/completions", json={**body, "stream": True}, headers=headers
+        ) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks.append(json.loads(line.removeprefix("data: ")))
+            if len(chunks) == after_chunks:
+                running_on = [d.load().num_running for d in decodes]
+                assert sorted(running_on) == [0, 1], running_on
+                victim = decodes[running_on.index(1)]
+                survivor = decodes[running_on.index(0)]
+                victim.stop(signal.SIGKILL)
+    assert survivor is not None, "the stream ended before the kill"
+    return chunks, survivor

@@ -6,10 +6,8 @@ After each scenario every surviving instance reports all KV blocks free."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.processes import HTTPProcess, routes, running_gateway
+from tests.gateway.processes import HTTPProcess, routes, running_gateway, stream_killing_decode
 from tests.services.client import assert_all_free
 from tests.services.processes import Service
 
@@ -32,32 +30,6 @@ BODY = {
     "temperature": 0,
     "logprobs": 0,
 }
-
-
-def _stream_killing(
-    gateway: HTTPProcess, decodes: list[Service], after_chunks: int
-) -> tuple[list[dict[str, object]], Service]:
-    """Stream BODY, SIGKILL the decode instance serving it once ``after_chunks`` chunks arrived;
-    return every chunk of the stream and the surviving instance."""
-    chunks: list[dict[str, object]] = []
-    survivor = None
-    with (
-        httpx.Client(timeout=120) as client,
-        client.stream("POST", f"{gateway.url}/v1/completions", json={**BODY, "stream": True}) as response,
-    ):
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunks.append(json.loads(line.removeprefix("data: ")))
-            if len(chunks) == after_chunks:
-                running_on = [d.load().num_running for d in decodes]
-                assert sorted(running_on) == [0, 1], running_on
-                victim = decodes[running_on.index(1)]
-                survivor = decodes[running_on.index(0)]
-                victim.stop(signal.SIGKILL)
-    assert survivor is not None, "the stream ended before the kill"
-    return chunks, survivor
 
 
 @contextmanager
@@ -89,7 +61,7 @@ def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupt
     with two_decodes(model) as decodes:
         with running_gateway(model, *routes(prefill, *decodes)) as gateway:
             uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]
-            chunks, survivor = _stream_killing(gateway, decodes, after_chunks=5)
+            chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5)
             assert _migrations(gateway) == {"resumed": 1.0}
         text, tokens = _text_and_tokens(chunks)
         # Shown with --log-cli-level INFO (docs/benchmarks.md quotes it).
@@ -105,7 +77,7 @@ def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupt
 def test_without_a_migration_budget_the_stream_ends_with_an_error(model: Path, prefill: Service) -> None:
     with two_decodes(model) as decodes:
         with running_gateway(model, *routes(prefill, *decodes), "--max-migrations", "0") as gateway:
-            chunks, survivor = _stream_killing(gateway, decodes, after_chunks=5)
+            chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5)
             assert _migrations(gateway) == {"exhausted": 1.0}
         assert "error" in chunks[-1], chunks[-1]
         assert_all_free(prefill, survivor)

@@ -5,26 +5,23 @@ three processes with the right parents, in order, the KV pull's bytes those the 
 metric counted. Then the phases: each request's TTFT phases add up to its TTFT, in the
 Prometheus histograms and in the ``x-splitserve-timing`` header, and the request's log line
 says the same. Last, the collector goes away and then answers nothing: requests are served
-as before and every process still stops at once."""
+as before and every process still stops at once. (A retried and a migrated request:
+tests/gateway/test_tracing_failover.py.)"""
 
 from __future__ import annotations
 
 import json
 import re
 import socket
-import threading
-from collections.abc import Callable, Iterator
-from concurrent import futures
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from cluster.request_phases import HANDOFF_PHASES, TTFT_PHASES
+from tests.gateway.otlp_collector import Collector, ReceivedSpan, in_order, one, running_collector
 from tests.gateway.processes import HTTPProcess, routes, running_gateway
 from tests.services.processes import Service, running
 from tests.stores import free_port
@@ -34,66 +31,12 @@ pytest.importorskip("ucxx")
 CLIENT_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN_ID = "b7ad6b7169203331"
 BODY = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
-SPAN_ORDER_SLACK_NS = 1_000_000  # spans of different processes: their clocks converted to wall time apart
-
-
-@dataclass(frozen=True, slots=True)
-class ReceivedSpan:
-    service: str
-    instance: str
-    span: trace_pb2.Span
-
-    @property
-    def name(self) -> str:
-        return self.span.name
-
-    def attribute(self, key: str) -> object:
-        for kv in self.span.attributes:
-            if kv.key == key:
-                value = kv.value
-                return getattr(value, value.WhichOneof("value"))
-        raise KeyError(f"{self.name} ({self.service}) has no attribute {key}")
-
-
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver that keeps every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[ReceivedSpan] = []
-        self._changed = threading.Condition()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-
-    def Export(self, request, context):  # noqa: N802 - gRPC signature
-        with self._changed:
-            for resource_spans in request.resource_spans:
-                resource = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    self.spans += [
-                        ReceivedSpan(resource["service.name"], resource["service.instance.id"], span)
-                        for span in scope_spans.spans
-                    ]
-            self._changed.notify_all()
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def wait_for(self, done: Callable[[list[ReceivedSpan]], bool], timeout_s: float = 60.0) -> list[ReceivedSpan]:
-        with self._changed:
-            assert self._changed.wait_for(lambda: done(self.spans), timeout_s), [
-                (s.service, s.name) for s in self.spans
-            ]
-            return list(self.spans)
 
 
 @pytest.fixture(scope="module")
 def collector() -> Iterator[Collector]:
-    receiver = Collector()
-    try:
+    with running_collector() as receiver:
         yield receiver
-    finally:
-        receiver.server.stop(grace=None)
 
 
 @pytest.fixture(scope="module")
@@ -118,17 +61,6 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 def scrape(gateway: HTTPProcess) -> str:
     return httpx.get(f"{gateway.url}/metrics", timeout=10).text
-
-
-def one(spans: list[ReceivedSpan], service: str, name: str) -> ReceivedSpan:
-    (found,) = [s for s in spans if s.service == service and s.name == name]
-    return found
-
-
-def in_order(*spans: trace_pb2.Span) -> None:
-    """Each span starts after the one before it started (and they nest or follow each other)."""
-    for earlier, later in zip(spans, spans[1:]):
-        assert earlier.start_time_unix_nano <= later.start_time_unix_nano + SPAN_ORDER_SLACK_NS, (earlier, later)
 
 
 def test_one_request_is_one_trace_across_the_three_processes(

@@ -1,7 +1,8 @@
 """Every state a P -> D hand-off can be in, with the real servicers and engines in-process
 (tests/services/inprocess_pd.py; only the byte copy is faked): the tokens equal the colocated
 engine's where there are any, each failure ends the call with the status the gateway acts on,
-and no KV block leaks on either side after any of them."""
+and no KV block leaks on either side after any of them. With tracing on, D's renewals of P's
+lease while it holds a handle are events of its call's span."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
+from cluster.tracing import Tracer
 from engine import LLM
 from engine.kv_cache_utils import cdiv
+from serving.request_timing import CallSpans
 from splitserve.v1 import disaggregation_pb2
 from tests.checkpoints import random_prompts
 from tests.services.client import GREEDY, decode_request, expected_tokens
@@ -73,6 +79,17 @@ async def pull_started(served: Served) -> None:
 def used_blocks(served: Served) -> int:
     report = served.engine.latest_load_report()
     return report.num_total_blocks - report.num_free_blocks
+
+
+def trace_calls(served: Served, exported: InMemorySpanExporter) -> None:
+    """Tracing on for the instance's calls from now on, its spans into ``exported``."""
+    instance = served.instance
+    instance.tracer = Tracer("unused", f"splitserve-{instance.role}", instance.instance_id, exporter=exported)
+
+
+def decode_call_span(exported: InMemorySpanExporter) -> ReadableSpan:
+    (span,) = [span for span in exported.get_finished_spans() if span.name == "splitserve.v1.Decode/Decode"]
+    return span
 
 
 # ---------------------------------------------------------------- pulled, decoded
@@ -136,6 +153,49 @@ def test_a_handoff_queued_at_a_full_decode_instance_keeps_its_lease_until_it_is_
     run(model, test, lease_s=0.6, decode_max_num_seqs=1)
 
 
+def test_each_lease_renewal_is_an_event_of_the_decode_calls_span(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tracing on, each renewal of P's lease that P confirms while D holds the handle (its
+    pull held here) is an event of D's call span when it happens, naming P and the lease."""
+    prompt = random_prompts([40], seed=50)[0]
+    exported = InMemorySpanExporter()
+    renewed: list[str] = []  # the renewals handed to D's call span, as they happen
+    record = CallSpans.kv_lease_renewed
+
+    def recorded(spans: CallSpans, prefill_address: str, prefill_request_id: str, lease_s: float) -> None:
+        record(spans, prefill_address, prefill_request_id, lease_s)
+        renewed.append(prefill_request_id)
+
+    monkeypatch.setattr(CallSpans, "kv_lease_renewed", recorded)
+    prefilled_kv: list[disaggregation_pb2.KVHandle] = []
+
+    async def test(pd: PrefillAndDecode) -> None:
+        trace_calls(pd.decode, exported)
+        prefilled = await prefill(pd, "r", prompt)
+        prefilled_kv.append(prefilled.kv)
+        with pd.decode.connector.hold_pulls():
+            call = asyncio.ensure_future(decode(pd, "r", prompt, prefilled))
+            await pull_started(pd.decode)
+            num_before_pull = len(renewed)
+            await wait_for(lambda: len(renewed) >= num_before_pull + 2, "D recorded two renewals during the pull")
+        await call
+        assert pd.prefill.instance.counters.num_lease_renewals >= len(renewed)
+
+    run(model, test, lease_s=0.6)
+    (pull,) = [span for span in exported.get_finished_spans() if span.name == "kv pull"]
+    events = [event for event in decode_call_span(exported).events if event.name == "kv lease renewed"]
+    assert 2 <= len(events) <= len(renewed)  # one answered after the call ended adds nothing
+    (handle,) = prefilled_kv
+    for event in events:
+        assert dict(event.attributes or {}) == {
+            "splitserve.kv.prefill_address": handle.prefill_address,
+            "splitserve.kv.prefill_request_id": handle.request_id,
+            "splitserve.kv.lease_s": 0.6,
+        }
+    # They say when: at least the two the test waited for came while the pull was held.
+    assert pull.start_time is not None and pull.end_time is not None
+    assert sum(pull.start_time <= event.timestamp <= pull.end_time for event in events) >= 2
+
+
 def test_kv_dropped_by_prefill_while_the_handoff_queues_is_handed_back_at_once(model: Path) -> None:
     """P no longer holds the KV of a hand-off still waiting for a slot on D (here: aborted on
     P): D learns it from its next lease renewal and ends the call with DATA_LOSS before any
@@ -194,6 +254,29 @@ def test_a_failed_pull(model: Path, allow_recompute: bool, policy: str, code: gr
         await wait_for(lambda: not pd.prefill.connector.published, "D released the handle on P")
 
     run(model, test, kv_failure_policy=policy)
+
+
+def test_a_handed_back_calls_span_ends_with_the_reason(model: Path) -> None:
+    """With tracing on, D's span of a call that ends before any token (its pull failed: the
+    gateway prefills again) is exported, its status the error that ended it."""
+    prompt = random_prompts([40], seed=51)[0]
+    exported = InMemorySpanExporter()
+
+    async def test(pd: PrefillAndDecode) -> None:
+        trace_calls(pd.decode, exported)
+        pd.decode.connector.fail_pulls_with = "the link went down"
+        prefilled = await prefill(pd, "r", prompt)
+        error = await decode_error(pd, decode_request("r", prompt, prefilled))
+        assert error.code() == grpc.StatusCode.DATA_LOSS
+        await wait_for(lambda: not pd.prefill.connector.published, "D released the handle on P")
+
+    run(model, test)
+    span = decode_call_span(exported)
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.status.description is not None and "the link went down" in span.status.description
+    assert span.attributes is not None and span.attributes["gen_ai.usage.output_tokens"] == 0
+    (pull,) = [span for span in exported.get_finished_spans() if span.name == "kv pull"]
+    assert pull.status.status_code == StatusCode.ERROR
 
 
 # ---------------------------------------------------------------- ended mid-pull
