@@ -15,7 +15,10 @@ Two models:
 Every variant is loaded once and measured round-robin, so that each sees the same load on a
 shared machine: a round times each of ``--tokens`` decode steps of one sequence (engine steps,
 sampling included, outside the detokenizer) and keeps their median; the figures are the median
-and the best of the rounds' medians. Beside it, the linear layers alone: one token's row through
+and the best of the rounds' medians. Where the model takes the native decode step (one C call
+a step, engine/models/native_decode.py: every variant, with the kernels built), the same steps
+are timed again through the model's modules, the native step set aside ("modules' step"), so
+the two paths stand side by side in one run. Beside it, the linear layers alone: one token's row through
 every linear layer (the LM head's included) once, in PyTorch calls, timed as a sweep: what the
 weight formats change, without the step's attention, sampling and per-layer Python.
 ``--activations q8`` runs the quantized variants with their inputs rounded to Q8_0 / Q8_K as
@@ -27,11 +30,13 @@ well (``SPLITSERVE_QUANT_ACTIVATIONS=q8``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -94,6 +99,17 @@ def decode_ms(llm: LLM, num_tokens: int, seed: int) -> float:
         core.step()
         steps.append(time.perf_counter() - start)
     return statistics.median(steps) * 1e3
+
+
+@contextlib.contextmanager
+def modules_path(llm: LLM) -> Iterator[None]:
+    """Decode steps through the model's modules, one kernel call at a time, the native step set aside."""
+    runner = llm.engine.runner
+    native, runner.native_decode = runner.native_decode, None
+    try:
+        yield
+    finally:
+        runner.native_decode = native
 
 
 LinearLayer = QuantizedLinear | nn.Linear | PackedLinear | BF16WeightLinear
@@ -176,10 +192,16 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{name} [{mode} activations]" if quantized else name
                 engines[key] = LLM(model=str(path), dtype="float32", quantization=quantization, kv_cache_memory=1 << 26)
     results: dict[str, list[float]] = {name: [] for name in engines}
+    modules: dict[str, list[float]] = {
+        name: [] for name, llm in engines.items() if llm.engine.runner.native_decode is not None
+    }
     sweeps: dict[str, list[float]] = {name: [] for name in engines}
     for seed in range(args.rounds):
         for name, llm in engines.items():
             results[name].append(decode_ms(llm, args.tokens, seed))
+            if name in modules:
+                with modules_path(llm):
+                    modules[name].append(decode_ms(llm, args.tokens, args.rounds + seed))
             sweeps[name].append(linear_sweep_ms(llm))
     sys.stdout.write(f"threads={args.threads} rounds={args.rounds}: single-stream decode, ms per token\n")
     for name, llm in engines.items():
@@ -187,8 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(
             f"{name:<56} linear layers {linear_mib(llm):6.1f} MiB  step median {statistics.median(times):6.2f}  "
             f"best {min(times):6.2f}  linear layers alone median {statistics.median(linear):6.2f}  "
-            f"best {min(linear):6.2f}\n"
+            f"best {min(linear):6.2f}"
         )
+        if name in modules:
+            sys.stdout.write(
+                f"  (native step)  modules' step median {statistics.median(modules[name]):6.2f}  "
+                f"best {min(modules[name]):6.2f}\n"
+            )
+        else:
+            sys.stdout.write("  (the modules' path: no native step)\n")
     return 0
 
 

@@ -17,6 +17,13 @@
  * is: kv_store.c), paged decode attention,
  * output projection, post-attention norm (fused add), gate/up projection, SiLU-and-mul,
  * down projection. Then the final norm and the head, and the logits upcast to float32.
+ *
+ * Each linear layer is a DecodeLinear naming the kernel its module calls: float panels
+ * (PackedLinear, BF16WeightLinear: linear_panels.c), or a quantized weight kept in its blocks
+ * (QuantizedLinear: quant_linear.c with float activations, quant_linear_q8 with activations
+ * rounded to Q8_0 / Q8_K on the fly, as the module was built to), in one run of rows per format
+ * (a MixedQuantizedLinear's parts). A quantized embedding (QuantizedEmbedding) dequantizes the
+ * step's rows with quant_dequantize_rows; a head tied to it is a quantized linear over its blocks.
  */
 #include <stdlib.h>
 
@@ -39,13 +46,38 @@ int paged_decode_attention(const void *query, const void *key_cache, const void 
                            int kv_format);
 int linear_panels(const void *x, int64_t x_stride, const void *panels, const void *bias, void *out, int64_t num_rows,
                   int64_t in_features, int64_t out_features, int is_bf16);
+/* quant_linear.c, quant_q8.c (which hands the K-quants to quant_q8k.c): 0, -1 (no memory) or
+   -2 (a format or width they refuse). */
+int quant_linear(const void *x, int64_t x_stride, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                 int64_t in_features, int64_t out_features, int qtype, int is_bf16);
+int quant_linear_q8(const void *x, int64_t x_stride, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
+                    int64_t in_features, int64_t out_features, int qtype, int is_bf16);
+int quant_dequantize_rows(const uint8_t *w, const int64_t *row_ids, int64_t first_row, int64_t num_rows,
+                          int64_t num_weight_rows, int64_t in_features, int qtype, void *out, int out_is_bf16);
 
-/* One decoder layer's weights (panels from pack_panels; biases NULL when absent) and its
-   view of the KV cache: the K and V of block 0, later blocks block_stride cache elements apart
-   (bytes, when the cache is quantized). */
+/* Rows of a quantized weight in one format: [out_features] rows of blocks as
+   engine/models/quant_format.py lays them out (an INT8 row starts with its scale). */
+typedef struct {
+    const uint8_t *blocks;
+    int64_t out_features;
+    int64_t qtype;          /* quant_blocks.h's QTYPE_*: ggml's codes, and INT8's */
+    int64_t q8_activations; /* 1: inputs rounded to Q8_0 / Q8_K on the fly (quant_linear_q8) */
+} QuantRun;
+
+/* One linear layer's weight as its module holds it: float panels (num_runs 0), or num_runs runs
+   of quantized rows side by side. The bias (NULL when absent) is in the model's dtype. */
+typedef struct {
+    const void *panels;
+    const void *bias;
+    int64_t num_runs;
+    const QuantRun *runs;
+} DecodeLinear;
+
+/* One decoder layer's weights and its view of the KV cache: the K and V of block 0, later
+   blocks block_stride cache elements apart (bytes, when the cache is quantized). */
 typedef struct {
     const void *input_norm, *post_attention_norm;
-    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    DecodeLinear qkv, o, gate_up, down;
     void *key_cache, *value_cache;
 } DecodeLayer;
 
@@ -56,14 +88,69 @@ typedef struct {
     float rms_norm_eps, scale;
     int64_t is_bf16;
     int64_t kv_format;              /* kv_quant.h: KV_PLAIN (the model's dtype), KV_INT8, KV_FP8_E4M3 */
-    const void *embedding;          /* [vocab_size, hidden] */
+    const void *embedding;          /* [vocab_size, hidden]: rows of the model's dtype, or of blocks */
+    int64_t embedding_qtype;        /* the blocks' QTYPE_*; 0: rows of the model's dtype */
     const void *final_norm;         /* [hidden] */
-    const void *head, *head_bias;   /* panels of [vocab_size, hidden] */
+    DecodeLinear head;              /* [vocab_size, hidden] */
     const void *cos, *sin;          /* [max_positions, head_dim / 2] */
     const DecodeLayer *layers;      /* [num_layers] */
 } DecodeModel;
 
-enum { DECODE_OK = 0, DECODE_NO_MEMORY = -1, DECODE_BAD_TOKEN = -2, DECODE_UNSUPPORTED = -3 };
+enum { DECODE_OK = 0, DECODE_NO_MEMORY = -1, DECODE_BAD_TOKEN = -2, DECODE_UNSUPPORTED = -3, DECODE_BAD_WEIGHT = -4 };
+
+/* A kernel's 0 / -1 / -2 as a decode status. */
+static int kernel_status(int status) {
+    return status == 0 ? DECODE_OK : (status == -1 ? DECODE_NO_MEMORY : DECODE_BAD_WEIGHT);
+}
+
+static int run_quantized(const QuantRun *run, const void *x, int64_t x_stride, const void *bias, void *out,
+                         int64_t rows, int64_t in_features, int bf16) {
+    int (*kernel)(const void *, int64_t, const uint8_t *, const void *, void *, int64_t, int64_t, int64_t, int, int) =
+        run->q8_activations ? quant_linear_q8 : quant_linear;
+    return kernel_status(
+        kernel(x, x_stride, run->blocks, bias, out, rows, in_features, run->out_features, (int)run->qtype, bf16));
+}
+
+/* out [rows, out_features] (contiguous) = x [rows, in_features] (rows x_stride apart) times the
+   layer's weight, plus its bias, computed as its module computes it. Returns a DECODE_ status. */
+static int run_linear(const DecodeLinear *linear, const void *x, int64_t x_stride, void *out, int64_t rows,
+                      int64_t in_features, int64_t out_features, int bf16) {
+    if (linear->num_runs == 0)
+        return kernel_status(
+            linear_panels(x, x_stride, linear->panels, linear->bias, out, rows, in_features, out_features, bf16));
+    if (linear->num_runs == 1)
+        return run_quantized(&linear->runs[0], x, x_stride, linear->bias, out, rows, in_features, bf16);
+    /* MixedQuantizedLinear: each run's output, then the fused bias added once, in the model's
+       dtype (torch.cat, then + bias: a bf16 sum rounded again, as torch rounds it). One row's
+       outputs lie side by side in it already; more rows go through a run's own buffer. */
+    const int64_t bytes = bf16 ? 2 : 4;
+    int64_t widest = 0;
+    for (int64_t i = 0; i < linear->num_runs; ++i)
+        widest = linear->runs[i].out_features > widest ? linear->runs[i].out_features : widest;
+    char *buffer = rows == 1 ? NULL : malloc((size_t)(rows * widest * bytes));
+    if (rows > 1 && buffer == NULL) return DECODE_NO_MEMORY;
+    int status = DECODE_OK;
+    for (int64_t i = 0, offset = 0; i < linear->num_runs; offset += linear->runs[i++].out_features) {
+        const QuantRun *run = &linear->runs[i];
+        char *target = rows == 1 ? (char *)out + offset * bytes : buffer;
+        if ((status = run_quantized(run, x, x_stride, NULL, target, rows, in_features, bf16)) != DECODE_OK) break;
+        for (int64_t r = 0; rows > 1 && r < rows; ++r)
+            memcpy((char *)out + (r * out_features + offset) * bytes, buffer + r * run->out_features * bytes,
+                   (size_t)(run->out_features * bytes));
+    }
+    free(buffer);
+    if (status != DECODE_OK || linear->bias == NULL) return status;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < out_features; ++n) {
+            if (bf16) {
+                uint16_t *value = (uint16_t *)out + r * out_features + n;
+                *value = float_to_bf16(bf16_to_float(*value) + bf16_to_float(((const uint16_t *)linear->bias)[n]));
+            } else {
+                ((float *)out)[r * out_features + n] += ((const float *)linear->bias)[n];
+            }
+        }
+    return DECODE_OK;
+}
 
 /*
  * input_ids, positions, slot_mapping: [num_rows] int64; block_tables: [num_rows, >= blocks]
@@ -96,11 +183,16 @@ int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t
     char *head_out = bf16 ? TAKE(m->vocab_size) : (char *)logits;
 #undef TAKE
 
-    /* linear_panels returns 0 or -1 (DECODE_NO_MEMORY): OR-ing keeps the first failure. */
+    /* Each kernel that can fail ends the pass at its first failure. */
     int status = DECODE_OK;
-    for (int64_t r = 0; r < rows; ++r)
-        memcpy(residual + r * hidden * bytes, (const char *)m->embedding + input_ids[r] * hidden * bytes,
-               (size_t)(hidden * bytes));
+    if (m->embedding_qtype != 0) {
+        status = kernel_status(quant_dequantize_rows(m->embedding, input_ids, 0, rows, m->vocab_size, hidden,
+                                                     (int)m->embedding_qtype, residual, bf16));
+    } else {
+        for (int64_t r = 0; r < rows; ++r)
+            memcpy(residual + r * hidden * bytes, (const char *)m->embedding + input_ids[r] * hidden * bytes,
+                   (size_t)(hidden * bytes));
+    }
     for (int64_t l = 0; l < m->num_layers && status == DECODE_OK; ++l) {
         const DecodeLayer *layer = &m->layers[l];
         /* The first layer normalises the embedding itself, which becomes the residual. */
@@ -108,7 +200,7 @@ int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t
             add_rms_norm(residual, NULL, layer->input_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
         else
             add_rms_norm(x, residual, layer->input_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
-        status |= linear_panels(normed, hidden, layer->qkv, layer->qkv_bias, qkv, rows, hidden, qkv_size, bf16);
+        if ((status = run_linear(&layer->qkv, normed, hidden, qkv, rows, hidden, qkv_size, bf16)) != DECODE_OK) break;
         rotary_embedding(qkv, qkv_size, qkv + q_size * bytes, qkv_size, q, k, m->cos, m->sin, positions, rows,
                          m->num_heads, m->num_kv_heads, m->head_dim, bf16);
         store_kv(k, kv_size, qkv + (q_size + kv_size) * bytes, qkv_size, layer->key_cache, layer->value_cache,
@@ -120,16 +212,16 @@ int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t
             status = DECODE_UNSUPPORTED;
             break;
         }
-        status |= linear_panels(attention, q_size, layer->o, layer->o_bias, x, rows, q_size, hidden, bf16);
+        if ((status = run_linear(&layer->o, attention, q_size, x, rows, q_size, hidden, bf16)) != DECODE_OK) break;
         add_rms_norm(x, residual, layer->post_attention_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
-        status |= linear_panels(normed, hidden, layer->gate_up, layer->gate_up_bias, gate_up, rows, hidden,
-                                2 * inter, bf16);
+        status = run_linear(&layer->gate_up, normed, hidden, gate_up, rows, hidden, 2 * inter, bf16);
+        if (status != DECODE_OK) break;
         silu_and_mul(gate_up, activation, rows, inter, bf16);
-        status |= linear_panels(activation, inter, layer->down, layer->down_bias, x, rows, inter, hidden, bf16);
+        status = run_linear(&layer->down, activation, inter, x, rows, inter, hidden, bf16);
     }
     if (status == DECODE_OK) {
         add_rms_norm(x, residual, m->final_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
-        status = linear_panels(normed, hidden, m->head, m->head_bias, head_out, rows, hidden, m->vocab_size, bf16);
+        status = run_linear(&m->head, normed, hidden, head_out, rows, hidden, m->vocab_size, bf16);
     }
     if (status == DECODE_OK && bf16) {
         const uint16_t *source = (const uint16_t *)head_out;

@@ -6,11 +6,17 @@ so its logits are bit-identical, without the interpreter between the calls and w
 GIL released once for the whole pass instead of at every call (the serving process's
 event loop streams tokens meanwhile: engine/csrc/decode_step.c says what that cost).
 
+Each linear layer goes to the kernel its module calls: float panels, or a quantized weight
+kept in its blocks (GGUF's formats, ``--quantization int8``), with the activation mode the
+module was built with (float, or rounded to Q8_0 / Q8_K on the fly), one kernel call per run
+of rows of one format for a fused projection that mixes formats; a quantized embedding
+dequantizes the step's rows, and a head tied to it multiplies by its blocks.
+
 It takes a step when every row is a decode token that wants logits (decodes, and
-speculative verification rows) and the batch is no larger than the panel kernel takes
-in every linear layer; any other step, and any model it cannot take (another device,
-no native kernels, a linear path without panels), runs the modules. :func:`build` says
-why not, once, in the log.
+speculative verification rows) and the batch is no larger than the panel or quantized
+kernels take in every linear layer; any other step, and any model it cannot take (another
+device, no native kernels, a linear path without them), runs the modules. :func:`build`
+says why not, once, in the log.
 
 Call sequence: ``ModelRunner.execute`` -> :meth:`NativeDecodeStep.__call__` (engine
 thread, holding the GIL) -> ``decode_forward`` through ctypes (GIL released until it
@@ -32,7 +38,7 @@ from engine.kv_cache_dtype import layer_format
 from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.models.ops import NativeCPUOps
-from engine.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from engine.models.quantized_linear import MixedQuantizedLinear, QuantizedEmbedding, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -41,28 +47,31 @@ _DECODE_ERRORS = {
     -1: "no memory for the step's activations",
     -2: "a token id outside the vocabulary reached the model (bug: the engine validates them)",
     -3: "the attention kernel refused the model's head sizes (bug: build() checks them)",
+    -4: "a quantized kernel refused a weight's format or width (bug: the loader checks them)",
 }
+
+
+class _QuantRun(ctypes.Structure):
+    """``QuantRun`` of decode_step.c: rows of a quantized weight in one format."""
+
+    _fields_ = [("blocks", _P), ("out_features", _I64), ("qtype", _I64), ("q8_activations", _I64)]
+
+
+class _Linear(ctypes.Structure):
+    """``DecodeLinear`` of decode_step.c: float panels (no runs) or runs of quantized rows."""
+
+    _fields_ = [("panels", _P), ("bias", _P), ("num_runs", _I64), ("runs", ctypes.POINTER(_QuantRun))]
 
 
 class _Layer(ctypes.Structure):
     """``DecodeLayer`` of decode_step.c, field for field."""
 
     _fields_ = [
-        (name, _P)
-        for name in (
-            "input_norm",
-            "post_attention_norm",
-            "qkv",
-            "qkv_bias",
-            "o",
-            "o_bias",
-            "gate_up",
-            "gate_up_bias",
-            "down",
-            "down_bias",
-            "key_cache",
-            "value_cache",
-        )
+        ("input_norm", _P),
+        ("post_attention_norm", _P),
+        *[(name, _Linear) for name in ("qkv", "o", "gate_up", "down")],
+        ("key_cache", _P),
+        ("value_cache", _P),
     ]
 
 
@@ -88,7 +97,12 @@ class _Model(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("is_bf16", _I64),
         ("kv_format", _I64),
-        *[(name, _P) for name in ("embedding", "final_norm", "head", "head_bias", "cos", "sin")],
+        ("embedding", _P),
+        ("embedding_qtype", _I64),
+        ("final_norm", _P),
+        ("head", _Linear),
+        ("cos", _P),
+        ("sin", _P),
         ("layers", ctypes.POINTER(_Layer)),
     ]
 
@@ -105,13 +119,19 @@ class NativeDecodeStep:
     ) -> None:
         self.kernels = kernels
         self.max_rows = max_rows
-        # The struct holds raw pointers: these keep what they point at alive.
+        # The struct holds raw pointers: these keep what they point at alive (the runs arrays
+        # too: a struct copied into an array does not carry its references along).
         self._model, self._layer_caches = model, layer_caches
-        shape, dtype = model.shape, model.embed_tokens.weight.dtype
+        self._runs: list[ctypes.Array[_QuantRun]] = []
+        shape, dtype = model.shape, _compute_dtype(model)
         first_cache = layer_caches[0]
         self._layers = (_Layer * shape.num_layers)(
-            *[_layer_struct(layer, cache) for layer, cache in zip(model.layers, layer_caches, strict=True)]
+            *[self._layer_struct(layer, cache) for layer, cache in zip(model.layers, layer_caches, strict=True)]
         )
+        embedding = model.embed_tokens
+        # A quantized table: its blocks, whose rows the step dequantizes as QuantizedEmbedding does.
+        quantized = isinstance(embedding, QuantizedEmbedding)
+        table = embedding.qweight.data if quantized else embedding.weight
         self._struct = _Model(
             num_layers=shape.num_layers,
             hidden=shape.hidden_size,
@@ -126,10 +146,10 @@ class NativeDecodeStep:
             scale=model.layers[0].scale,
             is_bf16=int(dtype == torch.bfloat16),
             kv_format=cpu_kernels.kv_format_code(first_cache),
-            embedding=model.embed_tokens.weight.data_ptr(),
+            embedding=table.data_ptr(),
+            embedding_qtype=embedding.qweight.format.code if quantized else 0,
             final_norm=model.norm.weight.data_ptr(),
-            head=model.lm_head.panels.data_ptr(),
-            head_bias=_pointer(model.lm_head.bias),
+            head=self._linear_struct(model.lm_head),
             cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr(),
             layers=self._layers,
@@ -161,6 +181,38 @@ class NativeDecodeStep:
             raise RuntimeError(f"decode step of {num_rows} rows: {_DECODE_ERRORS.get(status, status)}")
         return logits
 
+    def _layer_struct(self, layer: nn.Module, cache: torch.Tensor) -> _Layer:
+        key = cache.data_ptr()
+        return _Layer(
+            input_norm=layer.input_layernorm.weight.data_ptr(),
+            post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
+            qkv=self._linear_struct(layer.qkv_proj),
+            o=self._linear_struct(layer.o_proj),
+            gate_up=self._linear_struct(layer.gate_up_proj),
+            down=self._linear_struct(layer.down_proj),
+            key_cache=key,
+            value_cache=key + cache.stride(0) * cache.element_size(),
+        )
+
+    def _linear_struct(self, linear: nn.Module) -> _Linear:
+        """What the kernel the module calls needs (``_unsupported`` has checked the module)."""
+        if isinstance(linear, PackedLinear | BF16WeightLinear):
+            return _Linear(panels=linear.panels.data_ptr(), bias=_pointer(linear.bias), num_runs=0, runs=None)
+        parts = _runs_of(linear)
+        runs = (_QuantRun * len(parts))(
+            *[
+                _QuantRun(
+                    blocks=part.qweight.data.data_ptr(),
+                    out_features=part.out_features,
+                    qtype=part.qweight.format.code,
+                    q8_activations=int(part.q8_activations),
+                )
+                for part in parts
+            ]
+        )
+        self._runs.append(runs)
+        return _Linear(panels=None, bias=_pointer(linear.bias), num_runs=len(parts), runs=runs)
+
 
 def build(model: nn.Module, layer_caches: list[torch.Tensor]) -> NativeDecodeStep | None:
     """The native decode step for ``model`` over ``layer_caches``, or None (logged) when it
@@ -191,11 +243,16 @@ def _unsupported(
         return f"no native step for {type(model).__name__}"
     if model.group is not None:
         return "tensor parallel: the ranks all-reduce between a layer's kernels"
-    if any(isinstance(module, QuantizedLinear | QuantizedEmbedding) for module in model.modules()):
-        return "quantized weights: the native step strings float panels only, so far"
-    weight = model.embed_tokens.weight
-    if weight.device.type != "cpu" or not kernels.supports(weight.dtype):
-        return f"{weight.dtype} on {weight.device.type}"
+    dtype, device = _compute_dtype(model), model.norm.weight.device
+    if device.type != "cpu" or not kernels.supports(dtype):
+        return f"{dtype} on {device.type}"
+    embedding = model.embed_tokens
+    if isinstance(embedding, QuantizedEmbedding) and (
+        embedding.kernels is not kernels.quant
+        or embedding.dtype != dtype
+        or embedding.qweight.shape != (model.shape.vocab_size, model.shape.hidden_size)
+    ):
+        return "a quantized embedding the kernels do not look up as its module does"
     shape = model.shape
     if not kernels.paged_decode_supports(shape.num_heads, shape.head_dim, layer_caches[0].shape[2]):
         return "head sizes beyond the native attention kernel's"
@@ -205,13 +262,15 @@ def _unsupported(
         if not isinstance(layer.backend, TorchAttentionBackend) or layer.backend.cpu_kernels is None:
             return "an attention backend without the native kernels"
     linears = _linears(model)
-    if not all(isinstance(m, PackedLinear | BF16WeightLinear) and m.panels is not None for m in linears):
-        return "linear layers without weight panels"
+    for linear in linears:
+        reason = _linear_unsupported(linear, kernels)
+        if reason is not None:
+            return reason
     if not all(m.max_kernel_rows > 0 for m in linears):
-        return "linear layers whose panels take no decode rows"
+        return "linear layers whose kernels take no decode rows"
     strides = {(cache.stride(0), cache.stride(1)) for cache in layer_caches}
     contiguous_blocks = all(
-        cache[0, 0].is_contiguous() and (cache.dtype == weight.dtype or layer_format(cache) is not None)
+        cache[0, 0].is_contiguous() and (cache.dtype == dtype or layer_format(cache) is not None)
         for cache in layer_caches
     )
     if len(strides) != 1 or not contiguous_blocks:
@@ -219,23 +278,28 @@ def _unsupported(
     return None
 
 
+def _linear_unsupported(linear: nn.Module, kernels: cpu_kernels.CPUKernels) -> str | None:
+    """Why the native step cannot call the kernel ``linear`` calls; None when it can."""
+    if isinstance(linear, PackedLinear | BF16WeightLinear):
+        return None if linear.panels is not None else "linear layers without weight panels"
+    parts = _runs_of(linear)
+    if not all(isinstance(part, QuantizedLinear) for part in parts):
+        return f"a {type(linear).__name__} linear layer"
+    # The same library's kernels as the module's, so the same code computes both paths' logits.
+    if any(part.kernels is not kernels.quant for part in parts):
+        return "quantized layers without this kernel build"
+    return None
+
+
+def _runs_of(linear: nn.Module) -> list[nn.Module]:
+    """A quantized layer's runs of rows of one format: a mixed one's parts, else itself."""
+    return list(linear.parts) if isinstance(linear, MixedQuantizedLinear) else [linear]
+
+
+def _compute_dtype(model: LlamaFamilyForCausalLM) -> torch.dtype:
+    """The model's activation dtype: its norms' (the embedding may be quantized)."""
+    return model.norm.weight.dtype
+
+
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
-
-
-def _layer_struct(layer: nn.Module, cache: torch.Tensor) -> _Layer:
-    key = cache.data_ptr()
-    return _Layer(
-        input_norm=layer.input_layernorm.weight.data_ptr(),
-        post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
-        qkv=layer.qkv_proj.panels.data_ptr(),
-        qkv_bias=_pointer(layer.qkv_proj.bias),
-        o=layer.o_proj.panels.data_ptr(),
-        o_bias=_pointer(layer.o_proj.bias),
-        gate_up=layer.gate_up_proj.panels.data_ptr(),
-        gate_up_bias=_pointer(layer.gate_up_proj.bias),
-        down=layer.down_proj.panels.data_ptr(),
-        down_bias=_pointer(layer.down_proj.bias),
-        key_cache=key,
-        value_cache=key + cache.stride(0) * cache.element_size(),
-    )

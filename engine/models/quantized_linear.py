@@ -123,6 +123,7 @@ class MixedQuantizedLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(part.out_features for part in parts)
         self.bias = bias
+        self.max_kernel_rows = min(part.max_kernel_rows for part in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]

@@ -5,21 +5,32 @@ Every step the native call takes is run through the modules too, on the same inp
 right after it (they rewrite the step's K/V slots; a difference in either shows). The
 batches mix lengths across block boundaries and sizes beyond the panel kernel's reach
 (those steps, and prefills, must go to the modules). Each kernel build this CPU runs is
-tested, the generic one (no SIMD) included."""
+tested, the generic one (no SIMD) included.
+
+Quantized weights too (GGUF's formats, written here by tests/engine/gguf_checkpoints.py, and
+``--quantization int8``): each linear layer through the kernel and activation mode its module
+uses, a fused projection mixing formats one call per run, a quantized embedding and the head
+tied to it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from types import UnionType
 
 import pytest
 import torch
+from torch import nn
 
 from engine import LLM, SamplingParams, cpu_kernels
 from engine.cpu_features import CAP_ENV, cpu_features
 from engine.flat_batch import FlatBatch
 from engine.model_runner import ModelRunner
+from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
 from engine.models.native_decode import NativeDecodeStep
+from engine.models.quantized_linear import ACTIVATIONS_ENV, MixedQuantizedLinear, QuantizedEmbedding, QuantizedLinear
 from tests.checkpoints import make_checkpoint, random_prompts
+from tests.engine.gguf_checkpoints import K_QUANT_MODEL, Q, Scheme, mixed_qkv, q4_k_m, uniform, write_gguf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -75,6 +86,20 @@ def checked_llm(path: Path, dtype: str, **config: object) -> tuple[LLM, Checked]
     return llm, checked
 
 
+def decode_steps_of_every_size(llm: LLM, checked: Checked, seed: int) -> None:
+    """More sequences than the native step takes rows, of lengths across block boundaries: the
+    first steps go to the modules, and as the requests finish one after another, the rest to
+    the native call, in steps of every size down to the stragglers."""
+    max_rows = checked.native.max_rows
+    lengths = [1, 7, 15, 16, 17, 31, 33, 48, 5, 23, 64, 2] * (max_rows // 12 + 1)
+    prompts = random_prompts(lengths[: max_rows + 3], seed=seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert checked.num_steps > 0 and max(checked.row_counts) <= max_rows
+    assert min(checked.row_counts) < max_rows
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("architecture", "overrides"),
@@ -89,16 +114,7 @@ def test_native_decode_steps_equal_the_modules(
 ) -> None:
     path = make_checkpoint(tmp_path / "model", architecture, **overrides)
     llm, checked = checked_llm(path, dtype)
-    max_rows = checked.native.max_rows
-    # More sequences than the kernel takes rows: the first steps go to the modules, and as
-    # the requests of different lengths finish, the rest to the native call.
-    lengths = [1, 7, 15, 16, 17, 31, 33, 48, 5, 23, 64, 2] * (max_rows // 12 + 1)
-    prompts = random_prompts(lengths[: max_rows + 3], seed=7)
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(prompts))]
-    outputs = llm.generate(prompts, params)
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
-    assert checked.num_steps > 0 and max(checked.row_counts) <= max_rows
-    assert min(checked.row_counts) < max_rows  # steps of every size down to the stragglers
+    decode_steps_of_every_size(llm, checked, seed=7)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
@@ -111,12 +127,112 @@ def test_native_decode_steps_over_a_quantized_kv_cache_equal_the_modules(
     path = make_checkpoint(tmp_path / "model", "Qwen2ForCausalLM")
     llm, checked = checked_llm(path, dtype, kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.runner.kv_cache.dtype == torch.uint8
-    # More sequences than the kernel takes rows, finishing one after another: steps of every size.
-    prompts = random_prompts(([1, 7, 16, 17, 33, 48] * checked.native.max_rows)[: checked.native.max_rows + 2], seed=11)
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(prompts))]
-    outputs = llm.generate(prompts, params)
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
-    assert checked.num_steps > 0
+    decode_steps_of_every_size(llm, checked, seed=11)
+
+
+# A GGUF scheme: (weight types, architecture, config overrides, the modules the model must hold).
+ModuleKind = type[nn.Module] | UnionType
+FloatPanels = PackedLinear | BF16WeightLinear
+GGUF_SCHEMES: dict[str, tuple[Scheme, str, dict[str, object], tuple[ModuleKind, ...]]] = {
+    "q4_0": (uniform(Q.Q4_0), "LlamaForCausalLM", {}, (QuantizedLinear, QuantizedEmbedding)),
+    # SmolLM2's layout: Q4_1 layers, a Q8_0 embedding the head is tied to.
+    "q4_1-tied-q8_0": (
+        uniform(Q.Q4_1, Q.Q8_0),
+        "LlamaForCausalLM",
+        {"tie_word_embeddings": True},
+        (QuantizedLinear, QuantizedEmbedding),
+    ),
+    "q8_0": (uniform(Q.Q8_0), "LlamaForCausalLM", {}, (QuantizedLinear, QuantizedEmbedding)),
+    "q4_k": (uniform(Q.Q4_K), "LlamaForCausalLM", K_QUANT_MODEL, (QuantizedLinear, QuantizedEmbedding)),
+    "q5_k-tied": (
+        uniform(Q.Q5_K),
+        "LlamaForCausalLM",
+        {**K_QUANT_MODEL, "tie_word_embeddings": True},
+        (QuantizedLinear, QuantizedEmbedding),
+    ),
+    "q6_k": (uniform(Q.Q6_K), "LlamaForCausalLM", K_QUANT_MODEL, (QuantizedLinear, QuantizedEmbedding)),
+    # q/k/v of two formats (Q4_K, Q6_K): one kernel call per run of rows.
+    "q4_k_m-mix": (q4_k_m, "LlamaForCausalLM", K_QUANT_MODEL, (MixedQuantizedLinear, QuantizedEmbedding)),
+    # q/k/v of two formats and their fused bias, added once after the runs.
+    "qwen2-mixed-qkv-biases": (mixed_qkv, "Qwen2ForCausalLM", {}, (MixedQuantizedLinear, QuantizedEmbedding)),
+    # Quantized layers beside a float embedding and the float head tied to it (panels).
+    "q4_1-f16-embedding": (
+        uniform(Q.Q4_1, Q.F16),
+        "LlamaForCausalLM",
+        {"tie_word_embeddings": True},
+        (QuantizedLinear, FloatPanels),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The GGUF file of a scheme of :data:`GGUF_SCHEMES`, written once for the module."""
+    files: dict[str, Path] = {}
+
+    def of(scheme: str) -> Path:
+        if scheme not in files:
+            weights, architecture, overrides, _ = GGUF_SCHEMES[scheme]
+            directory = tmp_path_factory.mktemp(scheme)
+            folder = make_checkpoint(directory / "float", architecture, **overrides)
+            write_gguf(folder, directory / "model.gguf", weights, architecture, **overrides)
+            files[scheme] = directory / "model.gguf"
+        return files[scheme]
+
+    return of
+
+
+def assert_holds(llm: LLM, kinds: tuple[ModuleKind, ...]) -> None:
+    """The model holds modules of every kind: the weights stayed as the test means them to."""
+    modules = list(llm.engine.runner.model.modules())
+    for kind in kinds:
+        assert any(isinstance(module, kind) for module in modules), f"no {kind} in the model"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scheme", GGUF_SCHEMES)
+def test_native_decode_steps_of_quantized_weights_equal_the_modules(
+    isa: str, gguf_file: Callable[[str], Path], dtype: str, scheme: str
+) -> None:
+    llm, checked = checked_llm(gguf_file(scheme), dtype)
+    assert_holds(llm, GGUF_SCHEMES[scheme][3])
+    decode_steps_of_every_size(llm, checked, seed=13)
+
+
+@pytest.mark.parametrize("scheme", ["q4_1-tied-q8_0", "q4_k_m-mix", "q8_0"])
+def test_native_decode_steps_with_q8_activations_equal_the_modules(
+    isa: str, gguf_file: Callable[[str], Path], scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inputs rounded to Q8_0 blocks (Q8_K super-blocks for the K-quants) on the fly, as the modules
+    were built to round them."""
+    monkeypatch.setenv(ACTIVATIONS_ENV, "q8")
+    llm, checked = checked_llm(gguf_file(scheme), "float32")
+    assert any(getattr(m, "q8_activations", False) for m in llm.engine.runner.model.modules())
+    decode_steps_of_every_size(llm, checked, seed=17)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_steps_of_quantized_weights_over_a_quantized_kv_cache_equal_the_modules(
+    gguf_file: Callable[[str], Path], dtype: str, kv_cache_dtype: str
+) -> None:
+    llm, checked = checked_llm(gguf_file("q4_k_m-mix"), dtype, kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runner.kv_cache.dtype == torch.uint8
+    decode_steps_of_every_size(llm, checked, seed=19)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("architecture", "activations"), [("LlamaForCausalLM", "float"), ("Qwen2ForCausalLM", "q8")])
+def test_native_decode_steps_of_int8_weights_equal_the_modules(
+    isa: str, tmp_path: Path, architecture: str, dtype: str, activations: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--quantization int8``: int8 rows with their scales, the embedding too (Llama: an untied
+    head; Qwen2: its head tied to the embedding, q/k/v biases, inputs rounded to Q8_0 blocks)."""
+    monkeypatch.setenv(ACTIVATIONS_ENV, activations)
+    path = make_checkpoint(tmp_path / "model", architecture)
+    llm, checked = checked_llm(path, dtype, quantization="int8")
+    assert llm.engine.runner.model.embed_tokens.qweight.format.name == "INT8"
+    decode_steps_of_every_size(llm, checked, seed=23)
 
 
 def test_steps_it_does_not_take_go_to_the_modules(tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ def wait_until(condition, timeout_s: float = 30.0) -> None:
 def test_control_calls_answer_while_prefill_is_inside_a_long_step(prefill: Service) -> None:
     stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
     pinned = run_prefill(prefill, "ctl-pinned", random_prompts([40], seed=40)[0])
+    steps_before = prefill.load().counters.num_steps
     long_prompt = random_prompts([LONG_PROMPT_TOKENS], seed=41)[0]
     with ThreadPoolExecutor(1) as pool:
         long_prefill = pool.submit(
@@ -81,9 +82,10 @@ def test_control_calls_answer_while_prefill_is_inside_a_long_step(prefill: Servi
             disaggregation_pb2.PrefillRequest(request_id="ctl-long", prompt_token_ids=long_prompt, sampling=GREEDY),
             timeout=120,
         )
-        # Queued: the step starts now.
+        # Queued, then under way: P splits the prompt into chunks, and once the first one is done
+        # the engine is computing the next while the calls below come in.
         wait_until(lambda: prefill.load().num_pending_prefill_tokens >= LONG_PROMPT_TOKENS)
-        time.sleep(0.3)
+        wait_until(lambda: prefill.load().counters.num_steps > steps_before)
         latencies: dict[str, float] = {}
 
         def timed(name: str, call):
@@ -110,7 +112,9 @@ def test_control_calls_answer_while_prefill_is_inside_a_long_step(prefill: Servi
         # Milliseconds on a quiet machine (bench.control_plane: p99 under 10 ms); a loaded CI host
         # may delay one answer past 100 ms, never by a step.
         assert statistics.median(latencies.values()) < 0.1 and max(latencies.values()) < 0.5, latencies
-        assert report.num_pending_prefill_tokens >= LONG_PROMPT_TOKENS
+        # The report shows the long prompt's work still to do (how many of its chunks are done
+        # depends on the machine's speed).
+        assert 0 < report.num_pending_prefill_tokens <= LONG_PROMPT_TOKENS
         assert list(renewed.unknown_request_ids) == ["nobody"]
         assert released.released and aborted.found
         assert health.status == health_pb2.HealthCheckResponse.SERVING
