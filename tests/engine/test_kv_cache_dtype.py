@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from engine import LLM, cpu_kernels
 from engine.attention.metadata import AttentionMetadata
@@ -35,7 +35,7 @@ from engine.kv_cache_dtype import (
 from engine.kv_cache_layout import allocate_kv_cache, layer_view, layer_views
 from engine.kv_cache_utils import kv_cache_bytes_per_block
 from tests.checkpoints import make_checkpoint, random_prompts
-from tests.engine.test_parity import GREEDY, MAX_TOKENS, VARIED_LENGTHS, assert_matches, assert_no_leaks
+from tests.engine.test_parity import GREEDY, MAX_TOKENS, VARIED_LENGTHS, Reference, assert_matches, assert_no_leaks
 
 QUANTIZED: list[KVCacheDType] = ["int8", "fp8_e4m3"]
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -466,31 +466,17 @@ class RoundTripCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-class RoundTripReference:
+class RoundTripReference(Reference):
     """float32 transformers on one prompt at a time, its attention reading K and V rounded through
     the KV format (memoized): what the engine must give over a quantized cache, whose attention
     reads the rows it holds, a prompt's own new ones included."""
 
     def __init__(self, model_path: Path, kv_cache_dtype: KVCacheDType) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
+        super().__init__(model_path)
         self.value_dtype = VALUE_DTYPES[kv_cache_dtype]
-        self._cache: dict[tuple[int, ...], list[int]] = {}
 
-    def __call__(self, prompt: list[int]) -> list[int]:
-        key = tuple(prompt)
-        if key not in self._cache:
-            with torch.inference_mode():
-                out = self.model.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    do_sample=False,
-                    max_new_tokens=MAX_TOKENS,
-                    pad_token_id=0,
-                    cache=RoundTripCache(self.value_dtype, config=self.model.config),
-                )
-            self._cache[key] = out[0, len(prompt) :].tolist()
-        return self._cache[key]
+    def generate_kwargs(self) -> dict[str, object]:
+        return {"cache": RoundTripCache(self.value_dtype, config=self.model.config)}
 
 
 @pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"])
@@ -534,8 +520,6 @@ AGREEMENT_FLOOR = {"int8": 0.5, "fp8_e4m3": 0.2}
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_greedy_agreement_with_float32_kv_is_measured(checkpoint: Path, kv_cache_dtype: KVCacheDType) -> None:
-    from tests.engine.test_parity import Reference
-
     reference = Reference(checkpoint)
     prompts = random_prompts(VARIED_LENGTHS, seed=1) + random_prompts(PREEMPTION_LENGTHS, seed=4)
     llm = LLM(model=str(checkpoint), kv_cache_memory=1 << 24, kv_cache_dtype=kv_cache_dtype)

@@ -29,6 +29,10 @@ class Reference:
         self.model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
         self._cache: dict[tuple[int, ...], list[int]] = {}
 
+    def generate_kwargs(self) -> dict[str, object]:
+        """More arguments of one prompt's ``generate`` (none here; a subclass may give a cache)."""
+        return {}
+
     def __call__(self, prompt: list[int]) -> list[int]:
         key = tuple(prompt)
         if key not in self._cache:
@@ -39,6 +43,7 @@ class Reference:
                     do_sample=False,
                     max_new_tokens=MAX_TOKENS,
                     pad_token_id=0,
+                    **self.generate_kwargs(),
                 )
             self._cache[key] = out[0, len(prompt) :].tolist()
         return self._cache[key]
