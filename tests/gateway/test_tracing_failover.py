@@ -5,7 +5,10 @@ request's root span, each attempt is a call span of the gateway's, and the attem
 over has its spans, from the surviving process, under its call in the same trace.
 
 The gateway polls its instances once, at its start: it still believes a killed instance
-healthy when the request reaches it, so that the call itself fails and fails over. After
+healthy when the request reaches it, so that the call itself fails and fails over. It routes
+by load (``--routing load``): two idle instances tie and the one listed first is picked, where
+kv routing would pick the one that measured the faster prefill at start-up (either one), and
+its KV-event streams would reconnect to a killed instance and mark it down before any call. After
 each scenario every surviving instance has all its KV blocks free."""
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ SHORT = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 12, "i
 LONG = {**SHORT, "max_tokens": 300}
 # The first poll is the only one: the gateway learns of a death only from a failed call.
 POLLED_ONCE = ("--poll-interval", "3600", "--stale-after", "7200")
+BY_LOAD = ("--routing", "load")
 ERROR = trace_pb2.Status.STATUS_CODE_ERROR
 
 
@@ -70,7 +74,8 @@ def cluster(model: Path, collector: Collector) -> Iterator[Cluster]:
     with ExitStack() as stack:
         prefills = [stack.enter_context(running("prefill", model, "--lease-seconds", "10", *traced)) for _ in "ab"]
         decodes = [stack.enter_context(running("decode", model, *traced)) for _ in "ab"]
-        gateway = stack.enter_context(running_gateway(model, *routes(*prefills, *decodes), *POLLED_ONCE, *traced))
+        flags = (*routes(*prefills, *decodes), *POLLED_ONCE, *BY_LOAD, *traced)
+        gateway = stack.enter_context(running_gateway(model, *flags))
         yield Cluster(gateway, prefills, decodes)
 
 
