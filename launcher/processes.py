@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,9 +40,34 @@ def parse_cpu_list(spec: str) -> set[int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, for a child to listen on. Picked below the kernel's
+    ephemeral range where it has one: the ports it hands out for outgoing connections and
+    for listeners on port 0 (UCX's, LMCache's) come from that range, and one of them took a
+    port picked there before the child could bind it (a test's decode instance exited with
+    "Failed to add port")."""
+    lowest_ephemeral = _lowest_ephemeral_port()
+    if lowest_ephemeral - _LOWEST_PICKED_PORT >= 1000:
+        for _ in range(100):
+            port = random.randrange(_LOWEST_PICKED_PORT, lowest_ephemeral)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue  # in use, or in TIME_WAIT
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_LOWEST_PICKED_PORT = 10_000  # above the ports well-known services use
+
+
+def _lowest_ephemeral_port() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not Linux: the kernel picks
 
 
 def _child_setup(cpus: set[int] | None) -> Callable[[], None]:

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from launcher.processes import free_port as launcher_free_port
+
 LMCACHE_ENV = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_LOG_LEVEL": "WARNING"}
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port for a service a test starts (outside the kernel's ephemeral range)."""
+    return launcher_free_port("127.0.0.1")
 
 
 def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float) -> None:
