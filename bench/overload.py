@@ -11,13 +11,16 @@ decode, preemptions::
     python -m bench.overload --output-dir results/overload --label after
     python -m bench.overload --output-dir results/overload --label before --source-dir ../before
     python -m bench.overload --output-dir results/overload --label after-admission --max-queue-delay 20
+    python -m bench.overload --output-dir results/overload --label gaps --skip-alone --explain-slow-tokens
 
 The server is ``splitserve up`` with prefill pinned to one core and decode to the other
 (``--server pd``), ``splitserve up --colocated`` (``colocated``), or vLLM's OpenAI server
 from another Python environment (``vllm --vllm-python VENV/bin/python``), each on the
 same model (the embedded one by default) and dtype, so they compare in one run.
 ``--source-dir`` serves splitserve from another checkout (``git worktree add``), so that
-two commits are measured side by side. Figures are latencies: run it on a quiet machine.
+two commits are measured side by side. ``--explain-slow-tokens`` traces every request to a
+receiver in this process and files each token gap over 200 ms under what the decode step
+that ended it held (``bench/slow_tokens.py``). Figures are latencies: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from bench import slow_tokens
 from bench.splitserve_up import start_up, wait_ready
 from launcher.processes import embedded_model_path, free_port, splitserve_command
 from splitserve.flags import add_dtype_argument
@@ -75,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--otlp-traces-endpoint", default=None, help="splitserve: trace every request to this OTLP/gRPC collector"
+    )
+    parser.add_argument(
+        "--explain-slow-tokens",
+        action="store_true",
+        help="splitserve: trace to a receiver in this process and say what each token gap over 200 ms held",
     )
     parser.add_argument("--server", choices=["pd", "colocated", "vllm"], default="pd")
     parser.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (--server vllm)")
@@ -226,6 +235,18 @@ def log_events(log_path: Path) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    if not args.explain_slow_tokens:
+        return run(args)
+    with slow_tokens.receiving() as (receiver, endpoint):
+        args.otlp_traces_endpoint = endpoint
+        returncode = run(args)  # the server has exported its spans when it exits
+    gaps = slow_tokens.summarize(receiver.slow_tokens)
+    (args.output_dir / f"{args.label}-slow-tokens.json").write_text(json.dumps(gaps, indent=2))
+    print(f"{receiver.num_spans} spans received\n{slow_tokens.table(gaps)}")
+    return returncode
+
+
+def run(args: argparse.Namespace) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = args.output_dir / f"{args.label}-server.log"
