@@ -15,6 +15,12 @@ Presets:
 Prints a markdown table with the CPU model and flags (``lscpu``) for docs/benchmarks.md::
 
     python -m bench.routing --preset routing --output-dir /tmp/routing
+
+Bound: the hit rate a round can reach at best, every request but the first of each prefix
+hitting its whole prefix (each round draws prefixes of its own). Expected cached tokens
+missed: of the prompt tokens kv routing expected cached on the prefill instance it chose,
+those that instance computed after all (evicted, or not there yet). Passed over: cached
+tokens another instance held beyond the chosen one's (given up to balance load).
 """
 
 from __future__ import annotations
@@ -76,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds per mode (after the warm-up round)")
     parser.add_argument("--num-prompts", type=int, default=24, help="requests per round")
     parser.add_argument("--request-rate", type=float, default=0.5)
+    parser.add_argument("--modes", default=None, help="comma-separated, of the preset's (default: all of them)")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="the clusters' (DEBUG: the gateway logs each prefix kv routing missed)"
+    )
     add_dtype_argument(parser, default="float32")
     return parser.parse_args(argv)
 
@@ -85,7 +95,7 @@ def start_cluster(mode: str, preset: Preset, args: argparse.Namespace) -> tuple[
     log = open(args.output_dir / f"{mode}-server.log", "w")  # noqa: SIM115 - the child holds it until it exits
     flags = [*preset.up, *preset.modes[mode]]
     print(f"[{mode}] splitserve up --dtype {args.dtype} {' '.join(flags)}", flush=True)
-    return start_up(port, args.dtype, flags, log), f"http://127.0.0.1:{port}"
+    return start_up(port, args.dtype, flags, log, log_level=args.log_level), f"http://127.0.0.1:{port}"
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -95,6 +105,8 @@ def scrape(url: str) -> dict[str, float]:
     for name in ("splitserve_prompt_tokens_total", "splitserve_cached_prompt_tokens_total"):
         found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
         values[name] = float(found[1]) if found else 0.0
+    for found in re.finditer(r'^splitserve_routed_prefix_tokens_total\{outcome="(\w+)"\} (\S+)$', text, re.MULTILINE):
+        values[f"routed:{found[1]}"] = float(found[2])
     for found in re.finditer(
         r'^splitserve_pd_decision_total\{path="(\w+)",reason="(\w+)"\} (\S+)$', text, re.MULTILINE
     ):
@@ -137,12 +149,31 @@ def run_round(mode: str, url: str, round_index: int, preset: Preset, args: argpa
     return result_dir / filename
 
 
+def selected_modes(args: argparse.Namespace, preset: Preset) -> list[str]:
+    modes = args.modes.split(",") if args.modes else list(preset.modes)
+    unknown = set(modes) - set(preset.modes)
+    if unknown:
+        raise SystemExit(f"--modes: {', '.join(sorted(unknown))} not in the preset's {', '.join(preset.modes)}")
+    return modes
+
+
+def num_reusable_prefix_tokens(result: dict, workload: tuple[str, ...]) -> int:
+    """Shared-prefix tokens a round could serve from prefix caches at best: every request but
+    the first of each prefix (each round has prefixes of its own, from its seed)."""
+    if "--prefix-len" not in workload:
+        return 0
+    prefix_len = int(workload[workload.index("--prefix-len") + 1])
+    groups = [w for w, error in zip(result["workloads"], result["errors"], strict=True) if not error]
+    return prefix_len * (len(groups) - len(set(groups)))
+
+
 def summary(args: argparse.Namespace, preset: Preset) -> str:
     rows = []
-    for mode in preset.modes:
+    for mode in selected_modes(args, preset):
         ttfts: dict[str, list[float]] = {}
-        prompt = cached = 0.0
+        prompt = cached = reusable = 0.0
         decisions: dict[str, float] = {}
+        routed = {"served": 0.0, "missed": 0.0, "passed_over": 0.0}
         failed = 0
         for round_index in range(1, args.rounds + 1):
             result = json.loads((args.output_dir / mode / f"round{round_index}.json").read_text())
@@ -155,6 +186,9 @@ def summary(args: argparse.Namespace, preset: Preset) -> str:
                         ttfts.setdefault(workload.split(":")[0] + "-token prompts", []).append(ttft * 1000)
             prompt += gateway["splitserve_prompt_tokens_total"]
             cached += gateway["splitserve_cached_prompt_tokens_total"]
+            reusable += num_reusable_prefix_tokens(result, preset.workload)
+            for outcome in routed:
+                routed[outcome] += gateway.get(f"routed:{outcome}", 0.0)
             for key, value in gateway.items():
                 if key.startswith("pd:"):
                     decisions[key[3:]] = decisions.get(key[3:], 0.0) + value
@@ -162,13 +196,14 @@ def summary(args: argparse.Namespace, preset: Preset) -> str:
             rows.append(
                 f"| {mode} | {name} | {len(values)} | {np.percentile(values, 50):.0f} / "
                 f"{np.percentile(values, 99):.0f} "
-                f"| {cached / prompt if prompt else 0:.1%} | {failed} | "
-                + ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions.items()))
-                + " |"
+                f"| {cached / prompt if prompt else 0:.1%} | {reusable / prompt if prompt else 0:.1%} "
+                f"| {routed['missed']:.0f} / {routed['served'] + routed['missed']:.0f} | {routed['passed_over']:.0f} "
+                f"| {failed} | " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions.items())) + " |"
             )
     header = [
-        "| mode | requests | n | TTFT p50 / p99 (ms) | prefix-cache hit rate | failed | P/D decisions |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | requests | n | TTFT p50 / p99 (ms) | prefix-cache hit rate | bound | expected cached tokens missed "
+        "| cached tokens passed over | failed | P/D decisions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join([*header, *rows])
 
@@ -185,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     preset = PRESETS[args.preset]
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    clusters = {mode: start_cluster(mode, preset, args) for mode in preset.modes}
+    modes = selected_modes(args, preset)
+    clusters = {mode: start_cluster(mode, preset, args) for mode in modes}
     try:
         for server, url in clusters.values():
             wait_ready(url, server)
-        modes = list(preset.modes)
         for round_index in range(args.rounds + 1):
             for mode in modes if round_index % 2 == 0 else reversed(modes):
                 run_round(mode, clusters[mode][1], round_index, preset, args)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock
-from engine.kv_cache_utils import XXH3, BlockHasher, cdiv
+from engine.kv_cache_utils import XXH3, BlockHash, BlockHasher, cdiv
 from engine.kv_events import KVEventLog
 from engine.request import Request
 
@@ -70,6 +70,25 @@ class KVCacheManager:
         estimate for load reports (no token check, no reference taken, no statistics)."""
         if not self.enable_prefix_caching:
             return 0
+        return self._num_cached_prefix_blocks(request) * self.block_size
+
+    def first_uncached_block_hash(self, request: Request) -> BlockHash | None:
+        """The hash of the first of the request's leading full blocks that the prefix cache
+        does not hold, where a hit would stop now; None when it holds every one a hit may take."""
+        if not self.enable_prefix_caching:
+            return None
+        num_hits = self._num_cached_prefix_blocks(request)
+        return request.block_hashes[num_hits] if num_hits < (request.num_tokens - 1) // self.block_size else None
+
+    def blocks_still_to_cache(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks not registered in the prefix cache yet: for a
+        prefill under way, the blocks of its prompt that later steps compute."""
+        if not self.enable_prefix_caching:
+            return []
+        request.update_block_hashes(self.block_size, self.block_hasher)
+        return request.block_hashes[self._num_cached_blocks.get(request.request_id, 0) :]
+
+    def _num_cached_prefix_blocks(self, request: Request) -> int:
         request.update_block_hashes(self.block_size, self.block_hasher)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         num_hits = 0
@@ -77,7 +96,7 @@ class KVCacheManager:
             if block_hash not in self.block_pool.cached_blocks:
                 break
             num_hits += 1
-        return num_hits * self.block_size
+        return num_hits
 
     def allocate_slots(
         self,

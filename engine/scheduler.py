@@ -8,6 +8,11 @@ priorities are given), with their prompts chunked to fit. When blocks run
 out, the lowest-priority, latest-arrived running request is preempted: its
 blocks are freed and it later recomputes prompt plus output, losing nothing.
 
+A waiting prompt whose prefix-cache hit stops at a block that a prefill under way is about
+to compute (two requests with one system prompt, arriving close together) waits for that
+block instead of computing the shared prefix a second time beside it; the requests behind
+it are admitted meanwhile (``_prompt_blocks_in_flight``).
+
 A decoding request with drafts (speculative decoding, engine/spec_decode) costs one token
 plus its drafts; drafts are only scheduled where their slots fit without preempting anyone,
 and after the step the rejected ones are rolled back (``_update_spec``).
@@ -42,7 +47,7 @@ from collections.abc import Iterable, Iterator
 
 from engine.config import EngineRole
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_cache_utils import cdiv
+from engine.kv_cache_utils import BlockHash, cdiv
 from engine.kv_loader import KVLoad, KVLoader, KVLoadResult
 from engine.outputs import KVHandoff
 from engine.request import Request, RequestStatus
@@ -250,19 +255,25 @@ class Scheduler:
             budget -= self._schedule_drafts(scheduled, budget)
 
         # Admitting more work in a step that had to preempt would only thrash.
-        while self.waiting and budget > 0 and not preempted:
+        in_flight = self._prompt_blocks_in_flight() if self.waiting and not preempted else set()
+        num_held = 0  # waiting prompts passed over this step: their next block is in flight
+        while len(self.waiting) > num_held and budget > 0 and not preempted:
             if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting[num_held]
             if request.num_external_tokens:
                 if not self._admit_handoff(request):
                     break
+                continue
+            if in_flight and kv.first_uncached_block_hash(request) in in_flight:
+                num_held += 1
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._chunk(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(num_held)
+            in_flight.update(kv.blocks_still_to_cache(request))
             request.num_computed_tokens = num_hit_tokens
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
@@ -287,6 +298,19 @@ class Scheduler:
             num_spec_decodes=len(spec_decodes),
             num_spec_tokens=sum(s.num_new_tokens for s in spec_decodes),
         )
+
+    def _prompt_blocks_in_flight(self) -> set[BlockHash]:
+        """Prompt blocks that prefills under way have still to compute. A waiting prompt whose
+        next block (where its prefix-cache hit stops) is one of them is held back until that
+        block is computed: admitted now, it would compute the rest of the shared prefix a
+        second time beside the prefill that is computing it, and leave only one copy cached.
+        Held, it hits the prefix a step or a few later and computes only its own blocks."""
+        return {
+            block_hash
+            for request in self.running
+            if _num_prefill_tokens_left(request)
+            for block_hash in self.kv_cache_manager.blocks_still_to_cache(request)
+        }
 
     # ------------------------------------------------------- the hand-off window
 
@@ -342,7 +366,7 @@ class Scheduler:
         num_new_tokens = request.num_external_tokens - num_hit_tokens
         if kv.allocate_slots(request, num_new_tokens, computed_blocks, cache_new_blocks=False) is None:
             return False
-        self.waiting.pop(0)
+        self.waiting.remove(request)  # the head, or the first after prompts held for a block in flight
         request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.timing.kv_load_started_at = request.timing.first_scheduled_at = time.monotonic()

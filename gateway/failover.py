@@ -176,6 +176,7 @@ class Failover:
                     except grpc.aio.AioRpcError as error:
                         traced.failed(error)
                         raise
+                self._count_routed_prefix(request, prefill, response.num_cached_tokens)
                 return response, prefill
             except grpc.aio.AioRpcError as error:
                 last_error = self._failed(prefill, error, "prefill", request.trace)
@@ -184,6 +185,27 @@ class Failover:
                 self._background.spawn(abort_prefill(prefill.channel, prefill_request_id, prefill.address))
                 raise
         raise _exhausted("prefill", last_error, tried)
+
+    def _count_routed_prefix(self, request: DispatchRequest, prefill: InstanceState, num_cached_tokens: int) -> None:
+        """What kv routing expected the chosen P to hold against what it served from its cache:
+        a miss is a prefix the index believed there that was evicted, or not there yet."""
+        expected, passed_over = request.blocks.expected_hit_tokens, request.blocks.passed_over_tokens
+        if self.metrics is not None and passed_over:
+            self.metrics.routed_prefix_tokens.labels(outcome="passed_over").inc(passed_over)
+        if not expected:
+            return
+        served = min(expected, num_cached_tokens)
+        if served < expected:
+            logger.debug(
+                "prefill of %s on %s: %d cached prompt tokens expected, %d served",
+                request.request_id,
+                prefill.address,
+                expected,
+                num_cached_tokens,
+            )
+        if self.metrics is not None:
+            self.metrics.routed_prefix_tokens.labels(outcome="served").inc(served)
+            self.metrics.routed_prefix_tokens.labels(outcome="missed").inc(expected - served)
 
     async def _reprefill(
         self, request: DispatchRequest, prefill_request_id: str, prefer: InstanceState | None

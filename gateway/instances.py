@@ -28,7 +28,6 @@ from gateway.registry_state import RegistryState
 from gateway.routing import (
     WAITING_WEIGHT,
     decode_cost,
-    num_evicted_blocks,
     num_hit_tokens,
     num_new_blocks,
     prefill_cost_s,
@@ -287,17 +286,31 @@ class InstancePool:
         if prefer in admissible:
             chosen = prefer
         elif kv_prompt is not None:
-            chosen = min(
-                admissible,
-                key=lambda s: (self._kv_cost(role, s, admissible, num_prompt_tokens, kv_prompt), s.score),
-            )
+            costs = {
+                id(s): (self._kv_cost(role, s, admissible, num_prompt_tokens, kv_prompt), s.score) for s in admissible
+            }
+            chosen = min(admissible, key=lambda s: costs[id(s)])
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "kv routing of a %d-token prompt to a %s instance: %s",
+                    num_prompt_tokens,
+                    role,
+                    ", ".join(
+                        f"{s.address} cost {costs[id(s)][0]:.3g} hit {self.index.num_hit_blocks(s.address, kv_prompt)}"
+                        f"{' (chosen)' if s is chosen else ''}"
+                        for s in admissible
+                    ),
+                )
         else:
             chosen = min(admissible, key=lambda s: s.score)
         charge = num_prompt_tokens
         if role == "decode":
             charge = 0  # decode instances queue no prompt tokens
         elif kv_prompt is not None:
-            charge = num_prompt_tokens - self._num_hit_tokens(chosen, num_prompt_tokens, kv_prompt)
+            kv_prompt.expected_hit_tokens = self._num_hit_tokens(chosen, num_prompt_tokens, kv_prompt)
+            most_held = max(self._num_hit_tokens(s, num_prompt_tokens, kv_prompt) for s in admissible)
+            kv_prompt.passed_over_tokens = most_held - kv_prompt.expected_hit_tokens
+            charge = num_prompt_tokens - kv_prompt.expected_hit_tokens
         chosen.num_dispatched += 1
         chosen.num_picked += 1
         chosen.num_dispatched_tokens += charge
@@ -333,7 +346,7 @@ class InstancePool:
         num_hit_blocks = self.index.num_hit_blocks(state.address, prompt)
         num_uncached = num_prompt_tokens - num_hit_tokens(num_hit_blocks, block_size, num_prompt_tokens)
         num_new = num_new_blocks(num_prompt_tokens, num_hit_blocks, block_size)
-        num_evicted = num_evicted_blocks(num_new, report.num_total_blocks, self.index.num_cached_blocks(state.address))
+        num_evicted = self.index.eviction_cost_blocks(state.address, prompt, num_new, report.num_total_blocks)
         return prefill_cost_s(
             report.num_pending_prefill_tokens + state.num_dispatched_tokens,
             report.prefill_tokens_per_s,

@@ -91,6 +91,14 @@ class GatewayMetrics:
         self.cached_prompt_tokens = Counter(
             "splitserve_cached_prompt_tokens", "Prompt tokens served by a prefix cache", registry=r
         )
+        self.routed_prefix_tokens = Counter(
+            "splitserve_routed_prefix_tokens",
+            "Prompt tokens kv routing expected cached on the prefill instance it chose: served from that cache "
+            "(outcome=served) or computed there after all (outcome=missed); and those another instance held "
+            "beyond what the chosen one did (outcome=passed_over)",
+            ["outcome"],
+            registry=r,
+        )
         self.generation_tokens = Counter("splitserve_generation_tokens", "Output tokens sent", registry=r)
         self.kv_transfer_bytes = Counter(
             "splitserve_kv_transfer_bytes", "KV bytes moved from prefill to decode", registry=r

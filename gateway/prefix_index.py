@@ -15,17 +15,27 @@ blocks the request will leave behind are *predicted* on the instance it went to,
 ``PREDICTION_TTL_S`` or until events confirm them: without that, a burst of requests sharing a new prefix would spread
 over every instance before the first one's blocks were reported.
 
+Each instance's cached blocks are kept in the order it would evict them (least recently used
+first, a request's last block before its first, as the engine frees them), with when each
+was last used: stored, or hit by a request sent there. That prices an eviction: the blocks
+a new prompt would push out, each worth what its age says of its reuse
+(``gateway/reuse_ages.py``).
+
 Bounded memory: per instance at most its reported block count of hashes (cached and
 predicted each); an instance that leaves the pool is forgotten.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_utils import XXH3, BlockHash, BlockHasher, extend_block_hashes
+from gateway.reuse_ages import ReuseAges
 from splitserve.v1 import disaggregation_pb2
 
 logger = logging.getLogger(__name__)
@@ -44,6 +54,12 @@ class PromptBlocks:
 
     token_ids: list[int]
     cache_salt: str = ""
+    # Prompt tokens the index expected cached where kv routing last sent the prompt's prefill,
+    # to compare with what that instance served from its cache (``splitserve_routed_prefix_tokens``).
+    expected_hit_tokens: int = 0
+    # Of the prompt tokens some admissible instance held, those the chosen one did not: what
+    # kv routing gave up for the load it balanced (``outcome=passed_over``).
+    passed_over_tokens: int = 0
     _chains: dict[tuple[int, BlockHasher], list[BlockHash]] = field(default_factory=dict)
 
     def chain(self, block_size: int, hasher: BlockHasher = XXH3) -> list[BlockHash]:
@@ -60,18 +76,27 @@ class _InstanceBlocks:
     last_seq: int = 0
     block_size: int = 0  # 0 until the first events arrive
     hasher: BlockHasher | None = XXH3  # the instance's block hash; None: one this gateway cannot compute
-    cached: set[BlockHash] = field(default_factory=set)
+    # hash -> when last used (the index's clock), in eviction order: least recently used first
+    cached: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)
     predicted: dict[BlockHash, float] = field(default_factory=dict)  # hash -> monotonic expiry
     overflowed: bool = False  # said once: the instance reported more hashes than it has blocks
 
 
 class PrefixIndex:
-    def __init__(self, prediction_ttl_s: float = PREDICTION_TTL_S, hash_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        prediction_ttl_s: float = PREDICTION_TTL_S,
+        hash_key: bytes | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``hash_key``: the prefix-cache hash key derived from this gateway's cluster secret
-        (``cluster.derived_keys.prefix_cache_key``), for instances that hash with HMAC-SHA256."""
+        (``cluster.derived_keys.prefix_cache_key``), for instances that hash with HMAC-SHA256.
+        ``clock``: seconds, monotonic (a test replays a recorded sequence on its own clock)."""
         self.prediction_ttl_s = prediction_ttl_s
         self._hash_key = hash_key
+        self._clock = clock
         self._instances: dict[str, _InstanceBlocks] = {}  # by address
+        self.reuse_ages = ReuseAges()
 
     def cursor(self, address: str) -> tuple[int, int]:
         """(epoch, last sequence number) to ask the instance's events after."""
@@ -99,9 +124,11 @@ class PrefixIndex:
         blocks.hasher = hasher
         for raw in events.removed:
             block_hash = _block_hash(raw)
-            blocks.cached.discard(block_hash)
+            blocks.cached.pop(block_hash, None)
             blocks.predicted.pop(block_hash, None)
-        for raw in events.stored:
+        now = self._clock()
+        # Stored in prompt order; the engine evicts a request's last block first, so its first is the newest.
+        for raw in reversed(events.stored):
             if len(blocks.cached) >= max_blocks:
                 if not blocks.overflowed:
                     blocks.overflowed = True
@@ -110,7 +137,8 @@ class PrefixIndex:
                     )
                 break
             block_hash = _block_hash(raw)
-            blocks.cached.add(block_hash)
+            blocks.cached[block_hash] = now
+            blocks.cached.move_to_end(block_hash)
             blocks.predicted.pop(block_hash, None)
 
     def forget(self, address: str) -> None:
@@ -125,7 +153,7 @@ class PrefixIndex:
         blocks = self._instances.get(address)
         if blocks is None or not blocks.block_size or blocks.hasher is None:
             return 0
-        now = time.monotonic()
+        now = self._clock()
         num_hits = 0
         for block_hash in prompt.chain(blocks.block_size, blocks.hasher):
             if block_hash not in blocks.cached and blocks.predicted.get(block_hash, 0.0) < now:
@@ -134,15 +162,24 @@ class PrefixIndex:
         return num_hits
 
     def predict(self, address: str, prompt: PromptBlocks, max_blocks: int) -> None:
-        """The request was just sent to this instance: expect its prompt's full blocks there."""
+        """The request was just sent to this instance: the cached blocks it hits are used now
+        (how long they went unused is a reuse age), and its prompt's other full blocks are
+        expected there."""
         blocks = self._instances.get(address)
         if blocks is None or not blocks.block_size or blocks.hasher is None:
             return
-        now = time.monotonic()
+        now = self._clock()
+        chain = prompt.chain(blocks.block_size, blocks.hasher)
+        hits = list(itertools.takewhile(blocks.cached.__contains__, chain))
+        if hits:
+            self.reuse_ages.observe(now - blocks.cached[hits[0]])
+        for block_hash in reversed(hits):
+            blocks.cached[block_hash] = now
+            blocks.cached.move_to_end(block_hash)
         if len(blocks.predicted) >= max_blocks:
             blocks.predicted = {h: expiry for h, expiry in blocks.predicted.items() if expiry >= now}
         expiry = now + self.prediction_ttl_s
-        for block_hash in prompt.chain(blocks.block_size, blocks.hasher):
+        for block_hash in chain:
             if len(blocks.predicted) >= max_blocks:
                 break
             if block_hash not in blocks.cached:
@@ -153,6 +190,36 @@ class PrefixIndex:
         if name == "hmac-sha256":
             return BlockHasher("sha256", self._hash_key) if self._hash_key is not None else None
         return _UNKEYED_HASHERS.get(name)
+
+    def eviction_cost_blocks(
+        self, address: str, prompt: PromptBlocks, num_new_blocks: int, num_total_blocks: int
+    ) -> float:
+        """What the instance's cache would lose, in blocks to recompute, if ``num_new_blocks``
+        of the prompt were put there: the blocks it would evict to make room (its least
+        recently used ones beyond its free blocks, the prompt's own excluded), each worth what
+        its age says of its reuse. 0 when the instance's block count is not known yet."""
+        blocks = self._instances.get(address)
+        if blocks is None or num_total_blocks <= 0:
+            return 0.0
+        num_free = num_total_blocks - len(blocks.cached) - len(blocks.predicted)
+        num_evicted = num_new_blocks - max(0, num_free)
+        if num_evicted <= 0:
+            return 0.0
+        num_gone = max(0, -num_free)  # the oldest ones, evicted for blocks predicted there already
+        own = set(prompt.chain(blocks.block_size, blocks.hasher)) if blocks.block_size and blocks.hasher else set()
+        now = self._clock()
+        cost = 0.0
+        for block_hash, last_used in blocks.cached.items():
+            if num_evicted == 0:
+                break
+            if block_hash in own:
+                continue
+            if num_gone:
+                num_gone -= 1
+                continue
+            cost += self.reuse_ages.value(now - last_used)
+            num_evicted -= 1
+        return cost + num_evicted  # past every block the index knows of: counted in full
 
     def num_cached_blocks(self, address: str) -> int:
         """Blocks the instance's prefix cache holds, or is predicted to hold soon."""

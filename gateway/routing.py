@@ -6,18 +6,26 @@
 
 - prefill (and colocated) instance ``i``, in seconds until the request's prefill is done::
 
-      cost_P(i) = (queued_i + prompt - hit_i + block_size * evicted_i) / rate_i
+      cost_P(i) = (queued_i + prompt - hit_i + EVICTION_WEIGHT * block_size * evicted_i) / rate_i
 
   ``queued_i``: prompt tokens it still has to compute (its report) plus those this gateway
   sent since (their uncached part); ``hit_i``: prompt tokens its prefix cache holds (the
   leading blocks of the request's hash chain found in the index, at most ``prompt - 1``: the
-  last token is always computed); ``evicted_i``: cached blocks the request's new blocks
-  would push out there (new blocks beyond those holding nothing cached: its block count
-  minus what the index holds for it), counted as the prefill it would take to compute
-  them again; ``rate_i``: its measured prefill tokens/s (the mean of the measured ones for
-  an instance that has none yet). Without the eviction term a prompt cached nowhere went to
-  whichever idle instance measured the higher rate, every time: one instance held every
-  prefix and thrashed while the other's cache stayed empty.
+  last token is always computed); ``evicted_i``: the cached blocks the request's new blocks
+  would push out there (new blocks beyond its free ones: its block count minus what the
+  index holds for it), least recently used first, each counted by what its age says it
+  is still worth, from 1 to 0 (``PrefixIndex.eviction_cost_blocks``,
+  ``gateway/reuse_ages.py``), and weighed at ``EVICTION_WEIGHT`` times its recompute: the
+  request that finds it gone computes it again (its TTFT pays) and in doing so pushes out
+  live blocks in turn. At twice, an instance that measured a prefill rate twice the
+  other's still took new prefixes it had no room for (the replay in
+  tests/gateway/test_routing_replay.py); ``rate_i``: its
+  measured prefill tokens/s (the mean of the measured ones for an instance that has none
+  yet). Without the eviction term a prompt cached nowhere went to whichever idle instance
+  measured the higher rate, every time: one instance held every prefix and thrashed while
+  the other's cache stayed empty. With every eviction priced in full, two full instances
+  cost the same for every new prefix and the first-ranked one took them all, evicting its
+  own live prefixes while the other held only dead ones.
 
 - decode instance ``i``, in load units (one waiting request = 4, as in ``load``)::
 
@@ -39,6 +47,8 @@ from engine.kv_cache_utils import cdiv
 # Waiting requests weigh more than running ones: each still needs its prefill (or its
 # pull), while a running one costs only a share of the next decode step.
 WAITING_WEIGHT = 4
+# A live cached block pushed out costs more than its own recompute (see cost_P above).
+EVICTION_WEIGHT = 3
 
 
 def num_hit_tokens(num_hit_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
@@ -51,23 +61,15 @@ def num_new_blocks(num_prompt_tokens: int, num_hit_blocks: int, block_size: int)
     return max(0, cdiv(num_prompt_tokens, block_size) - num_hit_blocks)
 
 
-def num_evicted_blocks(num_new_blocks: int, num_total_blocks: int, num_cached_blocks: int) -> int:
-    """Cached blocks an instance would evict to make ``num_new_blocks`` new ones (none when
-    its block count is not known yet)."""
-    if num_total_blocks <= 0:
-        return 0
-    return max(0, num_new_blocks - max(0, num_total_blocks - num_cached_blocks))
-
-
 def prefill_cost_s(
     num_pending_tokens: int,
     prefill_tokens_per_s: float,
     num_uncached_tokens: int,
-    num_evicted_tokens: int,
+    num_evicted_tokens: float,
     fallback_rate: float,
 ) -> float:
     rate = prefill_tokens_per_s if prefill_tokens_per_s > 0 else fallback_rate
-    return (num_pending_tokens + num_uncached_tokens + num_evicted_tokens) / rate
+    return (num_pending_tokens + num_uncached_tokens + EVICTION_WEIGHT * num_evicted_tokens) / rate
 
 
 def decode_cost(num_waiting: int, num_running: int, num_new_blocks: int, num_free_blocks: int) -> float:

@@ -90,6 +90,26 @@ def test_prefix_cache_hit_shares_blocks_and_counts_refs() -> None:
     assert pool.get_cached_block(scheduler_block_hash(shared), shared[4:8]) is pool.blocks[1]
 
 
+def test_a_prompt_whose_next_block_a_prefill_is_computing_waits_for_it_and_hits() -> None:
+    scheduler = make_scheduler(num_blocks=32, block_size=4, long_prefill_token_threshold=8)
+    shared = list(range(100, 116))  # four full blocks
+    scheduler.add_request(make_request("a", shared + [1, 2], max_tokens=3))
+    scheduler.add_request(make_request("b", shared + [3], max_tokens=3))
+    scheduler.add_request(make_request("c", list(range(200, 205)), max_tokens=3))
+    output = run_step(scheduler)
+    # a computes blocks 0-1; b would hit them and compute blocks 2-3 beside a: it waits, and
+    # c, behind it, shares nothing and is admitted.
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 8), ("c", 5)]
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled if s.num_new_tokens > 1] == [("a", 8)]
+    b = next(s for s in output.scheduled if s.request.request_id == "b")
+    assert b.request.num_cached_tokens == 16 and b.num_new_tokens == 1  # the whole shared prefix, once
+    assert block_ids(scheduler, "b")[:4] == block_ids(scheduler, "a")[:4]
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert_all_free(scheduler)
+
+
 def scheduler_block_hash(tokens: list[int]):
     from engine.kv_cache_utils import hash_block_tokens
 

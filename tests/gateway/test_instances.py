@@ -393,7 +393,7 @@ def test_kv_routing_puts_a_prompt_cached_nowhere_where_it_evicts_least() -> None
             pool.instances[address].report.num_total_blocks = 100
         pool.index.apply("p:1", full, 100)  # faster, but its cache is full of other prefixes
         pool.index.apply("p:2", empty, 100)
-        # p:1: (1024 + 64 * 16 evicted) / 1500 = 1.37 s; p:2: 1024 / 1000 = 1.02 s (without the
+        # p:1: (1024 + 3 * 64 * 16 evicted) / 1500 = 2.73 s; p:2: 1024 / 1000 = 1.02 s (without the
         # eviction term p:1 would win with 0.68 s, and keep winning every new prefix).
         assert pool.pick_prefill(num_prompt_tokens=1024, prompt=prompt).address == "p:2"
 

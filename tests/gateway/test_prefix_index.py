@@ -14,6 +14,7 @@ from engine.block_pool import BlockPool
 from engine.kv_cache_utils import BlockHasher, extend_block_hashes
 from engine.kv_events import KVEventLog
 from gateway.prefix_index import PrefixIndex, PromptBlocks
+from gateway.reuse_ages import ReuseAges
 from splitserve.v1 import disaggregation_pb2
 
 
@@ -123,3 +124,60 @@ def test_an_instance_holds_at_most_its_block_count() -> None:
     assert index.num_cached_blocks("p:1") == 8
     index.predict("p:1", PromptBlocks(list(range(400))), max_blocks=8)
     assert len(index._instances["p:1"].predicted) == 8
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_hit_at_dispatch_is_a_reuse_age_and_makes_its_blocks_the_newest() -> None:
+    clock = _Clock()
+    index = PrefixIndex(clock=clock)
+    old, new = PromptBlocks(list(range(8))), PromptBlocks(list(range(100, 108)))
+    index.apply("p:1", _events(old.chain(4), snapshot=True), max_blocks=100)
+    clock.now += 5
+    index.apply("p:1", _events(new.chain(4), last_seq=2), max_blocks=100)
+    clock.now += 30
+    index.predict("p:1", old, max_blocks=100)  # hits both blocks of ``old``, unused for 35 s
+    assert len(index.reuse_ages) == 1 and index.reuse_ages.horizon_s() == 1.5 * 35
+    # Eviction order now: ``new``'s last block, its first, then ``old``'s last, its first.
+    assert list(index._instances["p:1"].cached) == [*reversed(new.chain(4)), *reversed(old.chain(4))]
+
+
+def test_an_eviction_costs_what_the_evicted_blocks_ages_say_of_their_reuse() -> None:
+    clock = _Clock()
+    index = PrefixIndex(clock=clock)
+    for age in (1.0, 2.0, 3.0, 4.0):  # reuses seen so far: 1 to 4 s after the previous use
+        index.reuse_ages.observe(age)
+    stale, fresh = PromptBlocks(list(range(8))), PromptBlocks(list(range(100, 108)))
+    incoming = PromptBlocks(list(range(200, 216)))  # 4 blocks
+    index.apply("p:1", _events(stale.chain(4), snapshot=True), max_blocks=100)
+    clock.now += 10
+    index.apply("p:1", _events(fresh.chain(4), last_seq=2), max_blocks=100)
+    clock.now += 3
+    # The reuse horizon: 1.5 times the 95th percentile of the reuse ages, 6 s.
+    # 6 blocks: 2 free; the other 2 new ones evict ``stale`` (13 s unused: past the horizon, worth 0).
+    assert index.eviction_cost_blocks("p:1", incoming, 4, num_total_blocks=6) == 0.0
+    # 4 blocks: nothing free; ``stale`` then ``fresh`` (3 s unused: half the horizon, worth 0.5 each).
+    assert index.eviction_cost_blocks("p:1", incoming, 4, num_total_blocks=4) == 1.0
+    # Room for everything, or a block count not reported yet: nothing is evicted.
+    assert index.eviction_cost_blocks("p:1", incoming, 4, num_total_blocks=100) == 0.0
+    assert index.eviction_cost_blocks("p:1", incoming, 4, num_total_blocks=0) == 0.0
+    # Two blocks predicted there already push out ``stale``; the prompt's 4 then evict ``fresh``
+    # and 2 more than the index knows of, which count in full.
+    index.predict("p:1", PromptBlocks(list(range(300, 308))), max_blocks=100)
+    assert index.eviction_cost_blocks("p:1", incoming, 4, num_total_blocks=4) == 3.0
+
+
+def test_reuse_ages_keep_only_the_recent_ones() -> None:
+    ages = ReuseAges(max_samples=3)
+    assert ages.value(1e9) == 1.0  # nothing seen: every block counts in full
+    for age in (100.0, 1.0, 2.0, 3.0):
+        ages.observe(age)
+    # 100 s is forgotten: the horizon is 1.5 times the largest of 1, 2 and 3 s (their 95th percentile).
+    assert len(ages) == 3 and ages.horizon_s() == 4.5
+    assert (ages.value(0.0), ages.value(2.25), ages.value(4.5), ages.value(60.0)) == (1.0, 0.5, 0.0, 0.0)
