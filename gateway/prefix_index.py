@@ -129,14 +129,26 @@ class PrefixIndex:
         now = self._clock()
         # Stored in prompt order; the engine evicts a request's last block first, so its first is the newest.
         for raw in reversed(events.stored):
-            if len(blocks.cached) >= max_blocks:
+            block_hash = _block_hash(raw)
+            if block_hash not in blocks.cached and len(blocks.cached) >= max_blocks:
+                if not events.snapshot:
+                    # This view holds hashes the instance no longer does: ignoring its new ones from
+                    # now on would blind routing to it (it did, in a benchmark run). Start over from
+                    # a snapshot at the next poll.
+                    logger.warning(
+                        "the prefix index of instance %s went out of step with it (more than its %d blocks); "
+                        "reading a snapshot of its cache",
+                        address,
+                        max_blocks,
+                    )
+                    blocks.epoch = blocks.last_seq = 0
+                    return
                 if not blocks.overflowed:
                     blocks.overflowed = True
                     logger.warning(
                         "instance %s reports more cached blocks than its %d; ignoring the excess", address, max_blocks
                     )
                 break
-            block_hash = _block_hash(raw)
             blocks.cached[block_hash] = now
             blocks.cached.move_to_end(block_hash)
             blocks.predicted.pop(block_hash, None)

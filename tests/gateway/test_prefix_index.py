@@ -181,3 +181,17 @@ def test_reuse_ages_keep_only_the_recent_ones() -> None:
     # 100 s is forgotten: the horizon is 1.5 times the largest of 1, 2 and 3 s (their 95th percentile).
     assert len(ages) == 3 and ages.horizon_s() == 4.5
     assert (ages.value(0.0), ages.value(2.25), ages.value(4.5), ages.value(60.0)) == (1.0, 0.5, 0.0, 0.0)
+
+
+def test_an_index_out_of_step_with_its_instance_reads_a_snapshot_rather_than_go_blind() -> None:
+    index = PrefixIndex()
+    index.apply("p:1", _events([1, 2, 3, 4], snapshot=True), max_blocks=4)
+    index.apply("p:1", _events([4], last_seq=2), max_blocks=4)  # stored again: nothing new
+    assert index.cursor("p:1") == (7, 2)
+    # A fifth hash with no removal: this view holds one the instance no longer does.
+    index.apply("p:1", _events([5], last_seq=3), max_blocks=4)
+    assert index.cursor("p:1") == (0, 0)  # the next poll asks from scratch: a snapshot
+    index.apply("p:1", _events([2, 5], snapshot=True, last_seq=3), max_blocks=4)
+    prompt = PromptBlocks(list(range(8)))
+    assert index.cursor("p:1") == (7, 3) and index.num_cached_blocks("p:1") == 2
+    assert index.num_hit_blocks("p:1", prompt) == 0
