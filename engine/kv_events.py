@@ -7,7 +7,8 @@ evicts or forgets (``removed``) here, on the engine thread. A reader (the gRPC
 sequence number it saw, in the log's epoch:
 
 1. same epoch, and every event after its cursor still in the log: the hashes whose state
-   changed since then, each once with its state now (stored or removed), and the new cursor;
+   changed since then, each once with its state now (stored or removed), in the order of
+   their latest events, and the new cursor;
 2. otherwise (the instance restarted: a new epoch; or the reader fell so far behind that the
    bounded log dropped events it missed): a snapshot, every hash cached now, which replaces
    whatever the reader held.
@@ -69,11 +70,14 @@ class KVEventLog:
                 or (after_seq < self._last_seq and after_seq + 1 < oldest_kept)
             ):
                 return self._snapshot()
-            changed: set[BlockHash] = set()
+            # Each changed hash once, in the order of its latest event: the order a request's
+            # blocks were stored in (its prompt's), which the gateway's eviction order follows.
+            newest_first: dict[BlockHash, None] = {}
             for seq, block_hash in reversed(self._events):
                 if seq <= after_seq:
                     break
-                changed.add(block_hash)
+                newest_first.setdefault(block_hash)
+            changed = list(reversed(newest_first))
             stored = [h for h in changed if h in self._cached]
             removed = [h for h in changed if h not in self._cached]
             return KVEventBatch(self.epoch, self._last_seq, False, stored, removed)

@@ -30,7 +30,8 @@ from gateway.routing import (
     decode_cost,
     num_hit_tokens,
     num_new_blocks,
-    prefill_cost_s,
+    prefill_costs_s,
+    prefill_estimate,
 )
 from splitserve.v1 import disaggregation_pb2
 
@@ -283,21 +284,30 @@ class InstancePool:
                 1,
             )
         kv_prompt = prompt if self.routing == "kv" else None  # routed by its cached prefix
+        # Each candidate's cached prefix of the prompt, in blocks (kv routing only).
+        hits = (
+            {id(s): self.index.num_hit_blocks(s.address, kv_prompt) for s in admissible}
+            if kv_prompt is not None
+            else {}
+        )
         if prefer in admissible:
             chosen = prefer
         elif kv_prompt is not None:
-            costs = {
-                id(s): (self._kv_cost(role, s, admissible, num_prompt_tokens, kv_prompt), s.score) for s in admissible
-            }
-            chosen = min(admissible, key=lambda s: costs[id(s)])
+            costs = dict(
+                zip(
+                    (id(s) for s in admissible),
+                    self._kv_costs(role, admissible, num_prompt_tokens, kv_prompt, hits),
+                    strict=True,
+                )
+            )
+            chosen = min(admissible, key=lambda s: (costs[id(s)], s.score))
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug(
                     "kv routing of a %d-token prompt to a %s instance: %s",
                     num_prompt_tokens,
                     role,
                     ", ".join(
-                        f"{s.address} cost {costs[id(s)][0]:.3g} hit {self.index.num_hit_blocks(s.address, kv_prompt)}"
-                        f"{' (chosen)' if s is chosen else ''}"
+                        f"{s.address} cost {costs[id(s)]:.3g} hit {hits[id(s)]}{' (chosen)' if s is chosen else ''}"
                         for s in admissible
                     ),
                 )
@@ -307,9 +317,11 @@ class InstancePool:
         if role == "decode":
             charge = 0  # decode instances queue no prompt tokens
         elif kv_prompt is not None:
-            kv_prompt.expected_hit_tokens = self._num_hit_tokens(chosen, num_prompt_tokens, kv_prompt)
-            most_held = max(self._num_hit_tokens(s, num_prompt_tokens, kv_prompt) for s in admissible)
-            kv_prompt.passed_over_tokens = most_held - kv_prompt.expected_hit_tokens
+            hit_tokens = {
+                id(s): num_hit_tokens(hits[id(s)], self._block_size(s), num_prompt_tokens) for s in admissible
+            }
+            kv_prompt.expected_hit_tokens = hit_tokens[id(chosen)]
+            kv_prompt.passed_over_tokens = max(hit_tokens.values()) - kv_prompt.expected_hit_tokens
             charge = num_prompt_tokens - kv_prompt.expected_hit_tokens
         chosen.num_dispatched += 1
         chosen.num_picked += 1
@@ -319,41 +331,45 @@ class InstancePool:
             self.index.predict(chosen.address, kv_prompt, self._max_blocks(chosen))
         return chosen
 
-    def _kv_cost(
+    def _kv_costs(
         self,
         role: Role,
-        state: InstanceState,
         candidates: list[InstanceState],
         num_prompt_tokens: int,
         prompt: PromptBlocks,
-    ) -> float:
-        """``gateway.routing``'s cost of sending the prompt to ``state``; lower is better."""
-        report = state.healthy_report
+        hits: dict[int, int],
+    ) -> list[float]:
+        """``gateway.routing``'s cost of sending the prompt to each candidate (lower is better),
+        given the blocks of it each one holds (``hits``, by ``id``)."""
         if role == "decode":
-            block_size = self._block_size(state)
-            num_new = num_new_blocks(num_prompt_tokens, self.index.num_hit_blocks(state.address, prompt), block_size)
-            return decode_cost(
-                report.num_waiting + state.num_dispatched,
-                report.num_running + state.num_started,
-                num_new,
-                report.num_free_blocks,
-            )
+            return [
+                decode_cost(
+                    s.healthy_report.num_waiting + s.num_dispatched,
+                    s.healthy_report.num_running + s.num_started,
+                    num_new_blocks(num_prompt_tokens, hits[id(s)], self._block_size(s)),
+                    s.healthy_report.num_free_blocks,
+                )
+                for s in candidates
+            ]
         measured = [
             r.prefill_tokens_per_s for r in (s.healthy_report for s in candidates) if r.prefill_tokens_per_s > 0
         ]
         fallback_rate = sum(measured) / len(measured) if measured else _UNMEASURED_PREFILL_TOKENS_PER_S
-        block_size = self._block_size(state)
-        num_hit_blocks = self.index.num_hit_blocks(state.address, prompt)
-        num_uncached = num_prompt_tokens - num_hit_tokens(num_hit_blocks, block_size, num_prompt_tokens)
-        num_new = num_new_blocks(num_prompt_tokens, num_hit_blocks, block_size)
-        num_evicted = self.index.eviction_cost_blocks(state.address, prompt, num_new, report.num_total_blocks)
-        return prefill_cost_s(
-            report.num_pending_prefill_tokens + state.num_dispatched_tokens,
-            report.prefill_tokens_per_s,
-            num_uncached,
-            num_evicted * block_size,
-            fallback_rate,
-        )
+        estimates = []
+        for state in candidates:
+            report, block_size, num_hit_blocks = state.healthy_report, self._block_size(state), hits[id(state)]
+            num_new = num_new_blocks(num_prompt_tokens, num_hit_blocks, block_size)
+            num_evicted = self.index.eviction_cost_blocks(state.address, prompt, num_new, report.num_total_blocks)
+            estimates.append(
+                prefill_estimate(
+                    report.num_pending_prefill_tokens + state.num_dispatched_tokens,
+                    report.prefill_tokens_per_s,
+                    num_prompt_tokens - num_hit_tokens(num_hit_blocks, block_size, num_prompt_tokens),
+                    num_evicted * block_size,
+                    fallback_rate,
+                )
+            )
+        return prefill_costs_s(estimates)
 
     def _num_hit_tokens(self, state: InstanceState, num_prompt_tokens: int, prompt: PromptBlocks) -> int:
         return num_hit_tokens(

@@ -81,6 +81,11 @@ class _InstanceBlocks:
     predicted: dict[BlockHash, float] = field(default_factory=dict)  # hash -> monotonic expiry
     overflowed: bool = False  # said once: the instance reported more hashes than it has blocks
 
+    def touch(self, block_hash: BlockHash, now: float) -> None:
+        """The block is cached and was used ``now``: last in eviction order."""
+        self.cached[block_hash] = now
+        self.cached.move_to_end(block_hash)
+
 
 class PrefixIndex:
     def __init__(
@@ -149,8 +154,7 @@ class PrefixIndex:
                         "instance %s reports more cached blocks than its %d; ignoring the excess", address, max_blocks
                     )
                 break
-            blocks.cached[block_hash] = now
-            blocks.cached.move_to_end(block_hash)
+            blocks.touch(block_hash, now)
             blocks.predicted.pop(block_hash, None)
 
     def forget(self, address: str) -> None:
@@ -186,8 +190,7 @@ class PrefixIndex:
         if hits:
             self.reuse_ages.observe(now - blocks.cached[hits[0]])
         for block_hash in reversed(hits):
-            blocks.cached[block_hash] = now
-            blocks.cached.move_to_end(block_hash)
+            blocks.touch(block_hash, now)
         if len(blocks.predicted) >= max_blocks:
             blocks.predicted = {h: expiry for h, expiry in blocks.predicted.items() if expiry >= now}
         expiry = now + self.prediction_ttl_s

@@ -27,6 +27,16 @@
   cost the same for every new prefix and the first-ranked one took them all, evicting its
   own live prefixes while the other held only dead ones.
 
+  Latency first: the eviction term may send a request to an instance other than the one
+  that would finish its prefill soonest (the lowest ``cost_P`` without it) only if that
+  instance would start it about as soon: its queue (``queued_i / rate_i``) at most
+  ``EQUALLY_SOON`` of this prompt's own prefill longer than the soonest one's. Sparing live
+  blocks is worth a wait that every request after pays once, not one request queued behind
+  another's long prompts: priced in full, the eviction term sent a new prefix to the busier
+  instance, and that request was a run's slowest (6.1 s where ``load`` served it in 4.4 s).
+  Idle instances start every prompt at once, so between them the eviction term decides as
+  before, whatever their rates.
+
 - decode instance ``i``, in load units (one waiting request = 4, as in ``load``)::
 
       cost_D(i) = 4 * (waiting_i + dispatched_i) + running_i + 4 * new_blocks_i / max(free_i, 1)
@@ -42,6 +52,10 @@ Ties go to the lower ``load`` score. A prefill that finished re-prefilling keeps
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from engine.kv_cache_utils import cdiv
 
 # Waiting requests weigh more than running ones: each still needs its prefill (or its
@@ -49,6 +63,9 @@ from engine.kv_cache_utils import cdiv
 WAITING_WEIGHT = 4
 # A live cached block pushed out costs more than its own recompute (see cost_P above).
 EVICTION_WEIGHT = 3
+# How much longer than the soonest instance's queue another's may be for the eviction term to
+# choose it, as a share of the prompt's own prefill there (see cost_P above).
+EQUALLY_SOON = 0.25
 
 
 def num_hit_tokens(num_hit_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
@@ -61,15 +78,45 @@ def num_new_blocks(num_prompt_tokens: int, num_hit_blocks: int, block_size: int)
     return max(0, cdiv(num_prompt_tokens, block_size) - num_hit_blocks)
 
 
-def prefill_cost_s(
+@dataclass(frozen=True, slots=True)
+class PrefillEstimate:
+    """What sending a prompt to one prefill (or colocated) instance would take, in seconds."""
+
+    wait_s: float  # before it starts the prompt: the tokens queued there / its rate
+    compute_s: float  # the prompt's uncached tokens / its rate
+    eviction_s: float  # EVICTION_WEIGHT * the tokens of live blocks it would push out / its rate
+
+    @property
+    def latency_s(self) -> float:
+        return self.wait_s + self.compute_s
+
+    @property
+    def cost_s(self) -> float:
+        return self.latency_s + self.eviction_s
+
+
+def prefill_estimate(
     num_pending_tokens: int,
     prefill_tokens_per_s: float,
     num_uncached_tokens: int,
     num_evicted_tokens: float,
     fallback_rate: float,
-) -> float:
+) -> PrefillEstimate:
     rate = prefill_tokens_per_s if prefill_tokens_per_s > 0 else fallback_rate
-    return (num_pending_tokens + num_uncached_tokens + EVICTION_WEIGHT * num_evicted_tokens) / rate
+    return PrefillEstimate(
+        num_pending_tokens / rate, num_uncached_tokens / rate, EVICTION_WEIGHT * num_evicted_tokens / rate
+    )
+
+
+def prefill_costs_s(estimates: Sequence[PrefillEstimate]) -> list[float]:
+    """Each instance's ``cost_P`` (lower is better), latency first: infinite for an instance
+    the eviction term may not choose, one that would start the prompt later than the
+    soonest-finishing instance by more than ``EQUALLY_SOON`` of the prompt's prefill there."""
+    if not estimates:
+        return []
+    soonest = min(estimates, key=lambda e: e.latency_s)
+    latest_start_s = soonest.wait_s + EQUALLY_SOON * soonest.compute_s
+    return [e.cost_s if e is soonest or e.wait_s <= latest_start_s else math.inf for e in estimates]
 
 
 def decode_cost(num_waiting: int, num_running: int, num_new_blocks: int, num_free_blocks: int) -> float:

@@ -53,3 +53,18 @@ def test_a_reader_that_missed_events_gets_a_snapshot(reason: str) -> None:
     else:  # three events since the cursor, the log keeps two
         batch = log.read(cursor.epoch, cursor.last_seq)
         assert batch.snapshot and sorted(batch.stored) == sorted(hashes)
+
+
+def test_a_batch_keeps_the_order_its_hashes_changed_in() -> None:
+    """A request's blocks are stored in prompt order, and the gateway's view of the eviction
+    order relies on it (gateway/prefix_index.py): a batch lists them so, each at its latest event."""
+    log = KVEventLog(max_events=100)
+    pool = BlockPool(num_blocks=64, enable_prefix_caching=True, events=log)
+    cursor = log.read(0, 0)
+    chain: list[BlockHash] = []
+    for i in range(40):
+        chain.append(_cache(pool, [i, i + 1], chain[-1] if chain else None))
+    log.removed(chain[0])
+    log.stored(chain[0])  # its latest event comes last
+    batch = log.read(cursor.epoch, cursor.last_seq)
+    assert batch.stored == [*chain[1:], chain[0]] and batch.removed == []

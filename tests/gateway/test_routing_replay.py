@@ -155,3 +155,45 @@ def test_back_to_back_rounds_hit_nearly_every_prefix_they_have_seen(faster: floa
     """No pause: the previous round's prompts are as young as this round's when it starts."""
     rounds = _replay({"p:1": 1000.0 * faster, "p:2": 1000.0}, num_rounds=6, pause_s=0.0)
     assert sum(hits for hits, _ in rounds) >= 0.95 * sum(possible for _, possible in rounds)
+
+
+@pytest.mark.parametrize(
+    ("queued_tokens", "expected"),
+    [(1600, "p:1"), (200, "p:2")],
+    ids=["a queue longer than a quarter prefill: the idle one", "about as soon: spare the live blocks"],
+)
+def test_live_blocks_are_spared_only_where_the_prompt_starts_about_as_soon(queued_tokens: int, expected: str) -> None:
+    """The slowest request of a measured run: a new prompt, one instance idle but full of
+    prompts just used, the other with room but a queue. Priced in full, sparing the live
+    blocks sent the prompt behind the queue (1.6 s here, its own prefill 1.1 s); latency
+    first, it waits there only if it would start about as soon."""
+    clock = Clock()
+    rng = random.Random(3)
+
+    async def body() -> str:
+        pool = InstancePool(stale_after_s=3600, routing="kv", index=PrefixIndex(clock=clock))
+        try:
+            pool.add("d:1", "decode")
+            pool.record_report("d:1", disaggregation_pb2.LoadReport(role="decode", fingerprint=FINGERPRINT), True)
+            for address in ("p:1", "p:2"):
+                pool.add(address, "prefill")
+                pool.index.apply(address, disaggregation_pb2.KVEvents(epoch=1, snapshot=True, block_size=16), 1 << 20)
+            pool.record_report("p:1", _report(1000.0), serving=True)
+            busy = _report(1000.0)
+            busy.num_pending_prefill_tokens = queued_tokens
+            pool.record_report("p:2", busy, serving=True)
+            full = SimulatedCache()
+            for _ in range(6):  # six prompts of 68 blocks: more than its 364
+                prompt = [rng.randrange(1000, 30000) for _ in range(PREFIX_BLOCKS * BLOCK_SIZE + SUFFIX_TOKENS)]
+                clock.now += 1.0
+                _, events = full.prefill(PromptBlocks(prompt).chain(BLOCK_SIZE))
+                pool.index.apply("p:1", events, NUM_BLOCKS)
+            assert pool.index.num_cached_blocks("p:1") == NUM_BLOCKS
+            new = _round(rng)[0]
+            chosen = pool.pick_prefill(num_prompt_tokens=len(new), prompt=PromptBlocks(new))
+            assert chosen is not None
+            return chosen.address
+        finally:
+            await pool.close()
+
+    assert asyncio.run(body()) == expected
