@@ -14,9 +14,14 @@ decode, preemptions::
     python -m bench.overload --output-dir results/overload --label gaps --skip-alone --explain-slow-tokens
 
 The server is ``splitserve up`` with prefill pinned to one core and decode to the other
-(``--server pd``), ``splitserve up --colocated`` (``colocated``), or vLLM's OpenAI server
-from another Python environment (``vllm --vllm-python VENV/bin/python``), each on the
-same model (the embedded one by default) and dtype, so they compare in one run.
+(``--server pd``), ``splitserve up --colocated`` (``colocated``), vLLM's OpenAI server
+from another Python environment (``vllm --vllm-python VENV/bin/python``), or llama.cpp's
+``llama-server`` (``llama --llama-server PATH``: ``--llama-threads`` threads, ``--llama-slots``
+slots batched continuously), each on the same model (the embedded one by default; ``--model``
+a folder or a GGUF file, which llama-server needs) and dtype, so they compare in one run::
+
+    python -m bench.overload --server llama --llama-server build/bin/llama-server \
+        --model SmolLM2-135M-Instruct.Q4_1.gguf --output-dir results/llama --label llama-q4_1
 ``--source-dir`` serves splitserve from another checkout (``git worktree add``), so that
 two commits are measured side by side. ``--explain-slow-tokens`` traces every request to a
 receiver in this process and files each token gap over 200 ms under what the decode step
@@ -85,9 +90,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="splitserve: trace to a receiver in this process and say what each token gap over 200 ms held",
     )
-    parser.add_argument("--server", choices=["pd", "colocated", "vllm"], default="pd")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="a model folder or GGUF file (default: the embedded model)"
+    )
+    parser.add_argument("--server", choices=["pd", "colocated", "vllm", "llama"], default="pd")
     parser.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (--server vllm)")
     parser.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (--server llama)")
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama-server --threads")
+    parser.add_argument("--llama-slots", type=int, default=8, help="llama-server --parallel")
     return parser.parse_args(argv)
 
 
@@ -95,6 +106,8 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
     log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
     if args.server == "vllm":
         return start_vllm(args, port, log)
+    if args.server == "llama":
+        return start_llama(args, port, log)
     if args.server == "colocated":
         flags = ["--colocated"]
     else:
@@ -107,6 +120,8 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
         flags += ["--long-prefill-token-threshold", args.long_prefill_token_threshold]
     if args.otlp_traces_endpoint is not None:
         flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    if args.model is not None:
+        flags += ["--model", str(args.model)]
     # INFO: the server log is parsed afterwards for cut-off pulls, failed releases and the like.
     return start_up(port, args.dtype, flags, log, log_level="INFO", source_dir=args.source_dir)
 
@@ -120,7 +135,7 @@ def start_vllm(args: argparse.Namespace, port: int, log: IO[str]) -> subprocess.
         "-m",
         "vllm.entrypoints.cli.main",
         "serve",
-        str(embedded_model_path()),
+        str(args.model or embedded_model_path()),
         "--port",
         str(port),
         "--dtype",
@@ -130,6 +145,35 @@ def start_vllm(args: argparse.Namespace, port: int, log: IO[str]) -> subprocess.
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def start_llama(args: argparse.Namespace, port: int, log: IO[str]) -> subprocess.Popen[bytes]:
+    """llama.cpp's server on a GGUF file: every slot with room for the long prompts and their
+    output, batched continuously, under the embedded model's name."""
+    if args.llama_server is None or args.model is None or args.model.suffix != ".gguf":
+        raise ValueError("--server llama needs --llama-server (its binary) and --model FILE.gguf")
+    slot_tokens = args.long_input_len + 128 + 256  # the longest request, and room for its tokenization
+    command = [
+        args.llama_server,
+        "--model",
+        str(args.model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(args.llama_threads),
+        "--threads-batch",
+        str(args.llama_threads),
+        "--parallel",
+        str(args.llama_slots),
+        "--ctx-size",
+        str(slot_tokens * args.llama_slots),
+        "--cont-batching",
+        "--alias",
+        "SmolLM2-135M-Instruct",
+    ]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
 def bench_command(
@@ -258,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     }
     num_long = max(1, round(args.num_chatty * args.long_rate / args.chatty_rate))
     try:
-        wait_ready(url, server, "/health" if args.server == "vllm" else "/ready")
+        wait_ready(url, server, "/health" if args.server in ("vllm", "llama") else "/ready")
         if args.single_stream:
             subprocess.run(
                 bench_command(

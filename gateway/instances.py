@@ -41,6 +41,8 @@ Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 # A rate to divide queued prompt tokens by when no candidate has measured one yet.
 _UNMEASURED_PREFILL_TOKENS_PER_S = 1000.0
+# A prefill rate not measured again for this long counts as unknown to kv routing (_routing_rates).
+RATE_STALE_S = 30.0
 CHANNEL_CLOSE_GRACE_S = 30.0
 # gRPC backs off up to minutes between reconnects by default; an instance that comes
 # (back) up should be routable within a poll or two.
@@ -71,6 +73,9 @@ class InstanceState:
     # stream still decodes), which that report cannot show either.
     num_started: int = 0
     num_reports: int = 0  # reports recorded so far: which dispatches the latest one can show
+    # Monotonic time its reported prefill rate last changed: every step that computes prompt
+    # tokens moves it, so an unchanged rate is one measured that long ago.
+    rate_measured_at: float = 0.0
 
     @contextmanager
     def call(self, num_prompt_tokens: int | None = None) -> Iterator[Callable[[], None]]:
@@ -189,6 +194,8 @@ class InstancePool:
                 )
             serving = False
         was_healthy = state.is_healthy(time.monotonic(), self.stale_after_s)
+        if state.report is None or report.prefill_tokens_per_s != state.report.prefill_tokens_per_s:
+            state.rate_measured_at = time.monotonic()
         state.report, state.serving, state.reported_at = report, serving, time.monotonic()
         state.num_dispatched = state.num_dispatched_tokens = state.num_started = 0
         state.num_reports += 1
@@ -351,9 +358,8 @@ class InstancePool:
                 )
                 for s in candidates
             ]
-        measured = [
-            r.prefill_tokens_per_s for r in (s.healthy_report for s in candidates) if r.prefill_tokens_per_s > 0
-        ]
+        rates = _routing_rates(candidates, time.monotonic())
+        measured = [rate for rate in rates.values() if rate > 0]
         fallback_rate = sum(measured) / len(measured) if measured else _UNMEASURED_PREFILL_TOKENS_PER_S
         estimates = []
         for state in candidates:
@@ -363,7 +369,7 @@ class InstancePool:
             estimates.append(
                 prefill_estimate(
                     report.num_pending_prefill_tokens + state.num_dispatched_tokens,
-                    report.prefill_tokens_per_s,
+                    rates[id(state)],
                     num_prompt_tokens - num_hit_tokens(num_hit_blocks, block_size, num_prompt_tokens),
                     num_evicted * block_size,
                     fallback_rate,
@@ -428,6 +434,18 @@ class InstancePool:
     def _close(self, state: InstanceState) -> None:
         # Requests still streaming over the channel may finish within the grace period.
         self._closing.spawn(state.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
+
+
+def _routing_rates(candidates: list[InstanceState], now: float) -> dict[int, float]:
+    """Each candidate's prefill rate for kv routing (by ``id``), 0 for one to take as the
+    measured ones' mean: unmeasured, or measured more than ``RATE_STALE_S`` ago while another
+    candidate's rate is recent. An instance that measured itself slow (its start-up prefill
+    beside other instances' start-ups, a burst of other work on its core) would otherwise be
+    passed over for as long as the others' queues stay short, and never measure again: in a
+    benchmark run, a prefill instance whose warm-up had measured 141 tokens/s took no request
+    in the first 19, while the other measured 500 and more."""
+    fresh = {id(s) for s in candidates if now - s.rate_measured_at <= RATE_STALE_S}
+    return {id(s): s.healthy_report.prefill_tokens_per_s if id(s) in fresh or not fresh else 0.0 for s in candidates}
 
 
 def kv_compatible(a: disaggregation_pb2.Fingerprint, b: disaggregation_pb2.Fingerprint) -> bool:

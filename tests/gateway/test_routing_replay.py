@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import pytest
 
 from engine.kv_cache_utils import BlockHash
-from gateway.instances import InstancePool
+from gateway.instances import RATE_STALE_S, InstancePool
 from gateway.prefix_index import PrefixIndex, PromptBlocks
 from splitserve.v1 import disaggregation_pb2
 
@@ -197,3 +198,38 @@ def test_live_blocks_are_spared_only_where_the_prompt_starts_about_as_soon(queue
             await pool.close()
 
     assert asyncio.run(body()) == expected
+
+
+def test_a_rate_measured_long_ago_counts_as_the_recent_ones_mean() -> None:
+    """A benchmark run's start: one prefill instance's warm-up measured 141 tokens/s (beside
+    five other start-ups on two cores), the other's real prompts 500. Taken at its word, the
+    first stays passed over while the other's queue is short, and never measures again; past
+    ``RATE_STALE_S`` without a new measurement it is taken as fast as the other, and an idle
+    instance beats one with a queue."""
+
+    async def body() -> list[str]:
+        pool = InstancePool(stale_after_s=3600, routing="kv", index=PrefixIndex())
+        try:
+            pool.add("d:1", "decode")
+            pool.record_report("d:1", disaggregation_pb2.LoadReport(role="decode", fingerprint=FINGERPRINT), True)
+            for address in ("p:1", "p:2"):
+                pool.add(address, "prefill")
+                pool.index.apply(address, disaggregation_pb2.KVEvents(epoch=1, snapshot=True, block_size=16), 1 << 20)
+            pool.record_report("p:1", _report(141.0), serving=True)
+            busy = _report(500.0)
+            busy.num_pending_prefill_tokens = 300
+            pool.record_report("p:2", busy, serving=True)
+            chosen = []
+            for token, measured_ago_s in ((7, RATE_STALE_S - 5), (8, RATE_STALE_S + 5)):
+                prompt = [token] * (PREFIX_BLOCKS * BLOCK_SIZE + SUFFIX_TOKENS)  # a new one each time
+                pool.instances["p:1"].rate_measured_at = time.monotonic() - measured_ago_s
+                pool.record_report("p:1", _report(141.0), serving=True)  # the same rate: no new measurement
+                state = pool.pick_prefill(num_prompt_tokens=len(prompt), prompt=PromptBlocks(prompt))
+                assert state is not None
+                chosen.append(state.address)
+                pool.record_report("p:2", busy, serving=True)  # forget the dispatch
+            return chosen
+        finally:
+            await pool.close()
+
+    assert asyncio.run(body()) == ["p:2", "p:1"]
