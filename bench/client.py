@@ -190,32 +190,51 @@ async def send_request(
     record: RequestRecord,
     run_started_at: float,
 ) -> RequestRecord:
-    """POST ``payload`` and stream the answer into ``record``; never raises but for cancellation."""
+    """POST ``payload`` and stream the answer into ``record``; never raises but for cancellation.
+
+    A request the server disconnects before answering at all is sent once more, on a new
+    connection: a server may close a kept-alive connection between two requests (llama.cpp's
+    llama-server does, every other request of a single stream), and the pool hands it out
+    before it sees the close. Its time counts from the first send."""
     sent_at = time.perf_counter()
     record.start_time = sent_at - run_started_at
     stream = StreamAccumulator(record, sent_at)
-    decoder = SSEDecoder()
-    try:
-        async with session.post(url, json=payload, headers=headers) as response:
-            if response.status != 200:
-                body = (await response.text(errors="replace"))[:_MAX_ERROR_CHARS]
-                stream.fail(f"HTTP {response.status} {response.reason}: {body}")
-                return stream.finish()
-            record.server_timing = parse_server_timing(response.headers.get(SERVER_TIMING_HEADER))
-            # Read to the end even after [DONE], so the connection goes back to the pool
-            # instead of being closed half-read (a new connection would tax the next TTFT).
-            async for data in response.content.iter_any():
-                now = time.perf_counter()
-                for event in decoder.feed(data):
-                    stream.on_event(event, now)
-            now = time.perf_counter()
-            for event in decoder.close():
-                stream.on_event(event, now)
-    except TimeoutError:
-        stream.fail("timed out (--request-timeout)")
-    except (aiohttp.ClientError, OSError) as error:
-        stream.fail(f"{type(error).__name__}: {error}")
+    for attempt in range(2):
+        answered = False
+        try:
+            async with session.post(url, json=payload, headers=headers) as response:
+                answered = True
+                await _read_answer(response, stream)
+            break
+        except aiohttp.ServerDisconnectedError as error:
+            if answered or attempt:
+                stream.fail(f"{type(error).__name__}: {error}")
+                break
+        except TimeoutError:
+            stream.fail("timed out (--request-timeout)")
+            break
+        except (aiohttp.ClientError, OSError) as error:
+            stream.fail(f"{type(error).__name__}: {error}")
+            break
     return stream.finish()
+
+
+async def _read_answer(response: aiohttp.ClientResponse, stream: StreamAccumulator) -> None:
+    if response.status != 200:
+        body = (await response.text(errors="replace"))[:_MAX_ERROR_CHARS]
+        stream.fail(f"HTTP {response.status} {response.reason}: {body}")
+        return
+    stream.record.server_timing = parse_server_timing(response.headers.get(SERVER_TIMING_HEADER))
+    decoder = SSEDecoder()
+    # Read to the end even after [DONE], so the connection goes back to the pool
+    # instead of being closed half-read (a new connection would tax the next TTFT).
+    async for data in response.content.iter_any():
+        now = time.perf_counter()
+        for event in decoder.feed(data):
+            stream.on_event(event, now)
+    now = time.perf_counter()
+    for event in decoder.close():
+        stream.on_event(event, now)
 
 
 @dataclass(frozen=True, slots=True)

@@ -188,11 +188,15 @@ def bench_command(
     max_concurrency: int | None = None,
 ) -> list[str]:
     concurrency = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
+    # Prompt lengths are measured with the model folder's tokenizer, else the embedded model's (its GGUF file's too).
+    tokenizer = args.model if args.model is not None and args.model.is_dir() else embedded_model_path()
     return splitserve_command(
         "bench",
         "serve",
         "--base-url",
         url,
+        "--tokenizer",
+        str(tokenizer),
         "--dataset",
         "random",
         *concurrency,

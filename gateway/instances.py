@@ -375,6 +375,15 @@ class InstancePool:
                     fallback_rate,
                 )
             )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "prefill estimates (s): %s",
+                ", ".join(
+                    f"{s.address} wait {e.wait_s:.2f} compute {e.compute_s:.2f} eviction {e.eviction_s:.2f} "
+                    f"at {rates[id(s)] or fallback_rate:.0f} tokens/s"
+                    for s, e in zip(candidates, estimates, strict=True)
+                ),
+            )
         return prefill_costs_s(estimates)
 
     def _num_hit_tokens(self, state: InstanceState, num_prompt_tokens: int, prompt: PromptBlocks) -> int:

@@ -7,7 +7,8 @@ Per request: wait ``ttft_s``, then stream ``max_tokens`` one-word chunks
 ``itl_s`` apart, a finish chunk, a usage chunk (prompt tokens = words in the
 prompt, which with the tests' tokenizer is the token count) and ``data: [DONE]``.
 Chat answers start with a role-only delta sent at once, which a correct client must
-not take for the first token. Requests can be made to fail by arrival index.
+not take for the first token. Requests can be made to fail by arrival index, or their
+connection closed unanswered.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class FakeServerConfig:
     send_usage: bool = True
     http_error_at: set[int] = field(default_factory=set)  # arrival indices answered with HTTP 500
     stream_error_at: set[int] = field(default_factory=set)  # arrival indices that break after one chunk
+    # Arrival indices whose connection is closed unanswered, as a server closing a kept-alive one.
+    disconnect_at: set[int] = field(default_factory=set)
 
 
 class FakeOpenAIServer:
@@ -90,6 +93,10 @@ class FakeOpenAIServer:
         index = len(self.bodies)
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
+        if index in self.config.disconnect_at:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()  # never sent: the connection is gone
         if index in self.config.http_error_at:
             return web.json_response({"error": {"message": "fake overload", "type": "server_error"}}, status=500)
         chat = request.path.endswith("/chat/completions")

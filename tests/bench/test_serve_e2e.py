@@ -145,6 +145,30 @@ def test_failed_requests_are_counted_with_their_errors(tokenizer_dir: Path, tmp_
     assert result["total_output_tokens"] == 16 and len(result["ttfts"]) == 6
 
 
+def test_a_connection_closed_unanswered_is_sent_again_once(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """llama.cpp's llama-server closes a kept-alive connection every other request of a single
+    stream; a request it closes before answering goes again on a new connection. One closed
+    twice in a row fails."""
+    config = FakeServerConfig(ttft_s=0.01, itl_s=0.005, disconnect_at={1, 3, 4})
+    with FakeOpenAIServer(config) as server:
+        result = _serve(
+            server.base_url,
+            tokenizer_dir,
+            tmp_path,
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-concurrency",
+            "1",
+        )
+        assert len(server.bodies) == 5  # the three requests, the last two twice
+    assert (result["completed"], result["failed"]) == (2, 1)
+    assert result["errors"][2].startswith("ServerDisconnectedError")
+
+
 def test_max_concurrency_and_request_rate_shape_the_sends(tokenizer_dir: Path, tmp_path: Path) -> None:
     with FakeOpenAIServer(FakeServerConfig(ttft_s=0.03, itl_s=0.01)) as server:
         serial = _serve(
