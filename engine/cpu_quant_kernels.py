@@ -22,9 +22,14 @@ if TYPE_CHECKING:  # at run time only its attributes are read: importing it woul
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+# Rows up to which :meth:`QuantKernels.linear` beats dequantizing slices of the weight for the
+# float GEMM (engine/models/quantized_linear.py's docstring has the figures).
+MAX_KERNEL_ROWS = 32
 
 
 class QuantKernels:
+    max_kernel_rows = MAX_KERNEL_ROWS
+
     def __init__(self, library: ctypes.CDLL, bind: Callable[..., Any]) -> None:
         """``bind(library, name, restype, argtypes)``: engine.cpu_kernels' binder, one for the library."""
         self._library = library  # keeps the handle alive as long as the bound functions
@@ -36,6 +41,16 @@ class QuantKernels:
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
         return dtype in _DTYPES
+
+    @staticmethod
+    def keeps(weight: QuantizedWeight) -> bool:
+        """Every format of engine.models.quant_format has a kernel here."""
+        return True
+
+    @staticmethod
+    def place(weight: QuantizedWeight) -> QuantizedWeight:
+        """The blocks stay where they are: on the CPU."""
+        return weight
 
     def linear(
         self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, q8_activations: bool = False

@@ -27,21 +27,46 @@ slower from 64 (8.2 against 5.6).
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_quant_kernels import QuantKernels
+from engine.cpu_quant_kernels import MAX_KERNEL_ROWS
 from engine.models.quant_format import QuantizedWeight
+
+__all__ = ["MAX_KERNEL_ROWS", "QuantBackend", "QuantizedEmbedding", "QuantizedLinear", "MixedQuantizedLinear"]
 
 ActivationMode = Literal["q8", "float"]
 ACTIVATIONS_ENV = "SPLITSERVE_QUANT_ACTIVATIONS"
-# Rows up to which the kernels beat dequantizing slices for the float GEMM (module docstring).
-MAX_KERNEL_ROWS = 32
 # Float32 elements of one dequantized weight slice (4 MiB), as cpu_linear's upcast slices.
 _SLICE_ELEMENTS = 1 << 20
+
+
+class QuantBackend(Protocol):
+    """The kernels the quantized modules call: the native CPU ones (engine.cpu_quant_kernels) or
+    the Triton matmul (engine.models.triton_quant_matmul), same arguments and results."""
+
+    max_kernel_rows: int  # rows up to which ``linear`` beats the float GEMM on dequantized slices
+
+    def supports(self, dtype: torch.dtype) -> bool: ...
+
+    def keeps(self, weight: QuantizedWeight) -> bool:
+        """Whether these kernels take the weight's format (one they lack loads dequantized)."""
+        ...
+
+    def place(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """The weight's blocks where these kernels read them."""
+        ...
+
+    def linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, q8_activations: bool = False
+    ) -> torch.Tensor: ...
+
+    def dequantize_rows(self, weight: QuantizedWeight, start: int, end: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def embedding(self, weight: QuantizedWeight, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
 
 def activation_mode() -> ActivationMode:
@@ -57,7 +82,7 @@ class QuantizedLinear(nn.Module):
         self,
         weight: QuantizedWeight,
         bias: nn.Parameter | None,
-        kernels: QuantKernels | None,
+        kernels: QuantBackend | None,
         activations: ActivationMode = "float",
     ) -> None:
         super().__init__()
@@ -66,18 +91,18 @@ class QuantizedLinear(nn.Module):
         self.bias = bias
         self.kernels = kernels
         self.q8_activations = activations == "q8" and weight.takes_q8_activations
-        self.max_kernel_rows = 0 if kernels is None else MAX_KERNEL_ROWS
+        self.max_kernel_rows = 0 if kernels is None else kernels.max_kernel_rows
         self.slice_rows = max(1, _SLICE_ELEMENTS // self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
         num_rows = x.shape[0]
-        if self.kernels is None or not QuantKernels.supports(x.dtype):
+        if self.kernels is None or not self.kernels.supports(x.dtype):
             return F.linear(x, self.qweight.dequantize(x.dtype), self.bias)
         if num_rows <= self.max_kernel_rows and x.stride(1) == 1:
             return self.kernels.linear(x, self.qweight, self.bias, self.q8_activations)
         x32 = x.float()
-        out = torch.empty((num_rows, self.out_features), dtype=x.dtype)
+        out = torch.empty((num_rows, self.out_features), dtype=x.dtype, device=x.device)
         for start in range(0, self.out_features, self.slice_rows):
             end = min(start + self.slice_rows, self.out_features)
             product = x32 @ self.kernels.dequantize_rows(self.qweight, start, end, torch.float32).T
@@ -94,7 +119,7 @@ class QuantizedEmbedding(nn.Module):
     into the model's compute dtype. A tied LM head multiplies by the same table
     (a :class:`QuantizedLinear` over the same :class:`QuantizedWeight`)."""
 
-    def __init__(self, weight: QuantizedWeight, kernels: QuantKernels | None, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantizedWeight, kernels: QuantBackend | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.qweight = weight
         self.kernels = kernels
@@ -102,7 +127,7 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         # token_ids: [T] -> [T, hidden]
-        if self.kernels is not None and QuantKernels.supports(self.dtype):
+        if self.kernels is not None and self.kernels.supports(self.dtype):
             return self.kernels.embedding(self.qweight, token_ids.to(torch.int64), self.dtype)
         rows = QuantizedWeight(self.qweight.format, self.qweight.data[token_ids].contiguous(), self.qweight.in_features)
         return rows.dequantize(self.dtype)

@@ -13,8 +13,14 @@ On the CPU, with the native kernels, every :class:`QuantizedWeight` stays in its
 - under tensor parallelism each rank takes its rows, or its columns on whole blocks
   (:meth:`QuantizedWeight.columns` refuses any other split), as ``shard_of`` says for floats.
 
+On a GPU (or wherever ``SPLITSERVE_QUANT_KERNELS=triton`` asks for it: the tests run it on the
+CPU under Triton's interpreter) the same modules call the Triton dequantizing matmul
+(engine/models/triton_quant_matmul.py) instead, with the blocks on the device; weights in a
+format it lacks (the K-quants) are dequantized at load into ordinary float layers. Untested on a
+GPU.
+
 Float tensors (the norms, maybe the embedding) load as a safetensors checkpoint's do.
-Elsewhere (another device, no native kernels, a compute dtype the kernels do not take) every
+Elsewhere (no native kernels and no Triton one, a compute dtype the kernels do not take) every
 weight is dequantized at load and the model is an ordinary float one.
 
 The model is built on the meta device, so that no float copy of a quantized weight is ever
@@ -25,6 +31,7 @@ construction, so meta too) are computed again on the CPU.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 
@@ -34,12 +41,12 @@ from transformers import PretrainedConfig
 
 from engine import cpu_kernels
 from engine.attention.backend import AttentionBackend
-from engine.cpu_quant_kernels import QuantKernels
 from engine.models.llama import LlamaFamilyForCausalLM, ShardSlice, TensorParallel, map_name
 from engine.models.ops import ModelOps
 from engine.models.quant_format import QuantizedWeight
 from engine.models.quantized_linear import (
     MixedQuantizedLinear,
+    QuantBackend,
     QuantizedEmbedding,
     QuantizedLinear,
     activation_mode,
@@ -49,6 +56,8 @@ from engine.models.rotary import RotaryEmbedding
 logger = logging.getLogger(__name__)
 
 Payload = torch.Tensor | QuantizedWeight
+# ``triton``: the Triton kernel on any device (on the CPU, under TRITON_INTERPRET=1: for tests).
+QUANT_KERNELS_ENV = "SPLITSERVE_QUANT_KERNELS"
 
 
 def load_quantized(
@@ -66,12 +75,8 @@ def load_quantized(
     """The model of ``tensors`` (Hugging Face names, in checkpoint order), this rank's shard of it
     under ``parallel``, quantized where the module docstring says. ``source`` names the
     checkpoint in the log."""
-    kernels = cpu_kernels.load() if device.type == "cpu" else None
-    if kernels is None or not kernels.quant.supports(dtype):
-        if kernels is None:
-            reason = "no native CPU kernels" if device.type == "cpu" else f"no quantized kernels on {device.type}"
-        else:
-            reason = f"no quantized kernels for {dtype}"
+    quant, reason = _quant_backend(device, dtype)
+    if quant is None:
         logger.warning("%s: every weight dequantized to %s at load (%s)", source, dtype, reason)
         with torch.device(device):
             model = LlamaFamilyForCausalLM(config, architecture, max_positions, dtype, backend, ops, parallel).to(dtype)
@@ -80,10 +85,28 @@ def load_quantized(
 
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(config, architecture, max_positions, dtype, backend, ops, parallel).to(dtype)
-    floats = _quantize_modules(model, tensors, kernels.quant, dtype)
-    _materialize(model, RotaryEmbedding(config, model.shape.head_dim, max_positions, dtype, ops))
+    floats = _quantize_modules(model, tensors, quant, dtype)
+    with torch.device(device):
+        rotary = RotaryEmbedding(config, model.shape.head_dim, max_positions, dtype, ops)
+    _materialize(model, rotary, device)
     model.load_weights(floats)
     return model
+
+
+def _quant_backend(device: torch.device, dtype: torch.dtype) -> tuple[QuantBackend | None, str]:
+    """The kernels the quantized modules call on ``device``, or None and why there are none."""
+    if os.environ.get(QUANT_KERNELS_ENV) == "triton" or device.type == "cuda":
+        from engine.models.triton_quant_matmul import TritonQuantKernels  # imports Triton: only here
+
+        return TritonQuantKernels(device), ""
+    if device.type != "cpu":
+        return None, f"no quantized kernels on {device.type}"
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return None, "no native CPU kernels"
+    if not kernels.quant.supports(dtype):
+        return None, f"no quantized kernels for {dtype}"
+    return kernels.quant, ""
 
 
 def shard(model: LlamaFamilyForCausalLM, name: str, weight: QuantizedWeight) -> QuantizedWeight:
@@ -106,7 +129,7 @@ def _dequantized(tensors: Iterable[tuple[str, Payload]]) -> Iterator[tuple[str, 
 
 
 def _quantize_modules(
-    model: LlamaFamilyForCausalLM, tensors: Iterable[tuple[str, Payload]], kernels: QuantKernels, dtype: torch.dtype
+    model: LlamaFamilyForCausalLM, tensors: Iterable[tuple[str, Payload]], kernels: QuantBackend, dtype: torch.dtype
 ) -> list[tuple[str, torch.Tensor]]:
     """Put every quantized weight of ``tensors`` in its module (replacing ``nn.Linear`` by
     :class:`QuantizedLinear` or :class:`MixedQuantizedLinear`, ``nn.Embedding`` by
@@ -120,6 +143,11 @@ def _quantize_modules(
     for name, payload in tensors:
         if name.startswith("lm_head.") and tied:
             continue  # tied: the head is the embedding
+        if isinstance(payload, QuantizedWeight):
+            if not kernels.keeps(payload):  # a format these kernels lack: a float layer
+                floats.append((name, payload.dequantize()))
+                continue
+            payload = kernels.place(payload)
         if not isinstance(payload, QuantizedWeight):
             floats.append((name, payload))
         elif name == "model.embed_tokens.weight":
@@ -184,15 +212,15 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def _materialize(model: LlamaFamilyForCausalLM, rotary: RotaryEmbedding) -> None:
-    """Allocate on the CPU every parameter still on the meta device (tied ones stay tied), and
-    put ``rotary``'s tables, computed on the CPU, in place of the meta ones."""
+def _materialize(model: LlamaFamilyForCausalLM, rotary: RotaryEmbedding, device: torch.device) -> None:
+    """Allocate on ``device`` every parameter still on the meta device (tied ones stay tied), and
+    put ``rotary``'s tables, computed there, in place of the meta ones."""
     allocated: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, param in module.named_parameters(recurse=False):
             if param.is_meta:
                 if id(param) not in allocated:
-                    allocated[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad)
+                    allocated[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
                 setattr(module, key, allocated[id(param)])
     model.rotary.cos, model.rotary.sin = rotary.cos, rotary.sin
     left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]

@@ -14,11 +14,17 @@ activations' block. INT8 rows apply their per-row scale once, to the finished ti
 The activations are widened to float32 and the products accumulate in float32 (``tl.dot`` in
 IEEE float32: no TF32 rounding), so the result equals ``x.float() @ w.dequantize().T`` up to
 summation order. Tested under the Triton interpreter on CPU only (``TRITON_INTERPRET=1``,
-tests/engine/test_triton_quant_matmul.py): **untested on a GPU**, and not yet what the loader
-uses there (engine/models/quantized_model.py dequantizes every weight at load off the CPU).
+tests/engine/test_triton_quant_matmul.py): **untested on a GPU**.
+
+:class:`TritonQuantKernels` is the quantized modules' backend built on it
+(engine/models/quantized_linear.py's ``QuantBackend``): what a GGUF file or ``--quantization
+int8`` loads with on a GPU (engine/models/quantized_model.py), every row count through the
+kernel; embedding rows are dequantized with PyTorch where they are looked up.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
@@ -151,3 +157,39 @@ def quant_matmul(
         BLOCK_K=_BLOCK_K,
     )
     return y
+
+
+class TritonQuantKernels:
+    """The quantized modules' kernels on ``device``: :func:`quant_matmul` for every linear layer
+    (prefill rows too: it tiles them), PyTorch for the embedding rows a step looks up."""
+
+    max_kernel_rows = sys.maxsize
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point
+
+    @staticmethod
+    def keeps(weight: QuantizedWeight) -> bool:
+        """Whether the kernel takes the weight's format (a K-quant one is loaded dequantized)."""
+        return supports(weight)
+
+    def place(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """The weight's blocks on this backend's device."""
+        return QuantizedWeight(weight.format, weight.data.to(self.device), weight.in_features)
+
+    def linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, q8_activations: bool = False
+    ) -> torch.Tensor:
+        """``q8_activations`` is ignored: the activations stay float (float32 in the kernel)."""
+        return quant_matmul(x, weight, bias)
+
+    def dequantize_rows(self, weight: QuantizedWeight, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return weight.rows(start, end - start).dequantize(dtype)
+
+    def embedding(self, weight: QuantizedWeight, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = QuantizedWeight(weight.format, weight.data[token_ids].contiguous(), weight.in_features)
+        return rows.dequantize(dtype)
