@@ -121,22 +121,20 @@ def test_chat_endpoint_times_content_not_the_role_chunk(tokenizer_dir: Path, tmp
     assert len({body["messages"][0]["content"] for body in server.bodies}) == 1
 
 
+def _serve_one_at_a_time(server: FakeOpenAIServer, tokenizer_dir: Path, result_dir: Path, num_prompts: int) -> dict:
+    """``num_prompts`` small requests (8 tokens in, 4 out), one at a time."""
+    return _serve(
+        server.base_url,
+        tokenizer_dir,
+        result_dir,
+        *("--num-prompts", str(num_prompts), "--input-len", "8", "--output-len", "4", "--max-concurrency", "1"),
+    )
+
+
 def test_failed_requests_are_counted_with_their_errors(tokenizer_dir: Path, tmp_path: Path) -> None:
     config = FakeServerConfig(ttft_s=0.01, itl_s=0.005, http_error_at={1}, stream_error_at={3})
     with FakeOpenAIServer(config) as server:
-        result = _serve(
-            server.base_url,
-            tokenizer_dir,
-            tmp_path,
-            "--num-prompts",
-            "6",
-            "--input-len",
-            "8",
-            "--output-len",
-            "4",
-            "--max-concurrency",
-            "1",
-        )
+        result = _serve_one_at_a_time(server, tokenizer_dir, tmp_path, num_prompts=6)
     assert (result["completed"], result["failed"]) == (4, 2)
     errors = [e for e in result["errors"] if e]
     assert len(errors) == 2
@@ -151,19 +149,7 @@ def test_a_connection_closed_unanswered_is_sent_again_once(tokenizer_dir: Path, 
     twice in a row fails."""
     config = FakeServerConfig(ttft_s=0.01, itl_s=0.005, disconnect_at={1, 3, 4})
     with FakeOpenAIServer(config) as server:
-        result = _serve(
-            server.base_url,
-            tokenizer_dir,
-            tmp_path,
-            "--num-prompts",
-            "3",
-            "--input-len",
-            "8",
-            "--output-len",
-            "4",
-            "--max-concurrency",
-            "1",
-        )
+        result = _serve_one_at_a_time(server, tokenizer_dir, tmp_path, num_prompts=3)
         assert len(server.bodies) == 5  # the three requests, the last two twice
     assert (result["completed"], result["failed"]) == (2, 1)
     assert result["errors"][2].startswith("ServerDisconnectedError")

@@ -88,6 +88,18 @@ def _report(prefill_tokens_per_s: float) -> disaggregation_pb2.LoadReport:
     )
 
 
+def _two_prefill_instances(index: PrefixIndex) -> InstancePool:
+    """A kv-routing pool of one decode and two prefill instances (p:1, p:2) with empty caches,
+    the prefill ones still to report; made inside the event loop (its channels need one)."""
+    pool = InstancePool(stale_after_s=3600, routing="kv", index=index)
+    pool.add("d:1", "decode")
+    pool.record_report("d:1", disaggregation_pb2.LoadReport(role="decode", fingerprint=FINGERPRINT), True)
+    for address in ("p:1", "p:2"):
+        pool.add(address, "prefill")
+        pool.index.apply(address, disaggregation_pb2.KVEvents(epoch=1, snapshot=True, block_size=16), 1 << 20)
+    return pool
+
+
 def _round(rng: random.Random) -> list[list[int]]:
     """One round's prompts: 8 system prompts of their own, each three times, shuffled."""
     prefixes = [[rng.randrange(1000, 30000) for _ in range(PREFIX_BLOCKS * BLOCK_SIZE)] for _ in range(NUM_PREFIXES)]
@@ -172,13 +184,8 @@ def test_live_blocks_are_spared_only_where_the_prompt_starts_about_as_soon(queue
     rng = random.Random(3)
 
     async def body() -> str:
-        pool = InstancePool(stale_after_s=3600, routing="kv", index=PrefixIndex(clock=clock))
+        pool = _two_prefill_instances(PrefixIndex(clock=clock))
         try:
-            pool.add("d:1", "decode")
-            pool.record_report("d:1", disaggregation_pb2.LoadReport(role="decode", fingerprint=FINGERPRINT), True)
-            for address in ("p:1", "p:2"):
-                pool.add(address, "prefill")
-                pool.index.apply(address, disaggregation_pb2.KVEvents(epoch=1, snapshot=True, block_size=16), 1 << 20)
             pool.record_report("p:1", _report(1000.0), serving=True)
             busy = _report(1000.0)
             busy.num_pending_prefill_tokens = queued_tokens
@@ -208,13 +215,8 @@ def test_a_rate_measured_long_ago_counts_as_the_recent_ones_mean() -> None:
     instance beats one with a queue."""
 
     async def body() -> list[str]:
-        pool = InstancePool(stale_after_s=3600, routing="kv", index=PrefixIndex())
+        pool = _two_prefill_instances(PrefixIndex())
         try:
-            pool.add("d:1", "decode")
-            pool.record_report("d:1", disaggregation_pb2.LoadReport(role="decode", fingerprint=FINGERPRINT), True)
-            for address in ("p:1", "p:2"):
-                pool.add(address, "prefill")
-                pool.index.apply(address, disaggregation_pb2.KVEvents(epoch=1, snapshot=True, block_size=16), 1 << 20)
             pool.record_report("p:1", _report(141.0), serving=True)
             busy = _report(500.0)
             busy.num_pending_prefill_tokens = 300
