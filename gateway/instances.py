@@ -193,13 +193,14 @@ class InstancePool:
                     report.engine_error,
                 )
             serving = False
-        was_healthy = state.is_healthy(time.monotonic(), self.stale_after_s)
+        now = time.monotonic()
+        was_healthy = state.is_healthy(now, self.stale_after_s)
         if state.report is None or report.prefill_tokens_per_s != state.report.prefill_tokens_per_s:
-            state.rate_measured_at = time.monotonic()
-        state.report, state.serving, state.reported_at = report, serving, time.monotonic()
+            state.rate_measured_at = now
+        state.report, state.serving, state.reported_at = report, serving, now
         state.num_dispatched = state.num_dispatched_tokens = state.num_started = 0
         state.num_reports += 1
-        if not was_healthy and state.is_healthy(time.monotonic(), self.stale_after_s):
+        if not was_healthy and state.is_healthy(now, self.stale_after_s):
             logger.info("%s instance %s (%s) is healthy", state.role, address, report.instance_id)
 
     def record_unreachable(self, address: str) -> None:

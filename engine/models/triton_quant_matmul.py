@@ -114,10 +114,6 @@ def _quant_matmul_kernel(
     )
 
 
-def supports(weight: QuantizedWeight) -> bool:
-    return weight.format.name in _FORMATS
-
-
 def quant_matmul(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, block_n: int = 64
 ) -> torch.Tensor:
@@ -175,7 +171,7 @@ class TritonQuantKernels:
     @staticmethod
     def keeps(weight: QuantizedWeight) -> bool:
         """Whether the kernel takes the weight's format (a K-quant one is loaded dequantized)."""
-        return supports(weight)
+        return weight.format.name in _FORMATS
 
     def place(self, weight: QuantizedWeight) -> QuantizedWeight:
         """The weight's blocks on this backend's device."""

@@ -17,7 +17,7 @@ from engine.llm import LLM
 from engine.models.quant_format import QuantType
 from engine.models.quantized_linear import QuantizedLinear
 from engine.models.quantized_model import QUANT_KERNELS_ENV
-from engine.models.triton_quant_matmul import TritonQuantKernels, quant_matmul, supports
+from engine.models.triton_quant_matmul import TritonQuantKernels, quant_matmul
 from engine.sampling_params import SamplingParams
 from tests.checkpoints import random_prompts
 from tests.engine.gguf_checkpoints import K_QUANT_MODEL, make_gguf, mixed_qkv, q4_k_m
@@ -60,7 +60,7 @@ def test_a_strided_view_of_activations_reads_its_own_rows() -> None:
 
 def test_formats_without_a_kernel_are_refused() -> None:
     weight, _ = quantized("Q4_K", 1, 256, seed=0)
-    assert not supports(weight)
+    assert not TritonQuantKernels.keeps(weight)
     with pytest.raises(ValueError, match="no Triton kernel for Q4_K"):
         quant_matmul(torch.zeros(1, 256), weight)
 
