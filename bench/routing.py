@@ -5,7 +5,9 @@ both see the same machine load over time. Round 0 warms the caches and is not re
 
 Presets:
 
-- ``routing``: ``--num-prefill 2 --num-decode 1`` with small KV budgets, ``--routing load``
+- ``routing``: ``--num-prefill 2 --num-decode 1`` with small KV budgets, each prefill
+  instance pinned to half of the CPUs (``--prefill-cpus 'A|B'``: two instances sharing
+  cores stall each other's thread teams, which no router can see), ``--routing load``
   against ``--routing kv``, on ``--dataset shared-prefix`` (8 system prompts of 1,024
   tokens): prefix-cache hit rate (the gateway's cached / prompt tokens over the measured
   requests) and TTFT p50 / p99;
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -48,6 +51,19 @@ class Preset:
     up: tuple[str, ...]  # splitserve up flags both clusters share
     modes: dict[str, tuple[str, ...]]  # mode name -> the up flags that make it
     workload: tuple[str, ...]  # bench serve flags
+    pin_prefill: bool = False  # each prefill instance on CPUs of its own, where there are enough
+
+
+def prefill_cpu_lists(count: int, cpus: set[int]) -> str | None:
+    """``--prefill-cpus`` giving each of ``count`` instances an equal share of ``cpus`` of its
+    own ('0|1' for two on two cores); None with fewer CPUs than instances."""
+    ordered = sorted(cpus)
+    share = len(ordered) // count
+    if share == 0:
+        return None
+    return "|".join(
+        ",".join(str(cpu) for cpu in ordered[index * share : (index + 1) * share]) for index in range(count)
+    )
 
 
 PRESETS = {
@@ -66,6 +82,7 @@ PRESETS = {
             "--output-len",
             "16",
         ),
+        pin_prefill=True,
     ),
     "conditional": Preset(
         up=("--num-prefill", "1", "--num-decode", "1"),
@@ -94,7 +111,10 @@ def start_cluster(mode: str, preset: Preset, args: argparse.Namespace) -> tuple[
     port = free_port()
     log = open(args.output_dir / f"{mode}-server.log", "w")  # noqa: SIM115 - the child holds it until it exits
     flags = [*preset.up, *preset.modes[mode]]
-    print(f"[{mode}] splitserve up --dtype {args.dtype} {' '.join(flags)}", flush=True)
+    if preset.pin_prefill:
+        lists = prefill_cpu_lists(int(preset.up[preset.up.index("--num-prefill") + 1]), os.sched_getaffinity(0))
+        flags += ["--prefill-cpus", lists] if lists else []
+    print(f"[{mode}] splitserve up --dtype {args.dtype} {shlex.join(flags)}", flush=True)
     return start_up(port, args.dtype, flags, log, log_level=args.log_level), f"http://127.0.0.1:{port}"
 
 

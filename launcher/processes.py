@@ -39,6 +39,18 @@ def parse_cpu_list(spec: str) -> set[int]:
     return cpus
 
 
+def parse_instance_cpu_lists(spec: str, count: int) -> list[set[int]]:
+    """One CPU list per instance: ``spec`` is one list all ``count`` instances share, or
+    ``count`` lists separated by ``|`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` syntax), the
+    first for instance 0: '0|1' gives each of two instances a core of its own."""
+    lists = spec.split("|")
+    if len(lists) == 1:
+        return [parse_cpu_list(spec)] * count
+    if len(lists) != count:
+        raise ValueError(f"CPU lists {spec!r}: {len(lists)} lists for {count} instances; give one, or one per instance")
+    return [parse_cpu_list(one) for one in lists]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` now, for a child to listen on. Picked below the kernel's
     ephemeral range where it has one: the ports it hands out for outgoing connections and

@@ -31,7 +31,7 @@ from gateway.flags import (
     resolve_api_key,
     routing_argv,
 )
-from launcher.processes import Child, embedded_model_path, free_port, parse_cpu_list, splitserve_command
+from launcher.processes import Child, embedded_model_path, free_port, parse_instance_cpu_lists, splitserve_command
 from splitserve.flags import add_engine_arguments, add_kv_connector_arguments, engine_argv, speculative_argv
 
 logger = logging.getLogger(__name__)
@@ -57,10 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--colocated", action="store_true", help="one instance doing both phases instead of prefill + decode"
     )
-    parser.add_argument(
-        "--prefill-cpus", default=None, help="CPU list for prefill instances, e.g. '0' or '0-3' (taskset)"
-    )
-    parser.add_argument("--decode-cpus", default=None, help="CPU list for decode instances")
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-cpus",
+            default=None,
+            help=f"CPU list for {role} instances in taskset's syntax ('0-3'), all sharing it, or one list per "
+            "instance separated by '|' ('0|1': one core each)",
+        )
     parser.add_argument("--colocated-cpus", default=None, help="CPU list for the colocated instance")
     for role in ("prefill", "decode"):
         parser.add_argument(
@@ -79,14 +82,7 @@ def run(args: argparse.Namespace) -> int:
     args.api_key = resolve_api_key(args)  # --api-key-file read here, once
     if args.num_prefill < 1 or args.num_decode < 1:
         raise ValueError("--num-prefill and --num-decode must be at least 1")
-    cpus = {
-        role: parse_cpu_list(spec) if spec else None
-        for role, spec in (
-            ("prefill", args.prefill_cpus),
-            ("decode", args.decode_cpus),
-            ("colocated", args.colocated_cpus),
-        )
-    }
+    cpus = instance_cpus(args)
     # The embedded model is converted (once) before anything starts, so instances never race to.
     model = Path(args.model) if args.model else embedded_model_path()
     stop = threading.Event()
@@ -127,6 +123,16 @@ def run(args: argparse.Namespace) -> int:
         logger.info("stopped")
 
 
+def instance_cpus(args: argparse.Namespace) -> dict[str, list[set[int] | None]]:
+    """Each role's instances' CPU lists, instance by instance (None: not pinned)."""
+    counts = {"prefill": args.num_prefill, "decode": args.num_decode, "colocated": 1}
+    cpus: dict[str, list[set[int] | None]] = {}
+    for role, count in counts.items():
+        spec = getattr(args, f"{role}_cpus")
+        cpus[role] = list(parse_instance_cpu_lists(spec, count)) if spec else [None] * count
+    return cpus
+
+
 def gateway_flags(args: argparse.Namespace, model: Path, routes: list[str]) -> list[str]:
     """The gateway's flags: its ports, the instances (``routes``: ``--prefill ADDRESS`` ...), and
     what ``up`` takes on its behalf (routing, the request log, tracing)."""
@@ -147,7 +153,7 @@ def engine_flags(args: argparse.Namespace, model: Path) -> list[str]:
 def _start_instances(
     args: argparse.Namespace,
     model: Path,
-    cpus: dict[str, set[int] | None],
+    cpus: dict[str, list[set[int] | None]],
     children: list[Child],
     cluster_env: dict[str, str],
 ) -> list[str]:
@@ -158,7 +164,7 @@ def _start_instances(
         argv = splitserve_command(
             "--log-level", args.log_level, "colocated", *common, *speculative_argv(args), "--port", str(port)
         )
-        children.append(Child("colocated", argv, env=cluster_env, cpus=cpus["colocated"]))
+        children.append(Child("colocated", argv, env=cluster_env, cpus=cpus["colocated"][0]))
         return ["--colocated", f"127.0.0.1:{port}"]
     connector = ["--kv-connector", args.kv_connector]
     env = {**{k: v for k, v in LOCAL_UCX_ENV.items() if k not in os.environ}, **cluster_env}
@@ -196,7 +202,7 @@ def _start_instances(
                 child_env["CUDA_VISIBLE_DEVICES"] = ",".join(
                     gpus[i % len(gpus)] for i in range(first, first + tensor_parallel_size)
                 )
-            children.append(Child(f"{role}-{index}", argv, env=child_env, cpus=cpus[role]))
+            children.append(Child(f"{role}-{index}", argv, env=child_env, cpus=cpus[role][index]))
             routes += [f"--{role}", f"127.0.0.1:{port}"]
     return routes
 

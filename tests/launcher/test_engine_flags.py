@@ -10,7 +10,7 @@ import pytest
 from cluster.auth import ClusterSecret
 from cluster.derived_keys import prefix_cache_key
 from engine.spec_decode.config import SpeculativeConfig
-from launcher.up import add_arguments, engine_flags
+from launcher.up import add_arguments, engine_flags, instance_cpus
 from serving.instance import add_instance_arguments, engine_config
 from splitserve.flags import add_engine_arguments, speculative_argv
 
@@ -129,3 +129,11 @@ def test_the_prefix_cache_hash_is_keyed_by_the_cluster_secret_where_there_is_one
         config = engine_config(_instance_args("--prefix-cache-hash", "sha256"), role)  # type: ignore[arg-type]
         assert config.block_hasher.name == "hmac-sha256"
         assert config.prefix_cache_hash_key == prefix_cache_key(ClusterSecret.from_text(secret))
+
+
+def test_each_prefill_instance_gets_its_own_cpu_list_or_the_shared_one() -> None:
+    own = instance_cpus(_up_args("--num-prefill", "2", "--prefill-cpus", "0|0", "--decode-cpus", "0"))
+    assert own == {"prefill": [{0}, {0}], "decode": [{0}], "colocated": [None]}
+    assert instance_cpus(_up_args("--num-decode", "2"))["decode"] == [None, None]
+    with pytest.raises(ValueError, match="3 lists for 2 instances"):
+        instance_cpus(_up_args("--num-prefill", "2", "--prefill-cpus", "0|0|0"))

@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.processes import splitserve_command
+import pytest
+
+from launcher.processes import Child, parse_instance_cpu_lists, splitserve_command
 
 # What the fake trees' entry points print: the file that ran, its first stub's origin, its argv.
 _REPORT = "import sys, os; print(__file__); print(os.getcwd()); print(WHERE); print(sys.argv[1:])\n"
@@ -59,3 +61,21 @@ def test_a_tree_from_before_the_package_runs_engine_cli_with_its_proto_stubs(tmp
         "its proto stubs",
         "['up']",
     )
+
+
+def test_one_cpu_list_is_shared_and_one_per_instance_is_each_its_own() -> None:
+    assert parse_instance_cpu_lists("0", 3) == [{0}, {0}, {0}]
+    assert parse_instance_cpu_lists("0|0", 2) == [{0}, {0}]
+    with pytest.raises(ValueError, match="2 lists for 3 instances"):
+        parse_instance_cpu_lists("0|0", 3)
+    with pytest.raises(ValueError, match="bad CPU list"):
+        parse_instance_cpu_lists("0|x", 2)
+
+
+def test_a_pinned_child_runs_on_its_cpus_with_as_many_openmp_threads(tmp_path: Path) -> None:
+    report = tmp_path / "report"
+    seen = "repr((sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS']))"
+    probe = f"import os; open({str(report)!r}, 'w').write({seen})"
+    child = Child("probe", [sys.executable, "-c", probe], cpus={0})
+    child.process.wait(timeout=60)
+    assert report.read_text() == "([0], '1')"
