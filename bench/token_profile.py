@@ -16,6 +16,12 @@ token (samples / rate / tokens streamed meanwhile)::
 py-spy (``pip install py-spy``; it needs ptrace, root on most hosts) samples without
 stopping the process; only threads holding the GIL or running native code are counted
 (idle threads are not), so the shares are of busy time.
+
+Each process's CPU time per output token comes too (its threads' user + system time over
+the sampled seconds, from /proc), the client's included: what a token costs each process
+whoever gets the cores. ``--cpu-only`` measures that alone, without py-spy beside the cluster::
+
+    python -m bench.token_profile --duration 30 --cpu-only --model FILE.gguf --up-flags "--colocated-cpus 1"
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -134,6 +141,16 @@ def process_label(pid: int) -> str:
     return " ".join(words[:3])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of ``pid`` so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # utime and stime, fields 14 and 15 of proc(5), the 12th and 13th after the command name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def stream_requests(url: str, stop: threading.Event, counts: list[int]) -> None:
     """One completion after another, streamed; counts the tokens that arrive."""
     body = json.dumps(
@@ -159,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     add_dtype_argument(parser, default="float32")
     parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout")
     parser.add_argument("--output-json", type=Path, default=None)
+    parser.add_argument("--model", default=None, help="served model (default: the embedded one)")
+    parser.add_argument(
+        "--up-flags", default="", help='more splitserve up flags, one string (e.g. "--colocated-cpus 1")'
+    )
+    parser.add_argument(
+        "--cpu-only", action="store_true", help="CPU time per process only, no py-spy beside the cluster"
+    )
     parser.add_argument(
         "--native",
         action="store_true",
@@ -167,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy")
-    if py_spy is None:
-        parser.error("py-spy is not installed: pip install py-spy")
+    if py_spy is None and not args.cpu_only:
+        parser.error("py-spy is not installed: pip install py-spy (or --cpu-only)")
 
     port = free_port()
     flags = ["--prefill-cpus", "0", "--decode-cpus", "1"] if args.pd else ["--colocated"]
+    flags += ["--model", args.model] if args.model else []
+    flags += shlex.split(args.up_flags)
     workdir = Path(tempfile.mkdtemp(prefix="token-profile-"))
     log = (workdir / "server.log").open("w")
     server = start_up(
@@ -185,35 +211,46 @@ def main(argv: list[str] | None = None) -> int:
         client.start()
         time.sleep(10.0)  # past the first requests' one-time costs
         pids = {pid: process_label(pid) for pid in child_pids(server.pid)}
-        spies = {
-            pid: subprocess.Popen(
-                [
-                    py_spy,
-                    "record",
-                    "--pid",
-                    str(pid),
-                    "--duration",
-                    str(int(args.duration)),
-                    "--rate",
-                    str(args.rate),
-                    "--format",
-                    "raw",
-                    "--threads",
-                    "--full-filenames",
-                    # Native stacks need the process paused while py-spy walks them.
-                    *(["--native"] if args.native else ["--nonblocking"]),
-                    "--output",
-                    str(workdir / f"{pid}.txt"),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for pid in pids
-        }
+        measured = {**pids, os.getpid(): "client (this process)"}
+        cpu_before = {pid: cpu_seconds(pid) for pid in measured}
         tokens_before = counts[0]
+        spies = (
+            {}
+            if args.cpu_only
+            else {
+                pid: subprocess.Popen(
+                    [
+                        py_spy,
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--duration",
+                        str(int(args.duration)),
+                        "--rate",
+                        str(args.rate),
+                        "--format",
+                        "raw",
+                        "--threads",
+                        "--full-filenames",
+                        # Native stacks need the process paused while py-spy walks them.
+                        *(["--native"] if args.native else ["--nonblocking"]),
+                        "--output",
+                        str(workdir / f"{pid}.txt"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                for pid in pids
+            }
+        )
+        if args.cpu_only:
+            time.sleep(args.duration)
         for spy in spies.values():
             spy.wait(timeout=args.duration + 60)
         num_tokens = counts[0] - tokens_before
+        cpu_ms = {
+            label: (cpu_seconds(pid) - cpu_before[pid]) * 1e3 / max(num_tokens, 1) for pid, label in measured.items()
+        }
         stop.set()
         client.join(timeout=120)
     finally:
@@ -225,12 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         "output_tokens": num_tokens,
         "duration_s": args.duration,
         "rate": args.rate,
+        "cpu_ms_per_token": cpu_ms,
         "processes": {},
     }
     sys.stdout.write(
         f"{num_tokens} tokens streamed in {args.duration:.0f} s: {args.duration * 1e3 / max(num_tokens, 1):.1f} "
-        "ms/token\n"
+        "ms/token\n\n| process | CPU ms per token |\n|---|---|\n"
     )
+    for label, ms in sorted(cpu_ms.items(), key=lambda item: -item[1]):
+        sys.stdout.write(f"| {label} | {ms:.2f} |\n")
     for pid, label in sorted(pids.items(), key=lambda item: item[1]):
         path = workdir / f"{pid}.txt"
         counts_by_part = breakdown(path.read_text() if path.exists() else "")

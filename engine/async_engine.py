@@ -147,8 +147,18 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         finished = False
         added = False  # the engine holds the request (only aborted then: the id may be another's)
-        # A hand-off's prompt (decode role) is loaded, not prefilled here.
-        num_prefill_tokens = len(prompt_token_ids) if first_token_id is None else 0
+        # A hand-off's prompt (decode role) is loaded, not prefilled here; a prompt's cached
+        # prefix is not prefilled either: counted in full while queued, a request that will hit
+        # a cached system prompt made a prefill instance look seconds busier than it was, and
+        # cache-aware routing sent the next request of that prefix elsewhere.
+        num_prefill_tokens = (
+            len(prompt_token_ids)
+            - self.core.kv_cache_manager.num_cached_prompt_tokens(
+                prompt_token_ids, cache_salt.encode() if cache_salt else b""
+            )
+            if first_token_id is None
+            else 0
+        )
         add_request = functools.partial(
             self.core.add_request,
             prompt_token_ids,

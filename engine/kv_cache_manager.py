@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock
-from engine.kv_cache_utils import XXH3, BlockHash, BlockHasher, cdiv
+from engine.kv_cache_utils import XXH3, BlockHash, BlockHasher, cdiv, extend_block_hashes
 from engine.kv_events import KVEventLog
 from engine.request import Request
 
@@ -72,6 +72,18 @@ class KVCacheManager:
             return 0
         return self._num_cached_prefix_blocks(request) * self.block_size
 
+    def num_cached_prompt_tokens(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> int:
+        """:meth:`num_cached_prefix_tokens` of a prompt not added yet, from any thread: the
+        estimate that a request queued for the engine thread (which owns the cache) shows in
+        load reports until it is added. It only hashes the prompt and tests the cache's dict
+        for each hash, each test atomic under the GIL: at worst it misses a block the engine
+        thread is caching or counts one it is evicting at that moment."""
+        if not self.enable_prefix_caching:
+            return 0
+        block_hashes: list[BlockHash] = []
+        extend_block_hashes(block_hashes, prompt_token_ids, self.block_size, cache_salt, self.block_hasher)
+        return self._num_leading_cached(block_hashes, len(prompt_token_ids)) * self.block_size
+
     def first_uncached_block_hash(self, request: Request) -> BlockHash | None:
         """The hash of the first of the request's leading full blocks that the prefix cache
         does not hold, where a hit would stop now; None when it holds every one a hit may take."""
@@ -90,9 +102,13 @@ class KVCacheManager:
 
     def _num_cached_prefix_blocks(self, request: Request) -> int:
         request.update_block_hashes(self.block_size, self.block_hasher)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        return self._num_leading_cached(request.block_hashes, request.num_tokens)
+
+    def _num_leading_cached(self, block_hashes: list[BlockHash], num_tokens: int) -> int:
+        """Leading blocks of a ``num_tokens`` prompt whose hashes the cache holds (at most all
+        but the block of its last token, which is always computed)."""
         num_hits = 0
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in block_hashes[: (num_tokens - 1) // self.block_size]:
             if block_hash not in self.block_pool.cached_blocks:
                 break
             num_hits += 1

@@ -29,13 +29,16 @@
 
   Latency first: the eviction term may send a request to an instance other than the one
   that would finish its prefill soonest (the lowest ``cost_P`` without it) only if that
-  instance would start it about as soon: its queue (``queued_i / rate_i``) at most
-  ``EQUALLY_SOON`` of this prompt's own prefill longer than the soonest one's. Sparing live
+  instance would start it about as soon, or finish it about as soon: at most
+  ``EQUALLY_SOON`` of the prompt's prefill on the soonest instance later. Sparing live
   blocks is worth a wait that every request after pays once, not one request queued behind
   another's long prompts: priced in full, the eviction term sent a new prefix to the busier
   instance, and that request was a run's slowest (6.1 s where ``load`` served it in 4.4 s).
   Idle instances start every prompt at once, so between them the eviction term decides as
-  before, whatever their rates.
+  before, whatever their rates. An instance holding the prompt's prefix behind one prompt
+  of its own starts later but finishes about as soon as an idle one that computes it all
+  (3.98 against 3.71 s in a measured run): on the start alone it was passed over, and the
+  idle one spent 3.7 s computing the prefix again and evicted live blocks for it.
 
 - decode instance ``i``, in load units (one waiting request = 4, as in ``load``)::
 
@@ -63,8 +66,8 @@ from engine.kv_cache_utils import cdiv
 WAITING_WEIGHT = 4
 # A live cached block pushed out costs more than its own recompute (see cost_P above).
 EVICTION_WEIGHT = 3
-# How much longer than the soonest instance's queue another's may be for the eviction term to
-# choose it, as a share of the prompt's own prefill there (see cost_P above).
+# How much later than the soonest instance another may start or finish the prompt's prefill for
+# the eviction term to choose it, as a share of the prompt's prefill on the soonest (see cost_P above).
 EQUALLY_SOON = 0.25
 
 
@@ -110,13 +113,19 @@ def prefill_estimate(
 
 def prefill_costs_s(estimates: Sequence[PrefillEstimate]) -> list[float]:
     """Each instance's ``cost_P`` (lower is better), latency first: infinite for an instance
-    the eviction term may not choose, one that would start the prompt later than the
-    soonest-finishing instance by more than ``EQUALLY_SOON`` of the prompt's prefill there."""
+    the eviction term may not choose, one that would both start and finish the prompt's
+    prefill later than the soonest-finishing instance by more than ``EQUALLY_SOON`` of the
+    prompt's prefill there."""
     if not estimates:
         return []
     soonest = min(estimates, key=lambda e: e.latency_s)
-    latest_start_s = soonest.wait_s + EQUALLY_SOON * soonest.compute_s
-    return [e.cost_s if e is soonest or e.wait_s <= latest_start_s else math.inf for e in estimates]
+    margin_s = EQUALLY_SOON * soonest.compute_s
+    return [
+        e.cost_s
+        if e is soonest or e.wait_s <= soonest.wait_s + margin_s or e.latency_s <= soonest.latency_s + margin_s
+        else math.inf
+        for e in estimates
+    ]
 
 
 def decode_cost(num_waiting: int, num_running: int, num_new_blocks: int, num_free_blocks: int) -> float:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from bench.token_profile import breakdown, classify
+import os
+import subprocess
+import sys
+import time
+
+from bench.token_profile import breakdown, classify, cpu_seconds
 
 ENGINE = (
     "thread (0x1): engine-step-loop;AsyncEngine._run (/src/engine/async_engine.py:259);"
@@ -63,3 +68,11 @@ def test_native_frames_name_the_kernel_or_the_openmp_runtime() -> None:
     )
     waiting = [*step, f"linear_panels._omp_fn.0 ({native})", "gomp_team_barrier_wait_end (libgomp.so.1)"]
     assert classify(waiting) == "OpenMP runtime (barriers, team wake-ups)"
+
+
+def test_cpu_seconds_are_the_process_cpu_time_and_nothing_once_it_is_gone() -> None:
+    sum(range(3_000_000))  # some CPU time of our own to read
+    # /proc's ticks against getrusage's clock, both the kernel's count of this process's time.
+    assert abs(cpu_seconds(os.getpid()) - time.process_time()) < 0.05
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert cpu_seconds(int(gone.stdout)) == 0.0

@@ -207,6 +207,31 @@ def test_requests_queued_during_a_step_count_in_the_load_report_at_once(model_pa
     asyncio.run(main())
 
 
+def test_a_queued_request_counts_only_what_the_prefix_cache_lacks(model_path: Path) -> None:
+    """A request waiting for the engine thread behind a step shares a prompt prefix the cache
+    holds: the report counts its uncached tokens only, as the scheduler does once it is added
+    (counted in full, a prefill instance serving one system prompt looked seconds busier than
+    it was, and cache-aware routing sent that prompt's next request elsewhere)."""
+    cached, fresh = random_prompts([40, 16], seed=21)
+
+    async def main() -> None:
+        async with AsyncEngine(config(model_path, role="prefill", enable_prefix_caching=True)) as engine:
+            await collect(engine, cached, SamplingParams(temperature=0.0, max_tokens=1))
+            block_size = engine.core.kv_cache_manager.block_size
+            num_cached = (len(cached) - 1) // block_size * block_size
+            step_boundary = threading.Event()
+            engine._submit(lambda: step_boundary.wait(60))  # the engine thread is busy until set
+            stream = engine.generate(cached[:num_cached] + fresh, GREEDY)
+            task = asyncio.ensure_future(anext(stream))
+            queued = await report_when(engine, lambda report: report.num_waiting == 1)
+            assert queued.num_pending_prefill_tokens == len(fresh)
+            step_boundary.set()
+            await task
+            await stream.aclose()
+
+    asyncio.run(main())
+
+
 class _HeldSteps:
     """Wraps the runner's execute: while ``hold`` is set, a step waits inside its model
     execution (a long step, on demand); records which requests each step scheduled."""
