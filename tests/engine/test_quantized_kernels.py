@@ -13,6 +13,8 @@ reference is their definition, ``scale * q``.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import gguf
 import numpy as np
 import pytest
@@ -202,6 +204,38 @@ def test_quantized_linear_takes_prefill_rows_through_dequantized_slices(q8: bool
     assert_close(linear(x), x @ reference.T + bias.detach(), 1e-5)
     # Without kernels: the PyTorch dequantization, same result.
     assert_close(QuantizedLinear(weight, bias, None)(x), x @ reference.T + bias.detach(), 1e-5)
+
+
+@pytest.mark.parametrize("fast_bf16_gemm", [True, False], ids=["bf16 GEMM", "float32 GEMM"])
+def test_bf16_prefill_rows_run_the_gemm_in_bf16_where_onednn_has_one(fast_bf16_gemm: bool) -> None:
+    """bf16 activations take the slices in bf16 where oneDNN has a bf16 matmul (the float
+    folder's bf16 layers' path: in float32 a 1,024-token prefill took 1.7x as long), in
+    float32 elsewhere; either way the result is the bf16 model's up to bf16 rounding."""
+    weight, reference = quantized("Q4_1", 67, 96, seed=8)
+    torch.manual_seed(8)
+    bias = torch.nn.Parameter(torch.randn(67, dtype=torch.bfloat16))
+    linear = QuantizedLinear(weight, bias, DEFAULT.quant)
+    linear.slice_rows = 10
+    x = torch.randn(MAX_KERNEL_ROWS + 5, 96).to(torch.bfloat16)
+    slice_dtypes = []
+    dequantize_rows = DEFAULT.quant.dequantize_rows
+
+    def recorded(*args: object) -> torch.Tensor:
+        rows = dequantize_rows(*args)  # type: ignore[arg-type]
+        slice_dtypes.append(rows.dtype)
+        return rows
+
+    with (
+        mock.patch("engine.models.quantized_linear._fast_bf16_gemm", return_value=fast_bf16_gemm),
+        mock.patch.object(DEFAULT.quant, "dequantize_rows", recorded),
+    ):
+        out = linear(x)
+    assert out.dtype == torch.bfloat16
+    assert set(slice_dtypes) == {torch.bfloat16 if fast_bf16_gemm else torch.float32}
+    expected = x.float() @ reference.T + bias.detach().float()
+    # Weights and output rounded to bf16 (2^-9 each, relative) at most, summed over the products.
+    bound = 2.0**-7 * (x.float().abs() @ reference.abs().T + bias.detach().float().abs())
+    assert bool(((out.float() - expected).abs() <= bound).all())
 
 
 def test_quantized_embedding_with_and_without_kernels() -> None:
