@@ -43,6 +43,7 @@ from typing import TypeVar
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, LoadReport
 from engine.kv_loader import KVLoader, KVLoadFailurePolicy
+from engine.openmp_threads import run_in_passing_thread
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 
@@ -61,7 +62,9 @@ class AsyncEngine:
     """Owns an :class:`EngineCore` and its thread. Use as ``async with AsyncEngine(config) as engine``."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore(config)
+        # Loaded on a thread that ends: the step thread's OpenMP team is then the process's
+        # only one, and its workers spin between a step's parallel regions (engine/openmp_threads.py).
+        self.core = run_in_passing_thread(lambda: EngineCore(config), name="engine-load")
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
