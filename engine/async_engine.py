@@ -64,7 +64,12 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         # Loaded on a thread that ends: the step thread's OpenMP team is then the process's
         # only one, and its workers spin between a step's parallel regions (engine/openmp_threads.py).
-        self.core = run_in_passing_thread(lambda: EngineCore(config), name="engine-load")
+        # Not with tensor-parallel workers: they die with the thread that started them
+        # (PR_SET_PDEATHSIG follows the parent thread, not the process).
+        if config.tensor_parallel_size == 1:
+            self.core = run_in_passing_thread(lambda: EngineCore(config), name="engine-load")
+        else:
+            self.core = EngineCore(config)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
