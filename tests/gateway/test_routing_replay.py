@@ -18,6 +18,7 @@ import asyncio
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -100,6 +101,17 @@ def _two_prefill_instances(index: PrefixIndex) -> InstancePool:
     return pool
 
 
+def _fill_with_live_prompts(pool: InstancePool, address: str, clock: Clock, rng: random.Random) -> None:
+    """Six new prompts of 68 blocks, one a second, through ``address``'s cache of 364: full,
+    of blocks just used."""
+    cache = SimulatedCache()
+    for _ in range(6):
+        prompt = [rng.randrange(1000, 30000) for _ in range(PREFIX_BLOCKS * BLOCK_SIZE + SUFFIX_TOKENS)]
+        clock.now += 1.0
+        _, events = cache.prefill(PromptBlocks(prompt).chain(BLOCK_SIZE))
+        pool.index.apply(address, events, NUM_BLOCKS)
+
+
 def _round(rng: random.Random) -> list[list[int]]:
     """One round's prompts: 8 system prompts of their own, each three times, shuffled."""
     prefixes = [[rng.randrange(1000, 30000) for _ in range(PREFIX_BLOCKS * BLOCK_SIZE)] for _ in range(NUM_PREFIXES)]
@@ -170,6 +182,25 @@ def test_back_to_back_rounds_hit_nearly_every_prefix_they_have_seen(faster: floa
     assert sum(hits for hits, _ in rounds) >= 0.95 * sum(possible for _, possible in rounds)
 
 
+def _chosen_prefill(prepare: Callable[[InstancePool, Clock], list[int]]) -> str:
+    """The prefill instance picked for the prompt ``prepare`` returns, having set up the pool
+    (p:1 reporting 1,000 tokens/s and an empty queue)."""
+    clock = Clock()
+
+    async def body() -> str:
+        pool = _two_prefill_instances(PrefixIndex(clock=clock))
+        try:
+            pool.record_report("p:1", _report(1000.0), serving=True)
+            prompt = prepare(pool, clock)
+            chosen = pool.pick_prefill(num_prompt_tokens=len(prompt), prompt=PromptBlocks(prompt))
+            assert chosen is not None
+            return chosen.address
+        finally:
+            await pool.close()
+
+    return asyncio.run(body())
+
+
 @pytest.mark.parametrize(
     ("queued_tokens", "expected"),
     [(1600, "p:1"), (200, "p:2")],
@@ -180,31 +211,17 @@ def test_live_blocks_are_spared_only_where_the_prompt_starts_about_as_soon(queue
     prompts just used, the other with room but a queue. Priced in full, sparing the live
     blocks sent the prompt behind the queue (1.6 s here, its own prefill 1.1 s); latency
     first, it waits there only if it would start about as soon."""
-    clock = Clock()
     rng = random.Random(3)
 
-    async def body() -> str:
-        pool = _two_prefill_instances(PrefixIndex(clock=clock))
-        try:
-            pool.record_report("p:1", _report(1000.0), serving=True)
-            busy = _report(1000.0)
-            busy.num_pending_prefill_tokens = queued_tokens
-            pool.record_report("p:2", busy, serving=True)
-            full = SimulatedCache()
-            for _ in range(6):  # six prompts of 68 blocks: more than its 364
-                prompt = [rng.randrange(1000, 30000) for _ in range(PREFIX_BLOCKS * BLOCK_SIZE + SUFFIX_TOKENS)]
-                clock.now += 1.0
-                _, events = full.prefill(PromptBlocks(prompt).chain(BLOCK_SIZE))
-                pool.index.apply("p:1", events, NUM_BLOCKS)
-            assert pool.index.num_cached_blocks("p:1") == NUM_BLOCKS
-            new = _round(rng)[0]
-            chosen = pool.pick_prefill(num_prompt_tokens=len(new), prompt=PromptBlocks(new))
-            assert chosen is not None
-            return chosen.address
-        finally:
-            await pool.close()
+    def prepare(pool: InstancePool, clock: Clock) -> list[int]:
+        busy = _report(1000.0)
+        busy.num_pending_prefill_tokens = queued_tokens
+        pool.record_report("p:2", busy, serving=True)
+        _fill_with_live_prompts(pool, "p:1", clock, rng)
+        assert pool.index.num_cached_blocks("p:1") == NUM_BLOCKS
+        return _round(rng)[0]
 
-    assert asyncio.run(body()) == expected
+    assert _chosen_prefill(prepare) == expected
 
 
 def test_the_holder_of_a_prefix_behind_one_prompt_beats_an_idle_instance_that_would_evict() -> None:
@@ -213,34 +230,19 @@ def test_the_holder_of_a_prefix_behind_one_prompt_beats_an_idle_instance_that_wo
     finishes the prompt 0.27 s after the idle one would (3.98 against 3.71 s) without
     computing the prefix again or evicting anything; a rule on when each would start it
     passed the holder over."""
-    clock = Clock()
     rng = random.Random(4)
 
-    async def body() -> str:
-        pool = _two_prefill_instances(PrefixIndex(clock=clock))
-        try:
-            pool.record_report("p:1", _report(1000.0), serving=True)
-            full = SimulatedCache()
-            for _ in range(6):  # six prompts of 68 blocks: more than its 364
-                prompt = [rng.randrange(1000, 30000) for _ in range(PREFIX_BLOCKS * BLOCK_SIZE + SUFFIX_TOKENS)]
-                clock.now += 1.0
-                _, events = full.prefill(PromptBlocks(prompt).chain(BLOCK_SIZE))
-                pool.index.apply("p:1", events, NUM_BLOCKS)
-            first, second = _round(rng)[:2]
-            prefix = first[: PREFIX_BLOCKS * BLOCK_SIZE]
-            _, events = SimulatedCache().prefill(PromptBlocks(first).chain(BLOCK_SIZE))
-            pool.index.apply("p:2", events, NUM_BLOCKS)
-            holder = _report(1000.0)
-            holder.num_pending_prefill_tokens = len(second)  # another prompt of its own first
-            pool.record_report("p:2", holder, serving=True)
-            repeat = prefix + [rng.randrange(1000, 30000) for _ in range(SUFFIX_TOKENS)]
-            chosen = pool.pick_prefill(num_prompt_tokens=len(repeat), prompt=PromptBlocks(repeat))
-            assert chosen is not None
-            return chosen.address
-        finally:
-            await pool.close()
+    def prepare(pool: InstancePool, clock: Clock) -> list[int]:
+        _fill_with_live_prompts(pool, "p:1", clock, rng)
+        first, second = _round(rng)[:2]
+        _, events = SimulatedCache().prefill(PromptBlocks(first).chain(BLOCK_SIZE))
+        pool.index.apply("p:2", events, NUM_BLOCKS)
+        holder = _report(1000.0)
+        holder.num_pending_prefill_tokens = len(second)  # another prompt of its own first
+        pool.record_report("p:2", holder, serving=True)
+        return first[: PREFIX_BLOCKS * BLOCK_SIZE] + [rng.randrange(1000, 30000) for _ in range(SUFFIX_TOKENS)]
 
-    assert asyncio.run(body()) == "p:2"
+    assert _chosen_prefill(prepare) == "p:2"
 
 
 def test_a_rate_measured_long_ago_counts_as_the_recent_ones_mean() -> None:
