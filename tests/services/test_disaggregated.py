@@ -242,9 +242,9 @@ def test_sigterm_drains_in_flight_requests(model: Path, prefill: Service) -> Non
         call = stub.Decode(decode_request("drain", prompt, prefilled, longer))
         first = next(call)
         service.process.send_signal(signal.SIGTERM)
-        rest = list(call)
-        assert sum(len(r.token_ids) for r in [first, *rest]) == 39  # every token after the first one P sampled
-        assert rest[-1].finish_reason == "length"
+        responses = [first, *call]  # a fast decode may have merged every token into the first
+        assert sum(len(r.token_ids) for r in responses) == 39  # every token after the first one P sampled
+        assert responses[-1].finish_reason == "length"
         assert service.process.wait(timeout=30) == 0
     finally:
         service.stop()
