@@ -13,6 +13,11 @@ from engine.tensor_parallel.rank_context import WorkerExtension
 EngineRole = Literal["colocated", "prefill", "decode"]
 DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
 QuantizationName = Literal["int8"]
+# How quantized weights' kernels take their inputs (engine/models/quantized_linear.py): "float", as
+# they come (the float model of the dequantized weights, up to summation order); "q8", rounded to
+# 8-bit blocks on the fly for integer dot products, as llama.cpp computes (faster, not that model).
+QuantActivations = Literal["float", "q8"]
+QUANT_ACTIVATIONS: tuple[QuantActivations, ...] = ("float", "q8")
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes; enough for ~36k tokens of SmolLM2-135M in bf16
 
@@ -36,6 +41,8 @@ class EngineConfig:
     # weight-only, from any float checkpoint (engine/models/int8_quantize.py); None: the
     # checkpoint's own weights (a GGUF file's stay in their blocks). dtype stays the compute dtype.
     quantization: QuantizationName | None = None
+    # Only where weights are kept quantized (a GGUF file, quantization="int8"); see QuantActivations.
+    quant_activations: QuantActivations = "float"
     # How the KV cache stores K and V (vLLM's --kv-cache-dtype; engine/kv_cache_dtype.py): "auto",
     # the compute dtype; "int8" or "fp8_e4m3", 8-bit values with a float32 scale per token and KV
     # head, about half of bf16's bytes in memory and on the wire between prefill and decode.
@@ -78,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 or None, got {self.quantization!r}")
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            raise ValueError(f"quant_activations must be float or q8, got {self.quant_activations!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.max_num_seqs < 1:

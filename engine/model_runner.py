@@ -61,7 +61,14 @@ class ModelRunner:
     def _load(self, config: EngineConfig, model_path: Path, backend: AttentionBackend) -> None:
         group = self.tensor_parallel.group if self.tensor_parallel is not None else None
         loaded = load_model(
-            model_path, config.dtype, self.device, backend, config.max_model_len, group, config.quantization
+            model_path,
+            config.dtype,
+            self.device,
+            backend,
+            config.max_model_len,
+            group,
+            config.quantization,
+            activations=config.quant_activations,
         )
         self.model, self.hf_config, self.architecture = loaded.model, loaded.config, loaded.architecture
         self.dtype = loaded.dtype

@@ -159,8 +159,9 @@ def split_chunks(token_ids: list[int], plan: ChunkPlan, bos_token_id: int | None
 
 def open_engine(model: str | None, plan: ChunkPlan, **config: object) -> LLM:
     """An engine for :func:`measure`: a KV cache of just the blocks one forward pass holds, no
-    prefix cache (each chunk is computed, never reused). ``config``: the numerics
-    (dtype, quantization, kv_cache_dtype) and device, as :class:`~engine.config.EngineConfig` takes them."""
+    prefix cache (each chunk is computed, never reused). ``config``: the numerics (dtype,
+    quantization, quant_activations, kv_cache_dtype) and device, as :class:`~engine.config.EngineConfig`
+    takes them."""
     hf_config = AutoConfig.from_pretrained(str(metadata_folder(resolve_model_path(model))))
     supported = model_max_len(hf_config)
     if plan.ctx_size > supported:

@@ -22,7 +22,7 @@ the two paths stand side by side in one run. Beside it, the linear layers alone:
 every linear layer (the LM head's included) once, in PyTorch calls, timed as a sweep: what the
 weight formats change, without the step's attention, sampling and per-layer Python.
 ``--activations q8`` runs the quantized variants with their inputs rounded to Q8_0 / Q8_K as
-well (``SPLITSERVE_QUANT_ACTIVATIONS=q8``)::
+well (``--quant-activations q8``)::
 
     python -m microbench.quantized_decode --threads 2 --rounds 7 --tokens 64 --activations float,q8
 """
@@ -32,21 +32,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
-from engine.models.quantized_linear import ACTIVATIONS_ENV, QuantizedLinear
+from engine.models.quantized_linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -188,9 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, LLM] = {}
     for name, (path, quantization, quantized) in variants.items():
         for mode in modes if quantized else ["float"]:
-            with mock.patch.dict(os.environ, {ACTIVATIONS_ENV: mode}):
-                key = f"{name} [{mode} activations]" if quantized else name
-                engines[key] = LLM(model=str(path), dtype="float32", quantization=quantization, kv_cache_memory=1 << 26)
+            key = f"{name} [{mode} activations]" if quantized else name
+            engines[key] = LLM(
+                model=str(path),
+                dtype="float32",
+                quantization=quantization,
+                quant_activations=mode,
+                kv_cache_memory=1 << 26,
+            )
     results: dict[str, list[float]] = {name: [] for name in engines}
     modules: dict[str, list[float]] = {
         name: [] for name, llm in engines.items() if llm.engine.runner.native_decode is not None

@@ -105,6 +105,7 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        quant_activations=args.quant_activations,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         role=role,

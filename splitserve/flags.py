@@ -19,6 +19,8 @@ DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DTypeChoice, ...] = ("auto", "float32", "bfloat16", "float16")
 # engine.config.QuantizationName, spelled here so that this module loads no part of the engine.
 QUANTIZATIONS = ("int8",)
+# engine.config.QUANT_ACTIVATIONS, spelled here so that this module loads no part of the engine.
+QUANT_ACTIVATIONS = ("float", "q8")
 
 # engine.kv_cache_dtype.KV_CACHE_DTYPES, spelled here so that this module loads no part of the engine.
 KVCacheDTypeChoice = Literal["auto", "int8", "fp8_e4m3"]
@@ -52,7 +54,8 @@ def add_dtype_argument(parser: argparse.ArgumentParser, default: DTypeChoice = "
 
 def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that decide the model's numbers: the weights (``--model``, ``--quantization``),
-    the compute dtype and the KV cache's dtype. ``splitserve perplexity`` takes these alone."""
+    the compute dtype, how quantized weights take their inputs and the KV cache's dtype.
+    ``splitserve perplexity`` takes these alone."""
     add_model_argument(parser)
     add_dtype_argument(parser)
     parser.add_argument(
@@ -62,6 +65,14 @@ def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="quantize a Hugging Face folder's weights at load: int8, per output channel, symmetric, weight-only "
         "(kept int8 in memory on the CPU; --dtype stays the compute dtype) (default: the checkpoint's own weights)",
+    )
+    parser.add_argument(
+        "--quant-activations",
+        default="float",
+        choices=QUANT_ACTIVATIONS,
+        help="how quantized weights (a GGUF file's, --quantization int8) take their inputs: float, as they come (the "
+        "float model of the dequantized weights); q8, rounded to 8-bit blocks on the fly for integer dot products, "
+        "as llama.cpp computes: a faster decode whose greedy output can part from the float model's (default: float)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -144,6 +155,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         args.prefix_cache_hash,
         "--kv-cache-dtype",
         args.kv_cache_dtype,
+        "--quant-activations",
+        args.quant_activations,
     ]
     for flag, value in (
         ("--quantization", args.quantization),

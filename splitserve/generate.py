@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        quant_activations=args.quant_activations,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         kv_cache_memory=args.kv_cache_memory,

@@ -1,5 +1,5 @@
 """``splitserve perplexity``: the perplexity of a model as the engine serves it (its weights as
-loaded, ``--dtype``, ``--quantization``, ``--kv-cache-dtype``) over a text, by llama.cpp's
+loaded, ``--dtype``, ``--quantization``, ``--quant-activations``, ``--kv-cache-dtype``) over a text, by llama.cpp's
 ``llama-perplexity`` method, so that the two compare on the same GGUF and text
 (engine/perplexity.py says how).
 
@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         plan,
         dtype=args.dtype,
         quantization=args.quantization,
+        quant_activations=args.quant_activations,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
     ) as llm:
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         setup = {
             "model": str(llm.engine.model_path),
             "quantization": args.quantization,
+            "quant_activations": args.quant_activations,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "kv_cache_dtype": args.kv_cache_dtype,
             "kv_cache_storage": runner.kv_format.fingerprint_dtype,
@@ -90,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         }
     model = Path(setup["model"])
     weights = args.quantization or ("GGUF blocks" if model.suffix == ".gguf" else "checkpoint weights")
+    if args.quant_activations != "float":
+        weights += f", {args.quant_activations} activations"
     sys.stdout.write(
         f"\nPPL = {result.perplexity:.4f} +/- {result.standard_error:.5f} ({model.name}, {weights}, "
         f"{setup['dtype']} compute, {setup['kv_cache_storage']} KV; "

@@ -20,6 +20,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from engine.models.llama import LlamaFamilyForCausalLM, TensorParallel
 from engine.models.ops import ModelOps
 from engine.models.quant_format import QUANT_FORMATS, QuantizedWeight
 from engine.models.quantized_model import Payload, load_quantized
+
+if TYPE_CHECKING:
+    from engine.config import QuantActivations
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +134,7 @@ def load_gguf(
     backend: AttentionBackend,
     ops: ModelOps,
     parallel: TensorParallel | None,
+    activations: QuantActivations = "float",
 ) -> LlamaFamilyForCausalLM:
     """The model of GGUF file ``path`` (its ``config`` from engine/gguf_files.py), this rank's
     shard of it under ``parallel``, quantized where the module docstring says."""
@@ -144,5 +149,15 @@ def load_gguf(
             dtype,
         )
     return load_quantized(
-        path.name, contents.tensors, config, architecture, max_positions, dtype, device, backend, ops, parallel
+        path.name,
+        contents.tensors,
+        config,
+        architecture,
+        max_positions,
+        dtype,
+        device,
+        backend,
+        ops,
+        parallel,
+        activations,
     )

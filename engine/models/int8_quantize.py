@@ -8,7 +8,7 @@ scale ``s_r = max|w_r| / 127`` and ``q = round(w / s_r)`` (to nearest even, with
 tensors are quantized one at a time as they stream from the safetensors files, so a float copy
 of the whole model never exists, and they load through engine/models/quantized_model.py like a
 GGUF file's: the same kernels (float activations by default, Q8_0 activations with
-``SPLITSERVE_QUANT_ACTIVATIONS=q8``, engine/models/quantized_linear.py), one byte per weight
+``--quant-activations q8``, engine/models/quantized_linear.py), one byte per weight
 plus four per row. A row, being an output channel, keeps its scale under every tensor-parallel
 split, so a rank's columns compute what the whole row would.
 

@@ -28,7 +28,7 @@ from engine.tensor_parallel.group import TensorParallelGroup
 from engine.tensor_parallel.layout import TensorParallelLayout
 
 if TYPE_CHECKING:
-    from engine.config import QuantizationName
+    from engine.config import QuantActivations, QuantizationName
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +116,12 @@ def load_model(
     max_model_len: int | None,
     group: TensorParallelGroup | None = None,
     quantization: QuantizationName | None = None,
+    activations: QuantActivations = "float",
 ) -> LoadedModel:
     """``path``: a Hugging Face folder or a GGUF file. ``group``: load this rank's shard of the
     model, whose collectives run in ``group`` (None: the whole model). ``quantization``: None,
-    or ``int8`` to quantize a folder's weights at load."""
+    or ``int8`` to quantize a folder's weights at load. ``activations``: how the quantized
+    weights' kernels take their inputs (engine.config.QuantActivations)."""
     if quantization is not None and is_gguf(path):
         raise ValueError(
             f"--quantization {quantization} quantizes a float checkpoint at load; {path.name} is a GGUF file whose "
@@ -147,14 +149,26 @@ def load_model(
         parallel = TensorParallel(layout, group)
     ops = select_ops(device, dtype)
     if is_gguf(path):
-        model = load_gguf(path, config, architecture, supported_len, dtype, device, backend, ops, parallel)
+        model = load_gguf(path, config, architecture, supported_len, dtype, device, backend, ops, parallel, activations)
     elif quantization == "int8":
         tied = bool(getattr(config, "tie_word_embeddings", False))
         weights = int8_weights(iter_safetensors(path), tied)
         model = load_quantized(
-            f"{path.name} (int8)", weights, config, architecture, supported_len, dtype, device, backend, ops, parallel
+            f"{path.name} (int8)",
+            weights,
+            config,
+            architecture,
+            supported_len,
+            dtype,
+            device,
+            backend,
+            ops,
+            parallel,
+            activations,
         )
     else:
+        if activations != "float":
+            logger.warning("%s keeps no weight quantized: activations %s change nothing", path.name, activations)
         with torch.device(device):
             model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops, parallel)
             model = model.to(dtype)

@@ -5,7 +5,7 @@
   dequantize each weight block in registers (engine/csrc/quant_linear.c) and so read the
   weight's 4.5 to 8.5 bits per element instead of the 16 or 32 of a float copy. The
   activations stay float32: the result equals the float model of the dequantized weights up
-  to summation order. ``SPLITSERVE_QUANT_ACTIVATIONS=q8`` quantizes them on the fly instead,
+  to summation order. ``--quant-activations q8`` quantizes them on the fly instead,
   as llama.cpp does, for integer dot products: to Q8_0 blocks for the 32-element formats and
   INT8 (engine/csrc/quant_q8.c), to Q8_K super-blocks for the K-quants (quant_q8k.c); faster,
   and no longer equal to the float model (greedy output can part from it). An INT8 layer
@@ -30,8 +30,7 @@ slower from 64 (8.2 against 5.6).
 from __future__ import annotations
 
 import functools
-import os
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +40,11 @@ from engine.cpu_quant_kernels import MAX_KERNEL_ROWS
 from engine.models.cpu_linear import linear_path
 from engine.models.quant_format import QuantizedWeight
 
+if TYPE_CHECKING:
+    from engine.config import QuantActivations
+
 __all__ = ["MAX_KERNEL_ROWS", "QuantBackend", "QuantizedEmbedding", "QuantizedLinear", "MixedQuantizedLinear"]
 
-ActivationMode = Literal["q8", "float"]
-ACTIVATIONS_ENV = "SPLITSERVE_QUANT_ACTIVATIONS"
 # Float32 elements of one dequantized weight slice (4 MiB), as cpu_linear's upcast slices.
 _SLICE_ELEMENTS = 1 << 20
 
@@ -80,21 +80,13 @@ def _fast_bf16_gemm() -> bool:
     return linear_path(torch.device("cpu"), torch.bfloat16) == "onednn-packed"
 
 
-def activation_mode() -> ActivationMode:
-    """How the kernels take activations: ``SPLITSERVE_QUANT_ACTIVATIONS`` (default ``float``)."""
-    value = os.environ.get(ACTIVATIONS_ENV, "float")
-    if value not in ("q8", "float"):
-        raise ValueError(f"{ACTIVATIONS_ENV} must be q8 or float, got {value!r}")
-    return "q8" if value == "q8" else "float"
-
-
 class QuantizedLinear(nn.Module):
     def __init__(
         self,
         weight: QuantizedWeight,
         bias: nn.Parameter | None,
         kernels: QuantBackend | None,
-        activations: ActivationMode = "float",
+        activations: QuantActivations = "float",
     ) -> None:
         super().__init__()
         self.qweight = weight

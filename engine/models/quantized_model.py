@@ -34,6 +34,7 @@ import logging
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -49,9 +50,11 @@ from engine.models.quantized_linear import (
     QuantBackend,
     QuantizedEmbedding,
     QuantizedLinear,
-    activation_mode,
 )
 from engine.models.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from engine.config import QuantActivations
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +74,11 @@ def load_quantized(
     backend: AttentionBackend,
     ops: ModelOps,
     parallel: TensorParallel | None,
+    activations: QuantActivations = "float",
 ) -> LlamaFamilyForCausalLM:
     """The model of ``tensors`` (Hugging Face names, in checkpoint order), this rank's shard of it
     under ``parallel``, quantized where the module docstring says. ``source`` names the
-    checkpoint in the log."""
+    checkpoint in the log; ``activations``, how the kernels take their inputs."""
     quant, reason = _quant_backend(device, dtype)
     if quant is None:
         logger.warning("%s: every weight dequantized to %s at load (%s)", source, dtype, reason)
@@ -85,7 +89,7 @@ def load_quantized(
 
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(config, architecture, max_positions, dtype, backend, ops, parallel).to(dtype)
-    floats = _quantize_modules(model, tensors, quant, dtype)
+    floats = _quantize_modules(model, tensors, quant, dtype, activations)
     with torch.device(device):
         rotary = RotaryEmbedding(config, model.shape.head_dim, max_positions, dtype, ops)
     _materialize(model, rotary, device)
@@ -129,12 +133,16 @@ def _dequantized(tensors: Iterable[tuple[str, Payload]]) -> Iterator[tuple[str, 
 
 
 def _quantize_modules(
-    model: LlamaFamilyForCausalLM, tensors: Iterable[tuple[str, Payload]], kernels: QuantBackend, dtype: torch.dtype
+    model: LlamaFamilyForCausalLM,
+    tensors: Iterable[tuple[str, Payload]],
+    kernels: QuantBackend,
+    dtype: torch.dtype,
+    activations: QuantActivations,
 ) -> list[tuple[str, torch.Tensor]]:
     """Put every quantized weight of ``tensors`` in its module (replacing ``nn.Linear`` by
     :class:`QuantizedLinear` or :class:`MixedQuantizedLinear`, ``nn.Embedding`` by
     :class:`QuantizedEmbedding`). Returns what the float loader takes: the float tensors."""
-    tied, activations = model.shape.tie_word_embeddings, activation_mode()
+    tied = model.shape.tie_word_embeddings
     fused = model.fused_projections()
     floats: list[tuple[str, torch.Tensor]] = []
     # module name -> [(row offset, HF name, weight)]

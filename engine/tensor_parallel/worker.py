@@ -78,7 +78,14 @@ def _serve(spec: WorkerSpec, conn: Connection, extension_channel: Connection | N
     group = TensorParallelGroup(spec.rank, world_size, spec.store_port, device)
     backend = select_backend(config.attention_backend, device)
     loaded = load_model(
-        spec.model_path, config.dtype, device, backend, config.max_model_len, group, config.quantization
+        spec.model_path,
+        config.dtype,
+        device,
+        backend,
+        config.max_model_len,
+        group,
+        config.quantization,
+        activations=config.quant_activations,
     )
     model, shape = loaded.model, loaded.model.shape
     message = conn.recv_bytes()

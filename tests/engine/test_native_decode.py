@@ -28,7 +28,7 @@ from engine.flat_batch import FlatBatch
 from engine.model_runner import ModelRunner
 from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
 from engine.models.native_decode import NativeDecodeStep
-from engine.models.quantized_linear import ACTIVATIONS_ENV, MixedQuantizedLinear, QuantizedEmbedding, QuantizedLinear
+from engine.models.quantized_linear import MixedQuantizedLinear, QuantizedEmbedding, QuantizedLinear
 from tests.checkpoints import make_checkpoint, random_prompts
 from tests.engine.gguf_checkpoints import K_QUANT_MODEL, Q, Scheme, mixed_qkv, q4_k_m, uniform, write_gguf
 
@@ -201,12 +201,11 @@ def test_native_decode_steps_of_quantized_weights_equal_the_modules(
 
 @pytest.mark.parametrize("scheme", ["q4_1-tied-q8_0", "q4_k_m-mix", "q8_0"])
 def test_native_decode_steps_with_q8_activations_equal_the_modules(
-    isa: str, gguf_file: Callable[[str], Path], scheme: str, monkeypatch: pytest.MonkeyPatch
+    isa: str, gguf_file: Callable[[str], Path], scheme: str
 ) -> None:
     """Inputs rounded to Q8_0 blocks (Q8_K super-blocks for the K-quants) on the fly, as the modules
     were built to round them."""
-    monkeypatch.setenv(ACTIVATIONS_ENV, "q8")
-    llm, checked = checked_llm(gguf_file(scheme), "float32")
+    llm, checked = checked_llm(gguf_file(scheme), "float32", quant_activations="q8")
     assert any(getattr(m, "q8_activations", False) for m in llm.engine.runner.model.modules())
     decode_steps_of_every_size(llm, checked, seed=17)
 
@@ -224,13 +223,12 @@ def test_native_decode_steps_of_quantized_weights_over_a_quantized_kv_cache_equa
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("architecture", "activations"), [("LlamaForCausalLM", "float"), ("Qwen2ForCausalLM", "q8")])
 def test_native_decode_steps_of_int8_weights_equal_the_modules(
-    isa: str, tmp_path: Path, architecture: str, dtype: str, activations: str, monkeypatch: pytest.MonkeyPatch
+    isa: str, tmp_path: Path, architecture: str, dtype: str, activations: str
 ) -> None:
     """``--quantization int8``: int8 rows with their scales, the embedding too (Llama: an untied
     head; Qwen2: its head tied to the embedding, q/k/v biases, inputs rounded to Q8_0 blocks)."""
-    monkeypatch.setenv(ACTIVATIONS_ENV, activations)
     path = make_checkpoint(tmp_path / "model", architecture)
-    llm, checked = checked_llm(path, dtype, quantization="int8")
+    llm, checked = checked_llm(path, dtype, quantization="int8", quant_activations=activations)
     assert llm.engine.runner.model.embed_tokens.qweight.format.name == "INT8"
     decode_steps_of_every_size(llm, checked, seed=23)
 

@@ -21,7 +21,6 @@ from engine.gguf_files import metadata_folder
 from engine.llm import LLM
 from engine.models.cpu_linear import PackedLinear
 from engine.models.quantized_linear import (
-    ACTIVATIONS_ENV,
     MixedQuantizedLinear,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -134,16 +133,13 @@ def test_the_k_quant_mix_keeps_every_weight_quantized_and_equals_the_float_model
     assert outputs == greedy(k_quant_mix.dequantized)
 
 
-def test_q8_k_activations_agree_with_the_float_model(
-    k_quant_mix: GGUFCheckpoint, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_q8_k_activations_agree_with_the_float_model(k_quant_mix: GGUFCheckpoint) -> None:
     """K-quants with their inputs rounded to Q8_K (llama.cpp's pairing): one scale per 256 inputs
     rounds coarser than Q8_0's per 32. Over 30 prompts the first token of every one holds, and
     of 16 free-running tokens 47% (a sequence parts for good at its first differing token; the
     same model in Q4_0 with Q8_0 inputs keeps 70%)."""
     prompts = random_prompts([5, 17, 40] * 10, seed=1)
-    monkeypatch.setenv(ACTIVATIONS_ENV, "q8")
-    quantized = greedy(k_quant_mix.path, prompts)
+    quantized = greedy(k_quant_mix.path, prompts, quant_activations="q8")
     expected = greedy(k_quant_mix.dequantized, prompts)
     assert [tokens[0] for tokens in quantized] == [tokens[0] for tokens in expected]
     agreeing = sum(a == b for got, want in zip(quantized, expected, strict=True) for a, b in zip(got, want))
@@ -164,11 +160,10 @@ def test_a_column_split_inside_a_super_block_is_refused(k_quant_mix: GGUFCheckpo
         LLM(model=str(k_quant_mix.path), tensor_parallel_size=2, **SMALL_KV)
 
 
-def test_q8_activations_agree_with_the_float_model(tied_q4_1: GGUFCheckpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_q8_activations_agree_with_the_float_model(tied_q4_1: GGUFCheckpoint) -> None:
     """Rounding the activations to 8 bits moves each linear layer's output by about 0.5%: the
     first token of each prompt holds here, and most of what follows."""
-    monkeypatch.setenv(ACTIVATIONS_ENV, "q8")
-    quantized = greedy(tied_q4_1.path)
+    quantized = greedy(tied_q4_1.path, quant_activations="q8")
     expected = greedy(tied_q4_1.dequantized)
     assert [tokens[0] for tokens in quantized] == [tokens[0] for tokens in expected]
     agreeing = sum(a == b for got, want in zip(quantized, expected, strict=True) for a, b in zip(got, want))

@@ -64,6 +64,8 @@ def test_every_engine_flag_reaches_every_instance_as_given() -> None:
         "sha256",
         "--kv-cache-dtype",
         "fp8_e4m3",
+        "--quant-activations",
+        "q8",
     ]
     up = _up_args(*given)
     instance = _instance_args(*engine_flags(up, Path("/m")))
@@ -76,7 +78,8 @@ def test_every_engine_flag_reaches_every_instance_as_given() -> None:
         256,
         384,
     )
-    assert engine_config(instance, "decode").kv_cache_dtype == "fp8_e4m3"
+    config = engine_config(instance, "decode")
+    assert (config.kv_cache_dtype, config.quant_activations) == ("fp8_e4m3", "q8")
 
 
 @pytest.mark.parametrize("role", ["decode", "colocated"])
