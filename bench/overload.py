@@ -45,7 +45,7 @@ import numpy as np
 
 from bench import slow_tokens
 from bench.splitserve_up import start_up, wait_ready
-from launcher.processes import embedded_model_path, free_port, splitserve_command
+from launcher.processes import embedded_model, free_port, splitserve_command
 from splitserve.flags import add_dtype_argument
 
 # What the server logs when the hand-off goes wrong (the wording of both commits measured).
@@ -135,7 +135,7 @@ def start_vllm(args: argparse.Namespace, port: int, log: IO[str]) -> subprocess.
         "-m",
         "vllm.entrypoints.cli.main",
         "serve",
-        str(args.model or embedded_model_path()),
+        str(args.model or embedded_model("safetensors", args.dtype)[0]),
         "--port",
         str(port),
         "--dtype",
@@ -189,7 +189,8 @@ def bench_command(
 ) -> list[str]:
     concurrency = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
     # Prompt lengths are measured with the model folder's tokenizer, else the embedded model's (its GGUF file's too).
-    tokenizer = args.model if args.model is not None and args.model.is_dir() else embedded_model_path()
+    embedded = args.model is None or not args.model.is_dir()
+    tokenizer = embedded_model("safetensors", args.dtype)[0] if embedded else args.model
     return splitserve_command(
         "bench",
         "serve",

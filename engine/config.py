@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.default_model import LOAD_FORMATS, LoadFormat
 from engine.kv_cache_dtype import KV_CACHE_DTYPES, KVCacheDType
 from engine.kv_cache_utils import BlockHasher, PrefixCacheHash
 from engine.spec_decode.config import SpeculativeConfig
@@ -33,6 +34,10 @@ class EngineConfig:
     """
 
     model: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
+    # Which form of the embedded model (vLLM's --load-format): "gguf", the file as shipped, kept
+    # quantized; "safetensors", its dequantized bf16 folder; "auto", by device and dtype
+    # (engine/default_model.py). With a model of its own, the form it is, or refused.
+    load_format: LoadFormat = "auto"
     # auto: the checkpoint's dtype, except on CPU: bfloat16 checkpoints run in bf16 where the CPU
     # has bf16 dot products (AVX512_BF16, AMX), everything else in float32
     # (engine/models/loader.py: resolve_dtype).
@@ -85,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 or None, got {self.quantization!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.quant_activations not in QUANT_ACTIVATIONS:
             raise ValueError(f"quant_activations must be float or q8, got {self.quant_activations!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

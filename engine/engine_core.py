@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.context_length import resolve_max_tokens
-from engine.default_model import default_model_path
+from engine.default_model import LoadFormat, check_load_format, embedded_model
 from engine.gguf_files import is_gguf, metadata_folder
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
@@ -33,21 +33,26 @@ from engine.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_path(model: str | None) -> Path:
+def resolve_model_path(
+    model: str | None, load_format: LoadFormat = "auto", dtype: str = "auto", device: str = "auto"
+) -> Path:
+    """``model``'s path; None: the embedded model in the form ``load_format`` names, chosen by
+    ``dtype`` and ``device`` for ``auto`` (engine/default_model.py)."""
     if model is None:
-        return default_model_path()
+        return embedded_model(load_format, dtype, device)
     path = Path(model).expanduser()
     if not (is_gguf(path) or (path / "config.json").is_file()):
         raise ValueError(
             f"--model must be a local Hugging Face folder with config.json, or a .gguf file; {path} is neither"
         )
+    check_load_format(path, load_format)
     return path
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.load_format, config.dtype, config.device)
         # Where config.json and the tokenizer are: the model folder, or a GGUF file's metadata
         # (derived here once, before any tensor-parallel worker would race to).
         self.metadata_path = metadata_folder(self.model_path)

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
+from engine.config import DTypeName
+from engine.default_model import LoadFormat
 from engine.engine_core import EngineCore, resolve_model_path
 from engine.gguf_files import metadata_folder
 from engine.kv_cache_utils import cdiv
@@ -157,19 +159,29 @@ def split_chunks(token_ids: list[int], plan: ChunkPlan, bos_token_id: int | None
     return chunks
 
 
-def open_engine(model: str | None, plan: ChunkPlan, **config: object) -> LLM:
+def open_engine(
+    model: str | None,
+    plan: ChunkPlan,
+    load_format: LoadFormat = "auto",
+    dtype: DTypeName = "auto",
+    device: str = "auto",
+    **config: object,
+) -> LLM:
     """An engine for :func:`measure`: a KV cache of just the blocks one forward pass holds, no
-    prefix cache (each chunk is computed, never reused). ``config``: the numerics (dtype,
-    quantization, quant_activations, kv_cache_dtype) and device, as :class:`~engine.config.EngineConfig`
-    takes them."""
-    hf_config = AutoConfig.from_pretrained(str(metadata_folder(resolve_model_path(model))))
+    prefix cache (each chunk is computed, never reused). ``model``, ``load_format``, ``dtype``
+    and ``device`` as :class:`~engine.config.EngineConfig` takes them; ``config``: the rest of
+    the numerics (quantization, quant_activations, kv_cache_dtype)."""
+    path = resolve_model_path(model, load_format, dtype, device)
+    hf_config = AutoConfig.from_pretrained(str(metadata_folder(path)))
     supported = model_max_len(hf_config)
     if plan.ctx_size > supported:
         raise ValueError(
             f"--ctx-size {plan.ctx_size} exceeds the model's context ({supported} tokens); pass a smaller --ctx-size"
         )
     return LLM(
-        model,
+        str(path),
+        dtype=dtype,
+        device=device,
         max_model_len=plan.ctx_size,
         block_size=BLOCK_SIZE,
         num_blocks_override=plan.chunks_per_forward * cdiv(plan.ctx_size, BLOCK_SIZE),

@@ -111,14 +111,18 @@ def splitserve_command(*argv: str, source_dir: Path | None = None) -> list[str]:
     return ["env", "-C", str(source), f"PYTHONPATH={python_path}", sys.executable, "-m", module, *argv]
 
 
-def embedded_model_path() -> Path:
-    """The embedded model's folder, converted first if it is not yet. A child process does
-    it: the conversion loads torch and the engine, which the launcher never imports. Its log
-    and progress go to this process's stderr; the folder comes back on its stdout."""
-    result = subprocess.run([sys.executable, "-m", "engine.default_model"], stdout=subprocess.PIPE, text=True)
+def embedded_model(load_format: str, dtype: str) -> tuple[Path, str]:
+    """The embedded model's path in the form ``load_format`` names (``auto``: chosen for
+    ``dtype`` on this machine; engine/default_model.py), its folder converted first if it is
+    that and not yet, and the name it is served under. A child process does it: the choice and
+    the conversion load torch and the engine, which the launcher never imports. Its log and
+    progress go to this process's stderr; the path and the name come back on its stdout."""
+    command = [sys.executable, "-m", "engine.default_model", "--load-format", load_format, "--dtype", dtype]
+    result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise ValueError("the embedded model is not available (above: why); or pass --model PATH")
-    return Path(result.stdout.strip())
+    path, name = result.stdout.splitlines()
+    return Path(path), name
 
 
 class Child:

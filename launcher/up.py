@@ -31,7 +31,7 @@ from gateway.flags import (
     resolve_api_key,
     routing_argv,
 )
-from launcher.processes import Child, embedded_model_path, free_port, parse_instance_cpu_lists, splitserve_command
+from launcher.processes import Child, embedded_model, free_port, parse_instance_cpu_lists, splitserve_command
 from splitserve.flags import add_engine_arguments, add_kv_connector_arguments, engine_argv, speculative_argv
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prefill and --num-decode must be at least 1")
     cpus = instance_cpus(args)
     # The embedded model is converted (once) before anything starts, so instances never race to.
-    model = Path(args.model) if args.model else embedded_model_path()
+    model, name = (Path(args.model), None) if args.model else embedded_model(args.load_format, args.dtype)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         children.append(
             Child(
                 "gateway",
-                splitserve_command("--log-level", args.log_level, "gateway", *gateway_flags(args, model, routes)),
+                splitserve_command("--log-level", args.log_level, "gateway", *gateway_flags(args, model, routes, name)),
                 env={"SPLITSERVE_API_KEY": args.api_key or "", API_KEY_FILE_ENV: "", **cluster_env},
                 stop_stage=0,
             )
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{_dial_host(args.host)}:{args.port}"
         if not _wait_ready(url, children, stop):
             return 0 if stop.is_set() else 1  # stopped by the user before it was ready: not a failure
-        _print_banner(args, url, model)
+        _print_banner(args, url, name)
         while not stop.wait(0.5):
             dead = [c for c in children if c.exited]
             if dead:
@@ -133,13 +133,15 @@ def instance_cpus(args: argparse.Namespace) -> dict[str, list[set[int] | None]]:
     return cpus
 
 
-def gateway_flags(args: argparse.Namespace, model: Path, routes: list[str]) -> list[str]:
+def gateway_flags(
+    args: argparse.Namespace, model: Path, routes: list[str], served_name: str | None = None
+) -> list[str]:
     """The gateway's flags: its ports, the instances (``routes``: ``--prefill ADDRESS`` ...), and
     what ``up`` takes on its behalf (routing, the request log, tracing)."""
     flags = ["--model", str(model), "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
     flags += routes
-    if args.model is None:
-        flags += ["--served-model-name", model.name]
+    if served_name is not None:  # the embedded model's, the same in whichever form it is served
+        flags += ["--served-model-name", served_name]
     if args.max_model_len:
         flags += ["--max-model-len", str(args.max_model_len)]
     return flags + routing_argv(args) + request_log_argv(args) + tracing_argv(args)
@@ -287,7 +289,7 @@ def masked_key(key: str) -> str:
     return "****" + key[-min(4, len(key) // 4) :] if len(key) >= 4 else "****"
 
 
-def _print_banner(args: argparse.Namespace, url: str, model: Path) -> None:
+def _print_banner(args: argparse.Namespace, url: str, served_name: str | None) -> None:
     # Never the key itself: terminals are scrolled back, shared and recorded.
     auth = ' -H "Authorization: Bearer $SPLITSERVE_API_KEY"' if args.api_key else ""
     key_note = (
@@ -297,7 +299,7 @@ def _print_banner(args: argparse.Namespace, url: str, model: Path) -> None:
     )
     example = json.dumps(
         {
-            "model": model.name if args.model is None else args.model,
+            "model": served_name or args.model,
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 32,
         }

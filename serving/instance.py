@@ -103,6 +103,7 @@ def _long_prefill_token_threshold(args: argparse.Namespace, role: EngineRole) ->
 def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
         quant_activations=args.quant_activations,

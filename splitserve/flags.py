@@ -19,6 +19,8 @@ DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DTypeChoice, ...] = ("auto", "float32", "bfloat16", "float16")
 # engine.config.QuantizationName, spelled here so that this module loads no part of the engine.
 QUANTIZATIONS = ("int8",)
+# engine.default_model.LOAD_FORMATS, spelled here so that this module loads no part of the engine.
+LOAD_FORMATS = ("auto", "gguf", "safetensors")
 # engine.config.QUANT_ACTIVATIONS, spelled here so that this module loads no part of the engine.
 QUANT_ACTIVATIONS = ("float", "q8")
 
@@ -57,6 +59,15 @@ def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
     the compute dtype, how quantized weights take their inputs and the KV cache's dtype.
     ``splitserve perplexity`` takes these alone."""
     add_model_argument(parser)
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="which form of the embedded model to serve: gguf, the Q4_1 file as shipped, kept quantized; safetensors, "
+        "its dequantized bfloat16 folder; auto: the folder on a GPU and where the compute is bf16 on a CPU with "
+        "bf16 dot products (AVX512_BF16, AMX), the file on every other CPU. With --model, the form the path is "
+        "(default: auto)",
+    )
     add_dtype_argument(parser)
     parser.add_argument(
         "--quantization",
@@ -157,6 +168,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         args.kv_cache_dtype,
         "--quant-activations",
         args.quant_activations,
+        "--load-format",
+        args.load_format,
     ]
     for flag, value in (
         ("--quantization", args.quantization),

@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(
         model=args.model,
+        load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
         quant_activations=args.quant_activations,

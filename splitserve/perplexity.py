@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     with open_engine(
         args.model,
         plan,
+        load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
         quant_activations=args.quant_activations,

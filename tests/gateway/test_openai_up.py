@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+from engine.default_model import DEFAULT_MODEL_NAME, embedded_model
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.gateway.processes import HTTPProcess
 from tests.stores import free_port
@@ -89,7 +89,8 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [DEFAULT_MODEL_NAME]
-    assert models[0].root == str(default_model_path())  # the folder it was loaded from, as vLLM shows it
+    # The path it was loaded from, as vLLM shows it: in float32 on a CPU, the file as shipped.
+    assert models[0].root == str(embedded_model("auto", "float32", "cpu"))
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -4,7 +4,6 @@ itself (terminals are scrolled back, shared and recorded), only enough of it to 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +14,7 @@ KEY = "sk-splitserve-0123456789abcdef"
 
 def banner(capsys: pytest.CaptureFixture[str], api_key: str | None) -> str:
     args = argparse.Namespace(api_key=api_key, model=None, host="127.0.0.1", grpc_port=50051)
-    _print_banner(args, "http://127.0.0.1:8000", Path("/models/SmolLM2-135M-Instruct"))
+    _print_banner(args, "http://127.0.0.1:8000", "SmolLM2-135M-Instruct")
     return capsys.readouterr().out
 
 

@@ -1,0 +1,83 @@
+"""Which form of the embedded model is served: the shipped GGUF file, kept quantized, or its
+dequantized bf16 folder (``--load-format``, engine/default_model.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import default_model
+from engine.cpu_features import cpu_features
+from engine.default_model import DEFAULT_MODEL_NAME, check_load_format, embedded_model, find_gguf, prefers_folder
+from engine.engine_core import resolve_model_path
+
+
+@pytest.fixture
+def bf16_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with bf16 dot products (AVX512_BF16), whatever this one has."""
+    features = dataclasses.replace(cpu_features(), avx512_bf16=True)
+    monkeypatch.setattr("engine.cpu_features.cpu_features", lambda: features)
+
+
+@pytest.fixture
+def float_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without bf16 dot products (AVX2 only, say), whatever this one has."""
+    features = dataclasses.replace(cpu_features(), avx512_bf16=False, amx_bf16=False)
+    monkeypatch.setattr("engine.cpu_features.cpu_features", lambda: features)
+
+
+@pytest.fixture
+def folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Where the dequantized folder would be, without converting it here."""
+    path = tmp_path / DEFAULT_MODEL_NAME
+    monkeypatch.setattr(default_model, "default_model_path", lambda: path)
+    return path
+
+
+@pytest.mark.usefixtures("bf16_native")
+def test_where_bf16_is_native_auto_serves_the_bf16_folder_unless_the_compute_is_float32(folder: Path) -> None:
+    assert prefers_folder("auto", "cpu") and prefers_folder("bfloat16", "cpu")
+    assert embedded_model("auto", "auto", "cpu") == folder
+    assert embedded_model("auto", "float32", "cpu") == find_gguf()
+
+
+@pytest.mark.usefixtures("float_only")
+def test_without_bf16_dot_products_auto_serves_the_file_as_shipped(folder: Path) -> None:
+    for dtype in ("auto", "float32", "bfloat16"):
+        assert not prefers_folder(dtype, "cpu"), dtype
+        assert embedded_model("auto", dtype, "cpu") == find_gguf()
+
+
+@pytest.mark.usefixtures("float_only")
+def test_a_gpu_gets_the_folder(folder: Path) -> None:
+    """The Triton dequantizing matmul is untested on GPUs: the folder there, whatever the CPU."""
+    assert embedded_model("auto", "auto", "cuda") == folder
+
+
+@pytest.mark.usefixtures("bf16_native")
+def test_an_explicit_form_is_served_whatever_the_cpu(folder: Path) -> None:
+    assert embedded_model("gguf", "auto", "cpu") == find_gguf()
+    assert embedded_model("safetensors", "float32", "cpu") == folder
+    with pytest.raises(ValueError, match="load format must be one of"):
+        embedded_model("pt", "auto", "cpu")  # type: ignore[arg-type]
+
+
+def test_a_model_of_ones_own_must_be_the_form_named(tmp_path: Path) -> None:
+    gguf = find_gguf()
+    assert resolve_model_path(str(gguf), "gguf") == gguf
+    with pytest.raises(ValueError, match="--load-format safetensors does not match"):
+        resolve_model_path(str(gguf), "safetensors")
+    with pytest.raises(ValueError, match="--load-format gguf does not match"):
+        check_load_format(tmp_path, "gguf")
+    check_load_format(tmp_path, "auto")
+
+
+def test_the_launchers_child_prints_the_path_then_the_served_name() -> None:
+    """What ``splitserve up`` reads (launcher/processes.py): the form asked for, the name kept."""
+    command = [sys.executable, "-m", "engine.default_model", "--load-format", "gguf", "--dtype", "float32"]
+    lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()
+    assert lines == [str(find_gguf()), DEFAULT_MODEL_NAME]
