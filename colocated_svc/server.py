@@ -16,6 +16,7 @@ import grpc
 from cluster.request_phases import LOCAL_PREFILL_PHASES
 from cluster.sampling_proto import sampling_params_from_proto
 from cluster.tracing import Tracer
+from engine.openmp_threads import serial_openmp
 from engine.request_timing import RequestTiming
 from serving.convert import output_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
@@ -119,6 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     instance = Instance.create(args, "colocated")
     servicer = ColocatedServicer(instance)
+    serial_openmp()  # this thread runs the event loop: no OpenMP team beside the step thread's
     asyncio.run(
         serve(instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server))
     )

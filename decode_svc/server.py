@@ -58,6 +58,7 @@ from cluster.sampling_proto import sampling_params_from_proto
 from cluster.tracing import Tracer
 from decode_svc.kv_loader import KVLoadOutcome, RemoteKVLoader
 from engine.kv_loader import KVLoadFailurePolicy
+from engine.openmp_threads import serial_openmp
 from engine.request_timing import RequestTiming
 from kv_connector.base import KVSource, block_count_error
 from kv_connector.fingerprint import FingerprintMismatchError
@@ -307,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(engine_config(args, "decode"), max_num_prefill_tokens=args.decode_recompute_chunk)
     instance = Instance.create(args, "decode", config)
     servicer = DecodeServicer(instance, args.kv_failure_policy, RemoteKVLoader(instance, args.kv_pull_timeout))
+    serial_openmp()  # this thread runs the event loop: no OpenMP team beside the step thread's
     asyncio.run(
         serve(
             instance,

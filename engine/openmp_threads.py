@@ -12,10 +12,18 @@ the step thread's: on 2 CPUs, 1 + 1 + 1 threads, throttled. Measured on a 2-vCPU
 (Zen 4), the Q4_1 SmolLM2 file in bf16 at two threads: 11.5 ms a token on the step thread
 after loading on the main thread, 7.3 ms after loading on a thread that had ended, as fast as
 steps on the main thread alone.
+
+The same holds for every thread that runs torch while the engine computes: the event loop's
+(a KV pull between tensor-parallel sizes copies heads into place there) and the workers that
+copy KV in and out of LMCache. :func:`serial_openmp` makes such a thread run torch's parallel
+loops serially, so it never starts a team: their copies are small beside a step, and a
+throttled step thread costs every token.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -40,3 +48,35 @@ def run_in_passing_thread(make: Callable[[], T], name: str) -> T:
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["result"]  # type: ignore[return-value]
+
+
+def serial_openmp() -> None:
+    """From now on, torch runs its parallel loops serially on the calling thread, which so
+    starts no OpenMP team (module docstring). Other threads keep their own thread counts: the
+    count is the OpenMP thread's own (``omp_set_num_threads``), where ``torch.set_num_threads``
+    would change every thread's. A no-op where torch runs without libgomp."""
+    set_num_threads = _omp_set_num_threads()
+    if set_num_threads is None:
+        return
+    import torch
+
+    torch.get_num_threads()  # torch's first use on a thread sets the count to the process's: let it, then override
+    set_num_threads(1)
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """libgomp's ``omp_set_num_threads``, from the copy torch loaded (the native kernels link the
+    same soname, engine/cpu_kernels.py), or None."""
+    import torch  # noqa: F401 - loads the libgomp this looks for
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
+    except OSError:
+        return None
+    if len(paths) != 1:
+        return None  # none (no OpenMP), or two runtimes: which one torch calls is not known
+    function = ctypes.CDLL(paths.pop()).omp_set_num_threads
+    function.argtypes, function.restype = [ctypes.c_int], None
+    return function

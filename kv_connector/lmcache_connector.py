@@ -90,6 +90,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 
 from cluster.store_urls import redact_url, with_password_file
 from engine.kv_cache_utils import cdiv
+from engine.openmp_threads import serial_openmp
 from engine.tensor_parallel.layout import kv_head_range
 from kv_connector.base import (
     KVConnector,
@@ -406,6 +407,7 @@ class LMCacheConnector(KVConnector):
         pull_token: bytes,
     ) -> PublishedKV:
         """Worker thread: :meth:`publish`'s store of each head, its confirmation and the chunks' expiry."""
+        serial_openmp()  # the copies out of the cache start no OpenMP team beside the step thread's
         chunk_digests: list[bytes] = []
         deadline = time.monotonic() + self.publish_timeout_s
         for head in self.stored_heads:
@@ -493,6 +495,7 @@ class LMCacheConnector(KVConnector):
         """Worker thread: fill ``staging`` from token ``fetch_start`` on, head by head, and
         ``digests[head]`` with each fetched chunk's. Returns LMCache's per-token hit mask of
         each of this rank's heads (bool, on CPU)."""
+        serial_openmp()  # the copies into the staging tensor start no OpenMP team beside the step thread's
         mask = None
         if fetch_start:
             mask = torch.ones(len(tokens), dtype=torch.bool)

@@ -34,6 +34,7 @@ from cluster.handle_signing import new_pull_token, sign_handle
 from cluster.internal_grpc import abort_call
 from cluster.request_phases import PREFILL_CALL_PHASES
 from cluster.sampling_proto import sampling_params_from_proto
+from engine.openmp_threads import serial_openmp
 from engine.outputs import EngineCoreOutput, KVHandoff
 from engine.request_timing import RequestTiming
 from engine.sampling_params import SamplingParams
@@ -212,6 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     instance = Instance.create(args, "prefill")
     servicer = PrefillServicer(instance, args.lease_seconds)
+    serial_openmp()  # this thread runs the event loop: no OpenMP team beside the step thread's
     asyncio.run(
         serve(
             instance,

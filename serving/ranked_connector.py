@@ -33,6 +33,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine.openmp_threads import serial_openmp
 from engine.tensor_parallel.rank_context import RankContext
 from kv_connector.base import KVConnector, KVSource, KVTransferError, PublishedKV, TransferStats, combined_stats
 from kv_connector.fingerprint import Fingerprint
@@ -225,6 +226,7 @@ class _RankAgent:
     def run(self) -> None:
         """Reads calls on this thread, serves them on an event loop of the agent's own."""
         loop = asyncio.new_event_loop()
+        loop.call_soon(serial_openmp)  # first, on the loop's thread: its head copies start no OpenMP team
         threading.Thread(target=loop.run_forever, name=f"rank{self.context.rank}-kv-loop", daemon=True).start()
         channel = self.context.channel
         try:

@@ -47,6 +47,46 @@ def test_parallel_work_on_a_passing_thread_leaves_no_openmp_team_behind() -> Non
     assert after_main == before + 1  # the same work on the main thread keeps a worker alive
 
 
+# Threads of this process while a live thread that called serial_openmp() has done parallel work,
+# and the thread counts torch reports there and on the main thread.
+_SERIAL_PROBE = """
+import os, threading, torch
+from engine.openmp_threads import serial_openmp
+
+def num_threads():
+    return len(os.listdir("/proc/self/task"))
+
+torch.set_num_threads(2)
+done, finish, seen = threading.Event(), threading.Event(), []
+
+def worker():
+    serial_openmp()
+    seen.append((float((torch.ones(1 << 22) * 2).sum()), torch.get_num_threads()))
+    done.set()
+    finish.wait()
+
+before = num_threads()
+thread = threading.Thread(target=worker)
+thread.start()
+done.wait()
+during = num_threads()
+finish.set()
+thread.join()
+print(before, during, seen[0][0], seen[0][1], torch.get_num_threads())
+"""
+
+
+def test_a_serial_thread_starts_no_openmp_team_and_leaves_the_others_parallel() -> None:
+    """The event loop's and the KV copy workers' threads (engine/openmp_threads.py): their torch
+    work runs without a team of its own, while other threads keep the process's thread count."""
+    result = subprocess.run([sys.executable, "-c", _SERIAL_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    before, during, total, serial_count, main_count = result.stdout.split()
+    assert int(during) == int(before) + 1  # the worker itself, and no OpenMP worker beside it
+    assert float(total) == float(2 << 22)
+    assert (int(serial_count), int(main_count)) == (1, 2)
+
+
 def test_a_passing_thread_returns_the_result_or_raises_the_error() -> None:
     assert run_in_passing_thread(lambda: threading.current_thread().name, "named") == "named"
     with pytest.raises(ValueError, match="refused"):
