@@ -148,16 +148,7 @@ def load_gguf(
             ", ".join(f"{count} {name}" for name, count in sorted(contents.dequantized_types.items())),
             dtype,
         )
+    tensors = contents.tensors
     return load_quantized(
-        path.name,
-        contents.tensors,
-        config,
-        architecture,
-        max_positions,
-        dtype,
-        device,
-        backend,
-        ops,
-        parallel,
-        activations,
+        path.name, tensors, config, architecture, max_positions, dtype, device, backend, ops, parallel, activations
     )

@@ -153,18 +153,9 @@ def load_model(
     elif quantization == "int8":
         tied = bool(getattr(config, "tie_word_embeddings", False))
         weights = int8_weights(iter_safetensors(path), tied)
+        name = f"{path.name} (int8)"
         model = load_quantized(
-            f"{path.name} (int8)",
-            weights,
-            config,
-            architecture,
-            supported_len,
-            dtype,
-            device,
-            backend,
-            ops,
-            parallel,
-            activations,
+            name, weights, config, architecture, supported_len, dtype, device, backend, ops, parallel, activations
         )
     else:
         if activations != "float":
