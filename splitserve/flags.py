@@ -33,7 +33,8 @@ PrefixCacheHashChoice = Literal["xxh3", "sha256"]
 PREFIX_CACHE_HASHES: tuple[PrefixCacheHashChoice, ...] = ("xxh3", "sha256")
 
 DTYPE_HELP = (
-    "auto: bfloat16 for a bfloat16 checkpoint (such as the embedded model) where the CPU computes it natively "
+    "auto: bfloat16 for a bfloat16 checkpoint (such as the embedded model) or a .gguf file where the CPU computes it "
+    "natively "
     "(AVX512_BF16 or AMX), float32 on other CPUs (exact, and faster in batches there), the checkpoint's own "
     "dtype on a GPU"
 )

@@ -47,7 +47,11 @@ class LoadedModel:
 
 
 def resolve_dtype(
-    name: str, config: PretrainedConfig, device: torch.device, features: CPUFeatures | None = None
+    name: str,
+    config: PretrainedConfig,
+    device: torch.device,
+    features: CPUFeatures | None = None,
+    gguf: bool = False,
 ) -> torch.dtype:
     """The dtype to run in. ``auto`` is the checkpoint's own dtype (float32 if it names none),
     except on CPU, where it is what is fast there and exact:
@@ -61,7 +65,12 @@ def resolve_dtype(
       ``dtype="bfloat16"`` runs on any CPU.
     - a float16 checkpoint runs in float32 (exact: CPUs without AVX512-FP16 have no
       fast float16 matmul, and bfloat16 would round its weights);
-    - a float32 checkpoint runs in float32.
+    - a float32 checkpoint runs in float32;
+    - a GGUF file (``gguf``) names no dtype (its weights are blocks): it runs as a bfloat16
+      checkpoint does, as vLLM runs GGUF files in half precision. Where bf16 is native the
+      Q4_1 SmolLM2 file held a mix of chatty streams and long prompts far better in bf16 than
+      in float32 (chatty token gaps p99 26 against 307 ms: its prompts' GEMMs run in bf16 too;
+      docs/benchmarks.md, "The step thread's OpenMP team").
     """
     if name != "auto":
         if name not in _DTYPES:
@@ -71,6 +80,8 @@ def resolve_dtype(
     if isinstance(configured, str):
         configured = _DTYPES.get(configured)
     checkpoint_dtype = configured if configured in _DTYPES.values() else torch.float32
+    if gguf:
+        checkpoint_dtype = torch.bfloat16
     if device.type != "cpu":
         return checkpoint_dtype
     features = features or cpu_features()
@@ -134,7 +145,7 @@ def load_model(
         raise ValueError(
             f"model at {path} has architectures {architectures}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    dtype = resolve_dtype(dtype_name, config, device)
+    dtype = resolve_dtype(dtype_name, config, device, gguf=is_gguf(path))
     supported_len = model_max_len(config)
     if max_model_len is None:
         max_model_len = supported_len

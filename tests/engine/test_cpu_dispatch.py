@@ -68,6 +68,18 @@ def test_amx_cpu_takes_the_avx512_bf16_kernels() -> None:
     )
 
 
+def test_a_gguf_file_runs_as_a_bf16_checkpoint_under_auto() -> None:
+    """Its weights are blocks and its metadata names no dtype: bf16 where the CPU has bf16 dot
+    products, float32 elsewhere; an explicit dtype wins."""
+    no_dtype = tiny_config("LlamaForCausalLM")
+    amx = parse_cpuinfo(SAPPHIRE_RAPIDS_FLAGS, "x86_64")
+    assert resolve_dtype("auto", no_dtype, CPU, amx, gguf=True) == torch.bfloat16
+    assert resolve_dtype("auto", no_dtype, CPU, amx) == torch.float32  # a folder naming no dtype: float32
+    assert resolve_dtype("float32", no_dtype, CPU, amx, gguf=True) == torch.float32
+    avx2 = parse_cpuinfo(AVX2_EPYC_FLAGS, "x86_64")
+    assert resolve_dtype("auto", no_dtype, CPU, avx2, gguf=True) == torch.float32
+
+
 def test_aarch64_takes_the_generic_build_and_float32_by_default() -> None:
     features = parse_cpuinfo(GRAVITON_FEATURES, "aarch64")
     assert features.neon and features.kernel_isa == "generic" and features.supported_isas == ("generic",)
