@@ -52,7 +52,7 @@ def load_variant(dtype: str, path: LinearPath, panel_kernel: bool, native_step: 
     chosen = loader.linear_path
     loader.linear_path = lambda device, dtype_, features=None: path
     try:
-        llm = LLM(model=None, dtype=dtype, kv_cache_memory=1 << 27)
+        llm = LLM(model=None, load_format="safetensors", dtype=dtype, kv_cache_memory=1 << 27)  # the float layers
     finally:
         loader.linear_path = chosen
     if not panel_kernel:

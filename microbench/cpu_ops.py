@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, object]] = []
     for dtype in args.dtypes:
         dtype_name = str(dtype).removeprefix("torch.")
-        llm = LLM(model=None, dtype=dtype_name, kv_cache_memory=1 << 26)
+        # The float folder: the float linear paths are what this measures (a CPU in float32 would get the file).
+        llm = LLM(model=None, load_format="safetensors", dtype=dtype_name, kv_cache_memory=1 << 26)
         for num_threads in args.threads:
             torch.set_num_threads(num_threads)
             for num_rows in args.rows:

@@ -217,7 +217,8 @@ def check_parity(device: torch.device, quick: bool) -> dict[str, object]:
 
     num_tokens = 8 if quick else 32
     rng = random.Random(0)
-    llm = LLM(model=None, dtype="float32", device=device.type, kv_cache_memory=256 << 20)
+    # The float folder, which transformers loads too (in float32 on a CPU auto would serve the GGUF file).
+    llm = LLM(model=None, load_format="safetensors", dtype="float32", device=device.type, kv_cache_memory=256 << 20)
     prompts = [[rng.randrange(3, 40000) for _ in range(n)] for n in ((5, 40) if quick else (5, 40, 100, 300, 700))]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
     model = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_path), dtype=torch.float32).to(device)

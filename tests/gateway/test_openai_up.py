@@ -89,7 +89,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [DEFAULT_MODEL_NAME]
-    # The path it was loaded from, as vLLM shows it: in float32 on a CPU, the file as shipped.
+    # The path it was loaded from, as vLLM shows it: for --dtype float32, the folder.
     assert models[0].root == str(embedded_model("auto", "float32", "cpu"))
 
 

@@ -146,7 +146,7 @@ def test_smollm2_prefilled_at_tp3_decodes_at_tp1() -> None:
         running("prefill", _embedded(), "--dtype", "float32", "--tensor-parallel-size", "3") as prefill,
         running("decode", _embedded(), "--dtype", "float32") as decode,
     ):
-        colocated = LLM(model=None, dtype="float32", kv_cache_memory=1 << 22)
+        colocated = LLM(model=str(_embedded()), dtype="float32", kv_cache_memory=1 << 22)
         prompt = colocated.tokenizer.encode("The capital of France is")
         prefilled = run_prefill(prefill, "smol-tp3", prompt)
         tokens, responses = run_decode(decode, "smol-tp3", prompt, prefilled)
