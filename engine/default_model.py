@@ -98,16 +98,6 @@ def embedded_model(load_format: LoadFormat = "auto", dtype: str = "auto", device
     return find_gguf()
 
 
-def check_load_format(path: Path, load_format: LoadFormat) -> None:
-    """Refuse a ``--model`` path that is not of the form ``--load-format`` names."""
-    is_file = path.suffix.lower() == ".gguf"
-    if (load_format == "gguf" and not is_file) or (load_format == "safetensors" and is_file):
-        raise ValueError(
-            f"--load-format {load_format} does not match --model {path}: a .gguf file loads as gguf, a Hugging Face "
-            "folder as safetensors (or leave --load-format at auto)"
-        )
-
-
 def _convert(gguf_path: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.context_length import resolve_max_tokens
-from engine.default_model import LoadFormat, check_load_format, embedded_model
+from engine.default_model import LoadFormat, embedded_model
 from engine.gguf_files import is_gguf, metadata_folder
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
@@ -41,11 +41,16 @@ def resolve_model_path(
     if model is None:
         return embedded_model(load_format, dtype, device)
     path = Path(model).expanduser()
-    if not (is_gguf(path) or (path / "config.json").is_file()):
+    gguf = is_gguf(path)
+    if not (gguf or (path / "config.json").is_file()):
         raise ValueError(
             f"--model must be a local Hugging Face folder with config.json, or a .gguf file; {path} is neither"
         )
-    check_load_format(path, load_format)
+    if load_format != "auto" and (load_format == "gguf") != gguf:
+        raise ValueError(
+            f"--load-format {load_format} does not match --model {path}: a .gguf file loads as gguf, a Hugging Face "
+            "folder as safetensors (or leave --load-format at auto)"
+        )
     return path
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine import default_model
 from engine.cpu_features import cpu_features
-from engine.default_model import DEFAULT_MODEL_NAME, check_load_format, embedded_model, find_gguf, prefers_folder
+from engine.default_model import DEFAULT_MODEL_NAME, embedded_model, find_gguf, prefers_folder
 from engine.engine_core import resolve_model_path
 
 
@@ -77,9 +77,10 @@ def test_a_model_of_ones_own_must_be_the_form_named(tmp_path: Path) -> None:
     assert resolve_model_path(str(gguf), "gguf") == gguf
     with pytest.raises(ValueError, match="--load-format safetensors does not match"):
         resolve_model_path(str(gguf), "safetensors")
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="--load-format gguf does not match"):
-        check_load_format(tmp_path, "gguf")
-    check_load_format(tmp_path, "auto")
+        resolve_model_path(str(tmp_path), "gguf")
+    assert resolve_model_path(str(tmp_path), "auto") == resolve_model_path(str(tmp_path), "safetensors") == tmp_path
 
 
 def test_the_launchers_child_prints_the_path_then_the_served_name() -> None:
