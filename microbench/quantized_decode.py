@@ -25,6 +25,11 @@ weight formats change, without the step's attention, sampling and per-layer Pyth
 well (``--quant-activations q8``)::
 
     python -m microbench.quantized_decode --threads 2 --rounds 7 --tokens 64 --activations float,q8
+
+``--dtype bfloat16`` computes in bf16 instead (a float folder's weights then bf16, as served in
+bf16; a quantized format's blocks stay as they are)::
+
+    python -m microbench.quantized_decode --threads 1 --dtype bfloat16 --variants "folder,Q4_1 (shipped"
 """
 
 from __future__ import annotations
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=64, help="decode steps timed a round")
     parser.add_argument("--activations", default="float", help="comma-separated: float, q8")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=30)
@@ -170,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         from engine.default_model import default_model_path, find_gguf
 
         folder = default_model_path()
-        variants["SmolLM2 float32 folder"] = (folder, None, False)
+        variants[f"SmolLM2 {args.dtype} folder"] = (folder, None, False)
         variants["SmolLM2 Q4_1 (shipped GGUF)"] = (find_gguf(), None, True)
         variants["SmolLM2 int8"] = (folder, "int8", True)
     aligned_folder, files = aligned_model(args.work_dir, args.hidden, args.intermediate, args.layers)
     label = f"aligned {args.hidden}/{args.intermediate}x{args.layers}"
-    variants[f"{label} float32"] = (aligned_folder, None, False)
+    variants[f"{label} {args.dtype}"] = (aligned_folder, None, False)
     for format_name, path in files.items():
         variants[f"{label} {format_name}"] = (path, None, True)
     variants[f"{label} int8"] = (aligned_folder, "int8", True)
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{name} [{mode} activations]" if quantized else name
             engines[key] = LLM(
                 model=str(path),
-                dtype="float32",
+                dtype=args.dtype,
                 quantization=quantization,
                 quant_activations=mode,
                 kv_cache_memory=1 << 26,
@@ -206,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                 with modules_path(llm):
                     modules[name].append(decode_ms(llm, args.tokens, args.rounds + seed))
             sweeps[name].append(linear_sweep_ms(llm))
-    sys.stdout.write(f"threads={args.threads} rounds={args.rounds}: single-stream decode, ms per token\n")
+    sys.stdout.write(
+        f"threads={args.threads} rounds={args.rounds} dtype={args.dtype}: single-stream decode, ms per token\n"
+    )
     for name, llm in engines.items():
         times, linear = results[name], sweeps[name]
         sys.stdout.write(

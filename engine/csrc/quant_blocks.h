@@ -143,6 +143,16 @@ static inline __attribute__((always_inline)) float half_to_float(const uint8_t *
 #endif
 }
 
+#if defined(__F16C__)
+/* The two halves at p (a Q4_1 block's d and m) in lanes 0 and 1: one conversion for both (for
+   quant_bf16.c, where one at a time took about a fifth of a decode row's time). */
+static inline __attribute__((always_inline)) __m128 half_pair_to_floats(const uint8_t *p) {
+    int32_t halves;
+    memcpy(&halves, p, sizeof halves);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+}
+#endif
+
 /* One block into 32 floats, plain C: the generic build's path and every build's reference. */
 static inline __attribute__((always_inline)) void dequantize_block_scalar(const uint8_t *block, const int qtype,
                                                                           float *out) {

@@ -10,7 +10,8 @@
  * from memory serves every row of the tile; more rows take more tiles, each dequantizing the
  * (cached) row again. An INT8 row's blocks have unit scale and its own scale multiplies the
  * dot product once. Threads split the output features as quant_driver.h does for every
- * quantized kernel. For many rows (prefill) the caller dequantizes a slice of rows at a time
+ * quantized kernel. bf16 inputs against Q4_0 / Q4_1 blocks go to AVX512_BF16's dot products
+ * where the build has them (quant_bf16.c). For many rows (prefill) the caller dequantizes a slice of rows at a time
  * with quant_dequantize_rows and runs a float GEMM (engine/models/quantized_linear.py says
  * which is faster where).
  *
@@ -18,6 +19,12 @@
  */
 #include "quant_driver.h"
 #include "quant_kblocks.h"
+
+#if defined(__AVX512BF16__)
+/* quant_bf16.c: Q4_0 and Q4_1 blocks against bf16 inputs with AVX512_BF16's dot products. */
+int quant_linear_bf16_dot(const void *x, int64_t x_stride, const uint8_t *w, const void *bias, void *out,
+                          int64_t num_rows, int64_t in_features, int64_t out_features, int qtype);
+#endif
 
 int64_t quant_row_bytes(int qtype, int64_t in_features) { return quant_row_bytes_of(qtype, in_features); }
 
@@ -160,6 +167,10 @@ static void qlinear_range(const QuantLinearCall *call, int64_t n_start, int64_t 
 int quant_linear(const void *x, int64_t x_stride, const uint8_t *w, const void *bias, void *out, int64_t num_rows,
                  int64_t in_features, int64_t out_features, int qtype, int is_bf16) {
     if (quant_row_bytes_of(qtype, in_features) < 0) return -2;
+#if defined(__AVX512BF16__)
+    if (is_bf16 && (qtype == QTYPE_Q4_0 || qtype == QTYPE_Q4_1))
+        return quant_linear_bf16_dot(x, x_stride, w, bias, out, num_rows, in_features, out_features, qtype);
+#endif
     /* Rows gathered once into contiguous float32 (bf16 upcast exactly). */
     float *x32 = malloc((size_t)(num_rows * in_features) * sizeof(float));
     if (x32 == NULL) return -1;

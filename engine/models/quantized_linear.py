@@ -5,7 +5,10 @@
   dequantize each weight block in registers (engine/csrc/quant_linear.c) and so read the
   weight's 4.5 to 8.5 bits per element instead of the 16 or 32 of a float copy. The
   activations stay float32: the result equals the float model of the dequantized weights up
-  to summation order. ``--quant-activations q8`` quantizes them on the fly instead,
+  to summation order. bf16 activations on Q4_0 / Q4_1 blocks, where the CPU has AVX512_BF16,
+  take its dot products instead (engine/csrc/quant_bf16.c: the nibbles as exact bf16 integers,
+  the block's scale and minimum applied in float32, so the same result up to summation order).
+  ``--quant-activations q8`` quantizes them on the fly instead,
   as llama.cpp does, for integer dot products: to Q8_0 blocks for the 32-element formats and
   INT8 (engine/csrc/quant_q8.c), to Q8_K super-blocks for the K-quants (quant_q8k.c); faster,
   and no longer equal to the float model (greedy output can part from it). An INT8 layer

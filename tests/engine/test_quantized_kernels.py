@@ -1,4 +1,4 @@
-"""The quantized-weight kernels (engine/csrc/quant_linear.c, quant_q8.c, quant_q8k.c) against
+"""The quantized-weight kernels (engine/csrc/quant_linear.c, quant_bf16.c, quant_q8.c, quant_q8k.c) against
 the ``gguf`` package's own dequantizers, for every format, at the shape edges, on every ISA
 build this CPU runs (the others are skipped, saying why: the AVX-512 builds are compiled and
 checked only where the CPU runs them).
@@ -119,8 +119,25 @@ def test_q8_activations_match_llama_cpp_rounding_at_its_edges(kernels: QuantKern
     assert_close(kernels.linear(x, weight, None, q8_activations=True), through_q8(x, "Q6_K") @ reference.T, 1e-5)
 
 
+@pytest.mark.parametrize("case", [case for case in CASES if case[0] in ("Q4_0", "Q4_1")], ids=case_id)
+def test_bf16_activations_on_4_bit_blocks_lose_only_the_outputs_rounding(kernels: QuantKernels, case) -> None:
+    """bf16 inputs against Q4_0 / Q4_1 blocks (where the CPU has AVX512_BF16, its dot products:
+    quant_bf16.c) keep the weights exact: each output is within its own bf16 rounding of the exact
+    product, plus float32 summation error, for every tile height."""
+    name, (out_features, in_features) = case
+    weight, reference = quantized(name, out_features, in_features, seed=out_features)
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for num_rows in ROWS:
+        x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows)).to(torch.bfloat16)
+        out = kernels.linear(x, weight, bias)
+        exact = x.double() @ reference.double().T + bias.double()
+        error = (out.double() - exact).abs()
+        bound = 2**-8 * exact.abs() + 1e-5 * exact.abs().max()
+        assert bool((error <= bound).all()), f"{num_rows} rows: worst excess {(error - bound).max().item():.3g}"
+
+
 @pytest.mark.parametrize("q8", [False, True], ids=["float", "q8"])
-@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K", "INT8"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "INT8"])
 def test_bf16_activations_bias_and_strided_rows(kernels: QuantKernels, q8: bool, name: QuantType) -> None:
     in_features = 256 if name in K_QUANTS else 96
     weight, reference = quantized(name, 33, in_features, seed=1)
