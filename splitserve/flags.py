@@ -65,9 +65,9 @@ def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=LOAD_FORMATS,
         help="which form of the embedded model to serve: gguf, the Q4_1 file as shipped, kept quantized; safetensors, "
-        "its dequantized bfloat16 folder; auto: with --dtype auto on a CPU, the file where that computes in float32 "
-        "(no bf16 dot products) and the folder where it computes in bf16 (AVX512_BF16, AMX); the folder on a GPU and "
-        "for a --dtype named outright. With --model, the form the path is (default: auto)",
+        "its dequantized bfloat16 folder; auto: with --dtype auto on a CPU, the file (in bf16 where the CPU has bf16 "
+        "dot products, else in float32); the folder on a GPU and for a --dtype named outright. With --model, the form "
+        "the path is (default: auto)",
     )
     add_dtype_argument(parser)
     parser.add_argument(
