@@ -194,9 +194,11 @@ static inline __attribute__((always_inline)) void dequantize_row(const uint8_t *
     const uint8_t *blocks = row_blocks(w_row, qtype);
     const float scale = row_scale(w_row, qtype);
     for (int64_t b = 0; b < num_blocks; ++b) {
-        float values[QK_K];
         const uint8_t *block = blocks + b * block_bytes;
+        const int64_t start = at + b * block_elements;
 #if SIMD_WIDTH > 1
+        /* Each vector straight to out, converted to bf16 in registers: through a float buffer on
+           the stack, a prefill's slices took three times as long in some processes. */
         if (qtype_is_k(qtype)) {
             KScales scales;
             k_scales(block, qtype, &scales);
@@ -205,26 +207,23 @@ static inline __attribute__((always_inline)) void dequantize_row(const uint8_t *
             for (int s = 0; s < QK_SUBS; ++s) {
                 vfloat v[QVECS];
                 k_dequantize_sub(block, qtype, s, &scales, v);
-                for (int j = 0; j < QVECS; ++j) vf_store(values + s * QUANT_BLOCK + j * SIMD_WIDTH, v[j]);
+                for (int j = 0; j < QVECS; ++j) vstore(out, start + s * QUANT_BLOCK + j * SIMD_WIDTH, v[j], out_is_bf16);
             }
         } else {
             vfloat v[QVECS];
             dequantize_block(block, qtype, v);
-            for (int j = 0; j < QVECS; ++j) vf_store(values + j * SIMD_WIDTH, vf_mul(v[j], vf_set1(scale)));
+            for (int j = 0; j < QVECS; ++j) vstore(out, start + j * SIMD_WIDTH, vf_mul(v[j], vf_set1(scale)), out_is_bf16);
         }
 #else
+        float values[QK_K];
         if (qtype_is_k(qtype)) {
             k_dequantize_scalar(block, qtype, values);
         } else {
             dequantize_block_scalar(block, qtype, values);
             for (int j = 0; j < QUANT_BLOCK; ++j) values[j] *= scale;
         }
+        for (int64_t j = 0; j < block_elements; ++j) store(out, start + j, values[j], out_is_bf16);
 #endif
-        const int64_t start = at + b * block_elements;
-        if (out_is_bf16)
-            for (int64_t j = 0; j < block_elements; ++j) ((uint16_t *)out)[start + j] = float_to_bf16(values[j]);
-        else
-            memcpy((float *)out + start, values, (size_t)block_elements * sizeof(float));
     }
     for (int64_t k = num_blocks * block_elements; k < in_features; ++k) /* an INT8 row's tail */
         store(out, at + k, scale * (float)((const int8_t *)blocks)[k], out_is_bf16);

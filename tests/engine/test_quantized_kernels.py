@@ -157,6 +157,9 @@ def test_dequantized_rows_and_embedding_lookups_equal_gguf(kernels: QuantKernels
     torch.testing.assert_close(
         kernels.dequantize_rows(weight, 5, 40, torch.float32), reference[5:40], rtol=0, atol=1e-6
     )
+    # bf16 slices (a prefill's GEMM in bf16): each value rounded once, to nearest even, as torch rounds.
+    bf16_rows = kernels.dequantize_rows(weight, 5, 40, torch.bfloat16)
+    assert torch.equal(bf16_rows, kernels.dequantize_rows(weight, 5, 40, torch.float32).to(torch.bfloat16))
     ids = torch.tensor([66, 0, 3, 3, 17])
     torch.testing.assert_close(kernels.embedding(weight, ids, torch.float32), reference[ids], rtol=0, atol=1e-6)
     torch.testing.assert_close(kernels.embedding(weight, ids, torch.bfloat16), reference[ids].to(torch.bfloat16))
