@@ -46,7 +46,7 @@ import numpy as np
 from bench import slow_tokens
 from bench.splitserve_up import start_up, wait_ready
 from launcher.processes import embedded_model, free_port, splitserve_command
-from splitserve.flags import add_dtype_argument
+from splitserve.flags import QUANT_ACTIVATIONS, add_dtype_argument
 
 # What the server logs when the hand-off goes wrong (the wording of both commits measured).
 LOG_EVENTS = {
@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", type=Path, default=None, help="a model folder or GGUF file (default: the embedded model)"
     )
+    parser.add_argument(
+        "--quant-activations",
+        choices=QUANT_ACTIVATIONS,
+        default=None,
+        help="splitserve: how quantized weights take their inputs (the server's default: float)",
+    )
     parser.add_argument("--server", choices=["pd", "colocated", "vllm", "llama"], default="pd")
     parser.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (--server vllm)")
     parser.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
@@ -122,6 +128,8 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
         flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.model is not None:
         flags += ["--model", str(args.model)]
+    if args.quant_activations is not None:
+        flags += ["--quant-activations", args.quant_activations]
     # INFO: the server log is parsed afterwards for cut-off pulls, failed releases and the like.
     return start_up(port, args.dtype, flags, log, log_level="INFO", source_dir=args.source_dir)
 
