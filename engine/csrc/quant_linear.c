@@ -198,7 +198,8 @@ static inline __attribute__((always_inline)) void dequantize_row(const uint8_t *
         const int64_t start = at + b * block_elements;
 #if SIMD_WIDTH > 1
         /* Each vector straight to out, converted to bf16 in registers: through a float buffer on
-           the stack, a prefill's slices took three times as long in some processes. */
+           the stack, the buffer's stores took 70% of the dequantization's time in the processes
+           where prefills ran slow (docs/benchmarks.md, "Where the file's first token goes"). */
         if (qtype_is_k(qtype)) {
             KScales scales;
             k_scales(block, qtype, &scales);
