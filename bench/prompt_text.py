@@ -8,7 +8,9 @@ always checked by encoding, and corrected when a tokenizer merges across words.
 Counts exclude special tokens (a BOS the server adds is the server's).
 
 Only the fast tokenizer is loaded (``PreTrainedTokenizerFast``), never
-``AutoTokenizer``: it would import torch, which the benchmark client must not need.
+``AutoTokenizer``: it would import torch, which the benchmark client must not need. A GGUF
+file's tokenizer is read from its metadata by transformers' GGUF support, which does import
+torch: a client given a ``.gguf`` path shares a host with the server that loaded it.
 """
 
 from __future__ import annotations
@@ -33,15 +35,22 @@ _MIN_WORDS = 100
 _MAX_FIT_ROUNDS = 32
 
 
+def is_gguf_file(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf" and Path(path).is_file()
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """The fast tokenizer of a Hugging Face folder or name, or of a ``.gguf`` file."""
     from transformers import PreTrainedTokenizerFast
 
     try:
+        if is_gguf_file(path):
+            return PreTrainedTokenizerFast.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     except (OSError, ValueError) as error:
         raise ValueError(
             f"cannot load a fast tokenizer from {path} ({error}); pass --tokenizer PATH, "
-            "a Hugging Face folder with tokenizer.json"
+            "a Hugging Face folder with tokenizer.json or a .gguf file"
         ) from error
 
 

@@ -27,7 +27,7 @@ from bench.arrivals import arrival_offsets
 from bench.client import Endpoint, RequestRecord, ServedModel, auth_headers, build_payload, fetch_model, send_request
 from bench.datasets import SampleRequest, WorkloadSpec, sample_workload
 from bench.metrics import DEFAULT_PERCENTILES, RunInfo, compute_metrics, result_json
-from bench.prompt_text import load_tokenizer
+from bench.prompt_text import is_gguf_file, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -81,8 +81,8 @@ def validate(config: ServeConfig) -> None:
 
 def resolve_target(config: ServeConfig) -> Target:
     """The model to ask for and the tokenizer that measures prompt lengths: ``--tokenizer``,
-    else the model id when it is a folder here, else the folder the server says it loaded
-    the model from (``root`` in ``/v1/models``: right when client and server share a host)."""
+    else the model id when it is a folder here, else the folder or GGUF file the server says it
+    loaded the model from (``root`` in ``/v1/models``: right when client and server share a host)."""
     served = None if config.model is not None and config.tokenizer is not None else asyncio.run(_first_model(config))
     model_id = config.model or served.model_id
     if config.model is None:
@@ -92,11 +92,11 @@ def resolve_target(config: ServeConfig) -> Target:
         candidates = [model_id] + (
             [served.root] if served is not None and served.root and served.model_id == model_id else []
         )
-        tokenizer_id = next((c for c in candidates if (Path(c) / "tokenizer.json").is_file()), None)
+        tokenizer_id = next((c for c in candidates if (Path(c) / "tokenizer.json").is_file() or is_gguf_file(c)), None)
         if tokenizer_id is None:
             raise ValueError(
                 f"cannot measure prompt lengths: the server's model {model_id!r} is no folder with a tokenizer.json "
-                "here; "
+                "or .gguf file here; "
                 "pass --tokenizer PATH (a local folder, or a Hugging Face name this host can load)"
             )
         logger.info("measuring prompt lengths with %s; pass --tokenizer for another", tokenizer_id)

@@ -121,7 +121,7 @@ def kv_layout(model: str | None) -> tuple[str, tuple[int, int, int]]:
     from engine.models.llama import ModelShape
     from kv_connector.fingerprint import model_identity
 
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, load_format="safetensors" if model is None else "auto")  # a config.json
     config = AutoConfig.from_pretrained(path)
     shape = ModelShape.from_config(config, (config.architectures or ["LlamaForCausalLM"])[0])
     return model_identity(path), (shape.num_layers, shape.num_kv_heads, shape.head_dim)

@@ -79,7 +79,7 @@ def make_result(
 
 
 def run_splitserve(
-    args: argparse.Namespace, prompts: list[list[int]], warmup_prompts: list[list[int]]
+    args: argparse.Namespace, model_path: Path, prompts: list[list[int]], warmup_prompts: list[list[int]]
 ) -> tuple[float, int]:
     """Returns (elapsed seconds, output tokens) of the timed run."""
     overrides = {
@@ -87,7 +87,7 @@ def run_splitserve(
         for k in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
         if (v := getattr(args, k)) is not None
     }
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **overrides)
+    llm = LLM(model=str(model_path), dtype=args.dtype, device=args.device, **overrides)
     if warmup_prompts:
         llm.generate(warmup_prompts, SamplingParams(temperature=0.0, max_tokens=_WARMUP_OUTPUT_LEN, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -226,7 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    model_path = resolve_model_path(args.model)
+    # The embedded model as its folder: the weights transformers and vLLM run too.
+    model_path = resolve_model_path(args.model, "safetensors" if args.model is None else "auto")
     vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
     rng = random.Random(args.seed)
     prompts = random_prompts(rng, args.num_prompts, args.input_len, vocab_size)
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info(
         "splitserve: %d prompts x %d in / %d out, %s", args.num_prompts, args.input_len, args.output_len, args.dtype
     )
-    elapsed, num_output_tokens = run_splitserve(args, prompts, warmup_prompts)
+    elapsed, num_output_tokens = run_splitserve(args, model_path, prompts, warmup_prompts)
     results = [make_result("splitserve", elapsed, prompts, num_output_tokens, args.output_len)]
     gc.collect()  # free the engine's weights and KV cache before loading the baseline
     if not args.skip_baseline:
