@@ -332,4 +332,5 @@ def test_without_tokenizer_the_servers_model_folder_measures_prompts(
     assert json.loads((tmp_path / "r.json").read_text())["input_lens"] == [12, 12]
     with FakeOpenAIServer(FakeServerConfig()) as server, pytest.raises(SystemExit):  # no root: no way to tokenize alike
         main(["bench", "serve", "--base-url", server.base_url, "--disable-tqdm", "--num-prompts", "2"])
-    assert "'fake-model' is no folder with a tokenizer.json or .gguf file here; pass --tokenizer PATH" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "'fake-model' is no folder with a tokenizer.json or .gguf file here; pass --tokenizer PATH" in error
