@@ -18,8 +18,9 @@ A REST request, in call order:
 
 A gRPC ``Generate`` call takes the same steps in its handler (``gateway/grpc_front.py``):
 key, slot, work; gRPC has read its message by then (at most ``--max-request-body-bytes``).
-Beneath both, uvicorn refuses connections past ``--max-connections`` (503, uvicorn's own
-plain-text answer) and the gRPC server calls past the same number (RESOURCE_EXHAUSTED).
+Beneath both, ``gateway/connection_guard.py`` closes REST connections that are slow to send a
+request or too many from one address, and answers 503 past ``--max-connections`` on all but the
+probes' paths; the gRPC server refuses calls past the same number (RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations

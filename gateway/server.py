@@ -21,6 +21,12 @@ from engine.gguf_files import metadata_folder
 from gateway import limits
 from gateway.admission import AdmissionLimits
 from gateway.app import create_app
+from gateway.connection_guard import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADERS_TIMEOUT_S,
+    ConnectionGuard,
+    ConnectionLimits,
+)
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
 from gateway.flags import add_api_key_argument, add_request_log_argument, add_routing_arguments, resolve_api_key
 from gateway.generation import GenerationService
@@ -101,8 +107,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="HTTP connections (idle keep-alive ones too) and gRPC calls served at once; beyond it the REST "
-        "server answers 503 without reading the request, the gRPC server RESOURCE_EXHAUSTED "
+        "server answers 503 on every path but the probes' (/health, /ready), the gRPC server RESOURCE_EXHAUSTED "
         "(default: twice --max-pending-requests, plus 64 for probes and scrapes)",
+    )
+    # Deadlines and a per-client cap on REST connections (gateway/connection_guard.py), as nginx's
+    # client_header_timeout, client_body_timeout and limit_conn.
+    parser.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        help="open HTTP connections from one client address (IPv6: one /64); one more is answered 503 and closed "
+        "unread. Behind a proxy every client has the proxy's address: raise it to --max-connections "
+        "(default: half of --max-connections, so that no one address can fill it)",
+    )
+    parser.add_argument(
+        "--timeout-request-headers",
+        type=float,
+        default=DEFAULT_HEADERS_TIMEOUT_S,
+        help="seconds a client has to send a request's line and headers, from the connection's start (or the "
+        "next request's first byte); then the connection is closed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client has to send a request's body once its headers are in; then the connection is "
+        "closed (default: %(default)s)",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)"
@@ -185,6 +215,16 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(args: argparse.Namespace) -> None:
     """Serve REST and gRPC until SIGTERM/SIGINT, then let in-flight requests finish."""
+    # Room for every admitted request and as many idle keep-alive connections.
+    max_connections = args.max_connections or 2 * args.max_pending_requests + 64
+    connections = ConnectionGuard(
+        ConnectionLimits(
+            max_connections=max_connections,
+            max_per_client=args.max_connections_per_client or max(1, max_connections // 2),
+            headers_timeout_s=args.timeout_request_headers,
+            body_timeout_s=args.timeout_request_body,
+        )
+    )
     model_path = Path(args.model) if args.model else default_model_path()
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     admission = AdmissionLimits(
@@ -225,8 +265,6 @@ async def serve(args: argparse.Namespace) -> None:
         chat_template_timeout_s=args.chat_template_timeout,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
-    # Room for every admitted request and as many idle keep-alive connections.
-    max_connections = args.max_connections or 2 * args.max_pending_requests + 64
     # A GGUF file's tokenizer is in the folder derived from its metadata (once, engine/gguf_files.py).
     tokenizer = ModelTokenizer(metadata_folder(model_path), request_limits)
     tracer = start_tracing(args.otlp_traces_endpoint, "splitserve-gateway", f"gateway-{args.host}:{args.port}")
@@ -254,14 +292,15 @@ async def serve(args: argparse.Namespace) -> None:
         service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive, model_root=str(model_path)
     )
     config = uvicorn.Config(
-        app,
+        # A backstop beneath the gate's 429s (gateway/gate.py) that spares the probes, in place of
+        # uvicorn's limit_concurrency, which answers them 503 too.
+        connections.asgi(app),
+        http=connections.protocol(),
         host=args.host,
         port=args.port,
         log_level="warning",
         timeout_graceful_shutdown=30,
         timeout_keep_alive=args.timeout_keep_alive,
-        # A backstop beneath the gate's 429s (gateway/gate.py): answered by uvicorn itself.
-        limit_concurrency=max_connections,
     )
     freeze_startup_heap()  # the tokenizer, app and clients are built by now
     logger.info("serving %s: OpenAI API on http://%s:%d/v1", model_name, args.host, args.port)

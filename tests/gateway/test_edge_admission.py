@@ -2,7 +2,7 @@
 a pending slot before the body is read, /tokenize and /detokenize admitted like completions,
 chat templates and grammars on bounded pools fair between clients, a template past its time
 limit stopped, and a flood of costly requests refused with 429 while another client's
-well-formed request is still answered; uvicorn's own connection limit beneath it all.
+well-formed request is still answered; the connection limit beneath it all, which spares the probes.
 
 In-process gateways (``tests.gateway.inprocess``) in front of a real prefill and decode
 instance, and one gateway process for the connection limit and the key file. Every wait is
@@ -289,7 +289,9 @@ def until_healthy(port: int) -> socket.socket:
         assert status == 503 and time.monotonic() < deadline, status
 
 
-def test_connections_past_max_connections_get_503_and_the_key_comes_from_a_file(model: Path, tmp_path: Path) -> None:
+def test_past_max_connections_the_api_gets_503_the_probes_an_answer_and_the_key_comes_from_a_file(
+    model: Path, tmp_path: Path
+) -> None:
     key_file = tmp_path / "api-key"
     key_file.write_text("file-key\n")
     nowhere = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
@@ -300,7 +302,9 @@ def test_connections_past_max_connections_get_503_and_the_key_comes_from_a_file(
         "--decode",
         nowhere[1],
         "--max-connections",
-        "2",  # uvicorn counts the new connection itself: one other may be open
+        "2",  # counting the new connection itself: one other may be open
+        "--max-connections-per-client",
+        "8",
         "--api-key-file",
         str(key_file),
         ready_path="/health",
@@ -308,12 +312,27 @@ def test_connections_past_max_connections_get_503_and_the_key_comes_from_a_file(
         assert httpx.get(f"{gateway.url}/v1/models", timeout=30).status_code == 401
         models = httpx.get(f"{gateway.url}/v1/models", headers={"Authorization": "Bearer file-key"}, timeout=30)
         assert models.status_code == 200, models.text
-        idle = until_healthy(gateway.port)
-        refused, status = health_status(gateway.port)
-        refused.close()
-        assert status == 503  # uvicorn's own answer: the app never saw the request
-        idle.close()
-        until_healthy(gateway.port).close()  # once it is closed, the server takes connections again
+        idle = [until_healthy(gateway.port) for _ in range(2)]
+        probe, status = health_status(gateway.port)  # a third connection: past the limit, a probe is answered
+        assert status == 200
+        probe.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer file-key\r\n\r\n")
+        refused = b"".join(iter(lambda: probe.recv(4096), b""))  # up to the close the 503 announces
+        probe.close()
+        assert refused.startswith(b"HTTP/1.1 503 ") and b'"code":"too_many_connections"' in refused, refused
+        for connection in idle:
+            connection.close()
+        until_models(gateway.url, "file-key")  # once they are closed, the API answers again
+
+
+def until_models(url: str, api_key: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while (status := models_status(url, api_key)) != 200:
+        assert status == 503 and time.monotonic() < deadline, status
+        time.sleep(0.05)
+
+
+def models_status(url: str, api_key: str) -> int:
+    return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30).status_code
 
 
 def test_an_api_key_file_must_hold_a_key(model: Path, tmp_path: Path) -> None:
