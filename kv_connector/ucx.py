@@ -58,22 +58,24 @@ Without a span (same layout on both sides) nothing is staged.
 Who may pull: P serves a pull only for a request it published, only of that request's
 blocks, and, when it published with a pull token (the prefill service always does; the
 token travels in the signed KV handle), only to a pull presenting that token, compared in
-constant time, and only once: a handle is good for one pull of each span of heads the head
-plan gives this rank for the pulling instance's layout (one span, without tensor
-parallelism). ucxx 0.52's listener binds every address (it takes none); on a loopback
-host the connector limits UCX's data lanes to ``lo`` (:mod:`kv_connector.ucx_context`),
-elsewhere firewall the KV port (docs/security.md).
+constant time before anything past the request's fixed frame is parsed
+(:func:`~kv_connector.wire.read_pull_credentials`), and only once: a handle is good for
+one pull of each span of heads the head plan gives this rank for the pulling instance's
+layout (one span, without tensor parallelism). ucxx 0.52's listener binds every address
+(it takes none); on a loopback host the connector limits UCX's data lanes to ``lo``
+(:mod:`kv_connector.ucx_context`), elsewhere firewall the KV port (docs/security.md).
 Whoever reaches the port gets little before proving anything: at most ``max_connections``
 connections at once (one past that is closed at once); a connection's headers are received
 into a buffer just large enough for a pull of the whole cache
 (:func:`~kv_connector.wire.max_pull_request_bytes`), so UCX refuses a longer one before
-anything is parsed; its first header must come within ``FIRST_FRAME_TIMEOUT_S``; after a
+anything is read; its first header must come within ``FIRST_FRAME_TIMEOUT_S``; after a
 refused pull (bad token, spent token, unknown request, malformed header) and its reply,
 nothing more is read from the connection (D closes it; a stranger gets
-``FIRST_FRAME_TIMEOUT_S``), so each connection costs at most one parse; and refusals are logged once, then once every
-thousand (as refused gRPC calls are, ``cluster/auth.py``), counted in ``num_refused``. P
-closes a connection idle for ``IDLE_TIMEOUT_S``; D reuses one only while it has been idle
-for less than half that.
+``FIRST_FRAME_TIMEOUT_S``), so each connection costs at most one read of a request's frame,
+and a parse of the rest only with the request's token; and refusals are logged once, then
+once every thousand (as refused gRPC calls are, ``cluster/auth.py``), counted in
+``num_refused``. P closes a connection idle for ``IDLE_TIMEOUT_S``; D reuses one only while
+it has been idle for less than half that.
 """
 
 from __future__ import annotations
@@ -120,9 +122,10 @@ from kv_connector.wire import (
     PullReply,
     PullRequest,
     WireError,
+    decode_pull_body,
     decode_pull_reply,
-    decode_pull_request,
     max_pull_request_bytes,
+    read_pull_credentials,
 )
 
 logger = logging.getLogger(__name__)
@@ -422,23 +425,29 @@ class UCXConnector(KVConnector):
         )
 
     def _check(self, data: bytes) -> tuple[PullReply, PullRequest | None]:
+        # Who asks, from the request's fixed frame alone: the rest (JSON, every block id) is
+        # parsed only for a pull of a published request that presents its token.
         try:
-            request = decode_pull_request(data)
+            credentials, body = read_pull_credentials(data)
+        except WireError as error:
+            return PullReply(ok=False, error=f"bad pull request: {error}"), None
+        published = self._published.get(credentials.request_id)
+        if published is None:
+            return PullReply(
+                ok=False, error=f"no KV published for request {credentials.request_id!r} (released or expired)"
+            ), None
+        if published.pull_token is not None and not hmac.compare_digest(credentials.pull_token, published.pull_token):
+            return PullReply(
+                ok=False, error=f"the pull token for request {credentials.request_id!r} does not match the KV handle's"
+            ), None
+        try:
+            request = decode_pull_body(credentials, body)
         except WireError as error:
             return PullReply(ok=False, error=f"bad pull request: {error}"), None
         try:
             self.fingerprint.check_compatible(request.fingerprint, "prefill", "decode")
         except FingerprintMismatchError as error:
             return PullReply(ok=False, error=str(error)), None
-        published = self._published.get(request.request_id)
-        if published is None:
-            return PullReply(
-                ok=False, error=f"no KV published for request {request.request_id!r} (released or expired)"
-            ), None
-        if published.pull_token is not None and not _token_matches(request.pull_token, published.pull_token):
-            return PullReply(
-                ok=False, error=f"the pull token for request {request.request_id!r} does not match the KV handle's"
-            ), None
         span = _span_key(request, self.num_local_heads)
         if span[0] + span[1] > self.num_local_heads:
             return PullReply(
@@ -627,7 +636,7 @@ class UCXConnector(KVConnector):
             remote_blocks,
             self.fingerprint,
             message_blocks,
-            source.pull_token.hex(),
+            source.pull_token,
             heads=heads.source,
         )
         try:
@@ -730,12 +739,3 @@ async def _then_copy(receive: Awaitable[object], staging: torch.Tensor, target: 
     """A staged receive, then its heads copied into their place in the blocks."""
     await receive
     target.copy_(staging)
-
-
-def _token_matches(presented_hex: str, expected: bytes) -> bool:
-    """Constant-time comparison of a pull's token (hex, from the wire) with the published one."""
-    try:
-        presented = bytes.fromhex(presented_hex)
-    except ValueError:
-        return False
-    return hmac.compare_digest(presented, expected)

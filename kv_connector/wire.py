@@ -1,24 +1,36 @@
-"""The small JSON headers exchanged before a KV payload, validated field by field.
+"""The small headers exchanged before a KV payload, validated field by field.
 
 Nothing from the wire is unpickled: headers are JSON objects whose every field
 is type-checked before use, and the payload is raw tensor bytes whose size and
 shape the receiver computes itself and compares.
+
+A pull request opens with a fixed frame, then its JSON: the protocol version, the lengths of
+the request id and of the pull token (``<HHB``: 5 bytes), the request id (UTF-8) and the
+token's raw bytes. P reads the frame alone (:func:`read_pull_credentials`), finds the
+request and compares the token, and parses the JSON (:func:`decode_pull_body`: the
+fingerprint, every block id) only for a pull it will serve, so a stranger's pull costs P the
+same few dozen bytes whatever the size of the rest.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
 from kv_connector.fingerprint import Fingerprint
 
+# 5: a pull request's request id and token come first, in a fixed frame read before its JSON;
 # 4: a pull may name a span of P's KV heads (tensor parallelism of different sizes); 3: pulls
 # present P's pull token; 2: zero-copy messages of whole blocks; 1 sent gathered chunks.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20
-_MAX_PULL_TOKEN_CHARS = 128
-# A pull request's fields but its two lists: version, fingerprint (a model identity of a few
-# dozen characters), request id, pull token, JSON punctuation; with a generous margin.
+MAX_REQUEST_ID_BYTES = 1024  # the gateway's ids are a few dozen characters
+MAX_PULL_TOKEN_BYTES = 64  # P makes 16 (cluster/handle_signing.py)
+_CREDENTIALS = struct.Struct("<HHB")  # protocol version, request id bytes, pull token bytes
+# A pull request's fields but its two lists: the frame, fingerprint (a model identity of a few
+# dozen characters), request id, JSON punctuation; with a generous margin.
 _PULL_REQUEST_FIXED_BYTES = 4096
 
 
@@ -36,10 +48,18 @@ class PullRequest:
     # How D cuts the pull into messages: block counts, in order, summing to len(block_ids);
     # each message's blocks are consecutive on both sides (D knows both, so D decides).
     message_blocks: list[int]
-    # The pull token from the KV handle, hex: P serves only pulls presenting the one it made.
-    pull_token: str = field(default="", repr=False)
+    # The pull token from the KV handle: P serves only pulls presenting the one it made.
+    pull_token: bytes = field(default=b"", repr=False)
     # [first, count] of P's own KV heads to send (the KV head plan's span), or None: all of them.
     heads: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PullCredentials:
+    """A pull request's fixed frame: whose blocks it asks for, and the token it presents."""
+
+    request_id: str
+    pull_token: bytes = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +83,63 @@ def max_pull_request_bytes(num_blocks: int) -> int:
 
 
 def encode(message: PullRequest | PullReply) -> bytes:
+    """A reply as JSON; a request as its fixed frame, then JSON of the rest (module docstring)."""
+    if isinstance(message, PullReply):
+        reply = {item.name: getattr(message, item.name) for item in fields(message)}
+        return _json(reply | {"version": PROTOCOL_VERSION})
+    request_id = message.request_id.encode()
+    if len(request_id) > MAX_REQUEST_ID_BYTES or len(message.pull_token) > MAX_PULL_TOKEN_BYTES:
+        raise ValueError(
+            f"a request id of {len(request_id)} bytes or a pull token of {len(message.pull_token)} (at most "
+            f"{MAX_REQUEST_ID_BYTES} and {MAX_PULL_TOKEN_BYTES})"
+        )
+    frame = _CREDENTIALS.pack(PROTOCOL_VERSION, len(request_id), len(message.pull_token))
     # Field by field: ``asdict`` deep-copies every block id (a millisecond for a long prompt).
-    body: dict[str, object] = {item.name: getattr(message, item.name) for item in fields(message)}
-    if isinstance(message, PullRequest):
-        body["fingerprint"] = asdict(message.fingerprint)
-    body["version"] = PROTOCOL_VERSION
-    return json.dumps(body, separators=(",", ":")).encode()
+    body = {
+        "block_ids": message.block_ids,
+        "fingerprint": asdict(message.fingerprint),
+        "message_blocks": message.message_blocks,
+        "heads": message.heads,
+    }
+    return frame + request_id + message.pull_token + _json(body)
+
+
+def read_pull_credentials(data: bytes) -> tuple[PullCredentials, memoryview]:
+    """A pull request's fixed frame, and the rest of it unparsed (a view: not even copied).
+    Raises :class:`WireError` for a frame that is short, of another protocol version, or
+    sizes fields past their caps or past the data."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    if len(data) < _CREDENTIALS.size:
+        raise WireError(f"a pull request of {len(data)} bytes")
+    version, num_id_bytes, num_token_bytes = _CREDENTIALS.unpack_from(data)
+    if version != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    if num_id_bytes > MAX_REQUEST_ID_BYTES or num_token_bytes > MAX_PULL_TOKEN_BYTES:
+        raise WireError(
+            f"a request id of {num_id_bytes} bytes or a pull token of {num_token_bytes} (at most "
+            f"{MAX_REQUEST_ID_BYTES} and {MAX_PULL_TOKEN_BYTES})"
+        )
+    token_start = _CREDENTIALS.size + num_id_bytes
+    body_start = token_start + num_token_bytes
+    if body_start > len(data):
+        raise WireError(f"a frame of {body_start} bytes in a pull request of {len(data)}")
+    view = memoryview(data)
+    try:
+        request_id = str(view[_CREDENTIALS.size : token_start], "utf-8")
+    except UnicodeDecodeError:
+        raise WireError("the request id is not UTF-8") from None
+    return PullCredentials(request_id, bytes(view[token_start:body_start])), view[body_start:]
 
 
 def decode_pull_request(data: bytes) -> PullRequest:
-    body = _object(data)
+    """The whole of a pull request (:func:`read_pull_credentials`, then :func:`decode_pull_body`)."""
+    return decode_pull_body(*read_pull_credentials(data))
+
+
+def decode_pull_body(credentials: PullCredentials, data: bytes | memoryview) -> PullRequest:
+    """The JSON after a pull request's frame: its fingerprint, block ids, message plan and heads."""
+    body = _object(data, versioned=False)
     fingerprint = body.get("fingerprint")
     if not isinstance(fingerprint, dict):
         raise WireError("pull request has no fingerprint object")
@@ -84,27 +151,23 @@ def decode_pull_request(data: bytes) -> PullRequest:
         _require(getattr(parsed_fingerprint, name), kind, f"fingerprint.{name}")
     for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size"):
         _require(getattr(parsed_fingerprint, name), int, f"fingerprint.{name}")
-    request_id = _require(body.get("request_id"), str, "request_id")
     block_ids = _require(body.get("block_ids"), list, "block_ids")
     if not all(_is_int(b) and b >= 0 for b in block_ids):
         raise WireError("block_ids must be non-negative integers")
     message_blocks = _require(body.get("message_blocks"), list, "message_blocks")
     if not all(_is_int(n) and n > 0 for n in message_blocks):
         raise WireError("message_blocks must be positive integers")
-    pull_token = _require(body.get("pull_token"), str, "pull_token")
-    if len(pull_token) > _MAX_PULL_TOKEN_CHARS:
-        raise WireError(f"pull_token of {len(pull_token)} characters (at most {_MAX_PULL_TOKEN_CHARS})")
     heads = body.get("heads")
     if heads is not None and not (
         isinstance(heads, list) and len(heads) == 2 and all(_is_int(n) for n in heads) and heads[0] >= 0 < heads[1]
     ):
         raise WireError("heads must be [first, count] with first >= 0 and count > 0")
     return PullRequest(
-        request_id=request_id,
+        request_id=credentials.request_id,
         block_ids=block_ids,
         fingerprint=parsed_fingerprint,
         message_blocks=message_blocks,
-        pull_token=pull_token,
+        pull_token=credentials.pull_token,
         heads=heads,
     )
 
@@ -121,16 +184,21 @@ def decode_pull_reply(data: bytes) -> PullReply:
     return PullReply(ok=ok, error=error, num_bytes=num_bytes, shape=shape, dtype=dtype)
 
 
-def _object(data: bytes) -> dict[str, object]:
+def _json(body: Mapping[str, object]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _object(data: bytes | memoryview, versioned: bool = True) -> dict[str, object]:
+    """``versioned``: the object carries the protocol version (a pull request's is in its frame)."""
     if len(data) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        body = json.loads(bytes(data))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:  # [[[[...: nested too deep
         raise WireError(f"header is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise WireError("header must be a JSON object")
-    if body.get("version") != PROTOCOL_VERSION:
+    if versioned and body.get("version") != PROTOCOL_VERSION:
         raise WireError(f"protocol version {body.get('version')!r}, this side speaks {PROTOCOL_VERSION}")
     return body
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import torch
 
 pytest.importorskip("ucxx")
 
+from kv_connector import ucx
 from kv_connector.base import KVSource, KVTransferError
 from kv_connector.ucx import SETTLE_S, UCXConnector
 from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop
@@ -32,12 +34,17 @@ from kv_connector.ucx_messages import (
     send_header,
 )
 from kv_connector.wire import (
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    PullCredentials,
     PullReply,
     PullRequest,
     WireError,
+    decode_pull_body,
     decode_pull_request,
     encode,
     max_pull_request_bytes,
+    read_pull_credentials,
 )
 from tests.kv_connector.ucx_peer import (
     GUARDED_BLOCKS,
@@ -208,11 +215,17 @@ def test_a_header_is_one_message_and_a_truncated_one_never_reads_as_an_earlier_o
     asyncio.run(scenario())
 
 
+def frame_and_body(request: PullRequest) -> tuple[PullCredentials, dict[str, object]]:
+    """A pull request as it travels: its fixed frame, read, and its JSON, parsed."""
+    credentials, rest = read_pull_credentials(encode(request))
+    return credentials, json.loads(bytes(rest))
+
+
 def test_wire_refuses_message_plans_that_are_not_positive_counts() -> None:
-    body = json.loads(encode(PullRequest("r", [1, 2], fingerprint(), message_blocks=[2])))
+    credentials, body = frame_and_body(PullRequest("r", [1, 2], fingerprint(), message_blocks=[2]))
     for bad in ([0, 2], [True, 1], "2", None):
         with pytest.raises(WireError, match="message_blocks"):
-            decode_pull_request(json.dumps({**body, "message_blocks": bad}).encode())
+            decode_pull_body(credentials, json.dumps({**body, "message_blocks": bad}).encode())
 
 
 # ------------------------------------------------------------- two processes
@@ -348,12 +361,24 @@ def test_a_pull_must_present_the_token_the_request_was_published_with(peer: str)
     assert torch.equal(local[[1, 2]], remote[GUARDED_BLOCKS])
 
 
-def test_wire_refuses_a_pull_token_that_is_not_a_short_string() -> None:
-    body = json.loads(encode(PullRequest("r", [1, 2], fingerprint(), message_blocks=[2], pull_token="ab")))
-    assert decode_pull_request(json.dumps(body).encode()).pull_token == "ab"
-    for bad in (None, 12, "a" * 129):
-        with pytest.raises(WireError, match="pull_token"):
-            decode_pull_request(json.dumps({**body, "pull_token": bad}).encode())
+def test_wire_refuses_a_frame_that_is_short_or_sizes_its_fields_past_their_caps() -> None:
+    request = PullRequest("r", [1, 2], fingerprint(), message_blocks=[2], pull_token=b"\xab" * 16)
+    encoded = encode(request)
+    assert decode_pull_request(encoded) == request
+    assert read_pull_credentials(encoded)[0] == PullCredentials("r", b"\xab" * 16)
+    with pytest.raises(ValueError, match="a pull token of 65"):
+        encode(PullRequest("r", [1, 2], fingerprint(), message_blocks=[2], pull_token=bytes(65)))
+    too_long_token = struct.pack("<HHB", PROTOCOL_VERSION, 1, 65) + b"r" + bytes(65) + b"{}"
+    short_frame = struct.pack("<HHB", PROTOCOL_VERSION, 10, 16) + b"r"
+    for bad, reason in (
+        (too_long_token, "a pull token of 65"),
+        (short_frame, "a frame of 31 bytes in a pull request of 6"),
+        (encoded[:4], "a pull request of 4 bytes"),
+        (struct.pack("<HHB", PROTOCOL_VERSION - 1, 1, 0) + b"r{}", "protocol version 4, this side speaks 5"),
+        (struct.pack("<HHB", PROTOCOL_VERSION, 1, 0) + b"\xff{}", "the request id is not UTF-8"),
+    ):
+        with pytest.raises(WireError, match=reason):
+            read_pull_credentials(bad)
 
 
 def test_idle_connections_are_closed_by_the_prefill_side() -> None:
@@ -525,7 +550,7 @@ def test_unreachable_peer_fails_fast_without_hanging() -> None:
 
 def test_refused_pulls_are_logged_once_then_once_in_a_thousand(caplog: pytest.LogCaptureFixture) -> None:
     connector = prefill_side()
-    wrong_token = encode(PullRequest("guarded", GUARDED_BLOCKS, fingerprint(), [1, 1], pull_token=bytes(16).hex()))
+    wrong_token = encode(PullRequest("guarded", GUARDED_BLOCKS, fingerprint(), [1, 1], pull_token=bytes(16)))
     with caplog.at_level(logging.WARNING, logger="kv_connector.ucx"):
         for _ in range(2500):
             reply, request = connector._answer(wrong_token)
@@ -534,6 +559,43 @@ def test_refused_pulls_are_logged_once_then_once_in_a_thousand(caplog: pytest.Lo
     assert connector.num_refused == 2500 and len(refusals) == 3, refusals
     assert refusals[0].startswith("refused a KV pull: the pull token for request 'guarded' does not match")
     assert refusals[0].endswith("(1 refused since start)") and refusals[2].endswith("(2001 refused since start)")
+
+
+def test_a_pull_is_refused_from_its_fixed_frame_before_its_header_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header of nearly MAX_HEADER_BYTES (160,000 block ids: a pull of a very large cache)
+    under a wrong token, or naming a request P never published, is refused without the JSON
+    parser running; so is one whose rest is not JSON at all, which a parse would have refused
+    as such. The pull presenting the request's token is the one parsed."""
+    connector = prefill_side()
+    parsed: list[str] = []
+
+    def counting_parse(credentials: PullCredentials, body: memoryview) -> PullRequest:
+        parsed.append(credentials.request_id)
+        return decode_pull_body(credentials, body)
+
+    monkeypatch.setattr(ucx, "decode_pull_body", counting_parse)
+    many_blocks = list(range(160_000))
+    wrong_token = encode(PullRequest("guarded", many_blocks, fingerprint(), [len(many_blocks)], bytes(16)))
+    assert MAX_HEADER_BYTES > len(wrong_token) > 0.9 * MAX_HEADER_BYTES
+    frame_end = len(wrong_token) - len(read_pull_credentials(wrong_token)[1])
+    not_json = wrong_token[:frame_end] + b"[" * (len(wrong_token) - frame_end)
+    unknown = encode(PullRequest("someone-elses", many_blocks, fingerprint(), [len(many_blocks)], GUARDED_TOKEN))
+    for data, refusal in (
+        (wrong_token, "the pull token for request 'guarded' does not match"),
+        (not_json, "the pull token for request 'guarded' does not match"),
+        (unknown, "no KV published for request 'someone-elses'"),
+    ):
+        reply, request = connector._answer(data)
+        assert request is None and reply.error.startswith(refusal), reply.error
+    assert parsed == []
+    right_token_not_json = not_json[: frame_end - 16] + GUARDED_TOKEN + not_json[frame_end:]
+    reply, request = connector._answer(right_token_not_json)
+    assert request is None and reply.error.startswith("bad pull request: header is not JSON")
+    reply, request = connector._answer(
+        encode(PullRequest("guarded", GUARDED_BLOCKS, fingerprint(), [1, 1], GUARDED_TOKEN))
+    )
+    assert reply.ok and request is not None and request.block_ids == GUARDED_BLOCKS
+    assert parsed == ["guarded", "guarded"]
 
 
 def test_a_pull_token_serves_one_pull() -> None:
