@@ -1,7 +1,9 @@
 """Keeping the instance pool current: a static list polled over gRPC, or the
 instances' own registrations in Redis.
 
-With Redis, each scan (every ``interval_s``), in order:
+With Redis, two loops run side by side, so that a registry that hangs (a Redis stopped, not
+dead: its connections open, its answers never coming) never holds back the instances' own
+reports. The scan loop, every ``interval_s``, in order:
 
 1. :func:`cluster.registration.scan_registrations` reads every record and checks it
    (``cluster/registry_record.py``: signed with the cluster secret, dated within the clock
@@ -9,12 +11,17 @@ With Redis, each scan (every ``interval_s``), in order:
    counted (``splitserve_registry_records_refused_total``), never routed to.
 2. Instances with a believed record join the pool and take its load report; instances
    without one leave it.
-3. When the scan fails (Redis down, unreachable, or slower than ``--stale-after``), the
-   registry is unreachable: the pool keeps every instance it knows and polls each over
-   gRPC for health and load, as a static list is, until a scan succeeds again; instances
-   the registry no longer lists after that are kept (and polled) for ``--stale-after``
-   more, while they register again in a registry that restarted empty. ``/status`` and
-   ``splitserve_registry_reachable`` say so the while.
+3. When the scan fails (Redis down, unreachable, or slower than a third of
+   ``--stale-after``), the registry is unreachable: the pool keeps every instance it knows
+   until a scan succeeds again; instances the registry no longer lists after that are kept
+   for ``--stale-after`` more, while they register again in a registry that restarted
+   empty. ``/status`` and ``splitserve_registry_reachable`` say so the while.
+
+The refresh loop, every ``interval_s`` whatever the scan is doing: each instance whose latest
+report (the registry's or its own) is older than half of ``--stale-after`` is polled over gRPC
+for health and load, as a static list is, each on its own (at most one poll in flight per
+instance). While the registry answers, heartbeats keep every report younger than that and
+nothing is polled; once it stops, an instance's own answer arrives before its report goes stale.
 """
 
 from __future__ import annotations
@@ -161,15 +168,47 @@ class RedisDiscovery:
         # After an outage: until then (monotonic), instances missing from the registry are kept.
         self._keep_missing_until = 0.0
 
+    @property
+    def scan_timeout_s(self) -> float:
+        # Well below --stale-after: a registry this slow is reported unreachable while the
+        # instances' reports are still fresh.
+        return self.pool.stale_after_s / 3
+
+    @property
+    def refresh_after_s(self) -> float:
+        # Half of --stale-after: a heartbeat (an instance's --heartbeat-seconds, a second by
+        # default) and a scan apart keep a report younger; a poll started within an interval of
+        # it answers with the other half to spare.
+        return self.pool.stale_after_s / 2
+
     async def run(self) -> None:
+        await asyncio.gather(self._scan_forever(), self._refresh_forever())
+
+    async def _scan_forever(self) -> None:
         while True:
             try:
                 await self.poll_once()
             except (redis.RedisError, OSError, TimeoutError) as error:
                 self._unreachable(error)
-                # Keep routing on what we know, as reported by the instances themselves.
-                await asyncio.gather(*(self._polls.poll(address) for address in list(self.pool.instances)))
             await asyncio.sleep(self.interval_s)
+
+    async def _refresh_forever(self) -> None:
+        """Poll over gRPC each instance whose report has aged past :attr:`refresh_after_s`
+        (module docstring); a poll that hangs delays no other instance's."""
+        polling: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for address in [address for address, task in polling.items() if task.done()]:
+                    polling.pop(address).result()  # a poll's bug ends the loop, as it ends a static list's
+                now = time.monotonic()
+                for address, state in list(self.pool.instances.items()):
+                    if address not in polling and now - state.reported_at > self.refresh_after_s:
+                        polling[address] = asyncio.create_task(self._polls.poll(address))
+                await asyncio.sleep(self.interval_s)
+        finally:
+            for task in polling.values():
+                task.cancel()
+            await asyncio.gather(*polling.values(), return_exceptions=True)
 
     async def first_poll(self) -> None:
         """The poll before the gateway serves: raises ValueError with the fix when the registry
@@ -180,9 +219,8 @@ class RedisDiscovery:
             raise ValueError(registry_error(error, self.url)) from None
 
     async def poll_once(self) -> None:
-        """One scan. Raises what Redis raised, or TimeoutError for a scan slower than --stale-after
-        (a registry that does not answer must not stop the gateway from polling its instances)."""
-        async with asyncio.timeout(self.pool.stale_after_s):
+        """One scan. Raises what Redis raised, or TimeoutError for a scan slower than :attr:`scan_timeout_s`."""
+        async with asyncio.timeout(self.scan_timeout_s):
             scan = await scan_registrations(self.client, self._key)
         if not self.state.reachable:
             logger.warning(
@@ -212,8 +250,7 @@ class RedisDiscovery:
         missing = set(self.pool.instances) - seen
         if missing and time.monotonic() < self._keep_missing_until:
             # The registry came back (perhaps empty, after a restart): its instances register again within
-            # a heartbeat. Until then the ones it lacks stay, on their own reports.
-            await asyncio.gather(*(self._polls.poll(address) for address in missing))
+            # a heartbeat. Until then the ones it lacks stay, on their own reports (the refresh loop's).
             return
         for address in missing:
             self._heartbeat_unix_s.pop(address, None)

@@ -8,7 +8,9 @@ on loopback (health and load only):
 - without a secret, records are believed unsigned, and the log says so once;
 - a registry outage longer than ``--stale-after`` leaves the instances routable on their own
   gRPC health and load reports, with ``/metrics`` and ``/status`` saying so; when Redis comes
-  back (empty, as after a restart), the instances register again and the gateway follows it.
+  back (empty, as after a restart), the instances register again and the gateway follows it;
+- a registry that hangs (SIGSTOP) never turns ``/ready`` false: the instances are polled on
+  their own schedule while the scans time out.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import httpx
 import pytest
 import redis.asyncio as redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,11 +33,15 @@ from cluster.auth import ClusterSecret
 from cluster.internal_grpc import InternalPlane
 from cluster.registration import RegistryHeartbeat, registry_key
 from cluster.registry_record import encode_record
+from gateway.app import create_app
 from gateway.discovery import DiscoveryLoop, RedisDiscovery
+from gateway.generation import GenerationService
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
 from gateway.status import RecentLatencies, status_snapshot
+from gateway.tokenizer import ModelTokenizer
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
+from tests.checkpoints import make_checkpoint
 from tests.stores import start_redis, stop
 
 SECRET = ClusterSecret.from_text("the-cluster-secret-of-these-tests")
@@ -290,3 +299,70 @@ def test_a_registry_outage_keeps_the_known_instances_on_their_own_reports() -> N
         asyncio.run(scenario())
     finally:
         stop(process)
+
+
+def test_a_frozen_registry_never_turns_ready_false(tmp_path: Path) -> None:
+    """Redis stopped by SIGSTOP, not killed: its connections stay open and no answer comes, so
+    every scan waits out its timeout. /ready stays true throughout, while each instance is
+    polled over gRPC several times on its own schedule (the scan used to hold those polls back
+    until it timed out at --stale-after, by when the reports had gone stale: /ready false for
+    an interval in every cycle). Then Redis resumes and the gateway follows it again."""
+    stale_after_s, interval_s, heartbeat_s = 2.0, 0.25, 0.25
+    num_polls = 4  # gRPC polls of each instance while frozen: some discovery periods and a half
+    process, url = start_redis()
+    tokenizer = ModelTokenizer(make_checkpoint(tmp_path))
+
+    async def scenario() -> None:
+        fakes = [FakeInstance("prefill", "prefill-0"), FakeInstance("decode", "decode-0")]
+        async with serving(fakes[0]) as prefill_address, serving(fakes[1]) as decode_address:
+            heartbeats = [
+                RegistryHeartbeat(
+                    url, fake.report.instance_id, address, lambda f=fake: f.report, heartbeat_s, SECRET.registry_key
+                )
+                for fake, address in zip(fakes, (prefill_address, decode_address), strict=True)
+            ]
+            pool = InstancePool(stale_after_s=stale_after_s, plane=InternalPlane(secret=SECRET))
+            discovery = RedisDiscovery(pool, url, interval_s=interval_s)
+            loop: DiscoveryLoop | None = None
+            service = GenerationService(pool, tokenizer, GatewayMetrics(pool), 4, 60.0, None, False)
+            try:
+                for heartbeat in heartbeats:
+                    await heartbeat.register()
+                    heartbeat.start()
+                await discovery.first_poll()
+                loop = DiscoveryLoop(discovery)
+                app = create_app(service, "m", None, discovery_alive=lambda: loop is not None and loop.alive)
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+
+                    async def assert_ready() -> None:
+                        ready = await client.get("/ready")
+                        assert ready.status_code == 200, (ready.text, [len(f.polled_at) for f in fakes])
+
+                    await assert_ready()
+                    assert all(not f.polled_at for f in fakes), "while Redis answers, reports come from it"
+                    process.send_signal(signal.SIGSTOP)
+                    # Until every instance has been polled num_polls times over gRPC and the scans
+                    # have been seen to time out: /ready asked all the while.
+                    async with asyncio.timeout(60):
+                        while discovery.state.reachable or min(len(f.polled_at) for f in fakes) < num_polls:
+                            await assert_ready()
+                            await asyncio.sleep(0.02)  # the prober's pace
+                    await assert_ready()
+                    process.send_signal(signal.SIGCONT)
+                    await wait_until(lambda: discovery.state.reachable, "the gateway finding the registry again")
+                    await assert_ready()
+            finally:
+                process.send_signal(signal.SIGCONT)  # the heartbeats deregister before Redis stops
+                if loop is not None:
+                    await loop.stop()
+                for heartbeat in heartbeats:
+                    await heartbeat.stop()
+                await discovery.close()
+                await pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        process.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        stop(process)
+        tokenizer.close()
