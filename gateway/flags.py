@@ -98,6 +98,18 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_api_server_count_argument(parser: argparse.ArgumentParser) -> None:
+    """Gateway processes on one port (gateway/api_servers.py), which ``up`` passes on too."""
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes serving the same REST and gRPC ports (SO_REUSEPORT), each with its own discovery "
+        "and routing, for more cores than one Python process uses (default: 1)",
+    )
+
+
 def add_request_log_argument(parser: argparse.ArgumentParser) -> None:
     """One line per finished request (gateway/request_log.py), which ``up`` passes on too."""
     parser.add_argument(

@@ -1,7 +1,8 @@
 """The instances the gateway knows, their latest load reports, and how it picks
 one: the best ranked (``gateway.routing``: by load, or by load and cached prefix) among
 the healthy ones within the admission limits (``gateway.admission``), never pairing a
-prefill and a decode instance whose KV fingerprints differ.
+prefill and a decode instance whose KV fingerprints differ; equally ranked ones in this
+gateway's own order (``gateway.tie_break``), so that several gateways do not herd.
 
 Discovery (``gateway.discovery``) keeps the reports fresh; the dispatcher
 reports RPC failures here so a dead instance is skipped at once rather than
@@ -33,6 +34,7 @@ from gateway.routing import (
     prefill_costs_s,
     prefill_estimate,
 )
+from gateway.tie_break import GatewaySlot
 from splitserve.v1 import disaggregation_pb2
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,7 @@ class InstancePool:
     plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of every channel
     instances: dict[str, InstanceState] = field(default_factory=dict)  # by address
     registry: RegistryState | None = None  # with Redis discovery: its reachability and refused records
+    slot: GatewaySlot = field(default_factory=GatewaySlot)  # this gateway's tie order (gateway.tie_break)
     _closing: BackgroundTasks = field(default_factory=BackgroundTasks)  # channels of removed instances
 
     def add(self, address: str, role: Role) -> InstanceState:
@@ -298,6 +301,8 @@ class InstancePool:
             if kv_prompt is not None
             else {}
         )
+        # Equally ranked instances go in this gateway's own order, so that gateways do not herd.
+        tie = self.slot.tie_order((s.instance_id, s.address) for s in self.instances.values() if s.role == role)
         if prefer in admissible:
             chosen = prefer
         elif kv_prompt is not None:
@@ -308,7 +313,7 @@ class InstancePool:
                     strict=True,
                 )
             )
-            chosen = min(admissible, key=lambda s: (costs[id(s)], s.score))
+            chosen = min(admissible, key=lambda s: (costs[id(s)], s.score, tie[s.address]))
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug(
                     "kv routing of a %d-token prompt to a %s instance: %s",
@@ -320,7 +325,7 @@ class InstancePool:
                     ),
                 )
         else:
-            chosen = min(admissible, key=lambda s: s.score)
+            chosen = min(admissible, key=lambda s: (s.score, tie[s.address]))
         charge = num_prompt_tokens
         if role == "decode":
             charge = 0  # decode instances queue no prompt tokens

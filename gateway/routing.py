@@ -49,7 +49,8 @@
   free KV this request would take, worth one waiting request when it takes all of it (it
   would queue or preempt).
 
-Ties go to the lower ``load`` score. A prefill that finished re-prefilling keeps its
+Ties go to the lower ``load`` score, then in this gateway's own order
+(``gateway/tie_break.py``: several gateways must not herd). A prefill that finished re-prefilling keeps its
 ``prefer``-ence in :meth:`InstancePool.pick` whatever the mode.
 """
 

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 import uvicorn
+from prometheus_client import Info
 
 from cluster.derived_keys import prefix_cache_key
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
@@ -20,6 +21,7 @@ from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from engine.gguf_files import metadata_folder
 from gateway import limits
 from gateway.admission import AdmissionLimits
+from gateway.api_servers import reuse_port_socket, run_api_servers
 from gateway.app import create_app
 from gateway.connection_guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -28,13 +30,20 @@ from gateway.connection_guard import (
     ConnectionLimits,
 )
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
-from gateway.flags import add_api_key_argument, add_request_log_argument, add_routing_arguments, resolve_api_key
+from gateway.flags import (
+    add_api_key_argument,
+    add_api_server_count_argument,
+    add_request_log_argument,
+    add_routing_arguments,
+    resolve_api_key,
+)
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instances import InstancePool
 from gateway.kv_events import KVEventsSync, run_kv_events
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_index import PrefixIndex
+from gateway.tie_break import GatewaySlot
 from gateway.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -149,6 +158,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an idle HTTP connection stays open (as nginx's keepalive_timeout)",
     )
     add_routing_arguments(parser)
+    # Several gateways (gateway/api_servers.py), each breaking routing ties in its own order (gateway/tie_break.py).
+    add_api_server_count_argument(parser)
+    parser.add_argument(
+        "--gateway-index",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this gateway's index among --num-gateways replicas sharing the instances (e.g. a StatefulSet's "
+        "ordinal), so that their routing does not herd onto the same instances (default: 0)",
+    )
+    parser.add_argument(
+        "--num-gateways",
+        type=int,
+        default=1,
+        metavar="M",
+        help="gateway replicas sharing the instances, each given its --gateway-index (default: 1)",
+    )
+    # Set by the parent of --api-server-count processes on each child.
+    parser.add_argument("--api-server-index", type=int, default=None, help=argparse.SUPPRESS)
     # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
     parser.add_argument(
         "--enable-priority",
@@ -209,8 +237,17 @@ def run(args: argparse.Namespace) -> int:
         )
     if bool(args.prefill) != bool(args.decode):
         raise ValueError("static routing needs both --prefill and --decode instances (or --colocated)")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count {args.api_server_count}: give at least 1")
+    gateway_slot(args)  # its ValueError before any process starts
+    if args.api_server_count > 1 and args.api_server_index is None:
+        return run_api_servers(args)
     asyncio.run(serve(args))
     return 0
+
+
+def gateway_slot(args: argparse.Namespace) -> GatewaySlot:
+    return GatewaySlot.of(args.gateway_index, args.num_gateways, args.api_server_index or 0, args.api_server_count)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -239,6 +276,7 @@ async def serve(args: argparse.Namespace) -> None:
         routing=args.routing,
         # Instances hashing their prefix cache with --prefix-cache-hash sha256 key it with the secret too.
         index=PrefixIndex(hash_key=prefix_cache_key(plane.secret)),
+        slot=gateway_slot(args),
     )
     discovery: RedisDiscovery | StaticDiscovery
     if args.registry_url:
@@ -256,6 +294,10 @@ async def serve(args: argparse.Namespace) -> None:
         await kv_sync.poll_once()
         kv_events_task = asyncio.create_task(run_kv_events(kv_sync))
     metrics = GatewayMetrics(pool)
+    # Which of the processes sharing the port answered a scrape (each counts only its own requests).
+    Info("splitserve_api_server", "This gateway process among --api-server-count", registry=metrics.registry).info(
+        {"index": str(args.api_server_index or 0), "count": str(args.api_server_count)}
+    )
     request_limits = limits.RequestLimits(
         max_body_bytes=args.max_request_body_bytes,
         max_prompts=args.max_prompts_per_request,
@@ -309,8 +351,10 @@ async def serve(args: argparse.Namespace) -> None:
     # the cleanup below (the gRPC front's drain, background releases, the last traces' export).
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stopped_already)
+    # --api-server-count: a socket of this process's own on the shared port (gateway/api_servers.py).
+    sockets = [reuse_port_socket(args.host, args.port)] if args.api_server_index is not None else None
     try:
-        await uvicorn.Server(config).serve()  # returns after SIGTERM/SIGINT and a graceful shutdown
+        await uvicorn.Server(config).serve(sockets=sockets)  # returns after SIGTERM/SIGINT and a graceful shutdown
     finally:
         if grpc_server is not None:
             await grpc_server.stop(grace=30)
