@@ -9,6 +9,9 @@ deepest (least shareable) blocks of a prefix are evicted before its root.
 
 With a :class:`~engine.kv_events.KVEventLog`, every hash registered in or dropped from the
 prefix cache is recorded there, for gateways that route by cached prefix.
+
+Only the engine's step thread changes the pool (``owner``, engine/step_thread.py); other
+threads may read counts and look hashes up.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache_utils import BlockHash
 from engine.kv_events import KVEventLog
+from engine.step_thread import StepThreadOwner
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +79,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events
+        self.owner = StepThreadOwner()  # the scheduler above the pool checks the same owner
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
@@ -96,6 +101,7 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits, pulling free ones out of the eviction queue."""
+        self.owner.check()
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
@@ -113,6 +119,7 @@ class BlockPool:
         large messages instead of one per block."""
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(f"asked for {num_blocks} blocks with {self.num_free_blocks} free (bug)")
+        self.owner.check()
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
@@ -124,6 +131,7 @@ class BlockPool:
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Register a full block so later requests with the same prefix can reuse it."""
+        self.owner.check()
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
         # An identical block may already be cached (two requests prefilled the same
@@ -138,6 +146,7 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue
         in the given order (first given is evicted first)."""
+        self.owner.check()
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed more times than taken (bug)")

@@ -1,7 +1,21 @@
-"""The engine's step loop, tokens in and tokens out: schedule, execute, update.
+"""The engine's step, tokens in and tokens out: apply messages, plan, schedule, execute, update.
 
-No tokenizer lives here (prefill and decode services speak token ids); the
-offline :class:`engine.llm.LLM` and the gateway add text on top.
+One step, in call order (:meth:`EngineCore.step`):
+
+1. ``_apply_messages``: what other threads sent since the last step (engine/inbox.py): new
+   requests, aborts, KV releases, finished KV loads; then the load report is published.
+2. ``_plan``: drafts each decoding request wants verified (speculative decoding) and the
+   prompt-chunk cap measured from the prefill rate.
+3. ``scheduler.schedule()``: which requests run, how many tokens each (engine/scheduler.py).
+4. ``_execute``: the model runs once; the step's statistics are recorded.
+5. ``_update``: the scheduler advances the requests by what was sampled; one output per
+   request that advanced or ended; the load report is published again.
+
+Only the thread that steps the engine changes its state (engine/step_thread.py): an
+:class:`~engine.async_engine.AsyncEngine` claims it for its step thread, and everything else
+reaches the engine through :attr:`EngineCore.inbox`. No tokenizer lives here (prefill and
+decode services speak token ids); the offline :class:`engine.llm.LLM` and the gateway add
+text on top.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from engine.config import EngineConfig
 from engine.context_length import resolve_max_tokens
 from engine.default_model import LoadFormat, embedded_model
 from engine.gguf_files import is_gguf, metadata_folder
+from engine.inbox import AbortRequests, AddRequest, EngineInbox, EngineMessage, KVLoadFinished, ReleaseKV
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
 from engine.kv_loader import KVLoader, KVLoadFailurePolicy
@@ -27,6 +42,7 @@ from engine.request import Request, RequestStatus
 from engine.request_timing import PromptChunk, StepStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelOutput, SchedulerOutput
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 
@@ -54,14 +70,19 @@ def resolve_model_path(
     return path
 
 
+# Builds the runner of an engine: the real ModelRunner, or one that stands in for the model
+# (a simulated instance's, simulator/runner.py).
+RunnerFactory = Callable[[EngineConfig, Path], ModelRunner]
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner_factory: RunnerFactory = ModelRunner) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model, config.load_format, config.dtype, config.device)
         # Where config.json and the tokenizer are: the model folder, or a GGUF file's metadata
         # (derived here once, before any tensor-parallel worker would race to).
         self.metadata_path = metadata_folder(self.model_path)
-        self.runner = ModelRunner(config, self.model_path)
+        self.runner = runner_factory(config, self.model_path)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.shape.vocab_size
         self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.metadata_path)
@@ -89,7 +110,10 @@ class EngineCore:
         self.num_steps = 0  # steps that ran the model, since start
         self.step_seconds = 0.0  # their model time, since start (mean step time = this / num_steps)
         self.last_step_was_idle = False  # the last step had nothing to run (e.g. only loads in flight)
-        self._aborted_outputs: list[EngineCoreOutput] = []
+        self.inbox = EngineInbox()  # what other threads send the step thread (engine/inbox.py)
+        # Outputs of requests that ended between steps (aborted, refused, a failed load): the
+        # next step returns them first.
+        self._outputs_between_steps: list[EngineCoreOutput] = []
         # Speculative decoding (engine/spec_decode): the prefill role samples one token, never drafts.
         self.speculative = config.speculative if config.role != "prefill" else None
         self.ngram: NgramProposer | None = None
@@ -106,18 +130,21 @@ class EngineCore:
             logger.info("speculative decoding: up to %d drafts per step from %s", spec.num_speculative_tokens, drafter)
         self.published_load_report = self.load_report()
 
-    def use_kv_loader(self, kv_loader: KVLoader, wake: Callable[[], None] | None = None) -> None:
+    def use_kv_loader(self, kv_loader: KVLoader) -> None:
         """Decode role: the loader that fills hand-offs' blocks (engine/kv_loader.py). Given once,
         before the first step, rather than at construction: it wraps a KV connector, which is
-        built on this engine's KV cache. ``wake`` (any thread) makes an idle engine step now;
-        the loader calls it when a load finishes."""
+        built on this engine's KV cache. Its results arrive through the inbox."""
         if self.config.role != "decode":
             raise ValueError(f"only a decode engine loads KV from elsewhere; this one is {self.config.role}")
         if self.scheduler.kv_loader is not None:
             raise RuntimeError("bug: the engine already has a KV loader")
-        if wake is not None:
-            kv_loader.bind(wake)
+        kv_loader.bind(lambda result: self.inbox.put(KVLoadFinished(result)))
         self.scheduler.kv_loader = kv_loader
+
+    def claim_step_thread(self) -> None:
+        """Called by the thread that will step this engine, before its first step: from then on
+        any other thread that changes the scheduler or the block pool raises RuntimeError."""
+        self.kv_cache_manager.block_pool.owner.claim()
 
     # ----------------------------------------------------------------- intake
 
@@ -131,7 +158,8 @@ class EngineCore:
         first_token_id: int | None = None,
         kv_load_failure_policy: KVLoadFailurePolicy = "recompute",
     ) -> str:
-        """Queue a request; engine thread (between steps) only. ``first_token_id`` (decode
+        """Queue a request; the step thread only (other threads put an ``AddRequest`` in
+        :attr:`inbox`), between steps. ``first_token_id`` (decode
         role) says the prompt was prefilled elsewhere: its KV will be loaded, decoding
         continues after that token, and ``kv_load_failure_policy`` says what happens if the
         KV cannot be loaded. Raises ValueError for input the engine cannot serve."""
@@ -157,21 +185,6 @@ class EngineCore:
         self.scheduler.add_request(request)
         return request_id
 
-    def add_handoff_during_step(self, add: Callable[[], str]) -> bool:
-        """Decode role, from a thread other than the engine's: run ``add`` (an :meth:`add_request`
-        of a hand-off, its arguments bound) and admit the hand-off now if a step's model is
-        computing (the scheduler's hand-off window), so that its load runs during that step and
-        it decodes in the next one; the published load report counts it from now. False, with
-        nothing run, when no step is computing: run ``add`` between steps instead. Raises
-        ValueError as add_request does."""
-        with self.scheduler.enter_handoff_window() as window_open:
-            if not window_open:
-                return False
-            add()
-            self.scheduler.admit_handoffs()
-            self.publish_load_report()
-            return True
-
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int | None = None) -> int:
         """Raise ValueError for a request this engine cannot serve; return its resolved max_tokens.
         Reads only the configuration: safe to call from any thread."""
@@ -194,25 +207,76 @@ class EngineCore:
     # ------------------------------------------------------------------- step
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
+        """Anything for a step to do: requests in the scheduler, messages, outputs to hand back."""
+        return self.scheduler.has_unfinished_requests() or bool(self.inbox) or bool(self._outputs_between_steps)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model once, and report every request that advanced or ended."""
-        outputs, self._aborted_outputs = self._aborted_outputs, []
-        num_loading = len(self.scheduler.waiting_for_kv)
-        outputs.extend(self._output(request, new_token_ids=[]) for request in self.scheduler.update_from_kv_loads())
-        num_loads_finished = num_loading - len(self.scheduler.waiting_for_kv)
+        """Apply what arrived, schedule, run the model once, and report every request that
+        advanced or ended (the phases are listed in the module docstring)."""
+        num_loads_finished = self._apply_messages()
+        outputs, self._outputs_between_steps = self._outputs_between_steps, []
+        self._plan()
+        scheduler_output = self.scheduler.schedule()
+        self.last_step_was_idle = scheduler_output.is_empty
+        if not scheduler_output.is_empty:
+            model_output, step = self._execute(scheduler_output, num_loads_finished)
+            outputs.extend(self._update(scheduler_output, model_output, step))
+        # Before the outputs go out: a caller who has seen them sees a report at least as new.
+        self.publish_load_report()
+        return outputs
+
+    def _apply_messages(self) -> int:
+        """Step phase 1: every message in the inbox, in arrival order; the load report is
+        published before their adds stop counting as queued. Returns how many KV loads finished."""
+        messages = self.inbox.take()
+        if not messages:
+            return 0
+        num_loads_finished = 0
+        for message in messages:
+            num_loads_finished += self._apply(message)
+        self.publish_load_report()
+        self.inbox.applied(messages)
+        return num_loads_finished
+
+    def _apply(self, message: EngineMessage) -> int:
+        """One message; returns 1 for a finished KV load, else 0."""
+        match message:
+            case AddRequest():
+                try:
+                    self.add_request(
+                        message.prompt_token_ids,
+                        message.params,
+                        request_id=message.request_id,
+                        priority=message.priority,
+                        cache_salt=message.cache_salt,
+                        first_token_id=message.first_token_id,
+                        kv_load_failure_policy=message.kv_load_failure_policy,
+                    )
+                except ValueError as error:  # e.g. the id is still held by a pinned prefill
+                    self._outputs_between_steps.append(
+                        EngineCoreOutput(message.request_id, [], [], finish_reason=None, refusal=str(error))
+                    )
+            case AbortRequests():
+                self.abort(list(message.request_ids))
+            case ReleaseKV():
+                self.release_kv(message.request_id)
+            case KVLoadFinished():
+                if (ended := self.scheduler.kv_load_finished(message.result)) is not None:
+                    self._outputs_between_steps.append(self._output(ended, new_token_ids=[]))
+                return 1
+        return 0
+
+    def _plan(self) -> None:
+        """Step phase 2: what the scheduler needs to know before it schedules."""
         if self.speculative is not None:
             self._plan_drafts()
         if self.config.long_prefill_token_threshold == "auto":
             self._size_prefill_chunks()
-        scheduler_output = self.scheduler.schedule()
-        self.last_step_was_idle = scheduler_output.is_empty
-        if scheduler_output.is_empty:
-            return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput, num_loads_finished: int) -> tuple[ModelOutput, StepStats]:
+        """Step phase 4: run the model on the scheduled batch; the step's statistics."""
         started = time.monotonic()  # the requests' timings use this clock (engine/request_timing.py)
-        with self.scheduler.handoff_window():
-            model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
+        model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
         ended = time.monotonic()
         seconds = ended - started
         num_prefill_tokens = (
@@ -222,11 +286,10 @@ class EngineCore:
         self.num_steps += 1
         self.step_seconds += seconds
         # Prompt chunks come last in the schedule, after decodes and speculative decodes.
-        num_batched_tokens = scheduler_output.num_scheduled_tokens
         num_decodes = scheduler_output.num_decodes + scheduler_output.num_spec_decodes
         for item in scheduler_output.scheduled[num_decodes:]:
             item.request.timing.prompt_chunks.append(
-                PromptChunk(started, ended, item.num_new_tokens, num_batched_tokens)
+                PromptChunk(started, ended, item.num_new_tokens, scheduler_output.num_scheduled_tokens)
             )
         step = StepStats(
             started_at=started,
@@ -237,10 +300,17 @@ class EngineCore:
             num_preempted=len(scheduler_output.preempted_request_ids),
             num_loads_finished=num_loads_finished,
         )
+        return model_output, step
+
+    def _update(
+        self, scheduler_output: SchedulerOutput, model_output: ModelOutput, step: StepStats
+    ) -> list[EngineCoreOutput]:
+        """Step phase 5: advance the requests by what the step sampled; one output each."""
+        outputs = []
         for request, num_new_tokens in self.scheduler.update(scheduler_output, model_output):
             timing = request.timing
             if timing.first_token_at is None:
-                timing.first_token_step_started_at, timing.first_token_at = started, ended
+                timing.first_token_step_started_at, timing.first_token_at = step.started_at, step.ended_at
             outputs.append(self._output(request, new_token_ids=request.all_token_ids[-num_new_tokens:], step=step))
         return outputs
 
@@ -291,7 +361,7 @@ class EngineCore:
         """Stop requests now and free their blocks (pinned prefill KV included).
         The next :meth:`step` reports them finished with reason ``abort``."""
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
-            self._aborted_outputs.append(self._output(request, new_token_ids=[]))
+            self._outputs_between_steps.append(self._output(request, new_token_ids=[]))
 
     def finish_with_stop_string(self, request_id: str, stop_string: str) -> None:
         """A stop string matched in the detokenized text (seen only above this layer)."""
@@ -315,8 +385,7 @@ class EngineCore:
 
     def publish_load_report(self) -> None:
         """Take the load now as :attr:`published_load_report`, which other threads read without
-        waiting for a step. Called by whoever has the state to itself: the engine thread
-        between forward passes, or an admission inside the hand-off window (never both at once)."""
+        waiting for a step (the step thread, after it applied messages and after each step)."""
         self.published_load_report = self.load_report()
 
     def load_report(self) -> LoadReport:

@@ -5,20 +5,20 @@ The engine decides *when* a load happens and what it may write; a :class:`KVLoad
 *how* (the decode service pulls through a KV connector; tests copy between two engines). The
 engine imports no connector: this module is the whole contract. One hand-off, in call order:
 
-1. Scheduler, when it admits the hand-off (at a step boundary on the engine thread, or inside
-   the hand-off window while a step computes, on the thread that brought the hand-off):
+1. Scheduler, when it admits the hand-off (on the engine's step thread, at a step boundary):
    allocates its blocks, reusing local prefix-cache hits, and calls :meth:`KVLoader.start_load`.
    The request now waits for its KV (``WAITING_FOR_REMOTE_KV``).
 2. Loader, wherever it does the copy: writes ``load.block_ids[load.num_local_hit_blocks:]``, then
-   :meth:`KVLoader.report`\\ s the outcome, which wakes an idle engine.
-3. Scheduler, at the next step boundary: :meth:`KVLoader.poll_finished`. A loaded request joins
-   the running ones and its blocks the prefix cache; a failed one recomputes its prompt here or
-   ends with an error, as its :data:`KVLoadFailurePolicy` says.
+   :meth:`KVLoader.report` hands over the outcome, which posts it to the engine's inbox
+   (engine/inbox.py, ``KVLoadFinished``) and so wakes an idle engine.
+3. Engine, at the next step boundary: hands the result to :meth:`Scheduler.kv_load_finished`. A
+   loaded request joins the running ones and its blocks the prefix cache; a failed one
+   recomputes its prompt here or ends with an error, as its :data:`KVLoadFailurePolicy` says.
 
-Ownership of the blocks: from ``start_load`` until the poll returns that request's result, the
+Ownership of the blocks: from ``start_load`` until that request's result arrives, the
 blocks are the loader's to write and nobody else's. A request aborted meanwhile is ended at
 once, but its blocks stay allocated: the scheduler calls :meth:`KVLoader.cancel_load` and frees
-them only when the poll returns the load's result, so no copy lands in a block that another
+them only when the load's result arrives, so no copy lands in a block that another
 request already holds.
 
 A loader may also report a failure for a hand-off whose load it was never asked to start (its
@@ -29,7 +29,6 @@ here): the scheduler then fails or recomputes the request without waiting for bl
 from __future__ import annotations
 
 import abc
-import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -58,47 +57,36 @@ class KVLoadResult:
     error: str | None = None
 
 
-def _no_wake() -> None:
-    """The default wake: an engine stepped by hand (offline, tests) polls on its next step anyway."""
-
-
 class KVLoader(abc.ABC):
     """Fills hand-offs' blocks for a decode engine. Subclasses implement :meth:`start_load`
     and :meth:`cancel_load`; results go through :meth:`report`, from any thread."""
 
     def __init__(self) -> None:
-        # deque append and popleft are atomic: report() may run on any thread, the poll on the engine's.
-        self._finished: collections.deque[KVLoadResult] = collections.deque()
-        self._wake: Callable[[], None] = _no_wake
+        self._post: Callable[[KVLoadResult], None] | None = None
 
-    def bind(self, wake: Callable[[], None]) -> None:
-        """Called once by the engine that uses this loader, before its first step: ``wake``
-        (callable from any thread) makes an engine idling with only loads in flight poll now."""
-        self._wake = wake
+    def bind(self, post: Callable[[KVLoadResult], None]) -> None:
+        """Called once by the engine that uses this loader, before its first step: ``post``
+        (callable from any thread) hands a result to the engine for its next step boundary."""
+        if self._post is not None:
+            raise RuntimeError("bug: this KV loader already serves an engine")
+        self._post = post
 
     @abc.abstractmethod
     def start_load(self, load: KVLoad) -> None:
-        """Called by the scheduler right after it allocated ``load.block_ids`` for the
-        hand-off, on the engine thread or inside the hand-off window (another thread, while a
-        step computes). Must return at once: the copy runs elsewhere and ends with exactly one
-        :meth:`report` for ``load.request_id`` (unless a failure was already reported for it)."""
+        """Called by the scheduler on the engine's step thread, right after it allocated
+        ``load.block_ids`` for the hand-off. Must return at once: the copy runs elsewhere and
+        ends with exactly one :meth:`report` for ``load.request_id`` (unless a failure was
+        already reported for it)."""
 
     @abc.abstractmethod
     def cancel_load(self, request_id: str) -> None:
-        """Called by the scheduler (engine thread) when a request whose load is in flight ends
+        """Called by the scheduler (step thread) when a request whose load is in flight ends
         (aborted). Must return at once; stop writing into its blocks as soon as possible, and
         :meth:`report` the load (with an error) once nothing writes to them any more: the
         engine frees them then."""
 
     def report(self, result: KVLoadResult) -> None:
         """A load ended (or a hand-off's source is known gone). Any thread."""
-        self._finished.append(result)
-        self._wake()
-
-    def poll_finished(self) -> list[KVLoadResult]:
-        """Called by the scheduler at each step boundary (engine thread): the results reported
-        since the last poll, in report order."""
-        finished: list[KVLoadResult] = []
-        while self._finished:
-            finished.append(self._finished.popleft())
-        return finished
+        if self._post is None:
+            raise RuntimeError(f"bug: the KV load of {result.request_id} ended on a loader no engine uses")
+        self._post(result)

@@ -52,6 +52,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     kv_handoff: KVHandoff | None = None
     error: str | None = None  # finish reason "error": why (decode role: the prompt's KV could not be loaded)
+    # The engine refused the request when it came to add it (what add_request's ValueError
+    # said, e.g. its id is still held by a pinned prefill): nothing ran, nothing is held.
+    refusal: str | None = None
     # The request's moments in the engine so far (engine/request_timing.py): the engine's own
     # record, shared by every output of the request, not a copy.
     timing: RequestTiming | None = None
@@ -59,4 +62,4 @@ class EngineCoreOutput:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None or self.kv_handoff is not None
+        return self.finish_reason is not None or self.kv_handoff is not None or self.refusal is not None

@@ -30,20 +30,18 @@ the prefill instance").
 
 Decode role: a hand-off (a prompt prefilled elsewhere) is admitted without token budget: its
 blocks are allocated and its :class:`~engine.kv_loader.KVLoader` asked to fill them; the
-results are polled at each step boundary (:meth:`Scheduler.update_from_kv_loads`). Hand-offs
-may also be admitted while a step's model computes, inside the hand-off window
-(:meth:`Scheduler.handoff_window`), so that their KV lands during that step and they decode
-in the next one instead of the one after.
+loader's results reach the scheduler at a step boundary (:meth:`Scheduler.kv_load_finished`).
+
+Only the engine's step thread calls the methods that change the scheduler (they check it:
+engine/step_thread.py); everything from other threads reaches it through the engine's inbox.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from engine.config import EngineRole
 from engine.kv_cache_manager import KVCacheManager
@@ -91,16 +89,14 @@ class Scheduler:
         self.cancelled_loads: dict[str, Request] = {}
         self.kv_loader: KVLoader | None = None  # decode role: set by the engine before its first step
         self.pinned: dict[str, Request] = {}  # prefill role: KV kept for the decode side
-        # The hand-off window: open while a step's model computes, the only time another thread
-        # may change this scheduler (to admit a hand-off). Whoever changes it holds the lock.
-        self._window_lock = threading.Lock()
-        self._window_open = False
+        self.owner = kv_cache_manager.block_pool.owner  # the step thread, once it claims the engine
         self.num_preemptions = 0  # since start, for metrics and tests
         self.spec_stats = SpecDecodeStats()  # drafts verified and accepted, since start
 
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
+        self.owner.check()
         if request.request_id in self.requests or request.request_id in self.cancelled_loads:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_external_tokens and self.kv_loader is None:
@@ -111,6 +107,7 @@ class Scheduler:
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, stop string, KV release). Frees their blocks
         at once. Unknown or already finished ids are ignored. Returns the requests ended."""
+        self.owner.check()
         ended = []
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
@@ -135,38 +132,36 @@ class Scheduler:
             ended.append(request)
         return ended
 
-    def update_from_kv_loads(self) -> list[Request]:
-        """Decode role, at each step boundary: apply the loads the loader reports finished.
+    def kv_load_finished(self, result: KVLoadResult) -> Request | None:
+        """Decode role, at a step boundary: apply a load the loader reported finished.
 
         A loaded request joins the decode loop. A failed one recomputes the part of its prompt
         the local prefix cache did not hold, in chunks of at most ``max_num_prefill_tokens`` per
         step, or ends with FINISHED_ERROR, as its ``kv_load_failure_policy`` says; a hand-off
         still waiting for blocks whose source is gone does the same without taking any. Either
         way the KV is local from then on: a later preemption recomputes here and never loads
-        again from a prefill instance that has released it. Blocks of requests aborted during
-        their load are freed here. Returns the requests that ended (with FINISHED_ERROR)."""
-        if self.kv_loader is None:
-            return []
-        ended: list[Request] = []
-        for result in self.kv_loader.poll_finished():
-            if (cancelled := self.cancelled_loads.pop(result.request_id, None)) is not None:
-                self.kv_cache_manager.free(cancelled)
-            elif (request := self.waiting_for_kv.pop(result.request_id, None)) is not None:
-                if self._kv_loaded(request, result):
-                    self.running.append(request)
-                else:
-                    ended.append(request)
-            elif (request := self.requests.get(result.request_id)) is not None and request.num_external_tokens:
-                # Not admitted yet (waiting for blocks): only a failure can be reported for it.
-                if result.error is None:
-                    raise RuntimeError(f"bug: the KV loader reported a load of {request.request_id} it never started")
-                if request.kv_load_failure_policy == "recompute":
-                    request.num_external_tokens = 0  # an ordinary prompt from now on, prefilled here when admitted
-                else:
-                    self.waiting.remove(request)
-                    self._end_with_error(request, result.error)
-                    ended.append(request)
-        return ended
+        again from a prefill instance that has released it. The blocks of a request aborted
+        during its load are freed here. Returns the request if it ended (with FINISHED_ERROR);
+        a result for an unknown request (a repeat, or one that ended meanwhile) changes nothing."""
+        self.owner.check()
+        if (cancelled := self.cancelled_loads.pop(result.request_id, None)) is not None:
+            self.kv_cache_manager.free(cancelled)
+        elif (request := self.waiting_for_kv.pop(result.request_id, None)) is not None:
+            if self._kv_loaded(request, result):
+                self.running.append(request)
+            else:
+                return request
+        elif (request := self.requests.get(result.request_id)) is not None and request.num_external_tokens:
+            # Not admitted yet (waiting for blocks): only a failure can be reported for it.
+            if result.error is None:
+                raise RuntimeError(f"bug: the KV loader reported a load of {request.request_id} it never started")
+            if request.kv_load_failure_policy == "recompute":
+                request.num_external_tokens = 0  # an ordinary prompt from now on, prefilled here when admitted
+            else:
+                self.waiting.remove(request)
+                self._end_with_error(request, result.error)
+                return request
+        return None
 
     def _kv_loaded(self, request: Request, result: KVLoadResult) -> bool:
         """A request whose blocks the loader no longer writes: True when it runs from now on,
@@ -220,6 +215,7 @@ class Scheduler:
     # --------------------------------------------------------------- the step
 
     def schedule(self) -> SchedulerOutput:
+        self.owner.check()
         budget = self.max_num_batched_tokens
         prefill_budget = self.max_num_prefill_tokens  # of ``budget``, for prompt and recompute chunks
         scheduled: dict[str, ScheduledRequest] = {}
@@ -312,50 +308,6 @@ class Scheduler:
             for block_hash in self.kv_cache_manager.blocks_still_to_cache(request)
         }
 
-    # ------------------------------------------------------- the hand-off window
-
-    @contextlib.contextmanager
-    def handoff_window(self) -> Iterator[None]:
-        """Engine thread, around a step's model execution: hand-offs that arrive meanwhile may
-        be admitted from other threads (:meth:`enter_handoff_window`). Safe because the step
-        reads only the requests and blocks it scheduled, while an admission takes only free
-        blocks (or prefix-cache hits, by reference) and moves only waiting requests. Closing
-        waits for an admission under way to finish."""
-        with self._window_lock:
-            self._window_open = True
-        try:
-            yield
-        finally:
-            with self._window_lock:
-                self._window_open = False
-
-    @contextlib.contextmanager
-    def enter_handoff_window(self) -> Iterator[bool]:
-        """Any thread but the engine's: yields True, with the scheduler to itself until the
-        block ends, when a step's model is computing; False when it is not (the engine thread
-        is between forward passes, and the caller queues its change for the step boundary).
-        Never waits: an admission under way counts as a shut window."""
-        if not self._window_lock.acquire(blocking=False):
-            yield False
-            return
-        try:
-            yield self._window_open
-        finally:
-            self._window_lock.release()
-
-    def admit_handoffs(self) -> None:
-        """Decode role, inside the hand-off window: give the hand-offs at the head of the queue
-        their blocks now and start their loads. A hand-off takes no token budget (its prompt
-        is loaded, not computed), so admitting it early changes no step's work; it only lets
-        its load run during the step in flight rather than the next one. Stops at the first
-        request that is not a hand-off (a preempted one recomputes, and keeps its place) or
-        that does not fit."""
-        while self.waiting and self.waiting[0].num_external_tokens:
-            if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
-                break
-            if not self._admit_handoff(self.waiting[0]):
-                break
-
     def _admit_handoff(self, request: Request) -> bool:
         """Blocks for the head of the queue, a hand-off, and the load that fills the ones the
         local prefix cache does not hold; False (nothing changed) when they do not fit."""
@@ -384,6 +336,7 @@ class Scheduler:
         Finished requests have released their blocks, except the prefill role's, whose
         blocks stay pinned until :meth:`finish_requests`.
         """
+        self.owner.check()
         updated: list[tuple[Request, int]] = []
         finished: list[Request] = []
         sample_index = 0

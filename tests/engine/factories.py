@@ -8,7 +8,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.kv_cache_layout import layer_view
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_loader import KVLoadFailurePolicy
+from engine.kv_loader import KVLoadFailurePolicy, KVLoadResult
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -77,13 +77,12 @@ def make_scheduler(
 
 
 def finish_load(scheduler: Scheduler, request_id: str, error: str | None = None) -> list[Request]:
-    """The load of ``request_id`` ends (loaded when ``error`` is None), and the scheduler polls
-    it as at a step boundary; returns the requests that ended."""
-    loader = scheduler.kv_loader
-    if not isinstance(loader, ManualKVLoader):
+    """The load of ``request_id`` ends (loaded when ``error`` is None), and the scheduler gets
+    the result as at a step boundary; returns the requests that ended."""
+    if not isinstance(scheduler.kv_loader, ManualKVLoader):
         raise TypeError("finish_load drives a scheduler made by make_scheduler(role='decode')")
-    loader.finish(request_id, error)
-    return scheduler.update_from_kv_loads()
+    ended = scheduler.kv_load_finished(KVLoadResult(request_id, error))
+    return [ended] if ended is not None else []
 
 
 def sample(output: SchedulerOutput, token_id: int = 7) -> ModelOutput:

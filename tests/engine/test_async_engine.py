@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_utils import cdiv
 from engine.llm import LLM
 from engine.load_report import LoadReport
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelOutput, SchedulerOutput
 from tests.checkpoints import make_checkpoint, random_prompts
@@ -45,7 +46,7 @@ def assert_all_free(engine: AsyncEngine) -> None:
 
 async def report_when(engine: AsyncEngine, condition: Callable[[LoadReport], bool]) -> LoadReport:
     """The engine's published load report once ``condition`` holds for it (the engine thread
-    publishes one after every command batch and step); fails if it never does."""
+    publishes one after applying messages and after every step); fails if it never does."""
     for _ in range(6000):  # a minute at the least: a generous guard, not a timing assertion
         if condition(report := engine.latest_load_report()):
             return report
@@ -78,7 +79,7 @@ def test_consumer_leaving_early_aborts_and_frees(model_path: Path) -> None:
             async for _ in stream:
                 break
             await stream.aclose()  # what a disconnecting client's handler does
-            await report_when(engine, all_free)  # once the abort command has run on the engine thread
+            await report_when(engine, all_free)  # once the abort message has been applied on the step thread
 
     asyncio.run(main())
 
@@ -151,7 +152,7 @@ def test_latest_load_report_follows_the_steps_without_waiting_for_one(model_path
             block_size = config(model_path).block_size
             assert running.num_running == 1
             assert 32 // block_size <= total - running.num_free_blocks <= cdiv(32 + 200, block_size)
-            await stream.aclose()  # aborts, on the engine thread's next command batch
+            await stream.aclose()  # aborts, at the step thread's next boundary
             idle = await report_when(engine, lambda report: report.num_running == 0)
             assert (idle.num_running, idle.num_waiting, idle.num_free_blocks) == (0, 0, total)
 
@@ -190,8 +191,7 @@ def test_requests_queued_during_a_step_count_in_the_load_report_at_once(model_pa
 
     async def main() -> None:
         async with AsyncEngine(config(model_path, role="prefill")) as engine:
-            step_boundary = threading.Event()
-            engine._submit(lambda: step_boundary.wait(60))  # the engine thread is busy until set
+            step_boundary = hold_next_step(engine)  # the step thread is busy until set
             streams = [engine.generate(prompt, GREEDY) for prompt in prompts]
             tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
             queued = await report_when(engine, lambda report: report.num_waiting == 2)
@@ -219,8 +219,7 @@ def test_a_queued_request_counts_only_what_the_prefix_cache_lacks(model_path: Pa
             await collect(engine, cached, SamplingParams(temperature=0.0, max_tokens=1))
             block_size = engine.core.kv_cache_manager.block_size
             num_cached = (len(cached) - 1) // block_size * block_size
-            step_boundary = threading.Event()
-            engine._submit(lambda: step_boundary.wait(60))  # the engine thread is busy until set
+            step_boundary = hold_next_step(engine)  # the step thread is busy until set
             stream = engine.generate(cached[:num_cached] + fresh, GREEDY)
             task = asyncio.ensure_future(anext(stream))
             queued = await report_when(engine, lambda report: report.num_waiting == 1)
@@ -230,6 +229,21 @@ def test_a_queued_request_counts_only_what_the_prefix_cache_lacks(model_path: Pa
             await stream.aclose()
 
     asyncio.run(main())
+
+
+def hold_next_step(engine: AsyncEngine) -> threading.Event:
+    """The step thread's next step waits, before it applies any message, until the returned
+    event is set: messages posted meanwhile stay queued in the inbox."""
+    release = threading.Event()
+    step = engine.core.step
+
+    def held() -> list:
+        engine.core.step = step  # type: ignore[method-assign]
+        assert release.wait(60)
+        return step()
+
+    engine.core.step = held  # type: ignore[method-assign]
+    return release
 
 
 class _HeldSteps:
@@ -286,11 +300,14 @@ async def wait_for_load(loader: ManualKVLoader) -> None:
     loader.load_started.clear()
 
 
-def test_a_handoff_arriving_mid_step_is_loaded_during_that_step_and_joins_the_next(model_path: Path) -> None:
-    """Admitted only at the next step boundary, a hand-off got its blocks there, loaded
-    during the following step and decoded in the one after; admitted inside the hand-off
-    window, its load runs while the step in flight computes, and it decodes in the very
-    next step."""
+def test_a_handoff_arriving_mid_step_waits_for_the_boundary_and_only_the_step_thread_admits_it(
+    model_path: Path,
+) -> None:
+    """One writer: a hand-off that arrives while a step's model computes changes nothing then
+    (no blocks, no load; the load report counts it as queued); the step thread admits it at the
+    boundary and starts its load, which runs during the next step; it decodes once its result
+    has reached a boundary. Any change to the scheduler from this (the event loop's) thread
+    meanwhile raises."""
     running_prompt, handoff_prompt = random_prompts([20, 40], seed=16)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
@@ -302,20 +319,23 @@ def test_a_handoff_arriving_mid_step_is_loaded_during_that_step_and_joins_the_ne
             await anext(running)
             steps.hold.set()
             assert await asyncio.to_thread(steps.entered.wait, 60)  # a step is now inside its model
+            num_free = engine.core.kv_cache_manager.num_free_blocks
             handoff = engine.generate(handoff_prompt, params, request_id="handoff", first_token_id=7)
             first = asyncio.ensure_future(anext(handoff))
-            await wait_for_load(loader)
-            load = loader.load("handoff")
-            assert len(load.block_ids) == cdiv(40, config(model_path).block_size)
-            assert loader.started_on == [threading.current_thread().name]  # admitted here, in the window
-            assert engine.latest_load_report().num_waiting == 1  # counted from its admission
-            assert not steps.release.is_set()  # the step is still computing
+            report = await report_when(engine, lambda report: report.num_waiting == 1)  # queued in the inbox
+            assert loader.started == [] and engine.core.kv_cache_manager.num_free_blocks == num_free
+            with pytest.raises(RuntimeError, match="step thread"):
+                engine.core.scheduler.finish_requests(["running"], RequestStatus.FINISHED_ABORTED)
+            assert report.num_running == 1 and engine.core.scheduler.requests["running"].status is RequestStatus.RUNNING
             held = len(steps.scheduled)
-            loader.finish("handoff")  # the load done, before the step ends
             steps.release.set()
+            await wait_for_load(loader)  # started at the boundary, by the step thread
+            assert loader.started_on == ["engine-step-loop"]
+            assert len(loader.load("handoff").block_ids) == cdiv(40, config(model_path).block_size)
+            loader.finish("handoff")
             output = await asyncio.wait_for(first, 60)
             assert output.new_token_ids
-            assert "handoff" in steps.scheduled[held], steps.scheduled[held - 1 :]
+            assert "handoff" not in steps.scheduled[held]  # the step after the boundary only loaded it
             await handoff.aclose()
             await running.aclose()
             await report_when(engine, all_free)
@@ -326,8 +346,8 @@ def test_a_handoff_arriving_mid_step_is_loaded_during_that_step_and_joins_the_ne
 
 
 def test_a_handoff_arriving_between_steps_is_admitted_at_the_next_boundary(model_path: Path) -> None:
-    """With no step computing, the hand-off window is shut: the hand-off goes in as a
-    command, and the engine thread starts its load when it schedules it. A failed load with
+    """With no step computing, the hand-off goes in as a message, and the step thread starts
+    its load when it schedules it. A failed load with
     the recompute policy prefills the prompt here."""
     prompt = random_prompts([24], seed=17)[0]
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from engine.request import RequestStatus
@@ -300,27 +302,27 @@ def test_a_handoff_whose_source_is_lost_while_it_queues_is_settled_without_block
     assert_all_free(scheduler)
 
 
-def test_handoffs_admitted_in_the_window_get_blocks_in_queue_order_until_one_does_not_fit() -> None:
-    """admit_handoffs (a hand-off arriving while a step computes) allocates what schedule()
-    would have, starts the loads, stops at the first request that does not fit or is not a
-    hand-off, and leaves the rest queued for the next step."""
+def test_handoffs_are_admitted_in_queue_order_until_one_does_not_fit() -> None:
+    """schedule() gives queued hand-offs their blocks and starts their loads without token
+    budget, stops at the first one that does not fit or at max_num_seqs, and leaves the rest
+    queued for a later step."""
     scheduler = make_scheduler(num_blocks=6, block_size=4, role="decode", max_num_seqs=3)
     scheduler.add_request(make_request("a", 8, first_token_id=50))  # 2 blocks
     scheduler.add_request(make_request("b", list(range(30, 42)), first_token_id=51))  # 3 blocks
     scheduler.add_request(make_request("c", list(range(60, 64)), first_token_id=52))  # 1 block, behind b
-    scheduler.admit_handoffs()
+    assert scheduler.schedule().is_empty  # loads take no step of the model
     assert loads_started(scheduler) == [("a", 2, 0), ("b", 3, 0), ("c", 1, 0)]
     assert all(scheduler.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KV for r in "abc")
     assert not scheduler.waiting
     scheduler.add_request(make_request("d", 4, first_token_id=53))
-    scheduler.admit_handoffs()
+    scheduler.schedule()
     assert len(loads_started(scheduler)) == 3  # max_num_seqs: three are loading
     scheduler.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)
     for request_id in "abc":
         finish_load(scheduler, request_id, error="cancelled")
     scheduler.add_request(make_request("e", 30, first_token_id=54))  # 8 blocks: never fits
     scheduler.add_request(make_request("f", 4, first_token_id=55))
-    scheduler.admit_handoffs()
+    scheduler.schedule()
     assert [load[0] for load in loads_started(scheduler)[3:]] == ["d"]  # e waits at the head; f behind it
     assert [r.request_id for r in scheduler.waiting] == ["e", "f"]
     scheduler.finish_requests(["d", "e", "f"], RequestStatus.FINISHED_ABORTED)
@@ -328,29 +330,52 @@ def test_handoffs_admitted_in_the_window_get_blocks_in_queue_order_until_one_doe
     assert_all_free(scheduler)
 
 
-def test_handoffs_admitted_early_wait_behind_a_preempted_request() -> None:
+def test_a_handoff_behind_a_preempted_request_is_admitted_after_it() -> None:
     scheduler = make_scheduler(num_blocks=16, block_size=4, role="decode")
     preempted = make_request("preempted", 8, max_tokens=8)
     preempted.status = RequestStatus.PREEMPTED
     scheduler.add_request(preempted)
     scheduler.add_request(make_request("handoff", 8, first_token_id=50))
-    scheduler.admit_handoffs()
-    assert loads_started(scheduler) == []
     output = scheduler.schedule()  # the step admits both, the recompute first
     assert [s.request.request_id for s in output.scheduled] == ["preempted"]
     assert [load[0] for load in loads_started(scheduler)] == ["handoff"]
 
 
-def test_the_handoff_window_is_open_only_while_a_step_computes_and_never_waits() -> None:
-    scheduler = make_scheduler(role="decode")
-    with scheduler.enter_handoff_window() as window_open:
-        assert not window_open  # between steps: the engine thread has the scheduler
-    with scheduler.handoff_window(), scheduler.enter_handoff_window() as window_open:
-        assert window_open
-        with scheduler.enter_handoff_window() as nested_open:
-            assert not nested_open  # an admission under way: the window counts as shut
-    with scheduler.enter_handoff_window() as window_open:
-        assert not window_open
+def test_once_a_step_thread_claims_the_scheduler_no_other_thread_may_change_it() -> None:
+    """One writer: every mutating call of the scheduler and its block pool from a thread other
+    than the one that claimed them raises, and changes nothing; reads stay open to all."""
+    scheduler = make_scheduler(num_blocks=8, block_size=4, role="decode")
+    scheduler.add_request(make_request("queued", 4))  # unclaimed: the caller's thread is the step thread
+    errors: dict[str, BaseException] = {}
+
+    def from_another_thread(name: str, call) -> None:
+        def run() -> None:
+            try:
+                call()
+            except BaseException as error:
+                errors[name] = error
+
+        thread = threading.Thread(target=run, name=f"not-the-step-thread-{name}")
+        thread.start()
+        thread.join()
+
+    scheduler.owner.claim()
+    mutations = {
+        "add_request": lambda: scheduler.add_request(make_request("late", 4)),
+        "finish_requests": lambda: scheduler.finish_requests(["queued"], RequestStatus.FINISHED_ABORTED),
+        "schedule": scheduler.schedule,
+        "kv_load_finished": lambda: finish_load(scheduler, "queued", error="gone"),
+        "block_pool": lambda: scheduler.kv_cache_manager.block_pool.get_new_blocks(1),
+    }
+    for name, call in mutations.items():
+        from_another_thread(name, call)
+    assert sorted(errors) == sorted(mutations)
+    assert all(isinstance(error, RuntimeError) and "step thread" in str(error) for error in errors.values())
+    assert list(scheduler.requests) == ["queued"] and scheduler.kv_cache_manager.num_free_blocks == 8
+    from_another_thread("read", lambda: (scheduler.num_waiting, scheduler.kv_cache_manager.num_free_blocks))
+    assert "read" not in errors
+    run_step(scheduler)  # the claiming thread itself goes on
+    assert scheduler.requests["queued"].status is RequestStatus.RUNNING
 
 
 def test_prefill_cap_leaves_decodes_their_step_and_chunks_the_rest() -> None:
