@@ -14,7 +14,9 @@ Timing rules (client side, ``time.perf_counter``):
   the server sends one, prompt tokens too.
 
 The server's own account of the request's TTFT and its phases, where it sends one (splitserve's
-``x-splitserve-timing`` header), is kept beside the client's measurements (``server_timing``).
+``x-splitserve-timing`` header), is kept beside the client's measurements (``server_timing``);
+so are the server's gaps between the same content chunks (``server_itl``), from when it wrote
+each one, where it says (splitserve's chunk times: bench/token_gaps.py).
 
 A request fails, with its error kept, on a non-200 status, an ``error`` event or
 object in the stream, malformed JSON, a transport error or timeout, a stream that
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,6 +36,7 @@ import aiohttp
 
 from bench.datasets import SampleRequest
 from bench.sse import SSEDecoder, SSEEvent
+from bench.token_gaps import CHUNK_TIMES_HEADER, parse_chunk_times, server_gaps
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,9 @@ class RequestRecord:
     # Where the server says the request's time went (splitserve's x-splitserve-timing header:
     # its TTFT and the TTFT's phases, seconds); None from a server that sends no such header.
     server_timing: dict[str, float] | None = None
+    # The server's gap before each content chunk that ``itl`` times (seconds, same length), from
+    # when it wrote them; None from a server that sends no chunk times (bench/token_gaps.py).
+    server_itl: list[float] | None = None
 
     @property
     def success(self) -> bool:
@@ -88,6 +95,12 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def request_headers(api_key: str | None) -> dict[str, str]:
+    """A generation request's headers: the key, and the ask for splitserve's chunk times
+    (other servers ignore a header they do not know)."""
+    return auth_headers(api_key) | {CHUNK_TIMES_HEADER: "1"}
+
+
 class StreamAccumulator:
     """Turns timed SSE events into a ``RequestRecord``; ``sent_at`` is the perf_counter at send."""
 
@@ -97,6 +110,9 @@ class StreamAccumulator:
         self._last_content_at: float | None = None
         self._done = False
         self._text_parts: list[str] = []
+        self._num_data_events = 0  # before [DONE]: what the server's chunk times count
+        self._content_events: list[int] = []  # positions of the content chunks among them
+        self._chunk_times_ms: list[float] | None = None
 
     def on_event(self, event: SSEEvent, now: float) -> bool:
         """Account one event received at ``now``; False once the stream is over (done or failed)."""
@@ -105,6 +121,7 @@ class StreamAccumulator:
         if event.data == "[DONE]":
             self._done = True
             return False
+        self._num_data_events += 1
         try:
             chunk = json.loads(event.data)
         except json.JSONDecodeError:
@@ -128,6 +145,12 @@ class StreamAccumulator:
             self._on_content(text, now)
         return True
 
+    def on_comment(self, text: str) -> None:
+        """Keep the server's chunk times if ``text`` is their comment; other comments (pings) are nothing."""
+        times = parse_chunk_times(text)
+        if times is not None:
+            self._chunk_times_ms = times
+
     def finish(self) -> RequestRecord:
         """Close the record when the stream ended (or broke); idempotent."""
         record = self.record
@@ -136,6 +159,10 @@ class StreamAccumulator:
             record.error = "the stream ended before data: [DONE]"
         elif record.error is None and record.num_content_chunks == 0:
             record.error = "the stream carried no content (no token text)"
+        times = self._chunk_times_ms
+        # Paired by position: only when the server counted exactly the events read here.
+        if record.error is None and times is not None and len(times) == self._num_data_events:
+            record.server_itl = server_gaps(times, self._content_events)
         return record
 
     def fail(self, message: str) -> None:
@@ -147,6 +174,7 @@ class StreamAccumulator:
             record.ttft = now - self._sent_at
         else:
             record.itl.append(now - self._last_content_at)
+        self._content_events.append(self._num_data_events - 1)
         self._last_content_at = now
         record.latency = now - self._sent_at
         record.num_content_chunks += 1
@@ -189,8 +217,11 @@ async def send_request(
     payload: dict[str, Any],
     record: RequestRecord,
     run_started_at: float,
+    before_read: Callable[[], Awaitable[None]] | None = None,
 ) -> RequestRecord:
     """POST ``payload`` and stream the answer into ``record``; never raises but for cancellation.
+    ``before_read`` is awaited before each read of the body (a test starves the client with it,
+    as a busy CPU would).
 
     A request the server disconnects before answering at all is sent once more, on a new
     connection: a server may close a kept-alive connection between two requests (llama.cpp's
@@ -204,7 +235,7 @@ async def send_request(
         try:
             async with session.post(url, json=payload, headers=headers) as response:
                 answered = True
-                await _read_answer(response, stream)
+                await _read_answer(response, stream, before_read)
             break
         except aiohttp.ServerDisconnectedError as error:
             if answered or attempt:
@@ -219,16 +250,23 @@ async def send_request(
     return stream.finish()
 
 
-async def _read_answer(response: aiohttp.ClientResponse, stream: StreamAccumulator) -> None:
+async def _read_answer(
+    response: aiohttp.ClientResponse, stream: StreamAccumulator, before_read: Callable[[], Awaitable[None]] | None
+) -> None:
     if response.status != 200:
         body = (await response.text(errors="replace"))[:_MAX_ERROR_CHARS]
         stream.fail(f"HTTP {response.status} {response.reason}: {body}")
         return
     stream.record.server_timing = parse_server_timing(response.headers.get(SERVER_TIMING_HEADER))
-    decoder = SSEDecoder()
+    decoder = SSEDecoder(on_comment=stream.on_comment)
     # Read to the end even after [DONE], so the connection goes back to the pool
     # instead of being closed half-read (a new connection would tax the next TTFT).
-    async for data in response.content.iter_any():
+    while True:
+        if before_read is not None:
+            await before_read()
+        data = await response.content.readany()
+        if not data:
+            break
         now = time.perf_counter()
         for event in decoder.feed(data):
             stream.on_event(event, now)

@@ -13,7 +13,9 @@ keep their error in ``errors``):
 - percentiles interpolate linearly (``numpy.percentile``), std is the population std;
 - server phases: the TTFT phases splitserve reports per request (``x-splitserve-timing``,
   seconds, measured by the gateway from the request's arrival there), each phase's
-  distribution, and the TTFT breakdown at TTFT percentiles (:func:`phase_breakdown`).
+  distribution, and the TTFT breakdown at TTFT percentiles (:func:`phase_breakdown`);
+- server token gaps: the server's gaps between the same content chunks, from when it wrote
+  them, beside the client's, and whether the client lagged (bench/token_gaps.py).
 
 Per-request lists hold every request in send order; a failed request has 0.0 for
 its TTFT and latency and 0 output tokens, as in vLLM (its ``errors`` entry says why).
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench.client import RequestRecord
+from bench.token_gaps import TokenGaps, compare_gaps
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -75,6 +78,8 @@ class BenchmarkMetrics:
     # where TTFT went at TTFT percentiles (:func:`phase_breakdown`). Empty without the header.
     server_phases: dict[str, LatencyStats] = field(default_factory=dict)
     phase_breakdown: dict[float, dict[str, float]] = field(default_factory=dict)
+    # Client and server token gaps side by side; None when no response carried the server's times.
+    token_gaps: TokenGaps | None = None
 
 
 @dataclass(slots=True)
@@ -178,6 +183,7 @@ def compute_metrics(
             name: LatencyStats.of([t[name] for t in timings if name in t], percentiles) for name in phase_names
         },
         phase_breakdown=phase_breakdown(timings, (50.0, *percentiles)),
+        token_gaps=compare_gaps([(r.itl, r.server_itl) for r in done if r.server_itl is not None]),
     )
 
 
@@ -277,6 +283,7 @@ def result_json(
             result[f"{percentile_key(p)}_phase_{name}_ms"] = value
     if metrics.phase_breakdown:
         result["ttft_phase_breakdown_ms"] = {percentile_key(p): row for p, row in metrics.phase_breakdown.items()}
+    result["token_gaps"] = metrics.token_gaps.as_json() if metrics.token_gaps is not None else None
     result.update(
         input_lens=[r.prompt_len for r in records],
         output_lens=[output_tokens(r) for r in records],
@@ -288,5 +295,6 @@ def result_json(
         errors=[r.error or "" for r in records],
         workloads=[r.workload for r in records],
         server_timings=[r.server_timing if r.success else None for r in records],
+        server_itls=[r.server_itl if r.success else None for r in records],
     )
     return result

@@ -26,6 +26,9 @@ a folder or a GGUF file, which llama-server needs) and dtype, so they compare in
 two commits are measured side by side. ``--explain-slow-tokens`` traces every request to a
 receiver in this process and files each token gap over 200 ms under what the decode step
 that ended it held (``bench/slow_tokens.py``). Figures are latencies: run it on a quiet machine.
+The client shares the host's cores with the server, so each phase's summary sets splitserve's
+own token gaps (``server_*``: when its gateway wrote each chunk, bench/token_gaps.py) beside
+the client's, and says whether the client lagged behind them (``client_lagged``).
 """
 
 from __future__ import annotations
@@ -236,9 +239,31 @@ def bench_command(
     )
 
 
+def gap_figures(itls: list[list[float]]) -> dict[str, Any]:
+    """Token-gap figures (ms) of the streams' gaps (seconds): percentiles, gaps over 200 ms, and
+    where long gaps sit: the first gap of a stream spans the hand-off (the first token comes
+    from prefill, the second from decode after the KV pull); later ones are decode steps."""
+    gaps_ms = np.array([gap * 1000 for itl in itls for gap in itl])
+    if not gaps_ms.size:
+        return {}
+    row: dict[str, Any] = {
+        f"itl_{name}_ms": float(np.percentile(gaps_ms, p)) for name, p in (("p50", 50), ("p99", 99), ("p99.9", 99.9))
+    }
+    row.update(itl_max_ms=float(gaps_ms.max()), gaps_over_200ms=int((gaps_ms > 200).sum()), num_gaps=int(gaps_ms.size))
+    first_ms = np.array([itl[0] * 1000 for itl in itls if itl])
+    later_ms = np.array([gap * 1000 for itl in itls for gap in itl[1:]])
+    row.update(handoff_gap_p50_ms=float(np.percentile(first_ms, 50)), handoff_gap_max_ms=float(first_ms.max()))
+    if later_ms.size:
+        row.update(
+            decode_gap_p99_ms=float(np.percentile(later_ms, 99)),
+            decode_gap_max_ms=float(later_ms.max()),
+            decode_gaps_over_200ms=int((later_ms > 200).sum()),
+        )
+    return row
+
+
 def summarize(path: Path) -> dict[str, Any]:
     result = json.loads(path.read_text())
-    gaps_ms = np.array([gap * 1000 for itl in result["itls"] for gap in itl])
     ok = [not error for error in result["errors"]]
     ttfts_ms = np.array([t * 1000 for t, good in zip(result["ttfts"], ok) if good])
     rejected = sum(1 for error in result["errors"] if error.startswith("HTTP 429"))
@@ -248,27 +273,14 @@ def summarize(path: Path) -> dict[str, Any]:
         "rejected_429": rejected,
         "tpot_p50_ms": result["median_tpot_ms"],
     }
-    if gaps_ms.size:
-        row.update(
-            {
-                f"itl_{name}_ms": float(np.percentile(gaps_ms, p))
-                for name, p in (("p50", 50), ("p99", 99), ("p99.9", 99.9))
-            }
-        )
-        row.update(
-            itl_max_ms=float(gaps_ms.max()), gaps_over_200ms=int((gaps_ms > 200).sum()), num_gaps=int(gaps_ms.size)
-        )
-        # Where long gaps sit: the first gap of a stream spans the hand-off (the first token
-        # comes from prefill, the second from decode after the KV pull); later ones are decode steps.
-        first_ms = np.array([itl[0] * 1000 for itl in result["itls"] if itl])
-        later_ms = np.array([gap * 1000 for itl in result["itls"] for gap in itl[1:]])
-        row.update(handoff_gap_p50_ms=float(np.percentile(first_ms, 50)), handoff_gap_max_ms=float(first_ms.max()))
-        if later_ms.size:
-            row.update(
-                decode_gap_p99_ms=float(np.percentile(later_ms, 99)),
-                decode_gap_max_ms=float(later_ms.max()),
-                decode_gaps_over_200ms=int((later_ms > 200).sum()),
-            )
+    row.update(gap_figures(result["itls"]))
+    # The same figures from when splitserve's gateway wrote each chunk (bench/token_gaps.py), and
+    # whether the client lagged behind it: then the client-side figures above measure the client.
+    gaps = result.get("token_gaps")
+    if gaps:
+        server_itls = [itl for itl in result.get("server_itls", []) if itl is not None]
+        row.update({f"server_{name}": value for name, value in gap_figures(server_itls).items()})
+        row.update(client_lagged=gaps["client_lagged"], client_lagged_at=gaps["lagged_at"])
     if ttfts_ms.size:
         row.update(
             ttft_p50_ms=float(np.percentile(ttfts_ms, 50)),

@@ -40,6 +40,7 @@ def format_result(result: dict[str, Any]) -> str:
         row(f" {title} ".center(_WIDTH, "-"))
         for stat, key in _stat_keys(result, name):
             row(_line(f"{stat} {short} (ms):", result[key]))
+    lines += _token_gaps(result)
     lines += _server_phases(result)
     lines += _per_workload(result)
     if result["failed"]:
@@ -92,6 +93,24 @@ def _per_workload(result: dict[str, Any]) -> list[str]:
             f"{name} ({len(ok)} req): TTFT p50 {_num(ttft.median)} p99 {_num(ttft.percentiles[99.0])}"
             f" | ITL p50 {_num(itl.median)} p99 {_num(itl.percentiles[99.0])} ms"
         )
+    return lines
+
+
+def _token_gaps(result: dict[str, Any]) -> list[str]:
+    """The client's token gaps beside the server's (bench/token_gaps.py), and which side the ITL
+    figures measure."""
+    gaps: dict[str, Any] | None = result.get("token_gaps")
+    if not gaps:
+        return []
+    lines = [" Token Gaps: Client vs Server (ms) ".center(_WIDTH, "-")]
+    lines.append(f"{'':<10} {'client':>9} {'server':>9}   ({gaps['num_gaps']} gaps, {gaps['num_requests']} requests)")
+    for name, client in gaps["client_ms"].items():
+        lines.append(f"{name.upper() if name != 'max' else 'Max':<10} {client:>9.2f} {gaps['server_ms'][name]:>9.2f}")
+    if gaps["client_lagged"]:
+        lines.append(f"CLIENT LAGGED at {', '.join(gaps['lagged_at'])}: the client's ITL there measures the client")
+    else:
+        lines.append("client kept up: the ITL figures measure the server")
+    lines.append(f"(lagged: {gaps['client_lag_rule']})")
     return lines
 
 

@@ -24,7 +24,16 @@ import aiohttp
 from tqdm import tqdm
 
 from bench.arrivals import arrival_offsets
-from bench.client import Endpoint, RequestRecord, ServedModel, auth_headers, build_payload, fetch_model, send_request
+from bench.client import (
+    Endpoint,
+    RequestRecord,
+    ServedModel,
+    auth_headers,
+    build_payload,
+    fetch_model,
+    request_headers,
+    send_request,
+)
 from bench.datasets import SampleRequest, WorkloadSpec, sample_workload
 from bench.metrics import DEFAULT_PERCENTILES, RunInfo, compute_metrics, result_json
 from bench.prompt_text import is_gguf_file, load_tokenizer
@@ -144,7 +153,7 @@ async def run_requests(
 ) -> tuple[list[RequestRecord], float]:
     """Send the warm-ups, then the measured requests on schedule; (records in send order, seconds)."""
     url = config.base_url.rstrip("/") + config.endpoint
-    headers = auth_headers(config.api_key)
+    headers = request_headers(config.api_key)
     # aiohttp's default pool caps connections at 100, which would silently throttle a
     # high-rate run: allow as many as the benchmark lets be in flight.
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0, keepalive_timeout=60)

@@ -4,7 +4,8 @@ them, complete events come out.
 
 It follows the WHATWG event-stream rules: lines end in CRLF, LF or CR; a blank line
 dispatches the event; ``data:`` lines of one event join with ``\\n``; lines starting
-with ``:`` are comments (keep-alive pings); one space after the colon is dropped.
+with ``:`` are comments (keep-alive pings, or splitserve's chunk times: bench/token_gaps.py),
+handed to ``on_comment`` when one is given; one space after the colon is dropped.
 Bytes are decoded as UTF-8 incrementally, so a character split across two network
 reads is never mangled.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -25,7 +27,10 @@ class SSEEvent:
 
 
 class SSEDecoder:
-    def __init__(self) -> None:
+    def __init__(self, on_comment: Callable[[str], None] | None = None) -> None:
+        """``on_comment``: called with each comment line's text (without the colon and one
+        space), as the line is read, so before the events of the same ``feed`` are returned."""
+        self._on_comment = on_comment
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._buffer = ""
         self._data_lines: list[str] = []
@@ -64,6 +69,8 @@ class SSEDecoder:
             self._dispatch(events)
             return
         if line.startswith(":"):
+            if self._on_comment is not None:
+                self._on_comment(line[2:] if line.startswith(": ") else line[1:])
             return
         field, _, value = line.partition(":")
         if value.startswith(" "):

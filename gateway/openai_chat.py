@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gateway.chunk_times import chunk_clock
 from gateway.errors import bad_request
 from gateway.gate import admission_of
 from gateway.generation import Generated, GenerationJob, GenerationService
@@ -96,7 +97,11 @@ async def create_chat_completion(
     )
     if request.stream:
         deltas = await first_then_rest(merged(service, [job]))
-        return sse_response(_stream(request, completion_id, model_name, service, job, deltas), timing_headers([job]))
+        return sse_response(
+            _stream(request, completion_id, model_name, service, job, deltas),
+            timing_headers([job]),
+            chunk_clock(raw.headers),
+        )
     response = await cancel_on_disconnect(raw, _collect(request, completion_id, model_name, service, job))
     return JSONResponse(response.model_dump(), headers=timing_headers([job]))
 

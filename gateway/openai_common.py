@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from engine.sampling_params import SamplingParams
+from gateway.chunk_times import ChunkClock, ChunkTimedResponse
 from gateway.errors import APIError, bad_request, internal_error
 from gateway.gate import Admission
 from gateway.generation import Generated, GenerationJob, GenerationService, Usage
@@ -170,7 +171,13 @@ def timing_headers(jobs: list[GenerationJob]) -> dict[str, str] | None:
     return {TIMING_HEADER: value} if value is not None else None
 
 
-def sse_response(chunks: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
+def sse_response(
+    chunks: AsyncIterator[str], headers: dict[str, str] | None = None, clock: ChunkClock | None = None
+) -> StreamingResponse:
+    """The stream as SSE, ending in ``data: [DONE]``; with ``clock`` (the client asked,
+    gateway/chunk_times.py) each chunk's write time is recorded, and all of them are sent
+    in a comment just before ``[DONE]``."""
+
     async def body() -> AsyncGenerator[str, None]:
         try:
             async for chunk in chunks:
@@ -182,11 +189,14 @@ def sse_response(chunks: AsyncIterator[str], headers: dict[str, str] | None = No
         except Exception:
             logger.exception("request failed mid-stream")
             yield sse(internal_error("while streaming").to_response())
+        if clock is not None:
+            yield clock.comment()
         yield SSE_DONE
 
-    return StreamingResponse(
-        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})}
-    )
+    response_headers = {"Cache-Control": "no-cache", **(headers or {})}
+    if clock is not None:
+        return ChunkTimedResponse(body(), clock, headers=response_headers, media_type="text/event-stream")
+    return StreamingResponse(body(), media_type="text/event-stream", headers=response_headers)
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

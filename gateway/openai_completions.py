@@ -10,6 +10,7 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gateway.chunk_times import chunk_clock
 from gateway.errors import bad_request
 from gateway.gate import Admission, admission_of
 from gateway.generation import Generated, GenerationJob, GenerationService
@@ -113,7 +114,9 @@ async def create_completion(
     if request.stream:
         deltas = await first_then_rest(merged(service, jobs))
         return sse_response(
-            _stream(request, completion_id, model_name, service, jobs, echoes, deltas), timing_headers(jobs)
+            _stream(request, completion_id, model_name, service, jobs, echoes, deltas),
+            timing_headers(jobs),
+            chunk_clock(raw.headers),
         )
     response = await cancel_on_disconnect(raw, _collect(request, completion_id, model_name, service, jobs, echoes))
     return JSONResponse(response.model_dump(), headers=timing_headers(jobs))

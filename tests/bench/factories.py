@@ -43,8 +43,10 @@ def make_record(
     start_time: float = 0.0,
     error: str | None = None,
     workload: str = "",
+    server_itl: list[float] | None = None,
 ) -> RequestRecord:
-    """A finished request: content chunks at ``ttft`` then ``itl`` gaps; latency is their sum."""
+    """A finished request: content chunks at ``ttft`` then ``itl`` gaps; latency is their sum;
+    ``server_itl``: the server's gaps between the same chunks, when it sent its chunk times."""
     itl = list(itl or [])
     chunks = 1 + len(itl)
     return RequestRecord(
@@ -59,4 +61,5 @@ def make_record(
         num_content_chunks=chunks,
         generated_text="x" * chunks,
         error=error,
+        server_itl=server_itl,
     )
