@@ -25,6 +25,7 @@ from cluster.tracing import add_tracing_arguments, tracing_argv
 from gateway.flags import (
     API_KEY_FILE_ENV,
     add_api_key_argument,
+    add_api_server_count_argument,
     add_request_log_argument,
     add_routing_arguments,
     request_log_argv,
@@ -75,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     add_routing_arguments(parser)  # passed on to the gateway
     add_request_log_argument(parser)  # passed on to the gateway
+    add_api_server_count_argument(parser)  # passed on to the gateway
     add_tracing_arguments(parser)  # passed on to every process
 
 
@@ -144,6 +146,7 @@ def gateway_flags(
         flags += ["--served-model-name", served_name]
     if args.max_model_len:
         flags += ["--max-model-len", str(args.max_model_len)]
+    flags += ["--api-server-count", str(args.api_server_count)]
     return flags + routing_argv(args) + request_log_argv(args) + tracing_argv(args)
 
 
