@@ -29,12 +29,13 @@ import logging
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import grpc
 
 from cluster.auth import ClusterCallCheck, ClusterSecret, cluster_call_interceptors, load_cluster_secret
+from cluster.call_counts import CallCounts
 from cluster.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class InternalPlane:
 
     secret: ClusterSecret | None = None
     tls: TLSFiles | None = None
+    # What this plane's server received, by method (its instance's /metrics exports them).
+    call_counts: CallCounts = field(default_factory=CallCounts, compare=False, repr=False)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, listen_host: str) -> InternalPlane:
@@ -129,7 +132,9 @@ class InternalPlane:
 
     def server(self, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
         """An instance's server: calls without a valid call credential are refused (health checks excepted)."""
-        interceptors = [ClusterCallCheck(self.secret)] if self.secret is not None else None
+        interceptors: list[grpc.aio.ServerInterceptor] = [self.call_counts]
+        if self.secret is not None:
+            interceptors.append(ClusterCallCheck(self.secret))
         return grpc.aio.server(interceptors=interceptors, options=list(options))
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:

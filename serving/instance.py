@@ -362,6 +362,7 @@ async def serve(
             args.host,
             args.metrics_port,
             instance.phase_metrics.registry,
+            instance.plane.call_counts,
         )
         if args.metrics_port is not None
         else None

@@ -2,7 +2,8 @@
 KV transfers and event counters, one series ``splitserve_engine_<name>`` for each entry of
 ``cluster/instance_counters.py``, read at scrape time from the instance's load report, so a
 scrape never waits for an engine step; and the phases of the requests it served
-(``splitserve_engine_phase_seconds``, :class:`PhaseMetrics`).
+(``splitserve_engine_phase_seconds``, :class:`PhaseMetrics`); and the gRPC calls its server
+received, by method (``splitserve_engine_grpc_calls_total``, ``cluster/call_counts.py``).
 
 The gateway's ``/metrics`` shows the same load report as it last polled it
 (``splitserve_instance_<name>``, the same table); this endpoint is the instance's word, scraped
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cluster.call_counts import CallCounts
 from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, read
 from cluster.request_phases import PHASE_BUCKETS, Phase, phase_seconds
 from splitserve.v1 import disaggregation_pb2
@@ -49,6 +51,24 @@ class InstanceCollector(Collector):
             family = metric_family(counter, "splitserve_engine_", list(labels))
             family.add_metric(list(labels.values()), read(counter, report))
             yield family
+
+
+class CallCountCollector(Collector):
+    """The calls an instance's gRPC server received, one series per method."""
+
+    def __init__(self, call_counts: CallCounts, instance_id: str, role: str) -> None:
+        self.call_counts = call_counts
+        self._labels = [instance_id, role]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "splitserve_engine_grpc_calls",
+            "gRPC calls this instance's server received since start, by method (refused ones too)",
+            labels=["instance", "role", "method"],
+        )
+        for method, num_calls in sorted(self.call_counts.snapshot().items()):
+            family.add_metric([*self._labels, method], num_calls)
+        yield family
 
 
 class PhaseMetrics:
@@ -82,11 +102,16 @@ class MetricsServer:
         host: str,
         port: int,
         registry: CollectorRegistry | None = None,
+        call_counts: CallCounts | None = None,
     ) -> None:
         """``load_report``: the instance's (read at each scrape); ``name``: how the log names it;
-        ``registry``: what else the endpoint serves (``PhaseMetrics.registry``)."""
+        ``registry``: what else the endpoint serves (``PhaseMetrics.registry``); ``call_counts``:
+        its gRPC server's (``InternalPlane.call_counts``), exported when given."""
         registry = registry or CollectorRegistry()
         registry.register(InstanceCollector(load_report))
+        if call_counts is not None:
+            report = load_report()
+            registry.register(CallCountCollector(call_counts, report.instance_id, report.role))
         self._server: WSGIServer
         self._thread: threading.Thread
         self._server, self._thread = start_http_server(port, addr=host, registry=registry)
