@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import Any
 
 import grpc
 
@@ -117,11 +118,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_instance_arguments(parser, DEFAULT_PORT)
 
 
+async def serve_instance(instance: Instance, args: argparse.Namespace, **options: Any) -> None:
+    """Serve ``instance`` doing both phases until stopped; ``options`` go to :func:`serve`."""
+    servicer = ColocatedServicer(instance)
+    await serve(
+        instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server), **options
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     instance = Instance.create(args, "colocated")
-    servicer = ColocatedServicer(instance)
     serial_openmp()  # this thread runs the event loop: no OpenMP team beside the step thread's
-    asyncio.run(
-        serve(instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server))
-    )
+    asyncio.run(serve_instance(instance, args))
     return 0

@@ -48,7 +48,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 
@@ -57,6 +57,7 @@ from cluster.request_phases import HANDOFF_PHASES, LOCAL_PREFILL_PHASES
 from cluster.sampling_proto import sampling_params_from_proto
 from cluster.tracing import Tracer
 from decode_svc.kv_loader import KVLoadOutcome, RemoteKVLoader
+from engine.config import EngineConfig
 from engine.kv_loader import KVLoadFailurePolicy
 from engine.openmp_threads import serial_openmp
 from engine.request_timing import RequestTiming
@@ -304,19 +305,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    config = dataclasses.replace(engine_config(args, "decode"), max_num_prefill_tokens=args.decode_recompute_chunk)
-    instance = Instance.create(args, "decode", config)
+def decode_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The decode role's engine settings: a prompt it must compute itself goes in chunks."""
+    return dataclasses.replace(engine_config(args, "decode"), max_num_prefill_tokens=args.decode_recompute_chunk)
+
+
+async def serve_instance(instance: Instance, args: argparse.Namespace, **options: Any) -> None:
+    """Serve ``instance`` in the decode role until stopped; ``options`` go to :func:`serve`."""
     servicer = DecodeServicer(instance, args.kv_failure_policy, RemoteKVLoader(instance, args.kv_pull_timeout))
-    serial_openmp()  # this thread runs the event loop: no OpenMP team beside the step thread's
-    asyncio.run(
-        serve(
-            instance,
-            args,
-            lambda server: disaggregation_pb2_grpc.add_DecodeServicer_to_server(servicer, server),
-            kv_loader=servicer.kv_loader,
-            on_start=servicer.start,
-            on_stop=servicer.close,
-        )
+    await serve(
+        instance,
+        args,
+        lambda server: disaggregation_pb2_grpc.add_DecodeServicer_to_server(servicer, server),
+        kv_loader=servicer.kv_loader,
+        on_start=servicer.start,
+        on_stop=servicer.close,
+        **options,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    instance = Instance.create(args, "decode", decode_engine_config(args))
+    serial_openmp()  # this thread runs the event loop: no OpenMP team beside the step thread's
+    asyncio.run(serve_instance(instance, args))
     return 0

@@ -74,6 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="N",
             help=f"{role} instances' tensor parallel size (default: --tensor-parallel-size)",
         )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="simulated instances (splitserve simulate: the real internal API, a timing model for the model), "
+        "found by the gateway through a local Redis registry; dozens start on a small host",
+    )
+    parser.add_argument(
+        "--simulate-profile",
+        default=None,
+        metavar="NAME|FILE",
+        help="--simulate: the instances' timing profile (docs/simulator.md; default: splitserve simulate's)",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="--simulate: every simulated time multiplied by this"
+    )
     add_routing_arguments(parser)  # passed on to the gateway
     add_request_log_argument(parser)  # passed on to the gateway
     add_api_server_count_argument(parser)  # passed on to the gateway
@@ -164,6 +179,8 @@ def _start_instances(
 ) -> list[str]:
     """Start the engines, each with ``cluster_env``; return the gateway's routing flags for them."""
     common = engine_flags(args, model)
+    if args.simulate:
+        return _start_simulated_instances(args, common, children, cluster_env)
     if args.colocated:
         port = free_port()
         argv = splitserve_command(
@@ -175,7 +192,11 @@ def _start_instances(
     env = {**{k: v for k, v in LOCAL_UCX_ENV.items() if k not in os.environ}, **cluster_env}
     if args.kv_connector == "lmcache":
         # In the environment: the URL may hold the store's password.
-        env["SPLITSERVE_LMCACHE_URL"] = args.lmcache_url or _start_redis(children)
+        env["SPLITSERVE_LMCACHE_URL"] = args.lmcache_url or _start_redis(
+            children,
+            "--kv-connector lmcache needs a store: pass --lmcache-url, or install redis-server to have one "
+            "started here",
+        )
     routes: list[str] = []
     gpus = _visible_gpus()
     next_gpu = 0
@@ -210,6 +231,39 @@ def _start_instances(
             children.append(Child(f"{role}-{index}", argv, env=child_env, cpus=cpus[role][index]))
             routes += [f"--{role}", f"127.0.0.1:{port}"]
     return routes
+
+
+def _start_simulated_instances(
+    args: argparse.Namespace, common: list[str], children: list[Child], cluster_env: dict[str, str]
+) -> list[str]:
+    """One ``splitserve simulate`` process per role, holding that role's instances, which
+    register in a Redis started here; return the gateway's flags to find them there."""
+    registry_url = _start_redis(
+        children, "--simulate registers its instances in a local Redis: install redis-server to have one started here"
+    )
+    counts = {"colocated": 1} if args.colocated else {"prefill": args.num_prefill, "decode": args.num_decode}
+    profile = ["--profile", args.simulate_profile] if args.simulate_profile else []
+    for role, count in counts.items():
+        argv = splitserve_command(
+            "--log-level",
+            args.log_level,
+            "simulate",
+            role,
+            *common,
+            *profile,
+            "--time-scale",
+            str(args.time_scale),
+            "--num-instances",
+            str(count),
+            "--instance-id",
+            role,
+            "--port",
+            "0",
+            "--registry-url",
+            registry_url,
+        )
+        children.append(Child(f"simulate-{role}", argv, env=cluster_env))
+    return ["--registry-url", registry_url]
 
 
 def _cluster_secret_env() -> dict[str, str]:
@@ -247,12 +301,11 @@ def _visible_gpus() -> list[str]:
     )
 
 
-def _start_redis(children: list[Child]) -> str:
-    """A throwaway Redis on loopback for the lmcache connector's store (no persistence)."""
+def _start_redis(children: list[Child], missing: str) -> str:
+    """A throwaway Redis on loopback (no persistence): the lmcache connector's store, or the
+    simulated instances' registry. ``missing``: the error where redis-server is not installed."""
     if shutil.which("redis-server") is None:
-        raise ValueError(
-            "--kv-connector lmcache needs a store: pass --lmcache-url, or install redis-server to have one started here"
-        )
+        raise ValueError(missing)
     port = free_port()
     children.append(
         Child(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import Any
 
 import grpc
 
@@ -210,16 +211,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+async def serve_instance(instance: Instance, args: argparse.Namespace, **options: Any) -> None:
+    """Serve ``instance`` in the prefill role until stopped; ``options`` go to :func:`serve`."""
+    servicer = PrefillServicer(instance, args.lease_seconds)
+    await serve(
+        instance,
+        args,
+        lambda server: disaggregation_pb2_grpc.add_PrefillServicer_to_server(servicer, server),
+        on_stop=servicer.close,
+        **options,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     instance = Instance.create(args, "prefill")
-    servicer = PrefillServicer(instance, args.lease_seconds)
     serial_openmp()  # this thread runs the event loop: no OpenMP team beside the step thread's
-    asyncio.run(
-        serve(
-            instance,
-            args,
-            lambda server: disaggregation_pb2_grpc.add_PrefillServicer_to_server(servicer, server),
-            on_stop=servicer.close,
-        )
-    )
+    asyncio.run(serve_instance(instance, args))
     return 0

@@ -216,6 +216,20 @@ class Instance:
             executor = engine.core.runner.tensor_parallel
             if ranked and executor is not None:
                 connector = RankedConnector(connector, executor.extension_channels, args.kv_connector, options)
+        return cls.assemble(args, role, engine, connector, fingerprint, plane)
+
+    @classmethod
+    def assemble(
+        cls,
+        args: argparse.Namespace,
+        role: EngineRole,
+        engine: AsyncEngine,
+        connector: KVConnector | None,
+        fingerprint: Fingerprint,
+        plane: InternalPlane,
+    ) -> Instance:
+        """An instance of a built engine and connector (a simulated one's too: simulator/): its
+        identity and tracing from ``args``; logs its capacity and fingerprint."""
         instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         report = engine.core.load_report()
         logger.info(

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "colocated": ("colocated_svc.server", "serve the engine doing both phases over gRPC (no KV hand-off)"),
     "gateway": ("gateway.server", "serve the OpenAI-compatible REST and gRPC fronts, routing to instances"),
     "up": ("launcher.up", "start a gateway with prefill and decode instances on this machine"),
+    "simulate": ("simulator.cli", "serve simulated instances: the real internal API, a timing model for the model"),
     "bench": ("bench.cli", "benchmark an OpenAI-compatible server (serve, sweep, plot)"),
 }
 
