@@ -3,9 +3,13 @@ on disjoint instances; the order is the same whatever order the instances were f
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from gateway.instances import InstancePool
 from gateway.tie_break import GatewaySlot
+from splitserve.v1 import disaggregation_pb2
 
 INSTANCES = [(f"decode-{i}", f"127.0.0.1:{9000 + i}") for i in range(16)]
 
@@ -38,3 +42,30 @@ def test_an_index_outside_the_count_is_refused() -> None:
         GatewaySlot.of(2, 2, 0, 1)
     with pytest.raises(ValueError):
         GatewaySlot(1, 1)
+
+
+def test_two_gateways_pools_route_a_burst_each_to_disjoint_idle_instances() -> None:
+    """The same 16 idle decode instances in two gateways' pools, neither seeing the other's
+    dispatches: 8 picks each land on 8 instances each, none shared. (With one tie order, both
+    gateways' picks were the same 8.)"""
+
+    async def body() -> list[list[str]]:
+        picked = []
+        for slot in range(2):
+            pool = InstancePool(stale_after_s=60.0, slot=GatewaySlot(slot, 2))
+            try:
+                for address in (f"127.0.0.1:{9000 + i}" for i in range(16)):
+                    pool.add(address, "decode")
+                    pool.record_report(address, decode_report(address), serving=True)
+                picked.append([choice.address for choice in (pool.pick("decode") for _ in range(8)) if choice])
+            finally:
+                await pool.close()
+        return picked
+
+    first, second = asyncio.run(body())
+    assert len(set(first)) == len(set(second)) == 8
+    assert not set(first) & set(second)
+
+
+def decode_report(address: str) -> disaggregation_pb2.LoadReport:
+    return disaggregation_pb2.LoadReport(instance_id=f"decode-{address}", role="decode", max_model_len=2048)
