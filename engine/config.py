@@ -72,8 +72,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # The prefix cache's block hash (engine/kv_cache_utils.py): xxh3, or sha256, collision resistant,
     # HMAC-SHA256 under prefix_cache_hash_key when one is given (instances derive it from the
-    # cluster secret, so that the gateway, holding the same secret, computes the same chain).
-    prefix_cache_hash: PrefixCacheHash = "xxh3"
+    # cluster secret, so that the gateway, holding the same secret, computes the same chain);
+    # auto: keyed sha256 where there is a key, xxh3 where there is none (``block_hasher``).
+    prefix_cache_hash: PrefixCacheHash | Literal["auto"] = "auto"
     prefix_cache_hash_key: bytes | None = field(default=None, repr=False)
     # Ranks the model is split over, one process each (engine/tensor_parallel/); 1: this process alone.
     tensor_parallel_size: int = 1
@@ -118,7 +119,8 @@ class EngineConfig:
                 "a draft model (--speculative-model) is not supported with --tensor-parallel-size above 1 yet; "
                 "use n-gram drafts (--num-speculative-tokens alone), or tensor parallel size 1"
             )
-        BlockHasher(self.prefix_cache_hash)  # a ValueError naming the choices for an unknown one
+        if self.prefix_cache_hash != "auto":
+            BlockHasher(self.prefix_cache_hash)  # a ValueError naming the choices for an unknown one
         if self.role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be one of colocated, prefill, decode; got {self.role!r}")
         if self.speculative is not None and self.speculative.num_speculative_tokens >= self.max_num_batched_tokens:
@@ -129,6 +131,12 @@ class EngineConfig:
 
     @property
     def block_hasher(self) -> BlockHasher:
-        """The prefix cache's hash; the key serves sha256 only (xxh3 takes none)."""
-        key = self.prefix_cache_hash_key if self.prefix_cache_hash == "sha256" else None
-        return BlockHasher(self.prefix_cache_hash, key)
+        """The prefix cache's hash; the key serves sha256 only (xxh3 takes none). ``auto`` is
+        keyed sha256 where a cluster secret gave a key: no crafted prompt can then reuse KV
+        computed for another, nor can a chain be computed outside the cluster; xxh3, the
+        fastest, where there is no key (an offline engine, an instance on an open plane)."""
+        if self.prefix_cache_hash == "auto":
+            algorithm: PrefixCacheHash = "sha256" if self.prefix_cache_hash_key is not None else "xxh3"
+        else:
+            algorithm = self.prefix_cache_hash
+        return BlockHasher(algorithm, self.prefix_cache_hash_key if algorithm == "sha256" else None)

@@ -94,6 +94,15 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events, config.block_hasher
         )
+        if config.enable_prefix_caching:
+            logger.info(
+                "prefix cache: %s block hashes%s",
+                config.block_hasher.name,
+                ""
+                if config.block_hasher.name != "xxh3"
+                else " (unkeyed: fastest, but a crafted prompt could collide "
+                "with another's KV; with a cluster secret, --prefix-cache-hash auto keys sha256 by it)",
+            )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,

@@ -127,11 +127,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefix-cache-hash",
-        default="xxh3",
-        choices=PREFIX_CACHE_HASHES,
+        default="auto",
+        choices=("auto", *PREFIX_CACHE_HASHES),
         help="the prefix cache's block hash: xxh3, the fastest, or sha256, collision resistant (a crafted prompt "
-        "cannot reuse KV computed for another), keyed by the cluster secret where there is one; the gateway follows "
-        "each instance's choice (default: xxh3)",
+        "cannot reuse KV computed for another), keyed by the cluster secret where there is one; auto: sha256 keyed "
+        "by the cluster secret where there is one, xxh3 without; the gateway follows each instance's choice "
+        "(default: auto)",
     )
     add_tensor_parallel_argument(parser)
     add_speculative_arguments(parser)

@@ -129,9 +129,12 @@ def test_the_prefix_cache_hash_is_keyed_by_the_cluster_secret_where_there_is_one
     secret = "a cluster secret of some length"
     monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET", secret)
     for role in ("prefill", "decode", "colocated"):
-        config = engine_config(_instance_args("--prefix-cache-hash", "sha256"), role)  # type: ignore[arg-type]
-        assert config.block_hasher.name == "hmac-sha256"
-        assert config.prefix_cache_hash_key == prefix_cache_key(ClusterSecret.from_text(secret))
+        for flags in ((), ("--prefix-cache-hash", "auto"), ("--prefix-cache-hash", "sha256")):
+            config = engine_config(_instance_args(*flags), role)  # type: ignore[arg-type]
+            assert config.block_hasher.name == "hmac-sha256", flags  # by default too, where there is a secret
+            assert config.prefix_cache_hash_key == prefix_cache_key(ClusterSecret.from_text(secret))
+    # Asked for outright, the fast unkeyed hash stays available.
+    assert engine_config(_instance_args("--prefix-cache-hash", "xxh3"), "decode").block_hasher.name == "xxh3"
 
 
 def test_each_prefill_instance_gets_its_own_cpu_list_or_the_shared_one() -> None:

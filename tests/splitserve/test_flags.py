@@ -55,7 +55,8 @@ def test_dtype_choices_are_the_engines() -> None:
 def test_prefix_cache_hash_choices_are_the_engines() -> None:
     assert PREFIX_CACHE_HASHES == ENGINE_PREFIX_CACHE_HASHES == get_args(PrefixCacheHash)
     for command in COMMANDS:
-        assert _parse(command).prefix_cache_hash == "xxh3"
+        assert _parse(command).prefix_cache_hash == "auto"
+        assert _parse(command, "--prefix-cache-hash", "xxh3").prefix_cache_hash == "xxh3"
         assert _parse(command, "--prefix-cache-hash", "sha256").prefix_cache_hash == "sha256"
 
 
