@@ -76,6 +76,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
             # This process's own command line, spelt again: later flags win in argparse.
             argv = splitserve_command(*sys.argv[1:], *ports, "--api-server-index", str(index))
             children.append(Child(f"gateway-{index}", argv))
+        logger.info("%d gateway processes on %s:%s", args.api_server_count, args.host, ports[1])
         while not stop.wait(0.5):
             dead = next((child for child in children if child.exited), None)
             if dead is not None:
