@@ -1,0 +1,598 @@
+"""The cluster's own traffic and the gateway's memory at scale: dozens of simulated instances
+heartbeating into Redis and answering several gateways' polls (issue 38, item 4).
+
+    python -m bench.cluster_scale --output-dir /tmp/cluster-scale --num-instances 64 --num-gateways 4
+
+It starts a Redis registry, ``--num-gateways`` gateway processes on ports of their own (each its
+own ``splitserve gateway --registry-url``, as replicas on several hosts run), then the
+simulated instances (``splitserve simulate``, half prefill and half decode, in
+``--processes-per-role`` processes of each role), each with its Prometheus endpoint on. In order:
+
+1. Each gateway's resident memory with no instance, with the first process of each role
+   registered, and with every instance registered and routed to (``/ready`` of every gateway
+   counts them all): the memory per instance is the slope between the last two, so that the
+   first instances' one-off costs (channels, the tokenizer) stay out of it.
+2. An idle window of ``--duration`` seconds, then a loaded one: ``--streams`` streamed
+   completions in a closed loop, spread evenly over the gateways, measured once every stream
+   has had its first token. Over each window, from counters, never from intervals:
+
+   - discovery: Redis commands per second by command (``INFO commandstats``; the bench's own
+     ``INFO`` left out), its network bytes (``INFO stats``); heartbeats per second are its SETs,
+     as only instances write;
+   - polls: gRPC calls per second the instances received, by method (each instance's
+     ``splitserve_engine_grpc_calls_total``, ``cluster/call_counts.py``): ``GetKVEvents``,
+     ``GetLoadReport``, the health ``Check``, and during load the requests' own calls;
+   - bytes per second over TCP, each group's sockets by peer (the gateways' with the instances:
+     polls, KV events and requests; with Redis; with the client), from the kernel's
+     per-connection counters (``bench/socket_bytes.py``);
+   - CPU (cores) and resident memory of each group: gateways, instance processes, Redis, this
+     client (``bench/proc_stats.py``).
+3. The memory per in-flight request: each gateway's median resident memory over the loaded
+   window, less its idle one, over the streams it held open.
+
+Writes ``cluster_scale.json`` in ``--output-dir`` and prints a summary table. Every process it
+started is stopped by its pid, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.proc_stats import ProcSample, group_rates, sample
+from bench.socket_bytes import SocketBytes, SocketKey, bytes_by_peer, established_sockets
+from launcher.processes import free_port, splitserve_command
+
+logger = logging.getLogger(__name__)
+
+CALLS_METRIC = "splitserve_engine_grpc_calls"
+KV_EVENTS = "/splitserve.v1.Load/GetKVEvents"
+# The polls a gateway may make of each instance: shown even when none was made (with Redis,
+# load reports ride on the heartbeats, and an instance is polled only once its report is stale).
+POLL_METHODS = (KV_EVENTS, "/splitserve.v1.Load/GetLoadReport", "/grpc.health.v1.Health/Check")
+START_TIMEOUT_S = 600.0  # dozens of instances loading their tokenizers on a small host
+GROUPS = ("gateways", "instances", "redis", "client")
+
+
+@dataclass(slots=True)
+class Cluster:
+    """The processes started, by group, and where to reach them."""
+
+    redis_port: int
+    log_path: Path
+    processes: dict[str, list[subprocess.Popen[bytes]]] = field(default_factory=dict)
+    gateway_ports: list[int] = field(default_factory=list)
+    metrics_urls: list[str] = field(default_factory=list)  # every instance's /metrics
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}"
+
+    @property
+    def gateway_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.gateway_ports]
+
+    def peer_of(self, group: str) -> Callable[[SocketBytes], str]:
+        """What a socket of ``group`` connects to, for its bytes' breakdown."""
+
+        def peer(socket_: SocketBytes) -> str:
+            if group == "redis":
+                return "its_clients"
+            if socket_.peer_port == self.redis_port:
+                return "redis"
+            if group == "gateways":
+                return "clients" if socket_.local_port in self.gateway_ports else "instances"
+            return {"instances": "gateways_and_instances", "client": "gateways"}.get(group, "other")
+
+        return peer
+
+    def pids(self, group: str) -> list[int]:
+        if group == "client":
+            return [os.getpid()]
+        return [process.pid for process in self.processes.get(group, [])]
+
+    def check_alive(self) -> None:
+        for group, processes in self.processes.items():
+            for process in processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"a {group} process exited with {process.returncode}: see {self.log_path}")
+
+    def stop(self) -> None:
+        everything = [p for group in ("gateways", "instances", "redis") for p in self.processes.get(group, [])]
+        for process in everything:
+            if process.poll() is None:
+                process.terminate()
+        for process in everything:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Every counter the bench reads, each with the moment it was read."""
+
+    proc_at: float
+    procs: dict[str, list[ProcSample]]
+    redis_at: float
+    redis_commands: dict[str, int]  # calls by command, since Redis started
+    redis_net_bytes: tuple[int, int]  # (in, out)
+    calls_at: float
+    calls: dict[str, float]  # gRPC calls the instances received, by method, summed over instances
+    sockets_at: float
+    sockets: dict[SocketKey, SocketBytes]
+
+
+def free_port_block(count: int) -> int:
+    """The first of ``count`` consecutive ports free now (``simulate --metrics-port`` numbers
+    its instances' endpoints from it)."""
+    for _ in range(200):
+        first = free_port()
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"found no {count} consecutive free ports")
+
+
+def get_json(url: str) -> dict:
+    """A JSON body, whatever the status (``/ready`` answers 503 with its counts)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return json.loads(error.read())
+
+
+def ready_bodies(cluster: Cluster) -> list[dict]:
+    """Each gateway's /ready body (its healthy instances by role), or {} while it does not answer."""
+    bodies = []
+    for url in cluster.gateway_urls:
+        try:
+            bodies.append(get_json(f"{url}/ready"))
+        except (OSError, ValueError):
+            bodies.append({})
+    return bodies
+
+
+def wait_until(cluster: Cluster, condition: Callable[[], bool], what: str) -> None:
+    """Until ``condition``; bounded, and failing at once when a process of the cluster exits."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not condition():
+        cluster.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"never happened: {what}")
+        time.sleep(0.5)
+
+
+def start_gateways(cluster: Cluster, args: argparse.Namespace, env: dict[str, str], log) -> None:
+    for index in range(args.num_gateways):
+        port = free_port()
+        command = splitserve_command(
+            "--log-level", "WARNING", "gateway", "--port", str(port), "--grpc-port", "-1",
+            "--registry-url", cluster.redis_url, "--poll-interval", str(args.poll_interval),
+            "--gateway-index", str(index), "--num-gateways", str(args.num_gateways),
+            "--max-pending-requests", str(4 * args.streams),
+        )  # fmt: skip
+        cluster.processes.setdefault("gateways", []).append(
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        )
+        cluster.gateway_ports.append(port)
+
+
+def start_instances(
+    cluster: Cluster, args: argparse.Namespace, env: dict[str, str], log, role: str, index: int, count: int
+) -> None:
+    """One ``splitserve simulate ROLE`` process serving ``count`` instances."""
+    metrics_port = free_port_block(count)
+    command = splitserve_command(
+        "--log-level", "WARNING", "simulate", role, "--profile", args.profile, "--num-instances", str(count),
+        "--instance-id", f"{role}-p{index}", "--port", "0", "--registry-url", cluster.redis_url,
+        "--heartbeat-seconds", str(args.heartbeat_seconds), "--metrics-port", str(metrics_port),
+    )  # fmt: skip
+    cluster.processes.setdefault("instances", []).append(
+        subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    )
+    cluster.metrics_urls += [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(count)]
+
+
+def split(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` as even as can be (the first ones larger)."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def redis_answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+def rss_by_gateway(cluster: Cluster) -> list[int]:
+    return [sample(pid).rss_bytes for pid in cluster.pids("gateways")]
+
+
+def calls_by_method(cluster: Cluster) -> dict[str, float]:
+    """gRPC calls received so far by every instance, by method (their /metrics)."""
+    totals: dict[str, float] = {}
+    for url in cluster.metrics_urls:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != CALLS_METRIC:
+                continue
+            for s in family.samples:
+                if s.name == f"{CALLS_METRIC}_total":
+                    method = s.labels["method"]
+                    totals[method] = totals.get(method, 0.0) + s.value
+    return totals
+
+
+def snapshot(cluster: Cluster, client: redis.Redis) -> Snapshot:
+    proc_at = time.monotonic()
+    procs = {group: [sample(pid) for pid in cluster.pids(group)] for group in GROUPS}
+    redis_at = time.monotonic()
+    commandstats = client.info("commandstats")
+    stats = client.info("stats")
+    commands = {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in commandstats.items()}
+    calls_at = time.monotonic()
+    calls = calls_by_method(cluster)
+    sockets_at = time.monotonic()
+    sockets = established_sockets({pid for group in GROUPS for pid in cluster.pids(group)})
+    return Snapshot(
+        proc_at=proc_at,
+        procs=procs,
+        redis_at=redis_at,
+        redis_commands=commands,
+        redis_net_bytes=(int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"])),
+        calls_at=calls_at,
+        calls=calls,
+        sockets_at=sockets_at,
+        sockets=sockets,
+    )
+
+
+def window_figures(cluster: Cluster, before: Snapshot, after: Snapshot) -> dict:
+    """Rates per second between two snapshots, each source over its own interval."""
+    redis_s = after.redis_at - before.redis_at
+    commands = {
+        name: (after.redis_commands[name] - before.redis_commands.get(name, 0)) / redis_s
+        for name in after.redis_commands
+        if name != "info"  # the bench's own reads
+    }
+    commands = {name: rate for name, rate in sorted(commands.items()) if rate > 0}
+    calls_s = after.calls_at - before.calls_at
+    calls = {
+        method: (after.calls.get(method, 0.0) - before.calls.get(method, 0.0)) / calls_s
+        for method in sorted(set(after.calls) | set(POLL_METHODS))
+    }
+    proc_s = after.proc_at - before.proc_at
+    sockets_s = after.sockets_at - before.sockets_at
+    socket_bytes = {}
+    for group in GROUPS:
+        pids = set(cluster.pids(group))
+        by_peer = bytes_by_peer(before.sockets, after.sockets, pids, cluster.peer_of(group))
+        socket_bytes[group] = {
+            peer: {direction: num_bytes / sockets_s for direction, num_bytes in counts.items()}
+            for peer, counts in sorted(by_peer.items())
+        }
+    return {
+        "seconds": proc_s,
+        "redis_commands_per_s": sum(commands.values()),
+        "redis_commands_per_s_by_command": commands,
+        "heartbeats_per_s": commands.get("set", 0.0),
+        "redis_net_in_bytes_per_s": (after.redis_net_bytes[0] - before.redis_net_bytes[0]) / redis_s,
+        "redis_net_out_bytes_per_s": (after.redis_net_bytes[1] - before.redis_net_bytes[1]) / redis_s,
+        "grpc_calls_per_s": sum(calls.values()),
+        "grpc_calls_per_s_by_method": {m: rate for m, rate in calls.items() if rate > 0 or m in POLL_METHODS},
+        "socket_bytes_per_s": socket_bytes,
+        "groups": {group: asdict(group_rates(before.procs[group], after.procs[group], proc_s)) for group in GROUPS},
+    }
+
+
+@dataclass(slots=True)
+class LoadLoop:
+    """A closed loop of streamed completions, stream ``i`` always on gateway ``i % gateways``."""
+
+    urls: list[str]
+    model: str
+    streams: int
+    max_tokens: int
+    prompt_words: int
+    num_started: int = 0  # streams that had their first token
+    num_open: list[int] = field(default_factory=list)  # by gateway: requests sent and not yet done
+    num_requests: int = 0
+    num_tokens: int = 0
+    num_failed: int = 0
+    requests_per_stream: int | None = None  # None: until stopped
+    stopping: bool = False
+
+    async def run(self) -> None:
+        self.num_open = [0] * len(self.urls)
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            await asyncio.gather(*(self._stream(session, i) for i in range(self.streams)))
+
+    async def _stream(self, session: aiohttp.ClientSession, index: int) -> None:
+        gateway = index % len(self.urls)
+        first = True
+        sent = 0
+        while not self.stopping and (self.requests_per_stream is None or sent < self.requests_per_stream):
+            # Each request its own prompt: the instances' prefix caches fill and emit KV events.
+            prompt = " ".join(f"s{index}r{sent}w{i}" for i in range(self.prompt_words))
+            sent += 1
+            body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "stream": True}
+            body |= {"ignore_eos": True}
+            self.num_open[gateway] += 1
+            try:
+                async with session.post(f"{self.urls[gateway]}/v1/completions", json=body) as response:
+                    if response.status != 200:
+                        self.num_failed += 1
+                        await response.read()
+                        continue
+                    async for line in response.content:
+                        if line.startswith(b"data: {"):
+                            self.num_tokens += 1
+                            if first:
+                                first = False
+                                self.num_started += 1
+                    self.num_requests += 1
+            except (aiohttp.ClientError, TimeoutError) as error:
+                self.num_failed += 1
+                logger.warning("stream %d: %r", index, error)
+            finally:
+                self.num_open[gateway] -= 1
+
+
+async def loaded_window(cluster: Cluster, client: redis.Redis, args: argparse.Namespace, model: str) -> dict:
+    loop = LoadLoop(cluster.gateway_urls, model, args.streams, args.max_tokens, args.prompt_words)
+    task = asyncio.create_task(loop.run())
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while loop.num_started < args.streams:
+        if task.done():
+            task.result()
+            raise RuntimeError("the load loop ended before every stream started")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {loop.num_started} of {args.streams} streams had a first token")
+        await asyncio.sleep(0.1)
+    before = await asyncio.to_thread(snapshot, cluster, client)
+    requests_before, tokens_before, failed_before = loop.num_requests, loop.num_tokens, loop.num_failed
+    rss_samples: list[list[int]] = []
+    open_samples: list[list[int]] = []
+    end = time.monotonic() + args.duration
+    while time.monotonic() < end:
+        open_samples.append(list(loop.num_open))
+        rss_samples.append(await asyncio.to_thread(rss_by_gateway, cluster))
+        await asyncio.sleep(min(1.0, max(0.0, end - time.monotonic())))
+    after = await asyncio.to_thread(snapshot, cluster, client)
+    figures = window_figures(cluster, before, after)
+    loop.stopping = True
+    await task
+    seconds = figures["seconds"]
+    figures["load"] = {
+        "streams": args.streams,
+        "requests_per_s": (loop.num_requests - requests_before) / seconds,
+        "tokens_per_s": (loop.num_tokens - tokens_before) / seconds,
+        "num_failed": loop.num_failed - failed_before,
+    }
+    figures["gateway_rss_bytes_median"] = [int(statistics.median(column)) for column in zip(*rss_samples)]
+    figures["gateway_open_streams_median"] = [statistics.median(column) for column in zip(*open_samples)]
+    return figures
+
+
+def measure(args: argparse.Namespace, cluster: Cluster, env: dict[str, str], log) -> dict:
+    client = redis.Redis.from_url(cluster.redis_url)
+    wait_until(cluster, lambda: redis_answers(client), "Redis answers")
+    start_gateways(cluster, args, env, log)
+    wait_until(cluster, lambda: all("instances" in body for body in ready_bodies(cluster)), "every gateway answers")
+    rss_none = rss_by_gateway(cluster)
+    per_role = args.num_instances // 2
+    counts = split(per_role, args.processes_per_role)
+    expected: dict[str, int] = {"prefill": 0, "decode": 0}
+
+    def all_routed() -> bool:
+        counts = [body.get("instances", {}) for body in ready_bodies(cluster)]
+        return all(c.get("prefill") == expected["prefill"] and c.get("decode") == expected["decode"] for c in counts)
+
+    # The first process of each role, then the rest.
+    for stage in (range(1), range(1, args.processes_per_role)):
+        for role in ("prefill", "decode"):
+            for index in stage:
+                start_instances(cluster, args, env, log, role, index, counts[index])
+                expected[role] += counts[index]
+        wait_until(cluster, all_routed, f"every gateway routes to {expected}")
+        if stage.start == 0:
+            num_first = expected["prefill"] + expected["decode"]
+            rss_first = rss_by_gateway(cluster)
+    rss_all = rss_by_gateway(cluster)
+    model = get_json(f"{cluster.gateway_urls[0]}/v1/models")["data"][0]["id"]
+    # A stream per gateway first, so that the idle memory includes what a gateway allocates once
+    # for its first requests, and the loaded window's growth is the streams' alone.
+    warmup = LoadLoop(cluster.gateway_urls, model, args.num_gateways, args.max_tokens, args.prompt_words)
+    warmup.requests_per_stream = 2
+    asyncio.run(warmup.run())
+    if warmup.num_failed:
+        raise RuntimeError(f"{warmup.num_failed} warm-up requests failed: see {cluster.log_path}")
+    # Let every gateway read each instance's KV-event snapshot and settle its polls before measuring.
+    time.sleep(args.settle)
+    before = snapshot(cluster, client)
+    time.sleep(args.duration)
+    idle = window_figures(cluster, before, snapshot(cluster, client))
+    idle_rss = rss_by_gateway(cluster)
+    loaded = asyncio.run(loaded_window(cluster, client, args, model))
+    # The slope from the first stage's instances, or from none when there is one process a role.
+    baseline, num_added = (
+        (rss_first, args.num_instances - num_first)
+        if num_first < args.num_instances
+        else (rss_none, args.num_instances)
+    )
+    memory = {
+        "gateway_rss_bytes_no_instances": rss_none,
+        f"gateway_rss_bytes_{num_first}_instances": rss_first,
+        f"gateway_rss_bytes_{args.num_instances}_instances": rss_all,
+        "gateway_rss_bytes_idle": idle_rss,
+        "gateway_rss_bytes_per_instance": [(all_ - first) / num_added for first, all_ in zip(baseline, rss_all)],
+        "gateway_rss_bytes_per_inflight_request": [
+            (busy - quiet) / open_ if open_ else 0.0
+            for busy, quiet, open_ in zip(
+                loaded["gateway_rss_bytes_median"], idle_rss, loaded["gateway_open_streams_median"]
+            )
+        ],
+    }
+    # What the settings imply, beside what was counted: a heartbeat every --heartbeat-seconds (plus
+    # the SET's own time) per instance, a KV-event poll every --poll-interval per gateway and instance.
+    expected = {
+        "heartbeats_per_s_at_most": args.num_instances / args.heartbeat_seconds,
+        "kv_event_polls_per_s_at_most": args.num_gateways * args.num_instances / args.poll_interval,
+    }
+    return {
+        "idle": idle,
+        "loaded": loaded,
+        "memory": memory,
+        "expected": expected,
+        "num_instances_first_stage": num_first,
+    }
+
+
+def summary(result: dict) -> str:
+    """The figures as a table a reader takes in at a glance."""
+    mib = 1024 * 1024
+    rows = [("figure", "idle", "loaded")]
+    idle, loaded = result["idle"], result["loaded"]
+    rows.append(("Redis commands/s", f"{idle['redis_commands_per_s']:.1f}", f"{loaded['redis_commands_per_s']:.1f}"))
+    for name in sorted(set(idle["redis_commands_per_s_by_command"]) | set(loaded["redis_commands_per_s_by_command"])):
+        rows.append(
+            (
+                f"  {name.upper()}/s",
+                f"{idle['redis_commands_per_s_by_command'].get(name, 0.0):.1f}",
+                f"{loaded['redis_commands_per_s_by_command'].get(name, 0.0):.1f}",
+            )
+        )
+    rows.append(("heartbeats/s", f"{idle['heartbeats_per_s']:.1f}", f"{loaded['heartbeats_per_s']:.1f}"))
+    for key, label in (
+        ("redis_net_in_bytes_per_s", "Redis in KiB/s"),
+        ("redis_net_out_bytes_per_s", "Redis out KiB/s"),
+    ):
+        rows.append((label, f"{idle[key] / 1024:.1f}", f"{loaded[key] / 1024:.1f}"))
+    rows.append(("gRPC calls/s to instances", f"{idle['grpc_calls_per_s']:.1f}", f"{loaded['grpc_calls_per_s']:.1f}"))
+    for method in sorted(set(idle["grpc_calls_per_s_by_method"]) | set(loaded["grpc_calls_per_s_by_method"])):
+        rows.append(
+            (
+                f"  {method.rsplit('/', 1)[-1]}/s",
+                f"{idle['grpc_calls_per_s_by_method'].get(method, 0.0):.1f}",
+                f"{loaded['grpc_calls_per_s_by_method'].get(method, 0.0):.1f}",
+            )
+        )
+    for group in GROUPS:
+        i, l_ = idle["groups"][group], loaded["groups"][group]
+        rows.append((f"{group} CPU cores", f"{i['cpu_cores']:.3f}", f"{l_['cpu_cores']:.3f}"))
+        for peer in sorted(set(idle["socket_bytes_per_s"][group]) | set(loaded["socket_bytes_per_s"][group])):
+            rows.append(
+                (
+                    f"{group}<->{peer} KiB/s sent+received",
+                    f"{sum(idle['socket_bytes_per_s'][group].get(peer, {}).values()) / 1024:.1f}",
+                    f"{sum(loaded['socket_bytes_per_s'][group].get(peer, {}).values()) / 1024:.1f}",
+                )
+            )
+    rows.append(("streamed tokens/s", "", f"{loaded['load']['tokens_per_s']:.0f}"))
+    memory = result["memory"]
+    per_instance = statistics.mean(memory["gateway_rss_bytes_per_instance"])
+    per_request = statistics.mean(memory["gateway_rss_bytes_per_inflight_request"])
+    rows.append(("gateway RSS MiB (mean)", f"{statistics.mean(memory['gateway_rss_bytes_idle']) / mib:.1f}",
+                 f"{statistics.mean(loaded['gateway_rss_bytes_median']) / mib:.1f}"))  # fmt: skip
+    rows.append(("gateway KiB per instance", f"{per_instance / 1024:.1f}", ""))
+    rows.append(("gateway KiB per in-flight request", "", f"{per_request / 1024:.1f}"))
+    width = max(len(row[0]) for row in rows)
+    return "\n".join(f"{a:<{width}}  {b:>12}  {c:>12}" for a, b, c in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--num-instances", type=int, default=64, help="simulated instances, half prefill, half decode")
+    parser.add_argument("--processes-per-role", type=int, default=4, help="simulate processes of each role")
+    parser.add_argument("--num-gateways", type=int, default=4, help="gateway processes, each on its own port")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of each window, idle and loaded")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds after every gateway routes to all")
+    parser.add_argument("--streams", type=int, default=128, help="concurrent streams of the loaded window")
+    parser.add_argument("--max-tokens", type=int, default=256, help="completion tokens of each request")
+    parser.add_argument("--prompt-words", type=int, default=64)
+    parser.add_argument("--profile", default="llama-3.1-8b-h100", help="the instances' timing profile")
+    parser.add_argument("--heartbeat-seconds", type=float, default=1.0, help="the instances' registry heartbeat")
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="the gateways' registry scan and KV polls")
+    args = parser.parse_args(argv)
+    if args.num_instances < 2 or args.num_instances % 2:
+        raise ValueError(
+            f"--num-instances must be even and at least 2 (half prefill, half decode), got {args.num_instances}"
+        )
+    if not 1 <= args.processes_per_role <= args.num_instances // 2:
+        raise ValueError(f"--processes-per-role must be 1 to {args.num_instances // 2}, got {args.processes_per_role}")
+    if args.num_gateways < 1 or args.streams < args.num_gateways:
+        raise ValueError("--num-gateways must be at least 1 and --streams at least --num-gateways")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    log_path = args.output_dir / "cluster.log"
+    env = {**os.environ, "SPLITSERVE_CLUSTER_SECRET": "bench-cluster-scale-" + os.urandom(8).hex()}
+    redis_port = free_port()
+    cluster = Cluster(redis_port=redis_port, log_path=log_path)
+    with log_path.open("w") as log:
+        try:
+            cluster.processes["redis"] = [
+                subprocess.Popen(
+                    [
+                        "redis-server",
+                        "--bind",
+                        "127.0.0.1",
+                        "--port",
+                        str(redis_port),
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            ]
+            result = measure(args, cluster, env, log)
+        finally:
+            cluster.stop()
+    result["args"] = vars(args) | {"output_dir": str(args.output_dir)}
+    (args.output_dir / "cluster_scale.json").write_text(json.dumps(result, indent=2))
+    print(summary(result))
+    return 0
+
+
+if __name__ == "__main__":
+    # A SIGTERM unwinds through main's finally, so that every process it started is stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    raise SystemExit(main())
