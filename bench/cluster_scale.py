@@ -12,7 +12,9 @@ simulated instances (``splitserve simulate``, half prefill and half decode, in
    registered, and with every instance registered and routed to (``/ready`` of every gateway
    counts them all): the memory per instance is the slope between the last two, so that the
    first instances' one-off costs (channels, the tokenizer) stay out of it.
-2. An idle window of ``--duration`` seconds, then a loaded one: ``--streams`` streamed
+2. A warm-up, a stream per gateway for two requests (so that the idle memory holds what a
+   gateway allocates once for its first requests), ``--settle`` seconds, then an idle window of
+   ``--duration`` seconds, then a loaded one: ``--streams`` streamed
    completions in a closed loop, spread evenly over the gateways, measured once every stream
    has had its first token. Over each window, from counters, never from intervals:
 
@@ -24,7 +26,8 @@ simulated instances (``splitserve simulate``, half prefill and half decode, in
      ``GetLoadReport``, the health ``Check``, and during load the requests' own calls;
    - bytes per second over TCP, each group's sockets by peer (the gateways' with the instances:
      polls, KV events and requests; with Redis; with the client), from the kernel's
-     per-connection counters (``bench/socket_bytes.py``);
+     per-connection counters (``bench/socket_bytes.py``; a connection closed within the
+     window is missed, and the cluster's stay open);
    - CPU (cores) and resident memory of each group: gateways, instance processes, Redis, this
      client (``bench/proc_stats.py``).
 3. The memory per in-flight request: each gateway's median resident memory over the loaded
@@ -42,24 +45,35 @@ import json
 import logging
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import aiohttp
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.cluster_scale_report import summary
 from bench.proc_stats import ProcSample, group_rates, sample
+from bench.simulated_cluster import (
+    GROUPS,
+    START_TIMEOUT_S,
+    Cluster,
+    get_json,
+    ready_bodies,
+    redis_answers,
+    split,
+    start_gateways,
+    start_instances,
+    wait_until,
+)
 from bench.socket_bytes import SocketBytes, SocketKey, bytes_by_peer, established_sockets
-from launcher.processes import free_port, splitserve_command
+from bench.stream_loop import LoadLoop
+from launcher.processes import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -68,64 +82,6 @@ KV_EVENTS = "/splitserve.v1.Load/GetKVEvents"
 # The polls a gateway may make of each instance: shown even when none was made (with Redis,
 # load reports ride on the heartbeats, and an instance is polled only once its report is stale).
 POLL_METHODS = (KV_EVENTS, "/splitserve.v1.Load/GetLoadReport", "/grpc.health.v1.Health/Check")
-START_TIMEOUT_S = 600.0  # dozens of instances loading their tokenizers on a small host
-GROUPS = ("gateways", "instances", "redis", "client")
-
-
-@dataclass(slots=True)
-class Cluster:
-    """The processes started, by group, and where to reach them."""
-
-    redis_port: int
-    log_path: Path
-    processes: dict[str, list[subprocess.Popen[bytes]]] = field(default_factory=dict)
-    gateway_ports: list[int] = field(default_factory=list)
-    metrics_urls: list[str] = field(default_factory=list)  # every instance's /metrics
-
-    @property
-    def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}"
-
-    @property
-    def gateway_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{port}" for port in self.gateway_ports]
-
-    def peer_of(self, group: str) -> Callable[[SocketBytes], str]:
-        """What a socket of ``group`` connects to, for its bytes' breakdown."""
-
-        def peer(socket_: SocketBytes) -> str:
-            if group == "redis":
-                return "its_clients"
-            if socket_.peer_port == self.redis_port:
-                return "redis"
-            if group == "gateways":
-                return "clients" if socket_.local_port in self.gateway_ports else "instances"
-            return {"instances": "gateways_and_instances", "client": "gateways"}.get(group, "other")
-
-        return peer
-
-    def pids(self, group: str) -> list[int]:
-        if group == "client":
-            return [os.getpid()]
-        return [process.pid for process in self.processes.get(group, [])]
-
-    def check_alive(self) -> None:
-        for group, processes in self.processes.items():
-            for process in processes:
-                if process.poll() is not None:
-                    raise RuntimeError(f"a {group} process exited with {process.returncode}: see {self.log_path}")
-
-    def stop(self) -> None:
-        everything = [p for group in ("gateways", "instances", "redis") for p in self.processes.get(group, [])]
-        for process in everything:
-            if process.poll() is None:
-                process.terminate()
-        for process in everything:
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @dataclass(slots=True)
@@ -141,99 +97,6 @@ class Snapshot:
     calls: dict[str, float]  # gRPC calls the instances received, by method, summed over instances
     sockets_at: float
     sockets: dict[SocketKey, SocketBytes]
-
-
-def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive ports free now (``simulate --metrics-port`` numbers
-    its instances' endpoints from it)."""
-    for _ in range(200):
-        first = free_port()
-        sockets = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"found no {count} consecutive free ports")
-
-
-def get_json(url: str) -> dict:
-    """A JSON body, whatever the status (``/ready`` answers 503 with its counts)."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return json.loads(error.read())
-
-
-def ready_bodies(cluster: Cluster) -> list[dict]:
-    """Each gateway's /ready body (its healthy instances by role), or {} while it does not answer."""
-    bodies = []
-    for url in cluster.gateway_urls:
-        try:
-            bodies.append(get_json(f"{url}/ready"))
-        except (OSError, ValueError):
-            bodies.append({})
-    return bodies
-
-
-def wait_until(cluster: Cluster, condition: Callable[[], bool], what: str) -> None:
-    """Until ``condition``; bounded, and failing at once when a process of the cluster exits."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not condition():
-        cluster.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"never happened: {what}")
-        time.sleep(0.5)
-
-
-def start_gateways(cluster: Cluster, args: argparse.Namespace, env: dict[str, str], log) -> None:
-    for index in range(args.num_gateways):
-        port = free_port()
-        command = splitserve_command(
-            "--log-level", "WARNING", "gateway", "--port", str(port), "--grpc-port", "-1",
-            "--registry-url", cluster.redis_url, "--poll-interval", str(args.poll_interval),
-            "--gateway-index", str(index), "--num-gateways", str(args.num_gateways),
-            "--max-pending-requests", str(4 * args.streams),
-        )  # fmt: skip
-        cluster.processes.setdefault("gateways", []).append(
-            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        )
-        cluster.gateway_ports.append(port)
-
-
-def start_instances(
-    cluster: Cluster, args: argparse.Namespace, env: dict[str, str], log, role: str, index: int, count: int
-) -> None:
-    """One ``splitserve simulate ROLE`` process serving ``count`` instances."""
-    metrics_port = free_port_block(count)
-    command = splitserve_command(
-        "--log-level", "WARNING", "simulate", role, "--profile", args.profile, "--num-instances", str(count),
-        "--instance-id", f"{role}-p{index}", "--port", "0", "--registry-url", cluster.redis_url,
-        "--heartbeat-seconds", str(args.heartbeat_seconds), "--metrics-port", str(metrics_port),
-    )  # fmt: skip
-    cluster.processes.setdefault("instances", []).append(
-        subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    )
-    cluster.metrics_urls += [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(count)]
-
-
-def split(total: int, parts: int) -> list[int]:
-    """``total`` in ``parts`` as even as can be (the first ones larger)."""
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
-
-
-def redis_answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
 
 
 def rss_by_gateway(cluster: Cluster) -> list[int]:
@@ -316,61 +179,6 @@ def window_figures(cluster: Cluster, before: Snapshot, after: Snapshot) -> dict:
         "socket_bytes_per_s": socket_bytes,
         "groups": {group: asdict(group_rates(before.procs[group], after.procs[group], proc_s)) for group in GROUPS},
     }
-
-
-@dataclass(slots=True)
-class LoadLoop:
-    """A closed loop of streamed completions, stream ``i`` always on gateway ``i % gateways``."""
-
-    urls: list[str]
-    model: str
-    streams: int
-    max_tokens: int
-    prompt_words: int
-    num_started: int = 0  # streams that had their first token
-    num_open: list[int] = field(default_factory=list)  # by gateway: requests sent and not yet done
-    num_requests: int = 0
-    num_tokens: int = 0
-    num_failed: int = 0
-    requests_per_stream: int | None = None  # None: until stopped
-    stopping: bool = False
-
-    async def run(self) -> None:
-        self.num_open = [0] * len(self.urls)
-        connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            await asyncio.gather(*(self._stream(session, i) for i in range(self.streams)))
-
-    async def _stream(self, session: aiohttp.ClientSession, index: int) -> None:
-        gateway = index % len(self.urls)
-        first = True
-        sent = 0
-        while not self.stopping and (self.requests_per_stream is None or sent < self.requests_per_stream):
-            # Each request its own prompt: the instances' prefix caches fill and emit KV events.
-            prompt = " ".join(f"s{index}r{sent}w{i}" for i in range(self.prompt_words))
-            sent += 1
-            body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "stream": True}
-            body |= {"ignore_eos": True}
-            self.num_open[gateway] += 1
-            try:
-                async with session.post(f"{self.urls[gateway]}/v1/completions", json=body) as response:
-                    if response.status != 200:
-                        self.num_failed += 1
-                        await response.read()
-                        continue
-                    async for line in response.content:
-                        if line.startswith(b"data: {"):
-                            self.num_tokens += 1
-                            if first:
-                                first = False
-                                self.num_started += 1
-                    self.num_requests += 1
-            except (aiohttp.ClientError, TimeoutError) as error:
-                self.num_failed += 1
-                logger.warning("stream %d: %r", index, error)
-            finally:
-                self.num_open[gateway] -= 1
 
 
 async def loaded_window(cluster: Cluster, client: redis.Redis, args: argparse.Namespace, model: str) -> dict:
@@ -481,58 +289,6 @@ def measure(args: argparse.Namespace, cluster: Cluster, env: dict[str, str], log
         "expected": expected,
         "num_instances_first_stage": num_first,
     }
-
-
-def summary(result: dict) -> str:
-    """The figures as a table a reader takes in at a glance."""
-    mib = 1024 * 1024
-    rows = [("figure", "idle", "loaded")]
-    idle, loaded = result["idle"], result["loaded"]
-    rows.append(("Redis commands/s", f"{idle['redis_commands_per_s']:.1f}", f"{loaded['redis_commands_per_s']:.1f}"))
-    for name in sorted(set(idle["redis_commands_per_s_by_command"]) | set(loaded["redis_commands_per_s_by_command"])):
-        rows.append(
-            (
-                f"  {name.upper()}/s",
-                f"{idle['redis_commands_per_s_by_command'].get(name, 0.0):.1f}",
-                f"{loaded['redis_commands_per_s_by_command'].get(name, 0.0):.1f}",
-            )
-        )
-    rows.append(("heartbeats/s", f"{idle['heartbeats_per_s']:.1f}", f"{loaded['heartbeats_per_s']:.1f}"))
-    for key, label in (
-        ("redis_net_in_bytes_per_s", "Redis in KiB/s"),
-        ("redis_net_out_bytes_per_s", "Redis out KiB/s"),
-    ):
-        rows.append((label, f"{idle[key] / 1024:.1f}", f"{loaded[key] / 1024:.1f}"))
-    rows.append(("gRPC calls/s to instances", f"{idle['grpc_calls_per_s']:.1f}", f"{loaded['grpc_calls_per_s']:.1f}"))
-    for method in sorted(set(idle["grpc_calls_per_s_by_method"]) | set(loaded["grpc_calls_per_s_by_method"])):
-        rows.append(
-            (
-                f"  {method.rsplit('/', 1)[-1]}/s",
-                f"{idle['grpc_calls_per_s_by_method'].get(method, 0.0):.1f}",
-                f"{loaded['grpc_calls_per_s_by_method'].get(method, 0.0):.1f}",
-            )
-        )
-    for group in GROUPS:
-        i, l_ = idle["groups"][group], loaded["groups"][group]
-        rows.append((f"{group} CPU cores", f"{i['cpu_cores']:.3f}", f"{l_['cpu_cores']:.3f}"))
-        for peer in sorted(set(idle["socket_bytes_per_s"][group]) | set(loaded["socket_bytes_per_s"][group])):
-            rows.append(
-                (
-                    f"{group}<->{peer} KiB/s sent+received",
-                    f"{sum(idle['socket_bytes_per_s'][group].get(peer, {}).values()) / 1024:.1f}",
-                    f"{sum(loaded['socket_bytes_per_s'][group].get(peer, {}).values()) / 1024:.1f}",
-                )
-            )
-    rows.append(("streamed tokens/s", "", f"{loaded['load']['tokens_per_s']:.0f}"))
-    memory = result["memory"]
-    per_instance = statistics.mean(memory["gateway_rss_bytes_per_instance"])
-    per_request = statistics.mean(memory["gateway_rss_bytes_per_inflight_request"])
-    rows.append(("gateway RSS MiB (mean)", f"{statistics.mean(memory['gateway_rss_bytes_idle']) / mib:.1f}",
-                 f"{statistics.mean(loaded['gateway_rss_bytes_median']) / mib:.1f}"))  # fmt: skip
-    rows.append(("gateway KiB per instance", f"{per_instance / 1024:.1f}", ""))
-    rows.append(("gateway KiB per in-flight request", "", f"{per_request / 1024:.1f}"))
-    width = max(len(row[0]) for row in rows)
-    return "\n".join(f"{a:<{width}}  {b:>12}  {c:>12}" for a, b, c in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

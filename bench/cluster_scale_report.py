@@ -1,0 +1,59 @@
+"""The printed summary of ``bench.cluster_scale``: one row per figure, idle beside loaded."""
+
+from __future__ import annotations
+
+import statistics
+
+from bench.simulated_cluster import GROUPS
+
+
+def summary(result: dict) -> str:
+    """The figures as a table a reader takes in at a glance."""
+    mib = 1024 * 1024
+    rows = [("figure", "idle", "loaded")]
+    idle, loaded = result["idle"], result["loaded"]
+    rows.append(("Redis commands/s", f"{idle['redis_commands_per_s']:.1f}", f"{loaded['redis_commands_per_s']:.1f}"))
+    for name in sorted(set(idle["redis_commands_per_s_by_command"]) | set(loaded["redis_commands_per_s_by_command"])):
+        rows.append(
+            (
+                f"  {name.upper()}/s",
+                f"{idle['redis_commands_per_s_by_command'].get(name, 0.0):.1f}",
+                f"{loaded['redis_commands_per_s_by_command'].get(name, 0.0):.1f}",
+            )
+        )
+    rows.append(("heartbeats/s", f"{idle['heartbeats_per_s']:.1f}", f"{loaded['heartbeats_per_s']:.1f}"))
+    for key, label in (
+        ("redis_net_in_bytes_per_s", "Redis in KiB/s"),
+        ("redis_net_out_bytes_per_s", "Redis out KiB/s"),
+    ):
+        rows.append((label, f"{idle[key] / 1024:.1f}", f"{loaded[key] / 1024:.1f}"))
+    rows.append(("gRPC calls/s to instances", f"{idle['grpc_calls_per_s']:.1f}", f"{loaded['grpc_calls_per_s']:.1f}"))
+    for method in sorted(set(idle["grpc_calls_per_s_by_method"]) | set(loaded["grpc_calls_per_s_by_method"])):
+        rows.append(
+            (
+                f"  {method.rsplit('/', 1)[-1]}/s",
+                f"{idle['grpc_calls_per_s_by_method'].get(method, 0.0):.1f}",
+                f"{loaded['grpc_calls_per_s_by_method'].get(method, 0.0):.1f}",
+            )
+        )
+    for group in GROUPS:
+        i, l_ = idle["groups"][group], loaded["groups"][group]
+        rows.append((f"{group} CPU cores", f"{i['cpu_cores']:.3f}", f"{l_['cpu_cores']:.3f}"))
+        for peer in sorted(set(idle["socket_bytes_per_s"][group]) | set(loaded["socket_bytes_per_s"][group])):
+            rows.append(
+                (
+                    f"{group}<->{peer} KiB/s sent+received",
+                    f"{sum(idle['socket_bytes_per_s'][group].get(peer, {}).values()) / 1024:.1f}",
+                    f"{sum(loaded['socket_bytes_per_s'][group].get(peer, {}).values()) / 1024:.1f}",
+                )
+            )
+    rows.append(("streamed tokens/s", "", f"{loaded['load']['tokens_per_s']:.0f}"))
+    memory = result["memory"]
+    per_instance = statistics.mean(memory["gateway_rss_bytes_per_instance"])
+    per_request = statistics.mean(memory["gateway_rss_bytes_per_inflight_request"])
+    rows.append(("gateway RSS MiB (mean)", f"{statistics.mean(memory['gateway_rss_bytes_idle']) / mib:.1f}",
+                 f"{statistics.mean(loaded['gateway_rss_bytes_median']) / mib:.1f}"))  # fmt: skip
+    rows.append(("gateway KiB per instance", f"{per_instance / 1024:.1f}", ""))
+    rows.append(("gateway KiB per in-flight request", "", f"{per_request / 1024:.1f}"))
+    width = max(len(row[0]) for row in rows)
+    return "\n".join(f"{a:<{width}}  {b:>12}  {c:>12}" for a, b, c in rows)
