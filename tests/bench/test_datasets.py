@@ -207,12 +207,11 @@ def test_synthesizer_corrects_for_merges_across_words(num_tokens: int) -> None:
 
 
 def test_embedded_model_tokenizer_gives_exact_lengths() -> None:
-    from engine.default_model import DEFAULT_MODEL_NAME, cache_dir
+    from engine.default_model import find_gguf
 
-    folder = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip("the embedded default model is not converted yet (splitserve generate does it once)")
-    tokenizer = load_tokenizer(folder)
+    # The tokenizer inside the GGUF the package ships: the same one the converted folder saves,
+    # there whether or not any earlier test or command converted the model.
+    tokenizer = load_tokenizer(find_gguf())
     requests = sample_classes(PromptSynthesizer(tokenizer), parse_mix("1024-2048:32,128:256"), 6, random.Random(0))
     for request in requests:
         assert _len(tokenizer, request.prompt) == request.prompt_len
