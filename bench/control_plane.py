@@ -31,8 +31,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_args.flags import add_dtype_argument
 from launcher.processes import free_port, splitserve_command
-from splitserve.flags import add_dtype_argument
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generation_pb2
 
 READY_TIMEOUT_S = 300.0

@@ -48,8 +48,8 @@ import numpy as np
 
 from bench import slow_tokens
 from bench.splitserve_up import start_up, wait_ready
+from engine_args.flags import add_dtype_argument, add_model_argument, add_quant_activations_argument
 from launcher.processes import embedded_model, free_port, splitserve_command
-from splitserve.flags import QUANT_ACTIVATIONS, add_dtype_argument
 
 # What the server logs when the hand-off goes wrong (the wording of both commits measured).
 LOG_EVENTS = {
@@ -93,22 +93,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="splitserve: trace to a receiver in this process and say what each token gap over 200 ms held",
     )
-    parser.add_argument(
-        "--model", type=Path, default=None, help="a model folder or GGUF file (default: the embedded model)"
-    )
-    parser.add_argument(
-        "--quant-activations",
-        choices=QUANT_ACTIVATIONS,
-        default=None,
-        help="splitserve: how quantized weights take their inputs (the server's default: float)",
-    )
+    add_model_argument(parser)
+    add_quant_activations_argument(parser, default=None)
     parser.add_argument("--server", choices=["pd", "colocated", "vllm", "llama"], default="pd")
     parser.add_argument("--vllm-python", default=None, help="the Python of an environment with vLLM (--server vllm)")
     parser.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (--server llama)")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-server --threads")
     parser.add_argument("--llama-slots", type=int, default=8, help="llama-server --parallel")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.model = Path(args.model) if args.model is not None else None  # a folder or a .gguf file
+    return args
 
 
 def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subprocess.Popen[bytes]:

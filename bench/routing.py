@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.splitserve_up import start_up, wait_ready
+from engine_args.flags import add_dtype_argument
 from launcher.processes import free_port, splitserve_command
-from splitserve.flags import add_dtype_argument
 
 
 @dataclass(frozen=True, slots=True)

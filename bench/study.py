@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.splitserve_up import start_up, wait_ready
+from engine_args.flags import add_dtype_argument
 from launcher.processes import free_port, splitserve_command
-from splitserve.flags import add_dtype_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -43,8 +43,8 @@ from collections import Counter
 from pathlib import Path
 
 from bench.splitserve_up import start_up, wait_ready
+from engine_args.flags import add_dtype_argument
 from launcher.processes import free_port
-from splitserve.flags import add_dtype_argument
 
 # (bucket, pattern on "function (file:line)" frames), tried from the innermost frame out.
 # Native frames (``--native``) name the C kernels, ``name (library.so)`` or ``name._omp_fn.0 (...)``

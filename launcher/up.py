@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from cluster.tracing import add_tracing_arguments, tracing_argv
+from engine_args.flags import add_engine_arguments, engine_argv, speculative_argv
 from gateway.flags import (
     API_KEY_FILE_ENV,
     add_api_key_argument,
@@ -32,8 +33,8 @@ from gateway.flags import (
     resolve_api_key,
     routing_argv,
 )
+from kv_connector.registry import add_kv_connector_arguments
 from launcher.processes import Child, embedded_model, free_port, parse_instance_cpu_lists, splitserve_command
-from splitserve.flags import add_engine_arguments, add_kv_connector_arguments, engine_argv, speculative_argv
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,16 +35,16 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, EngineRole
 from engine.engine_core import EngineCore
 from engine.kv_loader import KVLoader
-from engine.spec_decode.config import speculative_config_from_args
+from engine_args.config import engine_config_from_args
+from engine_args.flags import add_device_argument, add_engine_arguments
 from kv_connector.base import KVConnector, TransferStats
 from kv_connector.fingerprint import Fingerprint, model_identity
-from kv_connector.registry import make_connector
+from kv_connector.registry import add_kv_connector_arguments, make_connector
 from serving.convert import fingerprint_to_proto
 from serving.kv_event_pages import KVEventPages
 from serving.metrics import MetricsServer, PhaseMetrics
 from serving.ranked_connector import RankedConnector, serve_rank_connector
 from serving.warmup import warm_up
-from splitserve.flags import add_device_argument, add_engine_arguments, add_kv_connector_arguments
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ ENGINE_WATCH_S = 0.5  # how often the server checks that the engine's step loop 
 
 def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     """Flags every role takes; the names match compose/ and the gateway's expectations. The
-    engine's flags are splitserve/flags.py's, which ``splitserve up`` passes on as declared."""
+    engine's flags are engine_args/flags.py's, which ``splitserve up`` passes on as declared."""
     add_engine_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind the gRPC server and the KV connector to")
@@ -90,41 +90,18 @@ def add_instance_arguments(parser: argparse.ArgumentParser, default_port: int) -
     add_tracing_arguments(parser)
 
 
-def _long_prefill_token_threshold(args: argparse.Namespace, role: EngineRole) -> int | Literal["auto"] | None:
-    """The flag as given, else the role's default: capped on a prefill instance, whose steps are
-    all prompt chunks and whose queue is what a short prompt waits in; not elsewhere, where more
-    steps carrying a chunk would lengthen running streams' token gaps (docs/benchmarks.md, "A
-    smaller step budget")."""
-    if args.long_prefill_token_threshold is None:
-        return "auto" if role == "prefill" else None
-    return args.long_prefill_token_threshold or None
-
-
 def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        quant_activations=args.quant_activations,
-        kv_cache_dtype=args.kv_cache_dtype,
-        device=args.device,
-        role=role,
+    """The engine flags' settings (engine_args/config.py), with the instance's own flags."""
+    return engine_config_from_args(
+        args,
+        role,
         block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_blocks_override=args.num_blocks,
-        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=_long_prefill_token_threshold(args, role),
         enable_prefix_caching=not args.no_prefix_caching,
-        prefix_cache_hash=args.prefix_cache_hash,
         # Keyed by the cluster secret, as the gateway hashes prompts for kv routing (cluster/derived_keys.py).
         prefix_cache_hash_key=prefix_cache_key(load_cluster_secret(args.cluster_secret, args.cluster_secret_file)),
-        tensor_parallel_size=args.tensor_parallel_size,
-        # The prefill role never speculates (it samples one token); the engine ignores it there.
-        speculative=speculative_config_from_args(args),
     )
 
 

@@ -1,7 +1,7 @@
 """``splitserve generate "prompt"``: one-shot offline generation, chat-templated when the model has a template.
 
 It lives with the product's command rather than in ``engine/``: it takes the flags the
-serving commands share (splitserve/flags.py), and the engine imports nothing above it."""
+serving commands share (engine_args/), and the engine imports nothing above it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import argparse
 import sys
 
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.config import speculative_config_from_args
-from splitserve.flags import add_device_argument, add_engine_arguments
+from engine_args.config import engine_fields
+from engine_args.flags import add_device_argument, add_engine_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,22 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.llm import LLM
 
-    llm = LLM(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        quant_activations=args.quant_activations,
-        kv_cache_dtype=args.kv_cache_dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold or None,
-        tensor_parallel_size=args.tensor_parallel_size,
-        prefix_cache_hash=args.prefix_cache_hash,
-        speculative=speculative_config_from_args(args),
-    )
+    llm = LLM(**engine_fields(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
     )

@@ -18,7 +18,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from splitserve.flags import add_device_argument, add_numerics_arguments
+from engine_args.config import numerics_fields
+from engine_args.flags import add_device_argument, add_numerics_arguments
 
 DEFAULT_TEXT = "pride_and_prejudice_chapters_1-5.txt"
 
@@ -63,16 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     text = args.text_file.read_text(encoding="utf-8") if args.text_file is not None else default_text()
     plan = ChunkPlan(ctx_size=args.ctx_size, batch_size=args.batch_size, max_chunks=args.chunks)
-    with open_engine(
-        args.model,
-        plan,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        quant_activations=args.quant_activations,
-        kv_cache_dtype=args.kv_cache_dtype,
-        device=args.device,
-    ) as llm:
+    with open_engine(plan=plan, **numerics_fields(args)) as llm:
         runner = llm.engine.runner
 
         def on_chunk(index: int, running: float) -> None:

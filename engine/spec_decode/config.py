@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,21 +37,3 @@ class SpeculativeConfig:
             raise ValueError("draft-model speculation needs --speculative-model, a local Hugging Face folder")
         if self.method == "ngram" and self.model:
             raise ValueError("--speculative-model makes a draft model speculate; drop the n-gram method (or the model)")
-
-
-def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """The speculative flags (declared in splitserve/flags.py) as a config: None (speculation
-    off) unless ``--num-speculative-tokens`` or ``--speculative-model`` was given; a flag not
-    given keeps the field's default."""
-    if args.num_speculative_tokens is None and args.speculative_model is None:
-        return None
-    given = {
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "ngram_min": args.speculative_ngram_min,
-        "ngram_max": args.speculative_ngram_max,
-        "model": args.speculative_model,
-    }
-    return SpeculativeConfig(
-        method="draft_model" if args.speculative_model else "ngram",
-        **{name: value for name, value in given.items() if value is not None},
-    )

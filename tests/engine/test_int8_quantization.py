@@ -123,8 +123,8 @@ def test_an_unknown_quantization_is_refused(llama: Path) -> None:
 def test_the_flag_reaches_generate_and_the_instances(llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
+    from engine_args.flags import add_engine_arguments, engine_argv
     from splitserve.cli import main
-    from splitserve.flags import add_engine_arguments, engine_argv
 
     flags = ["--kv-cache-memory", str(1 << 22), "--dtype", "float32", "--max-tokens", "6", "--raw"]
     assert main(["generate", "--model", str(llama), "--quantization", "int8", *flags, "hello world"]) == 0

@@ -11,6 +11,7 @@ from pathlib import Path
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 ABOVE = (
     "splitserve",
+    "engine_args",
     "serving",
     "cluster",
     "prefill_svc",
@@ -38,8 +39,8 @@ def imports_above(source: str) -> list[str]:
 
 
 def test_the_check_sees_deferred_imports() -> None:
-    assert imports_above("import torch\ndef f():\n    from splitserve.flags import DTYPES\n") == [
-        "line 3: splitserve.flags"
+    assert imports_above("import torch\ndef f():\n    from engine_args.flags import DTYPES\n") == [
+        "line 3: engine_args.flags"
     ]
 
 

@@ -10,9 +10,9 @@ import pytest
 from cluster.auth import ClusterSecret
 from cluster.derived_keys import prefix_cache_key
 from engine.spec_decode.config import SpeculativeConfig
+from engine_args.flags import add_engine_arguments, speculative_argv
 from launcher.up import add_arguments, engine_flags, instance_cpus
 from serving.instance import add_instance_arguments, engine_config
-from splitserve.flags import add_engine_arguments, speculative_argv
 
 
 def _instance_args(*argv: str) -> argparse.Namespace:

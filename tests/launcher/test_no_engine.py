@@ -1,5 +1,5 @@
 """``splitserve up`` starts processes: the launcher imports neither the engine nor torch (the
-embedded model's folder comes from a child process, the engine's flags from splitserve/flags.py),
+embedded model's folder comes from a child process, the engine's flags from engine_args/flags.py),
 so it starts fast. tests/bench/test_no_engine.py holds the client benchmarks to the same,
 tests/gateway/test_no_torch.py the gateway to no torch."""
 
@@ -14,7 +14,7 @@ def test_the_launcher_and_the_command_import_neither_engine_nor_torch() -> None:
     code = (
         "import importlib, pkgutil, sys, launcher; "
         "names = [m.name for m in pkgutil.iter_modules(launcher.__path__, 'launcher.')]; "
-        "names += ['splitserve.cli', 'splitserve.flags']; "
+        "names += ['splitserve.cli', 'engine_args.flags', 'engine_args.config']; "
         "assert 'launcher.up' in names, names; "
         "[importlib.import_module(name) for name in names]; "
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'torch', 'triton')); "

@@ -1,5 +1,6 @@
-"""The flags the commands share (splitserve/flags.py): one declaration, the same choices and
-defaults on every command that takes it, and help that states the engine's real defaults."""
+"""The flags the commands share (engine_args/flags.py): one declaration, the same choices and
+defaults on every command that takes it, choices that are the engine's, and help that states
+the engine's real defaults."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ from typing import get_args
 
 import pytest
 
-from engine.config import DEFAULT_KV_CACHE_MEMORY, DTypeName
+from engine.config import DEFAULT_KV_CACHE_MEMORY, QUANT_ACTIVATIONS, DTypeName, QuantActivations, QuantizationName
+from engine.default_model import LOAD_FORMATS, LoadFormat
 from engine.kv_cache_dtype import KV_CACHE_DTYPES as ENGINE_KV_CACHE_DTYPES
 from engine.kv_cache_dtype import KVCacheDType
 from engine.kv_cache_utils import PREFIX_CACHE_HASHES as ENGINE_PREFIX_CACHE_HASHES
 from engine.kv_cache_utils import PrefixCacheHash
-from engine.spec_decode.config import SpeculativeConfig, speculative_config_from_args
+from engine.spec_decode.config import SpecMethod, SpeculativeConfig
+from engine_args.config import speculative_config_from_args
+from engine_args.flags import DTYPES, KV_CACHE_DTYPES, PREFIX_CACHE_HASHES, add_engine_arguments
 from kv_connector.registry import BACKENDS
 from launcher import up
 from serving.instance import add_instance_arguments
 from splitserve import generate
-from splitserve.flags import DTYPES, KV_CACHE_DTYPES, PREFIX_CACHE_HASHES, add_engine_arguments
 
 
 def _instance(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +49,44 @@ def _help(name: str) -> str:
     add_engine_arguments(parser)
     (action,) = [action for action in parser._actions if name in action.option_strings]
     return action.help or ""
+
+
+def _choices(name: str) -> tuple[object, ...]:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    (action,) = [action for action in parser._actions if name in action.option_strings]
+    assert action.choices is not None
+    return tuple(action.choices)
+
+
+# flag -> the engine's choices, in its own order where it keeps a tuple (else its Literal's).
+ENGINE_CHOICES: dict[str, tuple[object, ...]] = {
+    "--dtype": get_args(DTypeName),
+    "--load-format": LOAD_FORMATS,
+    "--quantization": get_args(QuantizationName),
+    "--quant-activations": QUANT_ACTIVATIONS,
+    "--kv-cache-dtype": ENGINE_KV_CACHE_DTYPES,
+    "--prefix-cache-hash": ("auto", *ENGINE_PREFIX_CACHE_HASHES),
+}
+
+
+def test_every_choice_list_is_the_engines() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with_choices = {action.option_strings[0] for action in parser._actions if action.choices is not None}
+    assert with_choices == set(ENGINE_CHOICES), "a flag with choices: tie them to the engine's here"
+    for flag, engine_choices in ENGINE_CHOICES.items():
+        assert sorted(map(str, _choices(flag))) == sorted(map(str, engine_choices)), flag
+    # The engine's tuples are its Literals' values.
+    assert get_args(LoadFormat) == LOAD_FORMATS
+    assert get_args(QuantActivations) == QUANT_ACTIVATIONS
+    assert get_args(KVCacheDType) == ENGINE_KV_CACHE_DTYPES
+
+
+def test_the_speculative_flags_choose_the_engines_methods() -> None:
+    on = [_parse("generate", "--num-speculative-tokens", "2"), _parse("generate", "--speculative-model", "/d")]
+    methods = {config.method for config in map(speculative_config_from_args, on) if config is not None}
+    assert methods == set(get_args(SpecMethod))
 
 
 def test_dtype_choices_are_the_engines() -> None:

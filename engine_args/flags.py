@@ -1,36 +1,30 @@
-"""Flags that more than one command takes, declared once: the engine instances
+"""The engine's flags, declared once for every command that takes them: the engine instances
 (``splitserve prefill|decode|colocated``), ``splitserve up``, which passes them on to the
-instances it starts, ``splitserve generate``, ``splitserve perplexity`` (the numerics alone),
-and the benchmarks that start a server.
+instances it starts (:func:`engine_argv`), ``splitserve generate``, ``splitserve perplexity``
+(the numerics alone), the benchmarks that start a server and the in-process benchmarks.
 
-Torch-free and engine-free: the launcher and the client benchmarks parse these flags
-without loading the engine (the benchmarks not even kv_connector). The engine reads the
-parsed values where its config is built (``serving.instance.engine_config``,
-``engine.spec_decode.config.speculative_config_from_args``).
+Torch-free and engine-free: the launcher and the client benchmarks parse these flags without
+loading the engine. The choice lists are spelled here for that reason; tests/splitserve/test_flags.py
+holds each equal to the engine's. The parsed values become an ``EngineConfig`` in one place,
+engine_args/config.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Literal
 
+# The engine's choice lists, spelled here so that this module loads no part of the engine
+# (tests/splitserve/test_flags.py holds each equal to the engine's).
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
-DTYPES: tuple[DTypeChoice, ...] = ("auto", "float32", "bfloat16", "float16")
-# engine.config.QuantizationName, spelled here so that this module loads no part of the engine.
-QUANTIZATIONS = ("int8",)
-# engine.default_model.LOAD_FORMATS, spelled here so that this module loads no part of the engine.
-LOAD_FORMATS = ("auto", "gguf", "safetensors")
-# engine.config.QUANT_ACTIVATIONS, spelled here so that this module loads no part of the engine.
-QUANT_ACTIVATIONS = ("float", "q8")
-
-# engine.kv_cache_dtype.KV_CACHE_DTYPES, spelled here so that this module loads no part of the engine.
+DTYPES: tuple[DTypeChoice, ...] = ("auto", "float32", "bfloat16", "float16")  # engine.config.DTypeName
+QUANTIZATIONS: tuple[str, ...] = ("int8",)  # engine.config.QuantizationName
+LOAD_FORMATS: tuple[str, ...] = ("auto", "gguf", "safetensors")  # engine.default_model.LOAD_FORMATS
+QUANT_ACTIVATIONS: tuple[str, ...] = ("float", "q8")  # engine.config.QUANT_ACTIVATIONS
 KVCacheDTypeChoice = Literal["auto", "int8", "fp8_e4m3"]
-KV_CACHE_DTYPES: tuple[KVCacheDTypeChoice, ...] = ("auto", "int8", "fp8_e4m3")
-
-# engine.kv_cache_utils.PREFIX_CACHE_HASHES, spelled here so that this module loads no part of the engine.
+KV_CACHE_DTYPES: tuple[KVCacheDTypeChoice, ...] = ("auto", "int8", "fp8_e4m3")  # engine.kv_cache_dtype
 PrefixCacheHashChoice = Literal["xxh3", "sha256"]
-PREFIX_CACHE_HASHES: tuple[PrefixCacheHashChoice, ...] = ("xxh3", "sha256")
+PREFIX_CACHE_HASHES: tuple[PrefixCacheHashChoice, ...] = ("xxh3", "sha256")  # engine.kv_cache_utils
 
 DTYPE_HELP = (
     "auto: bfloat16 for a bfloat16 checkpoint (such as the embedded model) or a .gguf file where the CPU computes it "
@@ -50,16 +44,12 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser, default: DTypeChoice = "auto") -> None:
-    """``default``: a benchmark pins float32 so that its figures compare with the ones
-    docs/benchmarks.md records, whatever the CPU; every serving command keeps auto."""
+    """``default``: a benchmark pins the dtype its figures in docs/benchmarks.md were measured
+    in, whatever the CPU; every serving command keeps auto."""
     parser.add_argument("--dtype", default=default, choices=DTYPES, help=f"{DTYPE_HELP} (default: {default})")
 
 
-def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that decide the model's numbers: the weights (``--model``, ``--quantization``),
-    the compute dtype, how quantized weights take their inputs and the KV cache's dtype.
-    ``splitserve perplexity`` takes these alone."""
-    add_model_argument(parser)
+def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-format",
         default="auto",
@@ -69,6 +59,40 @@ def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
         "dot products, else in float32); the folder on a GPU and for a --dtype named outright. With --model, the form "
         "the path is (default: auto)",
     )
+
+
+def add_quant_activations_argument(parser: argparse.ArgumentParser, default: str | None = "float") -> None:
+    """``default``: None for a benchmark that passes the flag on only when given (the server's
+    default, float, otherwise)."""
+    default_help = default or "the server's, float"
+    parser.add_argument(
+        "--quant-activations",
+        default=default,
+        choices=QUANT_ACTIVATIONS,
+        help="how quantized weights (a GGUF file's, --quantization int8) take their inputs: float, as they come (the "
+        "float model of the dequantized weights); q8, rounded to 8-bit blocks on the fly for integer dot products, "
+        "as llama.cpp computes: a faster decode whose greedy output can part from the float model's (default: "
+        f"{default_help})",
+    )
+
+
+def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores K and V: auto, the compute dtype (--dtype); int8 or fp8_e4m3, 8-bit values "
+        "with a float32 scale per token and KV head, about half of bf16's bytes in memory and in every prefill -> "
+        "decode hand-off (prefill and decode instances must agree: it is in the KV fingerprint) (default: auto)",
+    )
+
+
+def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that decide the model's numbers: the weights (``--model``, ``--quantization``),
+    the compute dtype, how quantized weights take their inputs and the KV cache's dtype.
+    ``splitserve perplexity`` takes these alone."""
+    add_model_argument(parser)
+    add_load_format_argument(parser)
     add_dtype_argument(parser)
     parser.add_argument(
         "--quantization",
@@ -78,22 +102,8 @@ def add_numerics_arguments(parser: argparse.ArgumentParser) -> None:
         help="quantize a Hugging Face folder's weights at load: int8, per output channel, symmetric, weight-only "
         "(kept int8 in memory on the CPU; --dtype stays the compute dtype) (default: the checkpoint's own weights)",
     )
-    parser.add_argument(
-        "--quant-activations",
-        default="float",
-        choices=QUANT_ACTIVATIONS,
-        help="how quantized weights (a GGUF file's, --quantization int8) take their inputs: float, as they come (the "
-        "float model of the dequantized weights); q8, rounded to 8-bit blocks on the fly for integer dot products, "
-        "as llama.cpp computes: a faster decode whose greedy output can part from the float model's (default: float)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="how the KV cache stores K and V: auto, the compute dtype (--dtype); int8 or fp8_e4m3, 8-bit values "
-        "with a float32 scale per token and KV head, about half of bf16's bytes in memory and in every prefill -> "
-        "decode hand-off (prefill and decode instances must agree: it is in the KV fingerprint) (default: auto)",
-    )
+    add_quant_activations_argument(parser)
+    add_kv_cache_dtype_argument(parser)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,54 +165,6 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, cuda when available)")
 
 
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The flags of :func:`add_engine_arguments` as parsed, for an instance to parse the same
-    (``--model`` aside: the launcher passes the folder it resolved). Speculative flags are
-    left to :func:`speculative_argv`: only decoding instances take them."""
-    argv = [
-        "--dtype",
-        args.dtype,
-        "--tensor-parallel-size",
-        str(args.tensor_parallel_size),
-        "--prefix-cache-hash",
-        args.prefix_cache_hash,
-        "--kv-cache-dtype",
-        args.kv_cache_dtype,
-        "--quant-activations",
-        args.quant_activations,
-        "--load-format",
-        args.load_format,
-    ]
-    for flag, value in (
-        ("--quantization", args.quantization),
-        ("--kv-cache-memory", args.kv_cache_memory),
-        ("--max-model-len", args.max_model_len),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
-def add_kv_connector_arguments(parser: argparse.ArgumentParser, lmcache_url_default: str = "none") -> None:
-    """``lmcache_url_default``: what the command does without ``--lmcache-url``. The choices
-    are the registry's names (a torch-free module), imported here rather than with this
-    module: the client benchmarks import this module and load no part of a connector."""
-    from kv_connector.registry import BACKENDS
-
-    parser.add_argument(
-        "--kv-connector", default="ucx", choices=sorted(BACKENDS), help="how KV moves from prefill to decode"
-    )
-    parser.add_argument(
-        "--lmcache-url",
-        default=os.environ.get("SPLITSERVE_LMCACHE_URL", ""),
-        help="lmcache connector: the store prefill and decode instances share, redis://[USER:PASSWORD@]HOST:PORT, "
-        "rediss:// or lm://HOST:PORT (env SPLITSERVE_LMCACHE_URL, which keeps a password off the command line; "
-        f"default: {lmcache_url_default})",
-    )
-
-
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of every command that runs a decoding engine. Unset n-gram bounds keep
     ``SpeculativeConfig``'s defaults, which the help repeats (a test holds them equal)."""
@@ -226,17 +188,37 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of :func:`add_engine_arguments` as parsed, for an instance to parse the same:
+    read off the declaration, so a new engine flag is passed on without a line here.
+    ``--model`` aside (the launcher passes the folder it resolved), and the speculative flags,
+    left to :func:`speculative_argv`: only decoding instances take them. A flag that is unset
+    (None) is left out, so the instance keeps its own default."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    speculative = _speculative_dests()
+    return _argv(args, [a for a in parser._actions if a.dest != "model" and a.dest not in speculative])
+
+
 def speculative_argv(args: argparse.Namespace) -> list[str]:
     """The speculative flags as given, for a launcher passing them on to its decoding instances."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_speculative_arguments(parser)
+    return _argv(args, [a for a in parser._actions if a.dest in _speculative_dests()])
+
+
+def _speculative_dests() -> set[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_speculative_arguments(parser)
+    return {action.dest for action in parser._actions}
+
+
+def _argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
     argv: list[str] = []
-    for flag, value in (
-        ("--num-speculative-tokens", args.num_speculative_tokens),
-        ("--speculative-model", args.speculative_model),
-        ("--speculative-ngram-min", args.speculative_ngram_min),
-        ("--speculative-ngram-max", args.speculative_ngram_max),
-    ):
+    for action in actions:
+        value = getattr(args, action.dest)
         if value is not None:
-            argv += [flag, str(value)]
+            argv += [action.option_strings[0], str(value)]
     return argv
 
 
