@@ -351,7 +351,8 @@ def test_bytes_the_store_returns_must_be_those_p_stored() -> None:
 def test_keys_belong_to_one_publish_and_expire() -> None:
     """Each publish tags its keys with HMAC(store key, cache salt, pull token): the same prompt
     published twice, or under another salt, shares no key; a pull finds it only with the same
-    store key, salt and token; every key P stored expires."""
+    store key, salt and token; every key P stored expires: after the TTL given, or, from a
+    connector built as instances build theirs (no TTL given), after :data:`DEFAULT_TTL_S`."""
     import redis
 
     process, url = start_redis()
@@ -359,22 +360,30 @@ def test_keys_belong_to_one_publish_and_expire() -> None:
 
     async def scenario() -> None:
         prefill = LMCacheConnector(seeded_cache(7), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE, ttl_s=300)
+        as_instances = make_connector(
+            "lmcache", seeded_cache(7), fingerprint(), {"remote_url": url, "chunk_size": CHUNK_SIZE}
+        )
         decode_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
         decode = LMCacheConnector(decode_cache, fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE)
-        prefill._store_key = decode._store_key = store_key
+        prefill._store_key = decode._store_key = as_instances._store_key = store_key
         await prefill.start("127.0.0.1", 0)
+        await as_instances.start("127.0.0.1", 0)
         await decode.start("127.0.0.1", 0)
         try:
             published = await prefill.publish("r", PUBLISHED_BLOCKS, PROMPT, pull_token=token, cache_salt="tenant-a")
             again = await prefill.publish("r2", PUBLISHED_BLOCKS, PROMPT, pull_token=token[::-1], cache_salt="tenant-a")
-            await prefill.publish("r3", PUBLISHED_BLOCKS, PROMPT, pull_token=token, cache_salt="tenant-b")
+            await as_instances.publish("r3", PUBLISHED_BLOCKS, PROMPT, pull_token=token, cache_salt="tenant-b")
             assert published.chunk_digests == again.chunk_digests == tuple(DIGESTS or published.chunk_digests)
             client = redis.Redis.from_url(url)
             publishes = [("tenant-a", token), ("tenant-a", token[::-1]), ("tenant-b", token)]
             key_sets = [set(_publish_keys(client, store_key, salt, t)) for salt, t in publishes]
             assert [len(keys) for keys in key_sets] == [8, 8, 8] and len(set().union(*key_sets)) == 24
-            ttls = [client.pttl(key) for keys in key_sets for key in keys]
-            assert all(0 < ttl <= 300_000 for ttl in ttls), ttls
+            # Redis's own countdown (-1: the key never expires): at most the TTL set, and the
+            # default one's above the 300 s given to the other connector.
+            given = [client.pttl(key) for keys in key_sets[:2] for key in keys]
+            default = [client.pttl(key) for key in key_sets[2]]
+            assert all(0 < ttl <= 300_000 for ttl in given), given
+            assert all(300_000 < ttl <= DEFAULT_TTL_S * 1000 for ttl in default), default
             good = source(digests=list(published.chunk_digests), cache_salt="tenant-a", pull_token=token)
             for wrong in (
                 source(digests=list(published.chunk_digests), cache_salt="tenant-c", pull_token=token),
@@ -391,13 +400,13 @@ def test_keys_belong_to_one_publish_and_expire() -> None:
             assert torch.equal(decode_cache[[0, 3, 11]], seeded_cache(7)[PUBLISHED_BLOCKS[:3]])
         finally:
             await prefill.close()
+            await as_instances.close()
             await decode.close()
 
     try:
         asyncio.run(scenario())
     finally:
         stop(process)
-    assert DEFAULT_TTL_S == 600.0
 
 
 def test_a_slow_store_never_holds_up_the_event_loop(redis_url: str) -> None:
