@@ -81,9 +81,24 @@ def percentiles_ms(values: list[float]) -> dict[str, float]:
 
 
 def process_cpu_s(pid: int) -> float:
-    """utime + stime of a process so far, seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    """utime + stime so far, seconds, of a process and every process below it (the gateway's
+    ``--api-server-count`` processes are its children)."""
+    parents: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        child = int(stat.parent.name)
+        parents.setdefault(int(fields[1]), []).append(child)
+        cpu[child] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    total, frontier = 0.0, [pid]
+    while frontier:
+        current = frontier.pop()
+        total += cpu.get(current, 0.0)
+        frontier += parents.get(current, [])
+    return total
 
 
 async def one_stream(
@@ -231,7 +246,7 @@ def start_cluster(args: argparse.Namespace, out: Path) -> tuple[list[subprocess.
         command = splitserve_command(
             "--log-level", "WARNING", "simulate", role, "--profile", str(profile), "--num-instances",
             str(args.num_instances), "--instance-id", role, "--port", "0", "--registry-url", registry,
-            "--max-num-seqs", "1024",
+            "--max-num-seqs", "1024", source_dir=args.source_dir,
         )  # fmt: skip
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
     port = free_port()
@@ -242,7 +257,7 @@ def start_cluster(args: argparse.Namespace, out: Path) -> tuple[list[subprocess.
     if args.api_server_count:
         gateway_flags += ["--api-server-count", str(args.api_server_count)]
     gateway = subprocess.Popen(
-        splitserve_command("--log-level", "WARNING", "gateway", *gateway_flags),
+        splitserve_command("--log-level", "WARNING", "gateway", *gateway_flags, source_dir=args.source_dir),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

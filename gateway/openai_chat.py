@@ -36,6 +36,7 @@ from gateway.protocol import (
     TopLogprob,
 )
 from gateway.request_trace import caller_trace_headers
+from gateway.stream_chunks import StreamChunks
 from gateway.tokenizer import ModelTokenizer
 
 
@@ -132,21 +133,21 @@ async def _stream(
     deltas: AsyncIterator[tuple[int, Generated]],
 ) -> AsyncGenerator[str, None]:
     include_usage = request.stream_options is not None and request.stream_options.include_usage
-
-    def chunk(choice: ChatChunkChoice) -> str:
-        return sse(ChatCompletionChunk(id=completion_id, model=model_name, choices=[choice]))
+    chunks = StreamChunks(completion_id, model_name, "chat.completion.chunk")
 
     # As OpenAI does: the role first, then content deltas, then the finish reason.
-    yield chunk(ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content="")))
+    yield chunks.delta("", role="assistant")
     async for _, delta in deltas:
-        yield chunk(
-            ChatChunkChoice(
-                index=0,
-                delta=DeltaMessage(content=delta.text),
-                logprobs=_logprobs(service.tokenizer, delta) if request.logprobs else None,
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.stop_reason,
-            )
+        if not request.logprobs:
+            yield chunks.delta(delta.text, delta.finish_reason, delta.stop_reason)
+            continue
+        choice = ChatChunkChoice(
+            index=0,
+            delta=DeltaMessage(content=delta.text),
+            logprobs=_logprobs(service.tokenizer, delta),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
         )
+        yield sse(ChatCompletionChunk(id=completion_id, model=model_name, choices=[choice]))
     if include_usage:
         yield sse(ChatCompletionChunk(id=completion_id, model=model_name, choices=[], usage=usage_info([job.usage])))

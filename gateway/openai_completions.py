@@ -26,6 +26,7 @@ from gateway.openai_common import (
 )
 from gateway.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from gateway.request_trace import caller_trace_headers
+from gateway.stream_chunks import StreamChunks
 from gateway.tokenizer import ModelTokenizer
 
 
@@ -160,10 +161,14 @@ async def _stream(
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     builders = [CompletionLogprobsBuilder(service.tokenizer, len(echoes[i])) for i in range(len(jobs))]
     echoed = [False] * len(jobs)
+    chunks = StreamChunks(completion_id, model_name, "text_completion")
     async for index, delta in deltas:
         text = delta.text
         if not echoed[index]:
             text, echoed[index] = echoes[index] + text, True
+        if request.logprobs is None:
+            yield chunks.text(index, text, delta.finish_reason, delta.stop_reason)
+            continue
         chunk = CompletionResponse(
             id=completion_id,
             model=model_name,
@@ -171,7 +176,7 @@ async def _stream(
                 CompletionChoice(
                     index=index,
                     text=text,
-                    logprobs=builders[index].build(delta) if request.logprobs is not None else None,
+                    logprobs=builders[index].build(delta),
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
                 )
