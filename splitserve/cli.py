@@ -8,6 +8,7 @@ import argparse
 import importlib
 import logging
 import sys
+from types import ModuleType
 
 # subcommand -> (module defining ``add_arguments(parser)`` and ``run(args)``, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -23,12 +24,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
+    """The command's parser for ``argv``, with the flags of the subcommand it names (imported
+    only then; the rest listed by help text), and that subcommand's module by name."""
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    argv = sys.argv[1:] if argv is None else argv
-    # Import only the module of the subcommand being run; list the rest by help text.
     chosen = next((arg for arg in argv if arg in SUBCOMMANDS), None)
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -36,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:
             modules[name] = importlib.import_module(module_name)
             modules[name].add_arguments(sub)
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, modules = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

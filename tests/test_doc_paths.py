@@ -12,7 +12,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/architecture.md", "docs/security.md", "docs/observability.md"]
+DOCS = [
+    "README.md",
+    "docs/architecture.md",
+    "docs/security.md",
+    "docs/observability.md",
+    "docs/serving.md",
+    "docs/api.md",
+    "docs/library.md",
+    "docs/deployment.md",
+    "docs/benchmarking.md",
+    "docs/simulator.md",
+]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 TOP_LEVEL = {path.name for path in ROOT.iterdir() if not path.name.startswith(".")}
 FILE_SUFFIXES = {".py", ".md", ".c", ".h", ".proto", ".yml", ".yaml", ".toml", ".sh", ".json", ".html", ".png"}
