@@ -1,6 +1,7 @@
 """Prefill and decode with a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3), as real
 processes on loopback, through both connectors: the hand-off moves the 8-bit rows and their
-scales (68 bytes a token-head row here, against bf16's 128), D's greedy tokens are those of a
+scales, as many bytes as the blocks hold in a real cache of that format and under 0.55 of
+what the same blocks hold in a real bf16 cache, D's greedy tokens are those of a
 colocated engine with the same KV dtype, local prefix hits still spare their blocks, every block
 is free afterwards, and an instance with another KV dtype refuses the handle naming both."""
 
@@ -20,18 +21,28 @@ from tests.checkpoints import make_checkpoint, random_prompts
 from tests.services.client import assert_all_free, expected_tokens, run_decode, run_prefill
 from tests.services.processes import Service, running
 
-# head_dim 64, as SmolLM2's, so that a row's scale weighs what it does there; 2 layers, 2 KV heads.
-NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 64, 16
-BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * (HEAD_DIM + 4)  # K and V rows, each with its float32 scale
-BF16_BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 2
+BLOCK_SIZE = 16
 SECRET = "kv-dtype-cluster-secret-7f3a"
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 64, as SmolLM2's, so that a row's scale weighs what it does there; 2 layers, 2 KV heads.
     return make_checkpoint(
         tmp_path_factory.mktemp("llama-d64"), hidden_size=256, num_attention_heads=4, intermediate_size=256
     )
+
+
+def block_bytes(engine: LLM) -> int:
+    """The bytes of one block in ``engine``'s KV cache tensor, as allocated."""
+    return engine.engine.runner.kv_cache[0].nbytes
+
+
+@pytest.fixture(scope="module")
+def bf16_block_bytes(model: Path) -> int:
+    """What a block of this model holds in a bf16 KV cache: a bf16 engine's, as allocated."""
+    with LLM(model=str(model), dtype="bfloat16", kv_cache_memory=1 << 22) as engine:
+        return block_bytes(engine)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +75,9 @@ def ucx_pair(request: pytest.FixtureRequest, model: Path) -> Iterator[tuple[KVCa
 
 
 def test_a_quantized_hand_off_over_ucx_moves_half_of_bf16s_bytes(
-    ucx_pair: tuple[KVCacheDType, Service, Service], colocated_with: Callable[[KVCacheDType], LLM]
+    ucx_pair: tuple[KVCacheDType, Service, Service],
+    colocated_with: Callable[[KVCacheDType], LLM],
+    bf16_block_bytes: int,
 ) -> None:
     kv_cache_dtype, prefill, decode = ucx_pair
     colocated = colocated_with(kv_cache_dtype)
@@ -80,10 +93,11 @@ def test_a_quantized_hand_off_over_ucx_moves_half_of_bf16s_bytes(
         assert not transfer.recomputed and transfer.num_pulled_blocks == len(prefilled.kv.block_ids)
     after = decode.load()
     num_blocks = sum(cdiv(len(prompt), BLOCK_SIZE) for prompt in prompts)
-    # UCX moves whole blocks: every row of each, values and scales.
+    # UCX moves whole blocks: every row of each, values and scales, as a cache of this format holds them.
     assert after.kv_transfers - before.kv_transfers == len(prompts)
-    assert after.kv_transfer_bytes - before.kv_transfer_bytes == num_blocks * BLOCK_SIZE * BYTES_PER_TOKEN
-    assert BYTES_PER_TOKEN / BF16_BYTES_PER_TOKEN == 68 / 128 < 0.55
+    num_pulled_bytes = after.kv_transfer_bytes - before.kv_transfer_bytes
+    assert num_pulled_bytes == num_blocks * block_bytes(colocated)
+    assert num_pulled_bytes < 0.55 * num_blocks * bf16_block_bytes, (num_pulled_bytes, num_blocks, bf16_block_bytes)
     assert_all_free(prefill, decode)
 
 
@@ -152,5 +166,6 @@ def test_a_quantized_hand_off_through_lmcache_stores_and_fetches_the_rows_and_sc
         assert not transfer.recomputed and transfer.num_pulled_blocks == cdiv(len(prompt), BLOCK_SIZE)
     after = decode.load()
     # The store holds each head of each chunk apart, token rows only (no padding of the last block).
-    assert after.kv_transfer_bytes - before.kv_transfer_bytes == sum(map(len, prompts)) * BYTES_PER_TOKEN
+    bytes_per_token = block_bytes(colocated) // BLOCK_SIZE
+    assert after.kv_transfer_bytes - before.kv_transfer_bytes == sum(map(len, prompts)) * bytes_per_token
     assert_all_free(prefill, decode)
