@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=int, default=64)
     parser.add_argument("--requests-per-stream", type=int, default=2, help="requests each concurrent stream sends")
     parser.add_argument("--min-requests", type=int, default=64)
+    parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout (a before/after)")
     parser.add_argument(
         "--api-server-count", type=int, default=0, help="gateway processes on one port (0: the default)"
     )

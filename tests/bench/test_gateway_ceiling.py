@@ -1,0 +1,42 @@
+"""bench.gateway_ceiling end to end on a tiny simulated cluster (2 colocated instances, one
+gateway, Redis): every request completes with exactly the tokens it asked for, the gateway's
+CPU is read, the chunk write times give the gateway's gaps, and the two runs' equations are
+solved; and the solve itself, on figures made from known costs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.gateway_ceiling import RunResult, costs, main
+
+
+def run(max_tokens: int, num_requests: int, cpu_s: float) -> RunResult:
+    return RunResult(1, max_tokens, num_requests, num_requests * max_tokens, 0, 0, 1.0, cpu_s, 0, 0, {}, {}, {})
+
+
+def test_the_costs_are_solved_from_two_runs_of_different_lengths() -> None:
+    per_request_s, per_token_s = 0.003, 0.00015
+    short = run(8, 100, 100 * (per_request_s + 8 * per_token_s))
+    long = run(128, 50, 50 * (per_request_s + 128 * per_token_s))
+    per_token_us, per_request_ms = costs(short, long)
+    assert per_token_us == pytest.approx(150.0) and per_request_ms == pytest.approx(3.0)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (.ci/run installs it)")
+def test_a_tiny_ceiling_run_measures_every_request(tmp_path: Path) -> None:
+    assert main([
+        "--output-dir", str(tmp_path), "--concurrency", "2", "--num-instances", "2", "--step-ms", "2",
+        "--short-tokens", "2", "--long-tokens", "6", "--requests-per-stream", "2", "--min-requests", "4",
+    ]) == 0  # fmt: skip
+    (row,) = json.loads((tmp_path / "gateway_ceiling.json").read_text())["rows"]
+    for name, max_tokens in (("short", 2), ("long", 6)):
+        result = row[name]
+        assert (result["num_requests"], result["num_failed"]) == (4, 0)
+        assert result["num_tokens"] == 4 * max_tokens
+        assert result["gateway_cpu_s"] > 0
+        assert result["gateway_gap_ms"]["p50"] >= 2.0 * 0.9  # at least about the instances' step
+    assert row["long"]["gateway_gap_ms"] and row["long"]["client_gap_ms"] and row["long"]["ttft_ms"]
