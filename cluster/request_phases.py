@@ -1,10 +1,22 @@
 """The phases of a request's time, named once for the gateway, the instances and the header
 the gateway answers with (docs/observability.md has what each one covers).
 
-Time to first token is the sum of :data:`TTFT_PHASES`, exactly: the instance that prefilled
-reports its own three (``serving/request_timing.py``) and the gateway adds its queue and the
-rest, ``transport`` (:func:`ttft_phases`). In a disaggregated request the first token streams
-once P has answered; :data:`HANDOFF_PHASES`, D's, set the gap before the second token.
+Time to first token is the sum of :data:`TTFT_PHASES`, each measured, none derived from the
+others (:func:`ttft_phases`), on the gateway's clock unless said:
+
+- ``gateway_queue``: the gateway's own time, around the call that answered with the first
+  token: from the request's arrival to that call's send (gate, tokenizing, routing, failed
+  attempts on other instances), and from its answer to the first token written.
+- ``prefill_queue``, ``prefill_compute``, ``kv_publish``: the instance that prefilled, on its
+  own clock, from the call's arrival there to its answer (``serving/request_timing.py``).
+- ``transport``: the hop, measured from both sides of it: the call's round trip as the
+  gateway timed it (sent to answered) less the instance's time inside it (its phases): gRPC,
+  serialization and the network, both ways. Never negative: an instance reporting more time
+  than the call took leaves the sum above the TTFT, which the tests catch.
+
+So the phases add up to the TTFT only when the gateway's and the instance's intervals tile the
+request's time, with nothing counted twice or left out. In a disaggregated request the first
+token streams once P has answered; :data:`HANDOFF_PHASES`, D's, set the gap before the second token.
 
 Light on purpose (the generated protobuf only): the gateway and every instance import it.
 """
@@ -59,21 +71,20 @@ def phase_seconds(phases: RequestPhases, phase: Phase) -> float:
 
 
 def ttft_phases(
-    arrival: float, dispatched_at: float, first_token_at: float, instance: RequestPhases | None
+    arrival: float, call_sent_at: float, answered_at: float, first_token_at: float, instance: RequestPhases | None
 ) -> RequestPhases:
-    """A request's TTFT phases (gateway clock, monotonic seconds): the gateway's queue up to
-    dispatch, the prefilling instance's own phases (None: it reported none, an older instance),
-    and ``transport``, the rest, so that they add up to ``first_token_at - arrival``."""
-    phases = RequestPhases(gateway_queue_s=dispatched_at - arrival)
+    """A request's TTFT phases (module docstring), from the gateway's monotonic times: the
+    request's arrival, the send and the answer of the call that brought the first token, and
+    that token's write; and the instance's own phases of the call (None: it reported none, an
+    older instance, and the whole call counts as transport)."""
+    phases = RequestPhases(gateway_queue_s=(call_sent_at - arrival) + (first_token_at - answered_at))
     if instance is not None:
         phases.prefill_queue_s = instance.prefill_queue_s
         phases.prefill_compute_s = instance.prefill_compute_s
         phases.kv_publish_s = instance.kv_publish_s
         phases.num_prefill_chunks = instance.num_prefill_chunks
     on_instance = phases.prefill_queue_s + phases.prefill_compute_s + phases.kv_publish_s
-    # Instances' clocks run at the host's rate: their time fits in the gateway's call. Clamped
-    # anyway, so that a transport phase is never negative (the sum is then off by the clamp).
-    phases.transport_s = max(0.0, first_token_at - dispatched_at - on_instance)
+    phases.transport_s = max(0.0, answered_at - call_sent_at - on_instance)
     return phases
 
 

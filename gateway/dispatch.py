@@ -24,6 +24,7 @@ take nothing new (``gateway.admission``); when none qualifies the request gets 4
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from typing import Literal
 
@@ -67,13 +68,16 @@ class Dispatcher:
             async for event in self.failover.decode_and_migrate(request, None, []):
                 yield event
             return
-        prefilled, prefill = await self.failover.prefill(request, request.request_id, request.sampling)
+        prefilled, prefill, sent_at = await self.failover.prefill(request, request.request_id, request.sampling)
+        answered_at = time.monotonic()
         first = TokenEvent(
             token_ids=[prefilled.first_token_id],
             logprobs=[prefilled.first_logprob] if prefilled.HasField("first_logprob") else [],
             finish_reason=prefilled.finish_reason or None,
             num_cached_tokens=prefilled.num_cached_tokens,
             phases=prefilled.phases if prefilled.HasField("phases") else None,
+            call_sent_at=sent_at,
+            answered_at=answered_at,
         )
         if first.finish_reason is None and not prefilled.HasField("kv"):
             raise RuntimeError(

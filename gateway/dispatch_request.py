@@ -55,6 +55,10 @@ class TokenEvent:
     num_cached_tokens: int = 0  # first event only: prompt tokens a prefix cache served
     kv_transfer: disaggregation_pb2.KVTransfer | None = None  # the hand-off, when D reports it
     phases: generation_pb2.RequestPhases | None = None  # the instance's phases of its call, once per call
+    # A call's first event: when the gateway sent the call and when its first answer came
+    # (monotonic), around the instance's phases: the hop's time (cluster/request_phases.py).
+    call_sent_at: float | None = None
+    answered_at: float | None = None
 
     @classmethod
     def from_response(

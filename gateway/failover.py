@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
 
@@ -140,9 +141,10 @@ class Failover:
         sampling: generation_pb2.SamplingParams,
         kv_only: bool = False,
         prefer: InstanceState | None = None,
-    ) -> tuple[disaggregation_pb2.PrefillResponse, InstanceState]:
-        """Prefill on the first P that answers (step 1). ``kv_only``: a re-prefill of an
-        admitted request, which no admission limit refuses."""
+    ) -> tuple[disaggregation_pb2.PrefillResponse, InstanceState, float]:
+        """Prefill on the first P that answers (step 1), and when the gateway sent it that
+        call (monotonic). ``kv_only``: a re-prefill of an admitted request, which no admission
+        limit refuses."""
         tried: list[InstanceState] = []
         message = disaggregation_pb2.PrefillRequest(
             request_id=prefill_request_id,
@@ -170,6 +172,7 @@ class Failover:
             try:
                 with prefill.call(), call_trace(request.trace, PREFILL_METHOD, prefill) as traced:
                     try:
+                        sent_at = time.monotonic()
                         response = await disaggregation_pb2_grpc.PrefillStub(prefill.channel).Prefill(
                             message, timeout=request.timeout_s(), metadata=traced.metadata
                         )
@@ -177,7 +180,7 @@ class Failover:
                         traced.failed(error)
                         raise
                 self._count_routed_prefix(request, prefill, response.num_cached_tokens)
-                return response, prefill
+                return response, prefill, sent_at
             except grpc.aio.AioRpcError as error:
                 last_error = self._failed(prefill, error, "prefill", request.trace)
             except asyncio.CancelledError:
@@ -211,7 +214,7 @@ class Failover:
         self, request: DispatchRequest, prefill_request_id: str, prefer: InstanceState | None
     ) -> PinnedKV:
         """The prompt's KV again, pinned under a new id (steps 3 and 4); the token P samples is not used."""
-        prefilled, prefill = await self.prefill(
+        prefilled, prefill, _ = await self.prefill(
             request, prefill_request_id, request.sampling, kv_only=True, prefer=prefer
         )
         if not prefilled.HasField("kv"):
@@ -367,6 +370,7 @@ class Failover:
                 break
             tried.append(instance)
             with call_trace(request.trace, _STREAM_METHODS[role], instance) as traced:
+                sent_at = time.monotonic()
                 call = open_stream(instance, traced.metadata)
                 streamed = False
                 try:
@@ -374,7 +378,10 @@ class Failover:
                         async for response in call:
                             first, streamed = not streamed, True
                             prefilled()
-                            yield TokenEvent.from_response(response, first)
+                            event = TokenEvent.from_response(response, first)
+                            if first:
+                                event.call_sent_at, event.answered_at = sent_at, time.monotonic()
+                            yield event
                     return
                 except grpc.aio.AioRpcError as error:
                     traced.failed(error)

@@ -294,6 +294,8 @@ class GenerationService:
                 if event.kv_transfer is not None:
                     job.kv_transfer_s = event.kv_transfer.seconds
                     job.timer.kv_transfer(event.kv_transfer)
+                if event.call_sent_at is not None and event.answered_at is not None:
+                    job.timer.call_answered(event.call_sent_at, event.answered_at)
                 if event.phases is not None:
                     job.timer.instance_phases(event.phases)
                 update = detokenizer.update(event.token_ids)

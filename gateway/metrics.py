@@ -150,6 +150,8 @@ class RequestTimer:
         "metrics",
         "arrival",
         "dispatched_at",
+        "call_sent_at",
+        "answered_at",
         "first_token_at",
         "last_token_at",
         "num_gaps",
@@ -162,6 +164,9 @@ class RequestTimer:
         self.metrics = metrics
         self.arrival = time.monotonic() if arrival is None else arrival
         self.dispatched_at: float | None = None
+        # The call that brought the first token: sent, answered (cluster/request_phases.py).
+        self.call_sent_at: float | None = None
+        self.answered_at: float | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.num_gaps = 0  # inter-token gaps observed so far
@@ -172,6 +177,11 @@ class RequestTimer:
         """The request leaves the gateway for its first instance."""
         self.dispatched_at = time.monotonic()
         self.metrics.queue.observe(self.dispatched_at - self.arrival)
+
+    def call_answered(self, sent_at: float, answered_at: float) -> None:
+        """A call to an instance first answered: before the first token, the call that brings it."""
+        if self.first_token_at is None:
+            self.call_sent_at, self.answered_at = sent_at, answered_at
 
     def instance_phases(self, phases: RequestPhases) -> None:
         """An instance's phases of its call: before the first token, the prefilling instance's;
@@ -192,7 +202,10 @@ class RequestTimer:
             self.metrics.ttft.observe(now - self.arrival)
             self.metrics.recent.add_ttft(now - self.arrival)
             self.first_token_at = now
-            self.phases = ttft_phases(self.arrival, self.dispatched_at or self.arrival, now, self._prefill_phases)
+            # A first token no timed call brought (a dispatcher that times none): all after dispatch is transport.
+            sent_at = self.call_sent_at if self.call_sent_at is not None else self.dispatched_at or self.arrival
+            answered_at = self.answered_at if self.answered_at is not None else now
+            self.phases = ttft_phases(self.arrival, sent_at, answered_at, now, self._prefill_phases)
             for phase in TTFT_PHASES:
                 self.metrics.ttft_phases.labels(phase=phase).observe(phase_seconds(self.phases, phase))
             self.metrics.recent.add_phases(self.phases)
