@@ -32,6 +32,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from bench.splitserve_up import start_up, wait_ready
 from bench.token_profile import child_pids, process_label
+from engine_args.flags import add_dtype_argument
 from launcher.processes import free_port, splitserve_command
 
 MODES = ("off", "on", "down", "blackholed")
@@ -75,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-rate", type=float, default=2.0)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dtype", default="float32")
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--prefill-cpus", default="0")
     parser.add_argument("--decode-cpus", default="1")
     return parser.parse_args(argv)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -119,30 +118,3 @@ def _convert(gguf_path: Path, target: Path) -> None:
     except OSError:
         if not (target / "config.json").is_file():  # another process won the race: keep theirs
             raise
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.default_model [--load-format F] [--dtype D] [--device X]``: print the
-    embedded model's path in the form :func:`embedded_model` chooses (converting the folder
-    first if it is that and not done yet), then on a second line the name it is served under.
-    ``splitserve up`` runs it before starting anything (launcher/processes.py), so that the
-    choice and the conversion, which load torch, run once and outside the launcher."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m engine.default_model")
-    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        path = embedded_model(args.load_format, args.dtype, args.device)
-    except ValueError as error:
-        sys.stderr.write(f"{error}\n")
-        return 2
-    sys.stdout.write(f"{path}\n{DEFAULT_MODEL_NAME}\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

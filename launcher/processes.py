@@ -114,10 +114,11 @@ def splitserve_command(*argv: str, source_dir: Path | None = None) -> list[str]:
 def embedded_model(load_format: str, dtype: str) -> tuple[Path, str]:
     """The embedded model's path in the form ``load_format`` names (``auto``: chosen for
     ``dtype`` on this machine; engine/default_model.py), its folder converted first if it is
-    that and not yet, and the name it is served under. A child process does it: the choice and
-    the conversion load torch and the engine, which the launcher never imports. Its log and
-    progress go to this process's stderr; the path and the name come back on its stdout."""
-    command = [sys.executable, "-m", "engine.default_model", "--load-format", load_format, "--dtype", dtype]
+    that and not yet, and the name it is served under. A child process does it
+    (launcher/embedded_model.py): the choice and the conversion load torch and the engine, which
+    the launcher never imports. Its log and progress go to this process's stderr; the path and
+    the name come back on its stdout."""
+    command = [sys.executable, "-m", "launcher.embedded_model", "--load-format", load_format, "--dtype", dtype]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise ValueError("the embedded model is not available (above: why); or pass --model PATH")

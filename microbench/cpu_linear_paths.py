@@ -34,6 +34,7 @@ import torch
 import engine.models.loader as loader
 from engine import LLM, SamplingParams, cpu_kernels
 from engine.models.cpu_linear import LinearPath, PackedLinear, linear_path
+from engine_args.flags import add_dtype_argument
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def batch_tokens_per_s(llm: LLM, seed: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m microbench.cpu_linear_paths", description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--decode-rows", default="1", help="comma-separated decode batch sizes to time a step of")
     parser.add_argument("--rounds", type=int, default=7)
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         "--prefetch-bytes", default=None, help="comma-separated panel prefetch distances (default: the build's)"
     )
     args = parser.parse_args(argv)
+    if args.dtype not in ("float32", "bfloat16"):
+        parser.error(f"--dtype {args.dtype}: the CPU linear paths compared here are float32's and bfloat16's")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     names = (

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from engine.kv_cache_utils import cdiv
+from engine_args.flags import add_dtype_argument
 from kv_connector.base import KVSource
 from kv_connector.ucx import UCXConnector  # imports ucxx only when used, after the UCX environment is set
 from kv_connector.ucx_context import ucxx_for_running_loop
@@ -396,9 +397,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="local Hugging Face folder for the KV shape (default: embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="KV cache dtype"
-    )
+    # The compute dtype, as everywhere; the KV moves in it (the engine's --kv-cache-dtype auto).
+    add_dtype_argument(parser, default="bfloat16")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(
         "--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192], help="prompt lengths to transfer"
@@ -429,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills, after one warm-up")
     parser.add_argument("--output-json", type=Path, default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
+    if args.dtype == "auto":
+        parser.error("--dtype auto: name the dtype the KV moves in (bfloat16, float16 or float32)")
     for name in ("block_size", "repeats", "prefill_repeats", "prefill_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

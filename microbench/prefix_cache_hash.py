@@ -31,14 +31,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import get_args
 
-from engine.config import DTypeName, EngineConfig
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_utils import XXH3, BlockHash, BlockHasher
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine_args.flags import add_dtype_argument
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def decode_steps(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m microbench.prefix_cache_hash", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="float32", choices=get_args(DTypeName))
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--calls", type=int, default=20000, help="block hashes per timed loop")
     parser.add_argument("--repeats", type=int, default=15)

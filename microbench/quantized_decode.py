@@ -50,6 +50,7 @@ from torch import nn
 from engine import LLM, SamplingParams
 from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
 from engine.models.quantized_linear import QuantizedLinear
+from engine_args.flags import add_dtype_argument
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=64, help="decode steps timed a round")
     parser.add_argument("--activations", default="float", help="comma-separated: float, q8")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=30)

@@ -32,12 +32,12 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import get_args
 
-from engine.config import DTypeName, EngineConfig
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
+from engine_args.flags import add_dtype_argument
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
     )
-    parser.add_argument("--dtype", default="float32", choices=get_args(DTypeName))
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--speculative-ngram-min", type=int, default=2)
     parser.add_argument("--speculative-ngram-max", type=int, default=4)

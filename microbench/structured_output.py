@@ -39,6 +39,7 @@ from engine.request import Request
 from engine.structured_output import StructuredOutputSpec
 from engine.structured_output import bitmask as bitmask_module
 from engine.structured_output.compiler import GrammarCompiler
+from engine_args.flags import add_dtype_argument
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def time_components(llm: LLM, spec: StructuredOutputSpec, token_ids: list[list[i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a local HF folder; default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="auto")
+    add_dtype_argument(parser)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)

@@ -32,9 +32,9 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from engine.config import DTypeName
+from engine_args.flags import add_dtype_argument
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m microbench.tensor_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local checkpoint (default: a SmolLM2-sized random Llama)")
     parser.add_argument("--sizes", default="1,2", help="comma-separated tensor-parallel sizes")
-    parser.add_argument("--dtype", default="float32", choices=get_args(DTypeName))
+    add_dtype_argument(parser, default="float32")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=16, help="the offline batch")

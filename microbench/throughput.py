@@ -23,15 +23,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import get_args
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.config import DTypeName
 from engine.engine_core import resolve_model_path
 from engine.model_runner import resolve_device
+from engine_args.flags import add_device_argument, add_dtype_argument
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)"
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=get_args(DTypeName))
-    parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    add_dtype_argument(parser, default="bfloat16")
+    add_device_argument(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt")

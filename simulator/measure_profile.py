@@ -47,6 +47,7 @@ from engine.engine_core import EngineCore
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelOutput, SchedulerOutput
+from engine_args.flags import add_device_argument, add_dtype_argument
 from simulator.profile_fit import StepFit, fit_step_coefficients
 from simulator.timing_model import MeasuredStep, TimingProfile
 
@@ -225,8 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="a Hugging Face folder or GGUF file the engine loads")
     parser.add_argument("--output", required=True, type=Path, help="where to write the profile (JSON)")
     parser.add_argument("--name", help="the profile's name (default: the output file's name without .json)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    add_dtype_argument(parser)
+    add_device_argument(parser)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the step budget, in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests one step may hold")

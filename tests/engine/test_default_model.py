@@ -4,8 +4,6 @@ dequantized bf16 folder (``--load-format``, engine/default_model.py)."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -78,10 +76,3 @@ def test_a_model_of_ones_own_must_be_the_form_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--load-format gguf does not match"):
         resolve_model_path(str(tmp_path), "gguf")
     assert resolve_model_path(str(tmp_path), "auto") == resolve_model_path(str(tmp_path), "safetensors") == tmp_path
-
-
-def test_the_launchers_child_prints_the_path_then_the_served_name() -> None:
-    """What ``splitserve up`` reads (launcher/processes.py): the form asked for, the name kept."""
-    command = [sys.executable, "-m", "engine.default_model", "--load-format", "gguf", "--dtype", "float32"]
-    lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()
-    assert lines == [str(find_gguf()), DEFAULT_MODEL_NAME]

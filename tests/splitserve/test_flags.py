@@ -5,7 +5,9 @@ the engine's real defaults."""
 from __future__ import annotations
 
 import argparse
+import ast
 from collections.abc import Callable
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -151,3 +153,52 @@ def test_speculation_is_off_unless_asked_and_unset_bounds_keep_the_configs_defau
     assert speculative_config_from_args(_parse(command, "--speculative-model", "/draft")) == SpeculativeConfig(
         method="draft_model", model="/draft"
     )
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# The engine flags with one meaning and one set of choices everywhere: declared in engine_args/flags.py alone.
+SHARED_FLAGS = {
+    "--dtype",
+    "--kv-cache-dtype",
+    "--load-format",
+    "--quantization",
+    "--quant-activations",
+    "--prefix-cache-hash",
+    "--tensor-parallel-size",
+}
+
+
+def declarations(source: str, flags: set[str]) -> list[str]:
+    """Each ``add_argument`` call of ``source`` that declares one of ``flags``, as "line N: FLAG"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            names = [arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
+            found += [f"line {node.lineno}: {name}" for name in names if name in flags]
+    return found
+
+
+def test_the_check_sees_a_declaration() -> None:
+    source = 'def f(p):\n    p.add_argument("--dtype", default="float32")\n    p.add_argument("--seed")\n'
+    assert declarations(source, SHARED_FLAGS) == ["line 2: --dtype"]
+
+
+def test_no_command_declares_an_engine_flag_of_its_own() -> None:
+    """The benchmarks, microbenchmarks, simulator, instances and launcher take these flags from
+    engine_args/flags.py (a benchmark may pass another default), so each means one thing."""
+    assert {action.option_strings[0] for action in _engine_actions()} >= SHARED_FLAGS
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT)
+        if relative.parts[0] in ("engine_args", "tests", ".venv", "build") or "egg-info" in str(relative):
+            continue
+        hits = declarations(path.read_text(), SHARED_FLAGS)
+        if hits:
+            found[str(relative)] = hits
+    assert found == {}
+
+
+def _engine_actions() -> list[argparse.Action]:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return [action for action in parser._actions if action.option_strings]
