@@ -1,6 +1,8 @@
 """``splitserve up`` with tensor parallelism: the official ``openai`` client gets the offline
-engine's greedy text from a colocated instance split over two rank processes, and from a
-prefill instance at TP 2 handing off to a decode instance at TP 1; a rank killed mid-stream
+engine's greedy text from a colocated instance split over two rank processes, from a prefill
+instance at TP 2 handing off to a decode instance at TP 1 (2 KV heads, one a rank), and, with 4
+and 8 KV heads (2 and 4 a rank), from a prefill instance at TP 1 handing off to a decode
+instance at TP 2, each of whose ranks pulls its own heads; a rank killed mid-stream
 ends that stream with an error, takes the instance out of service at once, and leaves no
 process behind when ``up`` stops."""
 
@@ -87,15 +89,19 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def stop_cleanly(up: HTTPProcess) -> None:
+    below = descendants(up.process.pid)
+    assert up.stop() == 0, up.log_text()[-3000:]
+    assert not [pid for pid in below if alive(pid)], "splitserve up left processes behind"
+
+
 @pytest.fixture(scope="module")
 def stack(tiny: Path) -> Iterator[HTTPProcess]:
     up = start_up(tiny)
     try:
         yield up
     finally:
-        below = descendants(up.process.pid)
-        assert up.stop() == 0, up.log_text()[-3000:]
-        assert not [pid for pid in below if alive(pid)], "splitserve up left processes behind"
+        stop_cleanly(up)
 
 
 def test_greedy_text_equals_the_offline_engine(stack: HTTPProcess, tiny: Path) -> None:
@@ -107,9 +113,34 @@ def test_prefill_at_tp2_hands_off_to_decode_at_tp1(tiny: Path) -> None:
     try:
         assert_offline_text(up, tiny)
     finally:
-        below = descendants(up.process.pid)
-        assert up.stop() == 0, up.log_text()[-3000:]
-        assert not [pid for pid in below if alive(pid)], "splitserve up left processes behind"
+        stop_cleanly(up)
+
+
+@pytest.fixture(scope="module", params=[4, 8], ids=lambda n: f"{n}-kv-heads")
+def split_heads(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, HTTPProcess]]:
+    """A model with 8 query heads and ``request.param`` KV heads, and ``up`` with P at TP 1 and D
+    at TP 2: D computes every token after the first with half the KV heads on each rank."""
+    num_kv_heads = request.param
+    model = make_checkpoint(
+        tmp_path_factory.mktemp(f"tp-up-{num_kv_heads}kv"),
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=num_kv_heads,
+    )
+    up = start_up(model, "--prefill-tensor-parallel-size", "1", "--decode-tensor-parallel-size", "2")
+    try:
+        yield model, up
+    finally:
+        stop_cleanly(up)
+
+
+def test_decode_at_tp2_splits_4_and_8_kv_heads_and_gives_the_offline_text(
+    split_heads: tuple[Path, HTTPProcess],
+) -> None:
+    model, up = split_heads
+    assert_offline_text(up, model)
 
 
 def assert_offline_text(stack: HTTPProcess, tiny: Path) -> None:
