@@ -24,17 +24,19 @@ logs a warning at start (:meth:`InternalPlane.warn_if_open`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import grpc
 
-from cluster.auth import ClusterCallCheck, ClusterSecret, cluster_call_interceptors, load_cluster_secret
+from cluster.auth import WILDCARD_HOSTS, ClusterCallCheck, ClusterSecret, cluster_call_interceptors, load_cluster_secret
 from cluster.call_counts import CallCounts
 from cluster.tls import TLSFiles
 
@@ -95,6 +97,10 @@ class InternalPlane:
     tls: TLSFiles | None = None
     # What this plane's server received, by method (its instance's /metrics exports them).
     call_counts: CallCounts = field(default_factory=CallCounts, compare=False, repr=False)
+    # Each server's credential check, told by add_port which addresses its server answers to.
+    _call_checks: weakref.WeakKeyDictionary[grpc.aio.Server, ClusterCallCheck] = field(
+        default_factory=weakref.WeakKeyDictionary, compare=False, repr=False
+    )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, listen_host: str) -> InternalPlane:
@@ -122,8 +128,9 @@ class InternalPlane:
         return plane
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        """A channel to an instance: TLS when configured, a fresh call credential on every call."""
-        interceptors = cluster_call_interceptors(self.secret) if self.secret is not None else None
+        """A channel to the instance at ``address`` (``host:port``, as it advertises itself): TLS
+        when configured, a fresh call credential, bound to ``address`` and the request, on every call."""
+        interceptors = cluster_call_interceptors(self.secret, address) if self.secret is not None else None
         if self.tls is not None:
             return grpc.aio.secure_channel(
                 address, self.tls.channel_credentials(), options=list(options), interceptors=interceptors
@@ -131,16 +138,35 @@ class InternalPlane:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
     def server(self, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
-        """An instance's server: calls without a valid call credential are refused (health checks excepted)."""
+        """An instance's server: calls without a valid call credential are refused (health checks
+        excepted). Give it its ports with :meth:`add_port`, which tells the check its addresses."""
         interceptors: list[grpc.aio.ServerInterceptor] = [self.call_counts]
-        if self.secret is not None:
-            interceptors.append(ClusterCallCheck(self.secret))
-        return grpc.aio.server(interceptors=interceptors, options=list(options))
+        server_check = ClusterCallCheck(self.secret) if self.secret is not None else None
+        if server_check is not None:
+            interceptors.append(server_check)
+        server = grpc.aio.server(interceptors=interceptors, options=list(options))
+        if server_check is not None:
+            self._call_checks[server] = server_check
+        return server
 
-    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+    def add_port(self, server: grpc.aio.Server, address: str, advertise_host: str | None = None) -> int:
+        """Bind ``server`` to ``address`` (``host:port``; port 0: any free one) and return the port.
+        Call credentials are accepted when made for ``host:port`` or, given ``advertise_host``
+        (``--advertise-host``), for ``advertise_host:port``: the address peers dial."""
         if self.tls is not None:
-            return server.add_secure_port(address, self.tls.server_credentials())
-        return server.add_insecure_port(address)
+            port = server.add_secure_port(address, self.tls.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
+        server_check = self._call_checks.get(server)
+        if server_check is not None:
+            host = address.rpartition(":")[0]
+            hosts = [host, *([advertise_host] if advertise_host else [])]
+            if host in WILDCARD_HOSTS and advertise_host in (None, "", host):
+                hosts += this_hosts_names()  # bound everywhere, advertised nowhere: dialled by the host's names
+            server_check.answer_to(
+                *(f"[{h}]:{port}" if ":" in h and not h.startswith("[") else f"{h}:{port}" for h in hosts)
+            )
+        return port
 
     def warn_if_open(self, who: str) -> None:
         """Say loudly, at start, what an unsecured plane lets others do."""
@@ -155,6 +181,16 @@ class InternalPlane:
             )
         if self.tls is None:
             logger.info("%s: internal gRPC is not encrypted (no --tls-cert / --tls-ca)", who)
+
+
+def this_hosts_names() -> list[str]:
+    """This host's name, its fully qualified name and the addresses they resolve to: what peers
+    dial an instance by that binds every interface without an ``--advertise-host``."""
+    names = {socket.gethostname(), socket.getfqdn()}
+    for name in list(names):
+        with contextlib.suppress(OSError, UnicodeError):
+            names |= {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
+    return sorted(name for name in names if name)
 
 
 def is_loopback(host: str) -> bool:

@@ -319,7 +319,7 @@ async def serve(
     disaggregation_pb2_grpc.add_LoadServicer_to_server(LoadServicer(instance), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = instance.plane.add_port(server, f"{args.host}:{args.port}")
+    port = instance.plane.add_port(server, f"{args.host}:{args.port}", advertise)
     await server.start()
     if freeze_heap:
         freeze_startup_heap()  # model, engine, connector and server are all built by now

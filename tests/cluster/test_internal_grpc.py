@@ -1,7 +1,9 @@
 """The internal plane's gRPC on real servers in the test's event loop: calls without a
 credential made with the cluster secret get UNAUTHENTICATED (unary and streaming alike, the
-servicer never runs), a credential is good once, for its method, within the clock window
-(one sniffed off a member's call is worth nothing), health checks stay open, a secret given
+servicer never runs), a credential is good once, for its method, at the instance it was made
+for, with the request it was made over, strictly within the clock window, also after the
+clock steps back (one sniffed off a member's call is worth nothing, another instance refuses
+it, a request altered in flight is refused), health checks stay open, a secret given
 but empty or missing where it is required stops the process at start, and TLS / mutual TLS
 refuse peers without the right certificates."""
 
@@ -11,12 +13,19 @@ import argparse
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.auth import CALL_WINDOW_S, METADATA_KEY, ClusterCallCheck, ClusterSecret
+from cluster.auth import (
+    CALL_WINDOW_S,
+    METADATA_KEY,
+    ClusterCallCheck,
+    ClusterSecret,
+    cluster_call_interceptors,
+)
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments, is_loopback
 from cluster.tls import TLSFiles
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
@@ -25,6 +34,20 @@ SECRET = "the-cluster-secret-of-these-tests"
 
 
 ABORT = "/splitserve.v1.Decode/Abort"
+TARGET = "10.0.0.7:50061"  # the instance the unit tests' credentials are made for
+BODY = disaggregation_pb2.RequestRef(request_id="r").SerializeToString()
+
+
+def make_check(clock: Callable[[], float] | None = None, max_remembered: int = 1 << 20) -> ClusterCallCheck:
+    check = ClusterCallCheck(
+        ClusterSecret.from_text(SECRET), clock=clock or (lambda: 0.0), max_remembered=max_remembered
+    )
+    check.answer_to(TARGET)
+    return check
+
+
+def credential(unix_s: float, method: str = ABORT, target: str = TARGET, body: bytes = BODY) -> str:
+    return ClusterSecret.from_text(SECRET).call_credential(method, target, body, unix_s=unix_s)
 
 
 class EchoDecode(disaggregation_pb2_grpc.DecodeServicer):
@@ -87,38 +110,97 @@ def test_secret_must_be_long_enough_and_is_never_shown() -> None:
     # No derived key is the secret, and each differs: a key used for one purpose serves no other.
     assert len(set(keys)) == 3 and SECRET.encode() not in keys
     # What goes on the wire is a MAC, never a key.
-    credential = secret.call_credential(ABORT)
-    assert not any(key.hex() in credential for key in keys) and SECRET not in credential
+    made = secret.call_credential(ABORT, TARGET, BODY)
+    assert not any(key.hex() in made for key in keys) and SECRET not in made
 
 
 def test_a_credential_is_good_once_for_its_method_within_the_window() -> None:
     secret = ClusterSecret.from_text(SECRET)
-    check = ClusterCallCheck(secret)
+    check = make_check()
     now = 1_700_000_000.0
-    credential = secret.call_credential(ABORT, unix_s=now)
-    assert check.check(ABORT, credential, now) is None
-    assert "used before" in (check.check(ABORT, credential, now + 1) or "")
+    accepted = credential(now)
+    assert check.check(ABORT, accepted, BODY, now) is None
+    assert "used before" in (check.check(ABORT, accepted, BODY, now + 1) or "")
     # Made for Abort: worth nothing for Decode, however fresh.
-    assert "for another method" in (
-        check.check("/splitserve.v1.Decode/Decode", secret.call_credential(ABORT, now), now) or ""
-    )
+    assert "for another method" in (check.check("/splitserve.v1.Decode/Decode", credential(now), BODY, now) or "")
     # Dated outside the window either way: refused, and the clock is named.
     for skew_s in (-CALL_WINDOW_S - 1, CALL_WINDOW_S + 1):
-        problem = check.check(ABORT, secret.call_credential(ABORT, unix_s=now + skew_s), now)
+        problem = check.check(ABORT, credential(now + skew_s), BODY, now)
         assert problem is not None and "clock" in problem
-    # At the window's edges, accepted once.
+    # Just inside the window's edges, accepted once.
     for skew_s in (-CALL_WINDOW_S + 1, CALL_WINDOW_S - 1):
-        assert check.check(ABORT, secret.call_credential(ABORT, unix_s=now + skew_s), now) is None
+        assert check.check(ABORT, credential(now + skew_s), BODY, now) is None
     # A nonce is forgotten only once its credential is out of the window anyway: memory stays
-    # bounded by the calls of two windows.
+    # bounded by the calls of one window.
     assert check.num_remembered == 3
     later = now + 2 * CALL_WINDOW_S + 1
-    assert "clock" in (check.check(ABORT, credential, later) or "")
-    assert check.check(ABORT, secret.call_credential(ABORT, unix_s=later), later) is None
+    assert "clock" in (check.check(ABORT, accepted, BODY, later) or "")
+    assert check.check(ABORT, credential(later), BODY, later) is None
     assert check.num_remembered == 1
     other = ClusterSecret.from_text("not-the-cluster-secret-at-all")
-    for presented in (None, "", "v1.x.y.z", other.call_credential(ABORT, now), SECRET):
-        assert check.check(ABORT, presented, now) is not None, presented
+    for presented in (None, "", "v2.x.y.z", "v2.1.n.m", other.call_credential(ABORT, TARGET, BODY, now), SECRET):
+        assert check.check(ABORT, presented, BODY, now) is not None, presented
+    assert secret.call_credential(ABORT, TARGET, BODY).startswith("v2.")
+
+
+def test_a_replay_at_exactly_the_windows_end_is_refused() -> None:
+    """The window is open at both ends. On today's main a credential dated exactly one window
+    ahead was accepted, its nonce forgotten two windows after it arrived, and then, at exactly
+    its timestamp's window's end, accepted again."""
+    check = make_check()
+    now = 1_700_000_000.0
+    edge = credential(now + CALL_WINDOW_S)
+    assert "clock" in (check.check(ABORT, edge, BODY, now) or "")
+    assert check.check(ABORT, edge, BODY, now + 2 * CALL_WINDOW_S) is not None
+    # One accepted inside the window is refused at exactly its window's end.
+    accepted = credential(now)
+    assert check.check(ABORT, accepted, BODY, now) is None
+    assert "clock" in (check.check(ABORT, accepted, BODY, now + CALL_WINDOW_S) or "")
+    assert "clock" in (check.check(ABORT, credential(now - CALL_WINDOW_S), BODY, now) or "")
+
+
+def test_after_the_clock_steps_back_a_credential_seen_before_is_refused() -> None:
+    """The clock (injected) runs on past a credential's window, so its nonce is forgotten, then
+    steps back to where the credential is dated inside the window again: it is still refused,
+    because it is dated at or before the horizon of forgotten credentials. Fresh calls at the
+    stepped-back time are accepted (the step was shorter than the window)."""
+    clock = [1_700_000_000.0]
+    check = make_check(clock=lambda: clock[0])
+    sniffed = credential(clock[0])
+    assert check.check(ABORT, sniffed, BODY) is None
+    clock[0] += 2 * CALL_WINDOW_S  # any call now forgets the sniffed one's nonce
+    assert check.check(ABORT, credential(clock[0]), BODY) is None
+    assert check.num_remembered == 1
+    clock[0] -= 2 * CALL_WINDOW_S - 1  # NTP steps the clock back: the sniffed one is in the window again
+    problem = check.check(ABORT, sniffed, BODY)
+    assert problem is not None and "stepped back" in problem
+    assert check.check(ABORT, credential(clock[0] + CALL_WINDOW_S - 2), BODY) is None
+
+
+def test_the_nonce_cache_is_bounded_and_what_it_drops_is_refused() -> None:
+    check = make_check(max_remembered=4)
+    now = 1_700_000_000.0
+    credentials = [credential(now + i) for i in range(6)]
+    for presented in credentials:
+        assert check.check(ABORT, presented, BODY, now) is None
+    assert check.num_remembered == 4
+    # The two oldest were dropped to make room: replayed, they are refused all the same.
+    assert all(check.check(ABORT, presented, BODY, now) is not None for presented in credentials)
+
+
+def test_a_credential_binds_the_instance_and_the_request_and_names_its_version() -> None:
+    check = make_check()
+    now = 1_700_000_000.0
+    other_target = credential(now, target="10.0.0.8:50061")
+    assert "made for 10.0.0.8:50061, but this instance answers to 10.0.0.7:50061" in (
+        check.check(ABORT, other_target, BODY, now) or ""
+    )
+    assert "or request" in (check.check(ABORT, credential(now), b"\n\x05other", now) or "")
+    # The channel target's resolver scheme and the host's case do not matter.
+    assert check.check(ABORT, credential(now, target="dns:///10.0.0.7:50061"), BODY, now) is None
+    # A caller on the credential format before this one is told why, not just refused.
+    v1 = "v1.1700000000000.00112233445566778899aabbccddeeff." + "0" * 64
+    assert "format v1, and this instance takes v2" in (check.check(ABORT, v1, BODY, now) or "")
 
 
 def test_calls_without_the_secret_are_unauthenticated_and_never_reach_the_servicer() -> None:
@@ -128,7 +210,7 @@ def test_calls_without_the_secret_are_unauthenticated_and_never_reach_the_servic
         async with plane.channel(address) as member:
             assert await decode_and_abort(member) == ([1, 2], True)
         assert servicer.num_calls == 2
-        stranger = ClusterSecret.from_text("not-the-cluster-secret-at-all").call_credential(ABORT)
+        stranger = ClusterSecret.from_text("not-the-cluster-secret-at-all").call_credential(ABORT, address, BODY)
         for metadata in ((), ((METADATA_KEY, stranger),), ((METADATA_KEY, SECRET),)):
             async with grpc.aio.insecure_channel(address) as outsider:
                 stub = disaggregation_pb2_grpc.DecodeStub(outsider)
@@ -162,12 +244,15 @@ def test_a_credential_read_off_a_members_call_is_refused_when_replayed() -> None
         sniffed = servicer.credentials[1]  # the first Abort's
         async with grpc.aio.insecure_channel(address) as eavesdropper:
             stub = disaggregation_pb2_grpc.DecodeStub(eavesdropper)
-            with pytest.raises(grpc.aio.AioRpcError) as replayed:
-                await stub.Abort(
-                    disaggregation_pb2.RequestRef(request_id="other"), timeout=5, metadata=((METADATA_KEY, sniffed),)
-                )
-            assert replayed.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert "used before (a replay)" in replayed.value.details()
+            for request_id, problem in (("r", "used before (a replay)"), ("other", "for another method or request")):
+                with pytest.raises(grpc.aio.AioRpcError) as replayed:
+                    await stub.Abort(
+                        disaggregation_pb2.RequestRef(request_id=request_id),
+                        timeout=5,
+                        metadata=((METADATA_KEY, sniffed),),
+                    )
+                assert replayed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert problem in replayed.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as other_method:
                 async for _ in stub.Decode(
                     disaggregation_pb2.DecodeRequest(request_id="r"), timeout=5, metadata=((METADATA_KEY, sniffed),)
@@ -175,6 +260,88 @@ def test_a_credential_read_off_a_members_call_is_refused_when_replayed() -> None
                     pass
             assert other_method.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert servicer.num_calls == 4, "no replayed call reached the servicer"
+
+    asyncio.run(with_server(plane, test))
+
+
+def test_a_credential_read_off_a_call_to_one_instance_is_refused_by_another() -> None:
+    """Two instances of one cluster: what a member sent to A, replayed to B for the same method
+    and the same request, is refused by B before its servicer runs (on today's main B took it:
+    its nonce was new there)."""
+    plane_a = InternalPlane(secret=ClusterSecret.from_text(SECRET))
+    plane_b = InternalPlane(secret=ClusterSecret.from_text(SECRET))
+
+    async def test_a(address_a: str, servicer_a: EchoDecode) -> None:
+        async def test_b(address_b: str, servicer_b: EchoDecode) -> None:
+            async with plane_a.channel(address_a) as member:
+                assert await decode_and_abort(member) == ([1, 2], True)
+            sniffed_decode, sniffed_abort = servicer_a.credentials
+            async with grpc.aio.insecure_channel(address_b) as eavesdropper:
+                stub = disaggregation_pb2_grpc.DecodeStub(eavesdropper)
+                with pytest.raises(grpc.aio.AioRpcError) as replayed:
+                    await stub.Abort(
+                        disaggregation_pb2.RequestRef(request_id="r"),
+                        timeout=5,
+                        metadata=((METADATA_KEY, sniffed_abort),),
+                    )
+                assert replayed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert f"made for {address_a}, but this instance answers to {address_b}" in replayed.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as streaming:
+                    async for _ in stub.Decode(
+                        disaggregation_pb2.DecodeRequest(request_id="r"),
+                        timeout=5,
+                        metadata=((METADATA_KEY, sniffed_decode),),
+                    ):
+                        pass
+                assert streaming.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert servicer_b.num_calls == 0, "no replayed call reached B's servicer"
+            async with plane_b.channel(address_b) as member:
+                assert await decode_and_abort(member) == ([1, 2], True)
+
+        await with_server(plane_b, test_b)
+
+    asyncio.run(with_server(plane_a, test_a))
+
+
+def someone_elses(request: Any) -> Any:
+    return type(request)(request_id="someone-elses")
+
+
+class AlterUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    """Someone changing traffic in flight: after the member's credential is made, the request is
+    swapped for another one (another request id)."""
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(client_call_details, someone_elses(request))
+
+
+class AlterStream(grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(client_call_details, someone_elses(request))
+
+
+def test_a_request_altered_in_flight_is_refused_before_it_is_used() -> None:
+    """The credential covers the request's bytes: a member's Abort or Decode whose request was
+    changed on the way (same instance, same method, unused credential) is refused before the
+    servicer sees it; on today's main the servicer aborted someone else's request."""
+    secret = ClusterSecret.from_text(SECRET)
+    plane = InternalPlane(secret=secret)
+
+    async def test(address: str, servicer: EchoDecode) -> None:
+        interceptors = [*cluster_call_interceptors(secret, address), AlterUnary(), AlterStream()]
+        async with grpc.aio.insecure_channel(address, interceptors=interceptors) as tampered:
+            stub = disaggregation_pb2_grpc.DecodeStub(tampered)
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await stub.Abort(disaggregation_pb2.RequestRef(request_id="r"), timeout=5)
+            assert unary.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "for another method or request" in unary.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as streaming:
+                async for _ in stub.Decode(disaggregation_pb2.DecodeRequest(request_id="r"), timeout=5):
+                    pass
+            assert streaming.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert servicer.num_calls == 0, "no altered request reached the servicer"
+        async with plane.channel(address) as member:
+            assert await decode_and_abort(member) == ([1, 2], True)
 
     asyncio.run(with_server(plane, test))
 

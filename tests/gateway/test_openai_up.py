@@ -331,7 +331,11 @@ def test_instances_only_answer_this_runs_secret(stack: HTTPProcess) -> None:
         with pytest.raises(grpc.RpcError) as raised:
             stub.GetLoadReport(disaggregation_pb2.LoadReportRequest(), timeout=10)
         assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        credential = ClusterSecret.from_text(secret).call_credential("/splitserve.v1.Load/GetLoadReport")
+        credential = ClusterSecret.from_text(secret).call_credential(
+            "/splitserve.v1.Load/GetLoadReport",
+            f"127.0.0.1:{port}",
+            disaggregation_pb2.LoadReportRequest().SerializeToString(),
+        )
         assert (
             stub.GetLoadReport(
                 disaggregation_pb2.LoadReportRequest(), timeout=10, metadata=[(METADATA_KEY, credential)]

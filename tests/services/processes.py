@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.auth import METADATA_KEY, ClusterSecret
@@ -24,26 +25,29 @@ SERVICE_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHO
 
 
 class _CallCredential(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """The test's side of the cluster secret on a synchronous channel: a fresh call credential on every call."""
+    """The test's side of the cluster secret on a synchronous channel to ``target``: a fresh call
+    credential, for that instance and the call's request, on every call."""
 
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, target: str) -> None:
         self._secret = ClusterSecret.from_text(secret)
+        self._target = target
 
-    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+    def _details(self, details: grpc.ClientCallDetails, request: Message) -> grpc.ClientCallDetails:
+        credential = self._secret.call_credential(details.method, self._target, request.SerializeToString())
         return _Details(
             details.method,
             details.timeout,
-            [*(details.metadata or ()), (METADATA_KEY, self._secret.call_credential(details.method))],
+            [*(details.metadata or ()), (METADATA_KEY, credential)],
             details.credentials,
             details.wait_for_ready,
             details.compression,
         )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
+        return continuation(self._details(client_call_details, request), request)
 
     def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
+        return continuation(self._details(client_call_details, request), request)
 
 
 class _Details(
@@ -58,7 +62,7 @@ class _Details(
 def open_channel(address: str, secret: str | None = None, tls: grpc.ChannelCredentials | None = None) -> grpc.Channel:
     """A synchronous channel to an instance, as a member of its cluster when given its secret / TLS."""
     channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
-    return grpc.intercept_channel(channel, _CallCredential(secret)) if secret is not None else channel
+    return grpc.intercept_channel(channel, _CallCredential(secret, address)) if secret is not None else channel
 
 
 class Service:
