@@ -30,7 +30,9 @@ Design choices of the call credential (format ``v2``):
   (:meth:`ClusterCallCheck.answer_to`, set by ``InternalPlane.add_port``): its advertised
   address (``--advertise-host``, default ``--host``, with the port it bound), which is what
   its registry record and the KV handles it signs carry and so what gateways and decode
-  instances dial, and its bind address when that is not a wildcard. Behind
+  instances dial, and its bind address when that is not a wildcard (bound to every interface
+  with no ``--advertise-host``: the host's name, its fully qualified name and their
+  addresses, ``cluster.internal_grpc.this_hosts_names``). Behind
   ``--advertise-host`` the advertised name is the one peers use, so it matches; a client that
   dials an instance by another name (a static ``--prefill`` naming a DNS alias) is refused with
   a message naming both. No two instances answer to the same ``host:port``, so a credential
