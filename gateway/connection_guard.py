@@ -49,11 +49,6 @@ logger = logging.getLogger(__name__)
 
 # Answered at any connection count: Kubernetes' liveness and readiness probes.
 PROBE_PATHS = frozenset({"/health", "/ready"})
-# Clients send a request's headers as they open its connection, in one write; a browser's
-# speculative connection that waits longer is opened again when it is needed.
-DEFAULT_HEADERS_TIMEOUT_S = 10.0
-# Room for the largest body (--max-request-body-bytes) over a slow client link.
-DEFAULT_BODY_TIMEOUT_S = 30.0
 _LOG_EVERY = 1000  # a flood of refused or timed-out connections must not flood the log too
 
 Phase = Literal["headers", "body", "between"]

@@ -17,8 +17,8 @@ fails on it: ``gateway/failover.py``):
    stream early cancels the Decode call (D aborts and frees at once) and releases P's
    blocks if no D took them.
 
-Admission first: instances over ``--max-queue-delay`` or ``--max-inflight-per-instance``
-take nothing new (``gateway.admission``); when none qualifies the request gets 429 with
+Instance limits first: instances over ``--max-queue-delay`` or ``--max-inflight-per-instance``
+take nothing new (``gateway.instance_limits``); when none qualifies the request gets 429 with
 ``Retry-After`` before any instance sees it.
 """
 

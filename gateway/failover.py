@@ -26,7 +26,7 @@ in call order:
    background (:meth:`Failover.release`) and outlives the request; :meth:`Failover.drain`
    waits for it.
 
-Every instance is picked through admission first (``gateway.admission``): when none
+Every instance is picked within the instance limits (``gateway.instance_limits``): when none
 qualifies, the request gets 429 with ``Retry-After``; a re-prefill is never refused.
 
 With tracing on, each call to an instance is a client span of the request's trace, its context
@@ -46,10 +46,10 @@ import grpc
 
 from cluster.background import BackgroundTasks
 from cluster.prefill_control import abort_prefill, release_kv
-from gateway.admission import Overloaded
 from gateway.dispatch_request import DispatchRequest, PinnedKV, TokenEvent
 from gateway.errors import APIError, instance_failure, no_instance
 from gateway.flags import DEFAULT_MAX_MIGRATIONS
+from gateway.instance_limits import Overloaded
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
 from gateway.request_trace import Metadata, RequestTrace, call_trace
@@ -143,7 +143,7 @@ class Failover:
         prefer: InstanceState | None = None,
     ) -> tuple[disaggregation_pb2.PrefillResponse, InstanceState, float]:
         """Prefill on the first P that answers (step 1), and when the gateway sent it that
-        call (monotonic). ``kv_only``: a re-prefill of an admitted request, which no admission
+        call (monotonic). ``kv_only``: a re-prefill of a request under way, which no instance
         limit refuses."""
         tried: list[InstanceState] = []
         message = disaggregation_pb2.PrefillRequest(
@@ -157,12 +157,12 @@ class Failover:
         num_prompt_tokens = len(request.prompt_token_ids)
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
-            prefill = self._admit(
+            prefill = self._within_limits(
                 lambda: self.pool.pick_prefill(
                     exclude=tried,
                     num_prompt_tokens=num_prompt_tokens,
                     prefer=prefer,
-                    admitted=kv_only,
+                    exempt=kv_only,
                     prompt=request.blocks,
                 )
             )
@@ -365,7 +365,7 @@ class Failover:
         tried: list[InstanceState] = []
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
-            instance = self._admit(lambda: pick(tried))
+            instance = self._within_limits(lambda: pick(tried))
             if instance is None:
                 break
             tried.append(instance)
@@ -374,10 +374,10 @@ class Failover:
                 call = open_stream(instance, traced.metadata)
                 streamed = False
                 try:
-                    with instance.call() as prefilled:
+                    with instance.call() as mark_running:
                         async for response in call:
                             first, streamed = not streamed, True
-                            prefilled()
+                            mark_running()
                             event = TokenEvent.from_response(response, first)
                             if first:
                                 event.call_sent_at, event.answered_at = sent_at, time.monotonic()
@@ -414,7 +414,7 @@ class Failover:
 
     # --------------------------------------------------------------- helpers
 
-    def _admit(self, pick: Callable[[], InstanceState | None]) -> InstanceState | None:
+    def _within_limits(self, pick: Callable[[], InstanceState | None]) -> InstanceState | None:
         """Run a pick; an :class:`Overloaded` pool becomes a 429 with ``Retry-After``."""
         try:
             return pick()

@@ -1,7 +1,8 @@
-"""The gateway's flags that ``splitserve up`` takes too, declared once: the API key and the
-routing and admission flags, which ``up`` passes on to the gateway it starts
-(:func:`routing_argv`). Light on purpose (argparse only): the launcher imports this module
-without the gateway's web stack, the engine or torch."""
+"""The gateway's flags, each declared once (:func:`add_gateway_arguments`), and the ones
+``splitserve up`` takes too: the API key, the routing and instance-limit flags, the process count
+and the request log, which ``up`` passes on to the gateway it starts (:func:`routing_argv`).
+Light on purpose (argparse only): the launcher imports this module without the gateway's web
+stack, the engine or torch."""
 
 from __future__ import annotations
 
@@ -10,12 +11,210 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from cluster.tracing import add_tracing_arguments
+
 Routing = Literal["load", "kv"]
 ROUTINGS: tuple[Routing, ...] = ("load", "kv")
 RequestLogFormat = Literal["off", "text", "json"]
 REQUEST_LOG_FORMATS: tuple[RequestLogFormat, ...] = ("off", "text", "json")
 DEFAULT_MAX_MIGRATIONS = 2
 API_KEY_FILE_ENV = "SPLITSERVE_API_KEY_FILE"
+DEFAULT_PORT = 8000
+DEFAULT_GRPC_PORT = 50051
+# What one request may ask (gateway/limits.py).
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token conversation as JSON, escapes included, with room to spare
+DEFAULT_MAX_PROMPTS = 128  # prompts in one /v1/completions request; each takes a pending slot
+DEFAULT_MAX_PROMPT_CHARS = 1 << 20  # about 4 characters a token for 128k tokens, twice over
+DEFAULT_MAX_STOP = 32  # stop strings, and separately stop token ids, per request
+DEFAULT_MAX_STOP_CHARS = 256  # one stop string; matched against the text after every token
+DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # llguidance compiles a large JSON schema in well under a second
+# A connection's deadlines (gateway/connection_guard.py). Clients send a request's headers as
+# they open its connection, in one write; a browser's speculative connection that waits longer
+# is opened again when it is needed.
+DEFAULT_HEADERS_TIMEOUT_S = 10.0
+# Room for the largest body (--max-request-body-bytes) over a slow client link.
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """``splitserve gateway``'s flags, every one of them (``gateway/server.py`` runs them)."""
+    # grpc is imported here, for the gateway only: ``up`` imports this module too.
+    from cluster.internal_grpc import add_internal_plane_arguments
+
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the model the instances serve: its local Hugging Face folder or .gguf file, whose tokenizer the "
+        "gateway uses (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients send and /v1/models lists (default: --model as given)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind the REST and gRPC fronts to")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="REST port")
+    parser.add_argument(
+        "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC Generation port (0: any free port, -1: off)"
+    )
+    add_api_key_argument(parser)
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a prefill instance (repeatable); static routing",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a decode instance (repeatable); static routing",
+    )
+    parser.add_argument(
+        "--colocated",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="an instance doing both phases (repeatable)",
+    )
+    parser.add_argument(
+        "--registry-url",
+        default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""),
+        help="redis://[USER:PASSWORD@]HOST:PORT (or rediss:// for TLS) where instances register, instead of static "
+        "lists "
+        "(env SPLITSERVE_REGISTRY_URL, which keeps a password off the command line)",
+    )
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between load polls of each instance")
+    parser.add_argument(
+        "--stale-after",
+        type=float,
+        default=3.0,
+        help="seconds without a fresh load report before an instance is skipped",
+    )
+    parser.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="requests in flight at once; beyond this the gateway answers 429",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="HTTP connections (idle keep-alive ones too) and gRPC calls served at once; beyond it the REST "
+        "server answers 503 on every path but the probes' (/health, /ready), the gRPC server RESOURCE_EXHAUSTED "
+        "(default: twice --max-pending-requests, plus 64 for probes and scrapes)",
+    )
+    # Deadlines and a per-client cap on REST connections (gateway/connection_guard.py), as nginx's
+    # client_header_timeout, client_body_timeout and limit_conn.
+    parser.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        help="open HTTP connections from one client address (IPv6: one /64); one more is answered 503 and closed "
+        "unread. Behind a proxy every client has the proxy's address: raise it to --max-connections "
+        "(default: half of --max-connections, so that no one address can fill it)",
+    )
+    parser.add_argument(
+        "--timeout-request-headers",
+        type=float,
+        default=DEFAULT_HEADERS_TIMEOUT_S,
+        help="seconds a client has to send a request's line and headers, from the connection's start (or the "
+        "next request's first byte); then the connection is closed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client has to send a request's body once its headers are in; then the connection is "
+        "closed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)"
+    )
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take end to end")
+    # Longer than clients keep an idle pooled connection (httpx, so the openai client: 5 s;
+    # aiohttp: 15 s), so that the client, not the server, closes it. Shorter (uvicorn's 5 s),
+    # a client reusing a connection as the server closes it gets a reset and loses the request:
+    # one of sixteen in a benchmark run with aiohttp, whose requests came some 4 s apart.
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=75.0,
+        help="seconds an idle HTTP connection stays open (as nginx's keepalive_timeout)",
+    )
+    add_routing_arguments(parser)
+    # Several gateways (gateway/api_servers.py), each breaking routing ties in its own order (gateway/tie_break.py).
+    add_api_server_count_argument(parser)
+    parser.add_argument(
+        "--gateway-index",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this gateway's index among --num-gateways replicas sharing the instances (e.g. a StatefulSet's "
+        "ordinal), so that their routing does not herd onto the same instances (default: 0)",
+    )
+    parser.add_argument(
+        "--num-gateways",
+        type=int,
+        default=1,
+        metavar="M",
+        help="gateway replicas sharing the instances, each given its --gateway-index (default: 1)",
+    )
+    # Set by the parent of --api-server-count processes on each child.
+    parser.add_argument("--api-server-index", type=int, default=None, help=argparse.SUPPRESS)
+    # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
+    parser.add_argument(
+        "--enable-priority",
+        action="store_true",
+        help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body (REST) or message (gRPC); beyond it the gateway answers 413",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS,
+        help="prompts in one /v1/completions request",
+    )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_CHARS,
+        help="characters of one prompt (or rendered conversation) before tokenizing",
+    )
+    parser.add_argument(
+        "--max-stop-sequences",
+        type=int,
+        default=DEFAULT_MAX_STOP,
+        help="stop strings, and separately stop token ids, in one request",
+    )
+    parser.add_argument(
+        "--max-stop-chars", type=int, default=DEFAULT_MAX_STOP_CHARS, help="characters of one stop string"
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
+        help="seconds the chat template may take to render one conversation",
+    )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+        help="seconds one structured output's grammar may take to compile",
+    )
+    # The internal plane: the cluster secret and TLS of the gateway's calls to instances.
+    add_internal_plane_arguments(parser)
+    add_tracing_arguments(parser)
+    add_request_log_argument(parser)
 
 
 def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +254,7 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     """How requests are admitted, routed and recovered."""
-    # Admission control (gateway/admission.py): refuse at once rather than queue for minutes.
+    # Instance limits (gateway/instance_limits.py): refuse at once rather than queue for minutes.
     parser.add_argument(
         "--max-queue-delay",
         type=float,

@@ -9,10 +9,10 @@ A REST request, in call order:
 2. The API paths (:data:`ADMITTED_PATHS`) then take a pending slot of
    ``--max-pending-requests`` (:class:`PendingSlots`): 429, body unread, when none is free.
    The slot is the request's until its response has ended (a stream included), whatever
-   ends it; the handler finds it with :func:`admission_of`.
+   ends it; the handler finds it with :func:`gate_pass_of`.
 3. ``BodySizeLimit`` (``gateway/limits.py``) reads the body: 413 beyond ``--max-request-body-bytes``.
 4. The handler parses the body; a completion with several prompts takes one more slot per
-   prompt past the first (``Admission.take_more``) before any is tokenized; costly work runs
+   prompt past the first (``GatePass.take_more``) before any is tokenized; costly work runs
    on the bounded pools of ``gateway/work_pool.py`` under the request's client (its peer
    address), each with a time limit; then ``GenerationService.stream`` dispatches it.
 
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 ClientId = NewType("ClientId", str)
 
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
-_ADMISSION = "splitserve_admission"  # the key of a request's Admission in the ASGI scope's state
+_GATE_PASS = "splitserve_gate_pass"  # the key of a request's GatePass in the ASGI scope's state
 
 
 def client_of_scope(scope: Scope) -> ClientId:
@@ -71,10 +71,10 @@ class PendingSlots:
         self.max_pending = max_pending
         self.num_pending = 0
 
-    def admit(self, client: ClientId) -> Admission:
+    def admit(self, client: ClientId) -> GatePass:
         """One slot for a new request. Raises APIError 429 when none is free."""
         self._take(1)
-        return Admission(client, self, 1)
+        return GatePass(client, self, 1)
 
     def _take(self, num_slots: int) -> None:
         if self.num_pending + num_slots > self.max_pending:
@@ -88,7 +88,7 @@ class PendingSlots:
 
 
 @dataclass(slots=True)
-class Admission:
+class GatePass:
     """A request past the gate: who sent it, the slots it holds until :meth:`release`, and
     when it arrived (its time to first token counts from then) and what the edge did for it."""
 
@@ -109,11 +109,11 @@ class Admission:
         self.num_slots = 0
 
 
-def admission_of(request: Request) -> Admission:
-    admission = request.scope.get("state", {}).get(_ADMISSION)
-    if not isinstance(admission, Admission):
+def gate_pass_of(request: Request) -> GatePass:
+    gate_pass = request.scope.get("state", {}).get(_GATE_PASS)
+    if not isinstance(gate_pass, GatePass):
         raise RuntimeError(f"bug: {request.url.path} was not admitted by the gate (gateway/gate.py ADMITTED_PATHS)")
-    return admission
+    return gate_pass
 
 
 class AdmissionGate:
@@ -152,15 +152,15 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         try:
-            admission = self.slots.admit(client_of_scope(scope))
+            gate_pass = self.slots.admit(client_of_scope(scope))
         except APIError as error:
             await self._refuse(error, scope, receive, send)
             return
-        scope.setdefault("state", {})[_ADMISSION] = admission
+        scope.setdefault("state", {})[_GATE_PASS] = gate_pass
         try:
             await self.app(scope, receive, send)
         finally:
-            admission.release()
+            gate_pass.release()
 
     async def _refuse(self, error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
         self.refused.labels(status=f"error_{error.status.value}").inc()

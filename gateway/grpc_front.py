@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.sampling_proto import sampling_params_from_proto
 from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
-from gateway.gate import Admission, client_of_peer
+from gateway.gate import GatePass, client_of_peer
 from gateway.generation import GenerationJob, GenerationService
 from gateway.protocol import MAX_CACHE_SALT_CHARS
 from gateway.request_trace import caller_trace_headers
@@ -36,18 +36,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.api_key = api_key
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC signature
-        admission = None
+        gate_pass = None
         try:
             # The gate's order (gateway/gate.py): the key, a slot, then the costly work.
             self._authorize(context)
-            admission = self.service.slots.admit(client_of_peer(context.peer()))
+            gate_pass = self.service.slots.admit(client_of_peer(context.peer()))
             if request.model and request.model != self.model_name:
                 raise unknown_model(request.model, self.model_name)
-            job = await self._job(request, admission, context)
+            job = await self._job(request, gate_pass, context)
             async for response in self._responses(request, job):
                 yield response
         except APIError as error:
-            if admission is None:  # refused at the gate: counted as the REST gate counts
+            if gate_pass is None:  # refused at the gate: counted as the REST gate counts
                 self.service.metrics.requests.labels(status=f"error_{error.status.value}").inc()
             await context.abort(error.grpc_code, error.message)
         except Exception:
@@ -55,8 +55,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             internal = internal_error("while generating")
             await context.abort(internal.grpc_code, internal.message)
         finally:
-            if admission is not None:
-                admission.release()
+            if gate_pass is not None:
+                gate_pass.release()
 
     async def _responses(
         self, request: generation_pb2.GenerateRequest, job: GenerationJob
@@ -109,15 +109,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
 
     async def _job(
-        self, request: generation_pb2.GenerateRequest, admission: Admission, context: grpc.aio.ServicerContext
+        self, request: generation_pb2.GenerateRequest, gate_pass: GatePass, context: grpc.aio.ServicerContext
     ) -> GenerationJob:
-        client = admission.client
+        client = gate_pass.client
         try:
             params = sampling_params_from_proto(request.sampling)
         except ValueError as error:
             raise bad_request(str(error)) from error
         if params.structured is not None:
-            with admission.timing.stage("grammar compile"):
+            with gate_pass.timing.stage("grammar compile"):
                 await self.service.grammars.check(
                     params.structured, f"sampling.{request.sampling.WhichOneof('structured')}", client
                 )
@@ -127,7 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 "cache_salt",
             )
         if request.WhichOneof("prompt") == "text":
-            with admission.timing.stage("tokenize"):
+            with gate_pass.timing.stage("tokenize"):
                 token_ids = await self.service.tokenizer.encode(request.text, client=client, param="text")
         else:
             token_ids = list(request.token_ids.ids)
@@ -137,7 +137,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             params,
             priority=request.priority,
             cache_salt=request.cache_salt or None,
-            edge=admission.timing,
+            edge=gate_pass.timing,
             caller_trace=caller_trace_headers(dict(context.invocation_metadata() or ())),
         )
 

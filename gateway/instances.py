@@ -1,6 +1,6 @@
 """The instances the gateway knows, their latest load reports, and how it picks
 one: the best ranked (``gateway.routing``: by load, or by load and cached prefix) among
-the healthy ones within the admission limits (``gateway.admission``), never pairing a
+the healthy ones within the instance limits (``gateway.instance_limits``), never pairing a
 prefill and a decode instance whose KV fingerprints differ; equally ranked ones in this
 gateway's own order (``gateway.tie_break``), so that several gateways do not herd.
 
@@ -22,8 +22,8 @@ import grpc
 
 from cluster.background import BackgroundTasks
 from cluster.internal_grpc import InternalPlane
-from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s, retry_after_s
 from gateway.flags import Routing
+from gateway.instance_limits import InstanceLimits, Overloaded, estimated_wait_s, retry_after_s
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
 from gateway.registry_state import RegistryState
 from gateway.routing import (
@@ -83,18 +83,19 @@ class InstanceState:
     def call(self, num_prompt_tokens: int | None = None) -> Iterator[Callable[[], None]]:
         """Count one call from this gateway as outstanding while the block runs; enter it right
         after the pick that dispatched it (no await between): ``num_prompt_tokens`` defaults to
-        what that pick charged. The block gets ``prefilled``, to call once the
-        instance has computed the prompt (a streamed call's first token); from then on, or from
+        what that pick charged. The block gets ``mark_running``, to call once the
+        instance answers (a streamed call's first response: a prefill's first token, or a decode
+        stream's); from then on, or from
         the block's end, the dispatch no longer counts as queued work but as running (until the
         block's end or the next report). Without this a finished prompt would count as queued
-        until the next report (a poll interval) and hold off admission and routing for nothing,
+        until the next report (a poll interval) and hold off the instance limits and routing for nothing,
         and a stream that started would count as nothing at all."""
         if num_prompt_tokens is None:
             num_prompt_tokens = self.charged_tokens
         num_reports = self.num_reports
         settled = started = False
 
-        def prefilled() -> None:
+        def mark_running() -> None:
             nonlocal settled, started
             if settled:
                 return
@@ -107,11 +108,11 @@ class InstanceState:
 
         self.num_inflight += 1
         try:
-            yield prefilled
+            yield mark_running
         finally:
             self.num_inflight -= 1
             if not settled:
-                prefilled()
+                mark_running()
             if started and self.num_reports == num_reports:  # over before a report could show it running
                 self.num_started = max(0, self.num_started - 1)
 
@@ -152,7 +153,7 @@ class InstanceState:
 @dataclass
 class InstancePool:
     stale_after_s: float
-    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    limits: InstanceLimits = field(default_factory=InstanceLimits)
     routing: Routing = "load"  # gateway.routing
     index: PrefixIndex = field(default_factory=PrefixIndex)  # filled by gateway.kv_events with kv routing
     plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of every channel
@@ -230,7 +231,7 @@ class InstancePool:
         prefer: InstanceState | None = None,
         prompt: PromptBlocks | None = None,
     ) -> InstanceState | None:
-        """The best-ranked healthy instance of a role within the admission limits, optionally
+        """The best-ranked healthy instance of a role within the instance limits, optionally
         KV-compatible with a fingerprint; ``prefer`` wins when it qualifies (its prefix cache
         holds the prompt). ``prompt``: the request's blocks, for kv routing. None when there
         is no candidate at all; :class:`Overloaded` when every candidate is over a limit."""
@@ -241,36 +242,36 @@ class InstancePool:
             if id(s) not in excluded
             and (fingerprint is None or kv_compatible(s.healthy_report.fingerprint, fingerprint))
         ]
-        return self._admit(role, candidates, num_prompt_tokens, prefer, prompt=prompt)
+        return self._within_limits(role, candidates, num_prompt_tokens, prefer, prompt=prompt)
 
     def pick_prefill(
         self,
         exclude: Iterable[InstanceState] = (),
         num_prompt_tokens: int = 0,
         prefer: InstanceState | None = None,
-        admitted: bool = False,
+        exempt: bool = False,
         prompt: PromptBlocks | None = None,
     ) -> InstanceState | None:
         """As :meth:`pick`, among the prefill instances some healthy decode instance can pair with.
-        ``admitted``: the request was admitted before (a re-prefill): no limit refuses it now."""
+        ``exempt``: the request got past the limits before (a re-prefill): no limit refuses it now."""
         excluded = {id(s) for s in exclude}
         candidates = [s for s in self._pairable_prefills() if id(s) not in excluded]
-        return self._admit("prefill", candidates, num_prompt_tokens, prefer, admitted, prompt)
+        return self._within_limits("prefill", candidates, num_prompt_tokens, prefer, exempt, prompt)
 
-    def _admit(
+    def _within_limits(
         self,
         role: Role,
         candidates: list[InstanceState],
         num_prompt_tokens: int,
         prefer: InstanceState | None,
-        admitted: bool = False,
+        exempt: bool = False,
         prompt: PromptBlocks | None = None,
     ) -> InstanceState | None:
-        """Limits apply where a request is admitted, at its prefill (P or colocated); a request
+        """Limits apply where a request enters, at its prefill (P or colocated); a request
         past that point is served, whatever the decode instances' load."""
         if not candidates:
             return None
-        limits = AdmissionLimits() if admitted or role == "decode" else self.limits
+        limits = InstanceLimits() if exempt or role == "decode" else self.limits
         admissible: list[InstanceState] = []
         excess_waits: list[float] = []
         for state in candidates:

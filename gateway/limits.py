@@ -18,20 +18,21 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from gateway.errors import APIError, bad_request
+from gateway.flags import (
+    DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PROMPT_CHARS,
+    DEFAULT_MAX_PROMPTS,
+    DEFAULT_MAX_STOP,
+    DEFAULT_MAX_STOP_CHARS,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token conversation as JSON, escapes included, with room to spare
-DEFAULT_MAX_PROMPTS = 128  # prompts in one /v1/completions request; each takes a pending slot
-DEFAULT_MAX_PROMPT_CHARS = 1 << 20  # about 4 characters a token for 128k tokens, twice over
-DEFAULT_MAX_STOP = 32  # stop strings, and separately stop token ids, per request
-DEFAULT_MAX_STOP_CHARS = 256  # one stop string; matched against the text after every token
-DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0
-DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # llguidance compiles a large JSON schema in well under a second
 
 
 @dataclass(frozen=True, slots=True)

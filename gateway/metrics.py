@@ -131,7 +131,7 @@ class GatewayMetrics:
         )
         self.rejected = Counter(
             "splitserve_requests_rejected",
-            "Requests refused with 429 by admission control (queue delay, in-flight cap)",
+            "Requests refused with 429 by the instance limits (queue delay, in-flight cap)",
             registry=r,
         )
         r.register(_InstanceCollector(pool))

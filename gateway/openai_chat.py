@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.chunk_times import chunk_clock
 from gateway.errors import bad_request
-from gateway.gate import admission_of
+from gateway.gate import gate_pass_of
 from gateway.generation import Generated, GenerationJob, GenerationService
 from gateway.openai_common import (
     cancel_on_disconnect,
@@ -74,12 +74,12 @@ async def create_chat_completion(
     # OpenAI's default is "as long as the context allows" (max_tokens None).
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    admission = admission_of(raw)
-    params = await checked_sampling_params(request, service, max_tokens, _num_logprobs(request), admission)
-    with admission.timing.stage("chat template"):  # rendered and tokenized
+    gate_pass = gate_pass_of(raw)
+    params = await checked_sampling_params(request, service, max_tokens, _num_logprobs(request), gate_pass)
+    with gate_pass.timing.stage("chat template"):  # rendered and tokenized
         token_ids = await service.tokenizer.encode_chat(
             request.messages,
-            client=admission.client,
+            client=gate_pass.client,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             template_kwargs=request.chat_template_kwargs,
@@ -92,7 +92,7 @@ async def create_chat_completion(
         priority=request.priority,
         cache_salt=request.cache_salt,
         max_tokens_param=max_tokens_param,
-        edge=admission.timing,
+        edge=gate_pass.timing,
         caller_trace=caller_trace_headers(raw.headers),
         operation="chat",
     )

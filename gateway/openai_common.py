@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from engine.sampling_params import SamplingParams
 from gateway.chunk_times import ChunkClock, ChunkTimedResponse
 from gateway.errors import APIError, bad_request, internal_error
-from gateway.gate import Admission
+from gateway.gate import GatePass
 from gateway.generation import Generated, GenerationJob, GenerationService, Usage
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, UsageInfo
 from gateway.request_log import TIMING_HEADER
@@ -74,7 +74,7 @@ async def checked_sampling_params(
     service: GenerationService,
     max_tokens: int | None,
     logprobs: int | None,
-    admission: Admission,
+    gate_pass: GatePass,
 ) -> SamplingParams:
     """:func:`sampling_params`, plus the structured output the request asks for, compiled
     here first. Raises APIError 400 for bad values, an invalid schema, regex or grammar
@@ -82,8 +82,8 @@ async def checked_sampling_params(
     params = sampling_params(request, max_tokens, logprobs)
     structured = structured_request(request)
     if structured is not None:
-        with admission.timing.stage("grammar compile"):
-            await service.grammars.check(structured.spec, structured.param, admission.client)
+        with gate_pass.timing.stage("grammar compile"):
+            await service.grammars.check(structured.spec, structured.param, gate_pass.client)
         params.structured = structured.spec
     return params
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.chunk_times import chunk_clock
 from gateway.errors import bad_request
-from gateway.gate import Admission, admission_of
+from gateway.gate import GatePass, gate_pass_of
 from gateway.generation import Generated, GenerationJob, GenerationService
 from gateway.openai_common import (
     cancel_on_disconnect,
@@ -50,13 +50,13 @@ class CompletionLogprobsBuilder:
 
 
 async def _prompts(
-    request: CompletionRequest, service: GenerationService, admission: Admission
+    request: CompletionRequest, service: GenerationService, gate_pass: GatePass
 ) -> list[tuple[list[int], str | None]]:
     """Each prompt as token ids, with its text when given as text. Each prompt past the first
     takes a pending slot of its own, before any is tokenized."""
-    prompt, client = request.prompt, admission.client
+    prompt, client = request.prompt, gate_pass.client
     if isinstance(prompt, str):
-        with admission.timing.stage("tokenize"):
+        with gate_pass.timing.stage("tokenize"):
             return [(await service.tokenizer.encode(prompt, client=client), prompt)]
     if not prompt:
         raise bad_request("the prompt is empty", param="prompt")
@@ -65,10 +65,10 @@ async def _prompts(
     if len(token_ids) == len(prompt):
         return [(token_ids, None)]
     service.limits.check_num_prompts(len(prompt))
-    admission.take_more(len(prompt) - 1)
+    gate_pass.take_more(len(prompt) - 1)
     texts = [p for p in prompt if isinstance(p, str)]
     if len(texts) == len(prompt):
-        with admission.timing.stage("tokenize"):
+        with gate_pass.timing.stage("tokenize"):
             return [
                 (await service.tokenizer.encode(text, client=client, param=f"prompt.{i}"), text)
                 for i, text in enumerate(texts)
@@ -86,11 +86,11 @@ async def create_completion(
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", param="echo")
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    admission = admission_of(raw)
-    prompts = await _prompts(request, service, admission)
+    gate_pass = gate_pass_of(raw)
+    prompts = await _prompts(request, service, gate_pass)
     jobs = []
     # Validated (and extras logged) once for every prompt.
-    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs, admission)
+    params = await checked_sampling_params(request, service, request.max_tokens, request.logprobs, gate_pass)
     for index, (token_ids, _) in enumerate(prompts):
         request_id = completion_id if len(prompts) == 1 else f"{completion_id}-{index}"
         # Each job gets its own copy: prepare fills in max_tokens from its prompt's length.
@@ -101,13 +101,13 @@ async def create_completion(
                 request_id=request_id,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
-                edge=admission.timing,
+                edge=gate_pass.timing,
                 caller_trace=caller_trace_headers(raw.headers),
                 operation="text_completion",
             )
         )
     echoes = [
-        (text if text is not None else await service.tokenizer.decode(ids, client=admission.client))
+        (text if text is not None else await service.tokenizer.decode(ids, client=gate_pass.client))
         if request.echo
         else ""
         for ids, text in prompts

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from gateway.app_state import Served
-from gateway.gate import admission_of
+from gateway.gate import gate_pass_of
 from gateway.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -30,7 +30,7 @@ async def tokenize(body: dict[str, Any], raw: Request, served: Served) -> Tokeni
     except ValidationError as error:
         raise RequestValidationError(error.errors()) from error
     served.check_model(request.model)
-    tokenizer, client = served.service.tokenizer, admission_of(raw).client
+    tokenizer, client = served.service.tokenizer, gate_pass_of(raw).client
     if isinstance(request, TokenizeChatRequest):
         tokens = await tokenizer.encode_chat(
             request.messages,
@@ -49,4 +49,4 @@ async def detokenize(request: DetokenizeRequest, raw: Request, served: Served) -
     served.check_model(request.model)
     tokenizer = served.service.tokenizer
     tokenizer.check_token_ids(request.tokens, param="tokens")
-    return DetokenizeResponse(prompt=await tokenizer.decode(request.tokens, client=admission_of(raw).client))
+    return DetokenizeResponse(prompt=await tokenizer.decode(request.tokens, client=gate_pass_of(raw).client))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 from pathlib import Path
 
@@ -14,31 +13,20 @@ import uvicorn
 from prometheus_client import Info
 
 from cluster.derived_keys import prefix_cache_key
-from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
+from cluster.internal_grpc import InternalPlane
 from cluster.startup_heap import freeze_startup_heap
-from cluster.tracing import add_tracing_arguments, start_tracing
+from cluster.tracing import start_tracing
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from engine.gguf_files import metadata_folder
 from gateway import limits
-from gateway.admission import AdmissionLimits
 from gateway.api_servers import reuse_port_socket, run_api_servers
 from gateway.app import create_app
-from gateway.connection_guard import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADERS_TIMEOUT_S,
-    ConnectionGuard,
-    ConnectionLimits,
-)
+from gateway.connection_guard import ConnectionGuard, ConnectionLimits
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
-from gateway.flags import (
-    add_api_key_argument,
-    add_api_server_count_argument,
-    add_request_log_argument,
-    add_routing_arguments,
-    resolve_api_key,
-)
+from gateway.flags import add_gateway_arguments, resolve_api_key
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
+from gateway.instance_limits import InstanceLimits
 from gateway.instances import InstancePool
 from gateway.kv_events import KVEventsSync, run_kv_events
 from gateway.metrics import GatewayMetrics
@@ -48,184 +36,10 @@ from gateway.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8000
-DEFAULT_GRPC_PORT = 50051
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local Hugging Face folder or .gguf file whose tokenizer the gateway uses (default: embedded "
-        "SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model name clients send and /v1/models lists (default: the folder's name)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind the REST and gRPC fronts to")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="REST port")
-    parser.add_argument(
-        "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC Generation port (0: any free port, -1: off)"
-    )
-    add_api_key_argument(parser)
-    parser.add_argument(
-        "--prefill",
-        action="append",
-        default=[],
-        metavar="HOST:PORT",
-        help="a prefill instance (repeatable); static routing",
-    )
-    parser.add_argument(
-        "--decode",
-        action="append",
-        default=[],
-        metavar="HOST:PORT",
-        help="a decode instance (repeatable); static routing",
-    )
-    parser.add_argument(
-        "--colocated",
-        action="append",
-        default=[],
-        metavar="HOST:PORT",
-        help="an instance doing both phases (repeatable)",
-    )
-    parser.add_argument(
-        "--registry-url",
-        default=os.environ.get("SPLITSERVE_REGISTRY_URL", ""),
-        help="redis://[USER:PASSWORD@]HOST:PORT (or rediss:// for TLS) where instances register, instead of static "
-        "lists "
-        "(env SPLITSERVE_REGISTRY_URL, which keeps a password off the command line)",
-    )
-    parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between load polls of each instance")
-    parser.add_argument(
-        "--stale-after",
-        type=float,
-        default=3.0,
-        help="seconds without a fresh load report before an instance is skipped",
-    )
-    parser.add_argument(
-        "--max-pending-requests",
-        type=int,
-        default=1024,
-        help="requests in flight at once; beyond this the gateway answers 429",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=None,
-        help="HTTP connections (idle keep-alive ones too) and gRPC calls served at once; beyond it the REST "
-        "server answers 503 on every path but the probes' (/health, /ready), the gRPC server RESOURCE_EXHAUSTED "
-        "(default: twice --max-pending-requests, plus 64 for probes and scrapes)",
-    )
-    # Deadlines and a per-client cap on REST connections (gateway/connection_guard.py), as nginx's
-    # client_header_timeout, client_body_timeout and limit_conn.
-    parser.add_argument(
-        "--max-connections-per-client",
-        type=int,
-        default=None,
-        help="open HTTP connections from one client address (IPv6: one /64); one more is answered 503 and closed "
-        "unread. Behind a proxy every client has the proxy's address: raise it to --max-connections "
-        "(default: half of --max-connections, so that no one address can fill it)",
-    )
-    parser.add_argument(
-        "--timeout-request-headers",
-        type=float,
-        default=DEFAULT_HEADERS_TIMEOUT_S,
-        help="seconds a client has to send a request's line and headers, from the connection's start (or the "
-        "next request's first byte); then the connection is closed (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--timeout-request-body",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT_S,
-        help="seconds a client has to send a request's body once its headers are in; then the connection is "
-        "closed (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="refuse longer requests (default: what the instances report)"
-    )
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take end to end")
-    # Longer than clients keep an idle pooled connection (httpx, so the openai client: 5 s;
-    # aiohttp: 15 s), so that the client, not the server, closes it. Shorter (uvicorn's 5 s),
-    # a client reusing a connection as the server closes it gets a reset and loses the request:
-    # one of sixteen in a benchmark run with aiohttp, whose requests came some 4 s apart.
-    parser.add_argument(
-        "--timeout-keep-alive",
-        type=float,
-        default=75.0,
-        help="seconds an idle HTTP connection stays open (as nginx's keepalive_timeout)",
-    )
-    add_routing_arguments(parser)
-    # Several gateways (gateway/api_servers.py), each breaking routing ties in its own order (gateway/tie_break.py).
-    add_api_server_count_argument(parser)
-    parser.add_argument(
-        "--gateway-index",
-        type=int,
-        default=0,
-        metavar="I",
-        help="this gateway's index among --num-gateways replicas sharing the instances (e.g. a StatefulSet's "
-        "ordinal), so that their routing does not herd onto the same instances (default: 0)",
-    )
-    parser.add_argument(
-        "--num-gateways",
-        type=int,
-        default=1,
-        metavar="M",
-        help="gateway replicas sharing the instances, each given its --gateway-index (default: 1)",
-    )
-    # Set by the parent of --api-server-count processes on each child.
-    parser.add_argument("--api-server-index", type=int, default=None, help=argparse.SUPPRESS)
-    # What one request may ask (gateway.limits); each limit is a 400 (413 for the body) naming it.
-    parser.add_argument(
-        "--enable-priority",
-        action="store_true",
-        help="honour requests' priority field (lower runs first); off: a nonzero priority is refused with 400",
-    )
-    parser.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=limits.DEFAULT_MAX_BODY_BYTES,
-        help="largest request body (REST) or message (gRPC); beyond it the gateway answers 413",
-    )
-    parser.add_argument(
-        "--max-prompts-per-request",
-        type=int,
-        default=limits.DEFAULT_MAX_PROMPTS,
-        help="prompts in one /v1/completions request",
-    )
-    parser.add_argument(
-        "--max-prompt-chars",
-        type=int,
-        default=limits.DEFAULT_MAX_PROMPT_CHARS,
-        help="characters of one prompt (or rendered conversation) before tokenizing",
-    )
-    parser.add_argument(
-        "--max-stop-sequences",
-        type=int,
-        default=limits.DEFAULT_MAX_STOP,
-        help="stop strings, and separately stop token ids, in one request",
-    )
-    parser.add_argument(
-        "--max-stop-chars", type=int, default=limits.DEFAULT_MAX_STOP_CHARS, help="characters of one stop string"
-    )
-    parser.add_argument(
-        "--chat-template-timeout",
-        type=float,
-        default=limits.DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
-        help="seconds the chat template may take to render one conversation",
-    )
-    parser.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        default=limits.DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
-        help="seconds one structured output's grammar may take to compile",
-    )
-    # The internal plane: the cluster secret and TLS of the gateway's calls to instances.
-    add_internal_plane_arguments(parser)
-    add_tracing_arguments(parser)
-    add_request_log_argument(parser)
+    """The command's flags (``splitserve/cli.py``), declared in ``gateway/flags.py``."""
+    add_gateway_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -264,14 +78,14 @@ async def serve(args: argparse.Namespace) -> None:
     )
     model_path = Path(args.model) if args.model else default_model_path()
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    admission = AdmissionLimits(
+    instance_limits = InstanceLimits(
         max_queue_delay_s=args.max_queue_delay, max_inflight_per_instance=args.max_inflight_per_instance
     )
     plane = InternalPlane.from_args(args, args.host)
     plane.warn_if_open("gateway")
     pool = InstancePool(
         stale_after_s=args.stale_after,
-        limits=admission,
+        limits=instance_limits,
         plane=plane,
         routing=args.routing,
         # Instances hashing their prefix cache with --prefix-cache-hash sha256 key it with the secret too.

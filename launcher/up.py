@@ -25,6 +25,8 @@ from cluster.tracing import add_tracing_arguments, tracing_argv
 from engine_args.flags import add_engine_arguments, engine_argv, speculative_argv
 from gateway.flags import (
     API_KEY_FILE_ENV,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_PORT,
     add_api_key_argument,
     add_api_server_count_argument,
     add_request_log_argument,
@@ -50,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address the gateway binds to (instances stay on 127.0.0.1)"
     )
-    parser.add_argument("--port", type=int, default=8000, help="REST port")
-    parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="REST port")
+    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC Generation port")
     add_api_key_argument(parser)
     add_kv_connector_arguments(parser, lmcache_url_default="a local redis-server started here")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill instances")

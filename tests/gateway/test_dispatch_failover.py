@@ -32,11 +32,11 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.admission import AdmissionLimits
 from gateway.dispatch import Dispatcher
 from gateway.dispatch_request import DispatchRequest
 from gateway.errors import APIError
 from gateway.failover import MAX_ATTEMPTS, MAX_HANDOFFS
+from gateway.instance_limits import InstanceLimits
 from gateway.instances import InstancePool, InstanceState, Role
 from gateway.metrics import GatewayMetrics
 from gateway.openai_common import SSE_DONE, sse, sse_response
@@ -274,11 +274,11 @@ def make_pool(
     prefill: Sequence[FakePrefill] = (),
     decode: Sequence[FakeDecode] = (),
     colocated: Sequence[FakeDecode] = (),
-    limits: AdmissionLimits | None = None,
+    limits: InstanceLimits | None = None,
 ) -> InstancePool:
     """A real pool over the fakes, every one healthy; within a role each ranks below the one
     before it (one more request waiting), so the first is picked first."""
-    pool = InstancePool(stale_after_s=3600.0, limits=limits or AdmissionLimits())
+    pool = InstancePool(stale_after_s=3600.0, limits=limits or InstanceLimits())
     role: Role
     for role, fakes in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
         for i, fake in enumerate(fakes):
@@ -441,7 +441,7 @@ async def test_no_instance_answers_503_and_instances_at_their_limit_429() -> Non
     )
 
     prefill = FakePrefill()
-    pool = make_pool(prefill=[prefill], decode=[FakeDecode()], limits=AdmissionLimits(max_inflight_per_instance=1))
+    pool = make_pool(prefill=[prefill], decode=[FakeDecode()], limits=InstanceLimits(max_inflight_per_instance=1))
     pool.instances[prefill.address].num_inflight = 1
     _, error = await collect(Dispatcher(pool))
     assert error is not None and (error.status, error.code, error.retry_after_s) == (

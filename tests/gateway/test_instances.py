@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.admission import AdmissionLimits, Overloaded, estimated_wait_s
+from gateway.instance_limits import InstanceLimits, Overloaded, estimated_wait_s
 from gateway.instances import InstancePool
 from gateway.prefix_index import PromptBlocks
 from splitserve.v1 import disaggregation_pb2
@@ -42,12 +42,12 @@ def report(
 
 
 def with_pool(
-    test: Callable[[InstancePool], None], stale_after_s: float = 5.0, limits: AdmissionLimits | None = None
+    test: Callable[[InstancePool], None], stale_after_s: float = 5.0, limits: InstanceLimits | None = None
 ) -> None:
     """grpc.aio channels need a running loop; the pool itself is synchronous."""
 
     async def body() -> None:
-        pool = InstancePool(stale_after_s=stale_after_s, limits=limits or AdmissionLimits())
+        pool = InstancePool(stale_after_s=stale_after_s, limits=limits or InstanceLimits())
         try:
             test(pool)
         finally:
@@ -246,11 +246,11 @@ def test_queue_delay_limit_skips_long_queues_and_refuses_when_all_are_long() -> 
         assert "--max-queue-delay 1.5 s" in str(raised.value)
         # Re-prefills of admitted requests are not refused, and go to the preferred instance.
         preferred = pool.instances["p:1"]
-        assert pool.pick_prefill(num_prompt_tokens=500, prefer=preferred, admitted=True) is preferred
+        assert pool.pick_prefill(num_prompt_tokens=500, prefer=preferred, exempt=True) is preferred
         # Decode instances take any admitted request.
         assert pool.pick("decode").address == "d:1"
 
-    with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.5))
+    with_pool(check, limits=InstanceLimits(max_queue_delay_s=1.5))
 
 
 def test_a_prompt_stops_counting_as_queued_once_computed_or_reported() -> None:
@@ -270,7 +270,7 @@ def test_a_prompt_stops_counting_as_queued_once_computed_or_reported() -> None:
             assert pool.pick_prefill(num_prompt_tokens=1400) is p1
         assert (p1.num_dispatched, p1.num_dispatched_tokens) == (1, 1400)  # the report's dispatch count was not touched
 
-    with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.0))
+    with_pool(check, limits=InstanceLimits(max_queue_delay_s=1.0))
 
 
 def test_a_started_stream_counts_as_running_until_the_next_report() -> None:
@@ -278,8 +278,8 @@ def test_a_started_stream_counts_as_running_until_the_next_report() -> None:
         add_pair(pool, {"p:1": queued("prefill", 0, 0.0)})
         d1 = pool.instances["d:1"]
         assert pool.pick("decode") is d1 and d1.score == 4  # dispatched: waiting there, as far as we know
-        with d1.call() as prefilled:
-            prefilled()  # its first token came back: running there now
+        with d1.call() as mark_running:
+            mark_running()  # its first token came back: running there now
             assert (d1.num_dispatched, d1.num_started, d1.score) == (0, 1, 1)
         assert (d1.num_started, d1.score) == (0, 0)  # over before any report could show it
 
@@ -293,7 +293,7 @@ def test_retry_after_says_when_the_shortest_queue_is_short_enough() -> None:
             pool.pick_prefill(num_prompt_tokens=100)
         assert raised.value.retry_after_s == 5  # p:2: 6.2 s queued, 1.5 s allowed: 4.7 s over
 
-    with_pool(check, limits=AdmissionLimits(max_queue_delay_s=1.5))
+    with_pool(check, limits=InstanceLimits(max_queue_delay_s=1.5))
 
 
 def test_inflight_cap_spreads_requests_and_refuses_past_it() -> None:
@@ -307,14 +307,14 @@ def test_inflight_cap_spreads_requests_and_refuses_past_it() -> None:
             assert "--max-inflight-per-instance 1" in str(raised.value)
         assert p1.num_inflight == 0 and pool.pick_prefill() is p1
 
-    with_pool(check, limits=AdmissionLimits(max_inflight_per_instance=1))
+    with_pool(check, limits=InstanceLimits(max_inflight_per_instance=1))
 
 
 def test_admission_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="--max-queue-delay"):
-        AdmissionLimits(max_queue_delay_s=0)
+        InstanceLimits(max_queue_delay_s=0)
     with pytest.raises(ValueError, match="--max-inflight-per-instance"):
-        AdmissionLimits(max_inflight_per_instance=0)
+        InstanceLimits(max_inflight_per_instance=0)
 
 
 def test_kv_routing_weighs_the_cached_prefix_against_queued_work() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.server import add_arguments as add_gateway_arguments
+from gateway.flags import add_gateway_arguments
 from launcher.up import add_arguments, gateway_flags
 from tests.launcher.test_tracing_flags import ROUTES, parsed
 

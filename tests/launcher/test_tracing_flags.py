@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gateway.server import add_arguments as add_gateway_arguments
+from gateway.flags import add_gateway_arguments
 from launcher.up import add_arguments, engine_flags, gateway_flags
 from serving.instance import add_instance_arguments
 

@@ -1,4 +1,4 @@
-"""Admission control: refuse a request at once (429 with ``Retry-After``) rather than let
+"""Instance limits: refuse a request at once (429 with ``Retry-After``) rather than let
 it queue for minutes, and never bury one slow instance under requests.
 
 Each prefilling instance (prefill or colocated) reports the prompt tokens it still has to
@@ -22,7 +22,7 @@ from splitserve.v1 import disaggregation_pb2
 
 
 @dataclass(frozen=True, slots=True)
-class AdmissionLimits:
+class InstanceLimits:
     max_queue_delay_s: float | None = None  # None: no limit
     max_inflight_per_instance: int | None = None  # None: no limit
 
