@@ -6,7 +6,7 @@ Each place that lists instance counters derives from ``INSTANCE_COUNTERS``:
 
 1. ``serving.instance.Instance.load_report`` fills the ``LoadReport`` message (and its
    ``InstanceCounters``) with :func:`fill_load_report`, from the sources named here: the
-   engine's ``engine.load_report.LoadReport`` snapshot, the servicer's ``ServiceCounters``,
+   engine's ``engine.load_report.EngineLoad`` snapshot, the servicer's ``ServiceCounters``,
    the ``TransferCounters`` of KV pulls, and the KV connector.
 2. The instance's own ``/metrics`` (``serving/metrics.py``) reads that message and exports
    each entry as ``splitserve_engine_<name>``.
@@ -46,7 +46,7 @@ Unit = Literal[
     "bytes",
     "ratio",
 ]
-# engine: engine.load_report.LoadReport; service: serving.instance.ServiceCounters;
+# engine: engine.load_report.EngineLoad; service: serving.instance.ServiceCounters;
 # transfers: serving.instance.TransferCounters; connector: kv_connector.base.KVConnector.
 Source = Literal["engine", "service", "transfers", "connector"]
 LoadReport = disaggregation_pb2.LoadReport

@@ -38,9 +38,10 @@ from collections.abc import AsyncGenerator
 from threading import Thread
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, LoadReport, RunnerFactory
+from engine.engine_core import EngineCore, RunnerFactory
 from engine.inbox import AbortRequests, AddRequest, ReleaseKV
 from engine.kv_loader import KVLoader, KVLoadFailurePolicy
+from engine.load_report import EngineLoad
 from engine.model_runner import ModelRunner
 from engine.openmp_threads import run_in_passing_thread
 from engine.outputs import EngineCoreOutput
@@ -208,7 +209,7 @@ class AsyncEngine:
         Returns at once; a second release of the same id does nothing."""
         self.core.inbox.put(ReleaseKV(request_id))
 
-    def latest_load_report(self) -> LoadReport:
+    def latest_load_report(self) -> EngineLoad:
         """The load as of the latest step, at once, plus the requests still in the inbox. Health
         and routing polls use this: a long prefill step takes seconds, an instance busy with one
         is not unhealthy, and what arrived during it is queued."""

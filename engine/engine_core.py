@@ -34,7 +34,7 @@ from engine.inbox import AbortRequests, AddRequest, EngineInbox, EngineMessage, 
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
 from engine.kv_loader import KVLoader, KVLoadFailurePolicy
-from engine.load_report import LoadReport, PrefillRate
+from engine.load_report import EngineLoad, PrefillRate
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineCoreOutput
 from engine.prefill_chunk import auto_long_prefill_threshold
@@ -382,7 +382,7 @@ class EngineCore:
         Returns False when nothing was pinned under that id (already released, or expired)."""
         if request_id not in self.scheduler.pinned:
             return False
-        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_PREFILLED)
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_RELEASED)
         return True
 
     def close(self) -> None:
@@ -397,8 +397,8 @@ class EngineCore:
         waiting for a step (the step thread, after it applied messages and after each step)."""
         self.published_load_report = self.load_report()
 
-    def load_report(self) -> LoadReport:
-        return LoadReport(
+    def load_report(self) -> EngineLoad:
+        return EngineLoad(
             num_waiting=self.scheduler.num_waiting,
             num_running=self.scheduler.num_running,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,

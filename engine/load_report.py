@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class LoadReport:
+class EngineLoad:
+    """The engine's own snapshot; ``serving/instance.py`` copies it into the wire's
+    ``LoadReport`` message, with the instance's counters."""
+
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -20,10 +23,6 @@ class LoadReport:
     # Speculative decoding, since start: drafts verified, and those the target accepted.
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else 0.0
 
 
 class PrefillRate:

@@ -25,6 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()  # max_tokens or the context length
     FINISHED_ABORTED = enum.auto()
     FINISHED_PREFILLED = enum.auto()  # prefill role: first token sampled, KV pinned for the decode side
+    FINISHED_RELEASED = enum.auto()  # prefill role: its pinned KV released (the decode side has it, or gave up)
     FINISHED_ERROR = enum.auto()  # decode role: the prompt's KV could not be loaded, and the request may not recompute
 
     @property

@@ -21,7 +21,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cluster.instance_counters import INSTANCE_COUNTERS, STATUS_PAGE_COUNTERS, InstanceCounter, read
-from engine.load_report import LoadReport as EngineLoadReport
+from engine.load_report import EngineLoad
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
 from gateway.status import RecentLatencies, StatusResponse, status_snapshot
@@ -55,12 +55,12 @@ def make_connector() -> KVConnector:
 def make_instance() -> tuple[Instance, dict[str, float]]:
     """An instance over a stand-in engine, every source attribute a distinct value; and the value
     each counter must show, by name."""
-    fields = dataclasses.fields(EngineLoadReport)
+    fields = dataclasses.fields(EngineLoad)
     engine_values: dict[str, int | float] = {
         f.name: index + 1 + (0.5 if f.type == "float" else 0) for index, f in enumerate(fields)
     }
     engine_values |= {"num_free_blocks": 30, "num_total_blocks": 40}  # a quarter of the cache in use
-    engine_report = EngineLoadReport(**engine_values)
+    engine_report = EngineLoad(**engine_values)
     engine = SimpleNamespace(
         latest_load_report=lambda: engine_report, is_alive=True, error=None, core=SimpleNamespace(max_model_len=2048)
     )
@@ -118,7 +118,7 @@ def test_every_source_attribute_has_its_counter_and_every_counter_its_source() -
     connector = make_connector()
     sourced = {c.source for c in INSTANCE_COUNTERS if c.source is not None}
     assert len(sourced) == len([c for c in INSTANCE_COUNTERS if c.source is not None]), "one attribute read twice"
-    expected = {("engine", f.name) for f in dataclasses.fields(EngineLoadReport)}
+    expected = {("engine", f.name) for f in dataclasses.fields(EngineLoad)}
     expected |= {("service", f.name) for f in dataclasses.fields(ServiceCounters)}
     expected |= {("transfers", f.name) for f in dataclasses.fields(TransferCounters)}
     expected |= {("connector", name) for name in ("num_pulls_cut_off",) if hasattr(connector, name)}

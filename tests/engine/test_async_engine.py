@@ -13,7 +13,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv_cache_utils import cdiv
 from engine.llm import LLM
-from engine.load_report import LoadReport
+from engine.load_report import EngineLoad
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelOutput, SchedulerOutput
@@ -44,7 +44,7 @@ def assert_all_free(engine: AsyncEngine) -> None:
     assert report.num_free_blocks == report.num_total_blocks
 
 
-async def report_when(engine: AsyncEngine, condition: Callable[[LoadReport], bool]) -> LoadReport:
+async def report_when(engine: AsyncEngine, condition: Callable[[EngineLoad], bool]) -> EngineLoad:
     """The engine's published load report once ``condition`` holds for it (the engine thread
     publishes one after applying messages and after every step); fails if it never does."""
     for _ in range(6000):  # a minute at the least: a generous guard, not a timing assertion
@@ -54,7 +54,7 @@ async def report_when(engine: AsyncEngine, condition: Callable[[LoadReport], boo
     raise AssertionError(f"the load report never met the condition; last: {report}")
 
 
-def all_free(report: LoadReport) -> bool:
+def all_free(report: EngineLoad) -> bool:
     return report.num_free_blocks == report.num_total_blocks and not report.num_running and not report.num_waiting
 
 

@@ -221,7 +221,7 @@ def test_prefill_role_pins_blocks_until_released() -> None:
     handoff = scheduler.kv_handoff(request)
     assert handoff.block_ids == [0, 1] and handoff.num_tokens == 6
     assert scheduler.kv_cache_manager.num_free_blocks == 6
-    scheduler.finish_requests(["a"], RequestStatus.FINISHED_PREFILLED)
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_RELEASED)
     assert_all_free(scheduler)
 
 

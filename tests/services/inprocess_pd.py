@@ -21,7 +21,7 @@ from decode_svc.kv_loader import RemoteKVLoader
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, EngineRole
 from engine.kv_loader import KVLoader
-from engine.load_report import LoadReport
+from engine.load_report import EngineLoad
 from kv_connector.base import KVConnector, KVSource, KVTransferError, PublishedKV, TransferStats
 from kv_connector.fingerprint import Fingerprint
 from prefill_svc import server as prefill_server
@@ -122,7 +122,7 @@ class Served:
     def engine(self) -> AsyncEngine:
         return self.instance.engine
 
-    async def report_when(self, condition: Callable[[LoadReport], bool]) -> LoadReport:
+    async def report_when(self, condition: Callable[[EngineLoad], bool]) -> EngineLoad:
         """The engine's published load report once ``condition`` holds for it; fails if it never does."""
         for _ in range(6000):  # a minute at the least: a guard, not a timing assertion
             if condition(report := self.engine.latest_load_report()):
@@ -130,7 +130,7 @@ class Served:
             await asyncio.sleep(0.01)
         raise AssertionError(f"{self.instance.role}: the load report never met the condition; last: {report}")
 
-    async def all_free(self) -> LoadReport:
+    async def all_free(self) -> EngineLoad:
         """Once nothing is queued or running and every KV block is back in the pool."""
         return await self.report_when(
             lambda r: r.num_free_blocks == r.num_total_blocks and not r.num_running and not r.num_waiting
