@@ -8,11 +8,12 @@ the secret itself, and none ever leaves the process:
 - the **call key**: every internal call carries a credential made with it for that one
   call (:func:`ClusterSecret.call_credential`, in the metadata under :data:`METADATA_KEY`):
   an HMAC over the credential's format version, the method, the target instance, the
-  caller's clock (milliseconds), a random nonce and a SHA-256 digest of the request
-  message's bytes. An instance accepts it once, for that method, at that instance, with that
-  request, strictly within :data:`CALL_WINDOW_S` of its own clock. Reading calls on the wire
-  (without TLS) therefore yields nothing to make calls with: each credential is spent by the
-  call it came with, and is worth nothing at another instance or with another message.
+  caller's clock (milliseconds) and a random nonce (the *call MAC*), and an HMAC over that
+  MAC and a SHA-256 digest of the request message's bytes (the *request MAC*). An instance
+  accepts it once, for that method, at that instance, with that request, strictly within
+  :data:`CALL_WINDOW_S` of its own clock. Reading calls on the wire (without TLS) therefore
+  yields nothing to make calls with: each credential is spent by the call it came with, and
+  is worth nothing at another instance or with another message.
 - the **handle key**: P signs KV handles with it and D checks them
   (``cluster/handle_signing.py``).
 - the **registry key**: instances sign their registry records with it and gateways check
@@ -68,14 +69,15 @@ One call, in call order:
    credential over the request message's bytes to the call's metadata (every channel to an
    instance is made by ``cluster.internal_grpc.InternalPlane``).
 2. Server, when the call's headers arrive: :class:`ClusterCallCheck` checks the credential's
-   form, version and target; a call failing these gets a handler that answers UNAUTHENTICATED
-   without parsing the request.
+   form, version, target and call MAC (constant time); a call failing these gets a handler
+   that answers UNAUTHENTICATED without reading its request into a hash or a parser, so a
+   stranger's call costs one HMAC over some 100 bytes, whatever its size.
 3. Server, when the request message arrives (before protobuf parses it): the checking
-   deserializer checks the MAC over the raw bytes (constant time), then the timestamp against
-   the window and the horizon, then that the nonce is new; on a refusal it returns a marker
-   instead of a message, and the handler answers UNAUTHENTICATED. The servicer never sees a
-   refused call. The check costs an HMAC over some 100 bytes, a SHA-256 of the request
-   and a heap push: tens of microseconds for control calls.
+   deserializer checks the request MAC over the raw bytes' digest (constant time), then the
+   timestamp against the window and the horizon, then that the nonce is new; on a refusal it
+   returns a marker instead of a message, and the handler answers UNAUTHENTICATED. The
+   servicer never sees a refused call. A member's call costs two HMACs over some 100 bytes,
+   a SHA-256 of the request and a heap push.
 """
 
 from __future__ import annotations
@@ -166,14 +168,21 @@ class ClusterSecret:
         target = normalize_address(target)
         unix_ms = str(int((time.time() if unix_s is None else unix_s) * 1000))
         nonce = secrets.token_hex(_NONCE_BYTES)
-        mac = self.call_mac(method, target, unix_ms, nonce, request_digest(request_bytes))
+        call_mac = self.call_mac(method, target, unix_ms, nonce)
+        request_mac = self.request_mac(call_mac, request_digest(request_bytes))
         # The target last: host names hold dots.
-        return f"{CREDENTIAL_VERSION}.{unix_ms}.{nonce}.{mac}.{target}"
+        return f"{CREDENTIAL_VERSION}.{unix_ms}.{nonce}.{call_mac}.{request_mac}.{target}"
 
-    def call_mac(self, method: str, target: str, unix_ms: str, nonce: str, digest: bytes) -> str:
-        """The MAC of one call credential (hex): over the format version, the method, the
-        target, the timestamp, the nonce and the request's digest."""
-        message = f"{CREDENTIAL_VERSION}\n{method}\n{target}\n{unix_ms}\n{nonce}\n".encode() + digest
+    def call_mac(self, method: str, target: str, unix_ms: str, nonce: str) -> str:
+        """The MAC of a credential's header (hex): over the format version, the method, the
+        target, the timestamp and the nonce. Checked when the call's headers arrive, so that a
+        stranger's call is refused before its request is read."""
+        message = f"{CREDENTIAL_VERSION}\n{method}\n{target}\n{unix_ms}\n{nonce}".encode()
+        return hmac.new(self.call_key, message, hashlib.sha256).hexdigest()
+
+    def request_mac(self, call_mac: str, digest: bytes) -> str:
+        """The MAC binding a credential (its header's MAC) to the request's digest (hex)."""
+        message = f"{CREDENTIAL_VERSION} request\n{call_mac}\n".encode() + digest
         return hmac.new(self.call_key, message, hashlib.sha256).hexdigest()
 
 
@@ -309,7 +318,8 @@ class _Presented:
 
     unix_ms: int
     nonce: str
-    mac: str
+    call_mac: str
+    request_mac: str
     target: str
 
 
@@ -362,7 +372,7 @@ class ClusterCallCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None  # an unknown method: UNIMPLEMENTED, as without the check
-        presented = self._parse(_metadata_value(handler_call_details.invocation_metadata))
+        presented = self._parse(_metadata_value(handler_call_details.invocation_metadata), method)
         if isinstance(presented, str):
             self._count_refusal(method, presented)
             return _refusal(handler, method, presented)
@@ -379,13 +389,14 @@ class ClusterCallCheck(grpc.aio.ServerInterceptor):
         """Why a call of ``method`` presenting ``presented`` with the request ``request_bytes``
         must be refused; None to let it through (its nonce is then spent). ``now``: default the
         check's clock."""
-        parsed = self._parse(presented)
+        parsed = self._parse(presented, method)
         if isinstance(parsed, str):
             return parsed
-        return self._verify(method, parsed, request_bytes, self._clock() if now is None else now)
+        return self._verify(parsed, request_bytes, self._clock() if now is None else now)
 
-    def _parse(self, presented: str | bytes | None) -> _Presented | str:
-        """The credential's fields, or why it is refused before its request is read."""
+    def _parse(self, presented: str | bytes | None, method: str) -> _Presented | str:
+        """The credential's fields, or why it is refused before its request is read: its form,
+        version, target and header MAC (a stranger's call goes no further)."""
         if presented is None:
             return "no call credential"
         if isinstance(presented, bytes):
@@ -398,24 +409,24 @@ class ClusterCallCheck(grpc.aio.ServerInterceptor):
                     "runs another splitserve version; run one version on gateway, prefill and decode"
                 )
             return "a malformed call credential (a caller from another splitserve version?)"
-        parts = presented.split(".", 4)
-        if len(parts) != 5 or not parts[1].isdigit() or not parts[4]:
+        parts = presented.split(".", 5)
+        if len(parts) != 6 or not parts[1].isdigit() or not parts[5]:
             return "a malformed call credential (a caller from another splitserve version?)"
-        _, unix_ms, nonce, mac, target = parts
+        _, unix_ms, nonce, call_mac, request_mac, target = parts
         if target not in self._addresses:
             return (
                 f"a call credential made for {target}, but this instance answers to "
                 f"{', '.join(sorted(self._addresses)) or 'no address yet'}: a credential read off a call to another "
                 "instance, or a caller that dials this one by another name than it advertises (--advertise-host)"
             )
-        return _Presented(int(unix_ms), nonce, mac, target)
+        if not hmac.compare_digest(call_mac.encode(), self._secret.call_mac(method, target, unix_ms, nonce).encode()):
+            return "a call credential made with another cluster secret, or for another method"
+        return _Presented(int(unix_ms), nonce, call_mac, request_mac, target)
 
-    def _verify(self, method: str, presented: _Presented, request_bytes: bytes, now: float) -> str | None:
-        expected = self._secret.call_mac(
-            method, presented.target, str(presented.unix_ms), presented.nonce, request_digest(request_bytes)
-        )
-        if not hmac.compare_digest(presented.mac.encode(), expected.encode()):
-            return "a call credential made with another cluster secret, or for another method or request"
+    def _verify(self, presented: _Presented, request_bytes: bytes, now: float) -> str | None:
+        expected = self._secret.request_mac(presented.call_mac, request_digest(request_bytes))
+        if not hmac.compare_digest(presented.request_mac.encode(), expected.encode()):
+            return "a call credential made for another request (altered in flight, or replayed with another)"
         now_ms = round(now * 1000)
         self._seen.forget_until(now_ms - self._window_ms)
         skew_ms = presented.unix_ms - now_ms
@@ -441,7 +452,7 @@ class ClusterCallCheck(grpc.aio.ServerInterceptor):
         parse = handler.request_deserializer
 
         def deserialize(request_bytes: bytes) -> Any:
-            problem = self._verify(method, presented, request_bytes, self._clock())
+            problem = self._verify(presented, request_bytes, self._clock())
             if problem is not None:
                 return _Refused(problem)
             return parse(request_bytes) if parse is not None else request_bytes
@@ -477,7 +488,7 @@ class ClusterCallCheck(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
         # Stream-request calls: their messages are not bound (see the module's docstring); the
         # credential is checked over no bytes before the first message is read.
-        problem = self._verify(method, presented, b"", self._clock())
+        problem = self._verify(presented, b"", self._clock())
         if problem is not None:
             self._count_refusal(method, problem)
             return _refusal(handler, method, problem)

@@ -195,7 +195,7 @@ def test_a_credential_binds_the_instance_and_the_request_and_names_its_version()
     assert "made for 10.0.0.8:50061, but this instance answers to 10.0.0.7:50061" in (
         check.check(ABORT, other_target, BODY, now) or ""
     )
-    assert "or request" in (check.check(ABORT, credential(now), b"\n\x05other", now) or "")
+    assert "made for another request" in (check.check(ABORT, credential(now), b"\n\x05other", now) or "")
     # The channel target's resolver scheme and the host's case do not matter.
     assert check.check(ABORT, credential(now, target="dns:///10.0.0.7:50061"), BODY, now) is None
     # A caller on the credential format before this one is told why, not just refused.
@@ -244,7 +244,7 @@ def test_a_credential_read_off_a_members_call_is_refused_when_replayed() -> None
         sniffed = servicer.credentials[1]  # the first Abort's
         async with grpc.aio.insecure_channel(address) as eavesdropper:
             stub = disaggregation_pb2_grpc.DecodeStub(eavesdropper)
-            for request_id, problem in (("r", "used before (a replay)"), ("other", "for another method or request")):
+            for request_id, problem in (("r", "used before (a replay)"), ("other", "made for another request")):
                 with pytest.raises(grpc.aio.AioRpcError) as replayed:
                     await stub.Abort(
                         disaggregation_pb2.RequestRef(request_id=request_id),
@@ -334,7 +334,7 @@ def test_a_request_altered_in_flight_is_refused_before_it_is_used() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as unary:
                 await stub.Abort(disaggregation_pb2.RequestRef(request_id="r"), timeout=5)
             assert unary.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert "for another method or request" in unary.value.details()
+            assert "made for another request (altered in flight" in unary.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as streaming:
                 async for _ in stub.Decode(disaggregation_pb2.DecodeRequest(request_id="r"), timeout=5):
                     pass
@@ -342,6 +342,38 @@ def test_a_request_altered_in_flight_is_refused_before_it_is_used() -> None:
         assert servicer.num_calls == 0, "no altered request reached the servicer"
         async with plane.channel(address) as member:
             assert await decode_and_abort(member) == ([1, 2], True)
+
+    asyncio.run(with_server(plane, test))
+
+
+def test_a_strangers_call_is_refused_before_its_request_is_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The credential's header (method, instance, time, nonce) has a MAC of its own, checked when
+    the headers arrive: a stranger's call, however large its request, costs no hash of it."""
+    import cluster.auth
+
+    plane = InternalPlane(secret=ClusterSecret.from_text(SECRET))
+    stranger = ClusterSecret.from_text("not-the-cluster-secret-at-all")
+    large = disaggregation_pb2.RequestRef(request_id="x" * (1 << 20))
+    num_hashed = [0]
+    digest = cluster.auth.request_digest
+
+    def counted(request_bytes: bytes) -> bytes:
+        num_hashed[0] += 1
+        return digest(request_bytes)
+
+    async def test(address: str, servicer: EchoDecode) -> None:
+        forged = stranger.call_credential(ABORT, address, large.SerializeToString())
+        monkeypatch.setattr(cluster.auth, "request_digest", counted)
+        async with grpc.aio.insecure_channel(address) as outsider:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await disaggregation_pb2_grpc.DecodeStub(outsider).Abort(
+                    large, timeout=5, metadata=((METADATA_KEY, forged),)
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert num_hashed[0] == 0 and servicer.num_calls == 0
+        async with plane.channel(address) as member:
+            assert await decode_and_abort(member) == ([1, 2], True)
+        assert num_hashed[0] == 4, "a member's two calls: hashed by the client, then by the server"
 
     asyncio.run(with_server(plane, test))
 
