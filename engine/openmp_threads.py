@@ -8,10 +8,8 @@ spinning between parallel regions (its "throttled" spin count, about a hundred i
 a worker sleeps at the end of each region and the next one waits for it to wake up. A decode
 step runs some 150 regions, so it pays that wake-up 150 times. Loading the model (parallel
 torch ops) on the thread that then runs the event loop left that thread's team alive beside
-the step thread's: on 2 CPUs, 1 + 1 + 1 threads, throttled. Measured on a 2-vCPU AMD EPYC
-(Zen 4), the Q4_1 SmolLM2 file in bf16 at two threads: 11.5 ms a token on the step thread
-after loading on the main thread, 7.3 ms after loading on a thread that had ended, as fast as
-steps on the main thread alone.
+the step thread's: on 2 CPUs, 1 + 1 + 1 threads, throttled, and every token paid for it
+(docs/benchmarks.md, "The step thread's OpenMP team").
 
 The same holds for every thread that runs torch while the engine computes: the event loop's
 (a KV pull between tensor-parallel sizes copies heads into place there) and the workers that

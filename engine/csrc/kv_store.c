@@ -1,7 +1,7 @@
 /*
  * Store one step's new K and V rows into their paged-cache slots: the write half of
- * attention, one call per layer instead of index arithmetic and two index_put_ calls
- * (~13 us per layer for one decode token, more than the attention itself).
+ * attention, one call per layer instead of index arithmetic and two index_put_ calls, which
+ * cost more than the attention itself for one decode token.
  *
  * key, value: [num_tokens, num_kv_heads * head_dim] with rows key_stride / value_stride
  * elements apart (each row contiguous: a slice of the fused qkv output), element_bytes each

@@ -69,8 +69,8 @@ def resolve_dtype(
     - a GGUF file (``gguf``) names no dtype (its weights are blocks): it runs as a bfloat16
       checkpoint does, as vLLM runs GGUF files in half precision. Where bf16 is native the
       Q4_1 SmolLM2 file held a mix of chatty streams and long prompts far better in bf16 than
-      in float32 (chatty token gaps p99 26 against 307 ms: its prompts' GEMMs run in bf16 too;
-      docs/benchmarks.md, "The step thread's OpenMP team").
+      in float32, its prompts' GEMMs running in bf16 too (docs/benchmarks.md, "The step
+      thread's OpenMP team").
     """
     if name != "auto":
         if name not in _DTYPES:

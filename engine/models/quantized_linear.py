@@ -16,18 +16,15 @@
 - More rows (prefill) dequantize the weight a slice of rows at a time and run the float GEMM
   on it, as BF16WeightLinear does for bf16 panels (engine/models/cpu_linear.py): in bf16 for
   bf16 activations where oneDNN has a bf16 matmul (the path the float folder's bf16 layers
-  take), else in float32. In float32 on such a CPU a 1,024-token prefill of the Q4_1 file in
-  bf16 took 1.60 s against the bf16 folder's 0.92 (AVX-512 + BF16 Zen 4, 2 threads).
+  take), else in float32, which on such a CPU made long prefills of the Q4_1 file markedly
+  slower than the bf16 folder's (docs/benchmarks.md, "The step thread's OpenMP team").
 - Without native kernels (no C compiler) every call dequantizes the whole weight in PyTorch:
   correct, and slow (the GGUF loader dequantizes at load instead, in that case).
 
-What was measured on a 2-core AVX2 EPYC, shared with other work at the time (so rough): one
-decode token's linear layers of SmolLM2-135M (30 layers and the head, weights streamed from
-memory, 2 threads) took about 10 ms with float activations and 7.6 ms with Q8 ones, against
-25 ms for today's float32 panels. A gate/up projection alone, [3072, 576] in Q4_1, took 75 us
-for one row with Q8 activations, 122 us with float ones; and against dequantizing 1024-row
-slices for the float GEMM the Q8 kernel was faster up to 32 rows (2.8 against 3.6 ms) and
-slower from 64 (8.2 against 5.6).
+Why the row count decides the path: the quantized kernel streams each weight once per call,
+which wins while few rows share it; past a few dozen rows, dequantizing slices for the float
+GEMM wins. The figures behind both choices are in docs/benchmarks.md, "Quantized weights:
+K-quants and int8".
 """
 
 from __future__ import annotations

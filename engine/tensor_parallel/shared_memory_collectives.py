@@ -1,11 +1,10 @@
 """All-reduce and all-gather between the CPU ranks of one host through shared memory.
 
-gloo moves a collective over TCP on loopback and wakes each peer through the kernel: on a
-2-vCPU VM one all-reduce of a decode token's 512 floats took 1.85 ms, and a 30-layer model
-runs 61 collectives a token, so TP=2 spent three quarters of each step waiting
-(docs/benchmarks.md). Ranks on one host can instead write their parts into one shared segment
-and spin on each other's flags, as vLLM's CPU backend does: a rank that has its own core sees
-its peer's part within microseconds.
+gloo moves a collective over TCP on loopback and wakes each peer through the kernel, and a
+30-layer model runs 61 collectives a token, so TP=2 spent most of each step waiting
+(docs/benchmarks.md, "Tensor parallelism on one CPU host"). Ranks on one host can instead write
+their parts into one shared segment and spin on each other's flags, as vLLM's CPU backend does:
+a rank that has its own core sees its peer's part within microseconds.
 
 The segment (a file in /dev/shm, unlinked as soon as every rank has mapped it, so nothing
 outlives the instance) holds a 64-byte flag line per rank, an abort word, and two sets of one
