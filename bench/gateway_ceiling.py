@@ -102,7 +102,7 @@ def process_cpu_s(pid: int) -> float:
 
 
 async def one_stream(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int, record: StreamRecord
+    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int, record: StreamRecord
 ) -> None:
     body = {
         "model": model,
@@ -157,7 +157,10 @@ async def closed_loop(
             next_index += 1
             record = StreamRecord()
             records.append(record)
-            prompt = " ".join(f"r{index}w{i}" for i in range(prompt_words))
+            # Token ids, each request's own (no prefix shared): the gateway's tokenizer pool, whose
+            # queue one client may fill only in part, would refuse a closed loop of text prompts
+            # (429) at hundreds of streams, and the refused tries would count as requests' cost.
+            prompt = [100 + (index * 7919 + i * 31) % 30000 for i in range(prompt_words)]
             try:
                 await one_stream(session, url, model, prompt, max_tokens, record)
             except (aiohttp.ClientError, TimeoutError) as error:
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=20.0, help="the simulated decode step, whatever the batch")
     parser.add_argument("--short-tokens", type=int, default=8)
     parser.add_argument("--long-tokens", type=int, default=128)
-    parser.add_argument("--prompt-words", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=64, help="prompt tokens of each request")
     parser.add_argument("--requests-per-stream", type=int, default=2, help="requests each concurrent stream sends")
     parser.add_argument("--min-requests", type=int, default=64)
     parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout (a before/after)")
