@@ -96,7 +96,7 @@ def test_a_passing_thread_returns_the_result_or_raises_the_error() -> None:
 def test_the_async_engine_builds_its_core_on_a_thread_of_its_own() -> None:
     built_on: list[threading.Thread] = []
     with mock.patch(
-        "engine.async_engine.EngineCore", side_effect=lambda config: built_on.append(threading.current_thread())
+        "engine.async_engine.EngineCore", side_effect=lambda *args: built_on.append(threading.current_thread())
     ):
         AsyncEngine(EngineConfig(model="unused"))
     assert len(built_on) == 1 and built_on[0] is not threading.current_thread()

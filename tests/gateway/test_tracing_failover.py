@@ -6,7 +6,8 @@ over has its spans, from the surviving process, under its call in the same trace
 
 The gateway polls its instances once, at its start: it still believes a killed instance
 healthy when the request reaches it, so that the call itself fails and fails over. It routes
-by load (``--routing load``): two idle instances tie and the one listed first is picked, where
+by load (``--routing load``): two idle instances tie and the first in the gateway's tie order
+(the lower instance id) is picked, where
 kv routing would pick the one that measured the faster prefill at start-up (either one), and
 its KV-event streams would reconnect to a killed instance and mark it down before any call. After
 each scenario every surviving instance has all its KV blocks free."""
@@ -115,10 +116,10 @@ def root_of(spans: list[ReceivedSpan]) -> ReceivedSpan:
 def test_a_prefill_retried_on_another_instance_shows_the_retry_and_the_attempt_that_served(
     cluster: Cluster, collector: Collector
 ) -> None:
-    """The prefill instance the gateway picks first (listed first, as idle as the other) is
-    dead: its call fails with UNAVAILABLE, the root has the retry, and the other P's span
-    hangs under the second call."""
-    victim, survivor = cluster.prefills
+    """The prefill instance the gateway picks first (as idle as the other, so first in its tie
+    order: the lower instance id, gateway/tie_break.py) is dead: its call fails with
+    UNAVAILABLE, the root has the retry, and the other P's span hangs under the second call."""
+    victim, survivor = sorted(cluster.prefills, key=lambda prefill: prefill.load().instance_id)
     victim_id = victim.load().instance_id
     victim.stop(signal.SIGKILL)
     survivor_id = survivor.load().instance_id
