@@ -163,11 +163,16 @@ def test_requests_sharing_a_prefix_hit_the_prefix_cache_the_gateway_learnt_from_
     async def sequence() -> list[int]:
         async with cluster.client() as client:
             first = [await one(client, 0)]
-            # The prefix's blocks reach the gateway's index through the KV events it polls.
+            # The prefix's blocks reach the gateway's index through the KV events it polls: wait
+            # for a prefill instance's (the decode instance that pulled them publishes its own).
             await asyncio.to_thread(
                 wait_for,
-                lambda: max(instance_metrics(cluster.url, "indexed_kv_blocks").values()) > 0,
-                "the gateway indexed the first request's blocks",
+                lambda: any(
+                    blocks > 0
+                    for name, blocks in instance_metrics(cluster.url, "indexed_kv_blocks").items()
+                    if name.startswith("sim-prefill-")
+                ),
+                "the gateway indexed the first request's blocks on a prefill instance",
             )
             return first + [await one(client, index) for index in range(1, 6)]
 
