@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 from openai import AsyncOpenAI
 
@@ -160,6 +162,25 @@ def test_requests_sharing_a_prefix_hit_the_prefix_cache_the_gateway_learnt_from_
         details = reply.usage.prompt_tokens_details if reply.usage else None
         return details.cached_tokens or 0 if details else 0
 
+    def reported_since(moment: float) -> bool:
+        """Every prefill instance's latest report reached the gateway after ``moment`` (so what
+        the gateway sent there before is counted by the report, not by its own tally) and is idle."""
+        status = httpx.get(f"{cluster.url}/status.json", timeout=10.0).json()
+        now = time.monotonic()
+        return all(
+            instance["report_age_s"] is not None
+            and now - instance["report_age_s"] > moment
+            and not instance["counters"]["num_waiting"]
+            and not instance["counters"]["num_running"]
+            for instance in status["instances"]
+            if instance["role"] == "prefill"
+        )
+
+    async def after_fresh_reports(client: AsyncOpenAI, index: int) -> int:
+        ended = time.monotonic()
+        await asyncio.to_thread(wait_for, lambda: reported_since(ended), "fresh idle reports of the prefill instances")
+        return await one(client, index)
+
     async def sequence() -> list[int]:
         async with cluster.client() as client:
             first = [await one(client, 0)]
@@ -174,7 +195,10 @@ def test_requests_sharing_a_prefix_hit_the_prefix_cache_the_gateway_learnt_from_
                 ),
                 "the gateway indexed the first request's blocks on a prefill instance",
             )
-            return first + [await one(client, index) for index in range(1, 6)]
+            # Each after the instances' next reports: a request the gateway sent since the latest
+            # report counts as queued there until the next one, and would make the holder of
+            # the prefix look busy (routing then rightly prefers an idle instance).
+            return first + [await after_fresh_reports(client, index) for index in range(1, 6)]
 
     cached = asyncio.run(sequence())
     assert cached[0] == 0
