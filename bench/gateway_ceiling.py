@@ -35,12 +35,12 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from bench.proc_stats import tree_cpu_s
 from bench.token_gaps import CHUNK_TIMES_HEADER, parse_chunk_times
 from launcher.processes import free_port, splitserve_command
 
 logger = logging.getLogger(__name__)
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 RETRY_AFTER_429_S = 0.05  # a refused request (the gateway's queues are full) is sent again after this
 
 
@@ -78,27 +78,6 @@ def percentiles_ms(values: list[float]) -> dict[str, float]:
     return {name: float(np.percentile(array, q)) for name, q in (("p50", 50), ("p99", 99), ("p99.9", 99.9))} | {
         "max": float(array.max())
     }
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime so far, seconds, of a process and every process below it (the gateway's
-    ``--api-server-count`` processes are its children)."""
-    parents: dict[int, list[int]] = {}
-    cpu: dict[int, float] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        child = int(stat.parent.name)
-        parents.setdefault(int(fields[1]), []).append(child)
-        cpu[child] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    total, frontier = 0.0, [pid]
-    while frontier:
-        current = frontier.pop()
-        total += cpu.get(current, 0.0)
-        frontier += parents.get(current, [])
-    return total
 
 
 async def one_stream(
@@ -174,11 +153,11 @@ async def closed_loop(
 
 def run_level(args: argparse.Namespace, url: str, gateway_pid: int, concurrency: int, max_tokens: int) -> RunResult:
     num_requests = max(args.min_requests, args.requests_per_stream * concurrency)
-    cpu_before = process_cpu_s(gateway_pid)
+    cpu_before = tree_cpu_s(gateway_pid)
     records, seconds = asyncio.run(
         closed_loop(url, args.model, concurrency, num_requests, max_tokens, args.prompt_words)
     )
-    cpu = process_cpu_s(gateway_pid) - cpu_before
+    cpu = tree_cpu_s(gateway_pid) - cpu_before
     done = [r for r in records if r.error is None]
     if len(done) < len(records):
         logger.warning("%d of %d requests failed, the first: %s", len(records) - len(done), len(records),

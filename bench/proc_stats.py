@@ -35,6 +35,27 @@ def sample(pid: int) -> ProcSample:
     return ProcSample(cpu_s, rss_kib * 1024)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """utime + stime so far, seconds, of a process and every live process below it (a parent
+    that runs its work in children, as the gateway's ``--api-server-count`` does)."""
+    parents: dict[int, list[int]] = {}
+    cpu_s: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        child = int(stat.parent.name)
+        parents.setdefault(int(fields[1]), []).append(child)
+        cpu_s[child] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    total, frontier = 0.0, [pid]
+    while frontier:
+        current = frontier.pop()
+        total += cpu_s.get(current, 0.0)
+        frontier += parents.get(current, [])
+    return total
+
+
 @dataclass(frozen=True, slots=True)
 class GroupRates:
     """A group of processes over a window, summed over its processes."""

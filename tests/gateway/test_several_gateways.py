@@ -22,12 +22,21 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.processes import HTTPProcess
-from tests.simulator.cluster import SECRET, SimulatedInstances, instance_metrics, ready_counts, wait_for, write_profile
+from tests.simulator.cluster import (
+    MODEL,
+    SECRET,
+    SimulatedInstances,
+    instance_metrics,
+    prompt,
+    ready_counts,
+    stream_completion,
+    wait_for,
+    write_profile,
+)
 from tests.stores import free_port, start_redis, stop
 
 NUM_PREFILL = 4
 NUM_DECODE = 16
-MODEL = "SmolLM2-135M-Instruct"  # the embedded model's tokenizer and config; no weights are read
 EXPECTED = {"prefill": NUM_PREFILL, "decode": NUM_DECODE, "colocated": 0}
 
 
@@ -81,27 +90,6 @@ def start_gateway(cluster: Cluster, name: str, *extra: str) -> HTTPProcess:
     return gateway
 
 
-def prompt(index: int, num_words: int = 100) -> str:
-    """A prompt of its own (no prefix shared with another index's)."""
-    return " ".join(f"g{index}x{i}" for i in range(num_words))
-
-
-async def stream_completion(client: AsyncOpenAI, text: str, max_tokens: int) -> int:
-    num_tokens = 0
-    stream = await client.completions.create(
-        model=MODEL,
-        prompt=text,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    async for chunk in stream:
-        if chunk.usage is not None:
-            num_tokens = chunk.usage.completion_tokens
-    return num_tokens
-
-
 def decode_routed(url: str) -> dict[str, float]:
     """Requests this gateway routed to each decode instance, those it routed none left out."""
     return {
@@ -123,14 +111,14 @@ def test_two_gateways_spread_a_simultaneous_burst_over_disjoint_decode_instances
     ]
     try:
 
-        async def bursts() -> list[int]:
+        async def bursts() -> list[tuple[int, str | None]]:
             clients = [
                 AsyncOpenAI(base_url=f"{g.url}/v1", api_key="unused", max_retries=0, timeout=120) for g in gateways
             ]
             try:
                 return await asyncio.gather(
                     *(
-                        stream_completion(client, prompt(100 * g + i), max_tokens)
+                        stream_completion(client, prompt(100 * g + i, num_words=100), max_tokens)
                         for g, client in enumerate(clients)
                         for i in range(num_streams)
                     )
@@ -139,7 +127,7 @@ def test_two_gateways_spread_a_simultaneous_burst_over_disjoint_decode_instances
                 for client in clients:
                     await client.close()
 
-        assert asyncio.run(bursts()) == [max_tokens] * (2 * num_streams)
+        assert asyncio.run(bursts()) == [(max_tokens, "length")] * (2 * num_streams)
         routed = [decode_routed(g.url) for g in gateways]
         assert [sum(r.values()) for r in routed] == [num_streams, num_streams], routed
         assert not set(routed[0]) & set(routed[1]), routed
@@ -172,7 +160,7 @@ def test_api_server_count_2_serves_one_port_from_two_processes_and_stops_them_al
         parent = psutil.Process(gateway.process.pid)
         children = parent.children(recursive=True)
         assert len(children) == 2, children
-        body = {"model": MODEL, "prompt": prompt(900), "max_tokens": 4, "temperature": 0}
+        body = {"model": MODEL, "prompt": prompt(900, num_words=100), "max_tokens": 4, "temperature": 0}
         # Each connection reaches either process; one never reached in 64 tries means the kernel does not
         # spread them (the chance that it does and misses one is 2 ** -63).
         seen: set[int] = set()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.processes import splitserve_command
@@ -18,6 +19,7 @@ from tests.services.processes import ROOT, SERVICE_ENV
 from tests.stores import stop
 
 SECRET = "the-cluster-secret-of-the-simulated-cluster"
+MODEL = "SmolLM2-135M-Instruct"  # the embedded model's tokenizer and config; no weights are read
 
 # A GPU-like instance at a test's pace: a decode step of a few rows about 10 ms, a 512-token
 # prefill about 40 ms, a pull of a 512-token prompt about 3 ms. Round numbers, not a measurement.
@@ -125,3 +127,27 @@ def instance_metrics(gateway_url: str, name: str) -> dict[str, float]:
             if sample.name in (wanted, f"{wanted}_total"):
                 values[sample.labels["instance"]] = sample.value
     return values
+
+
+def prompt(index: int, num_words: int = 200) -> str:
+    """A prompt of its own (no prefix shared with another index's)."""
+    return " ".join(f"w{index}x{i}" for i in range(num_words))
+
+
+async def stream_completion(client: AsyncOpenAI, text: str, max_tokens: int) -> tuple[int, str | None]:
+    """(completion tokens, finish reason) of one streamed completion."""
+    num_tokens, finish_reason = 0, None
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt=text,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            num_tokens = chunk.usage.completion_tokens
+        if chunk.choices:
+            finish_reason = chunk.choices[0].finish_reason or finish_reason
+    return num_tokens, finish_reason

@@ -22,12 +22,21 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.gateway.processes import HTTPProcess
-from tests.simulator.cluster import SECRET, SimulatedInstances, instance_metrics, ready_counts, wait_for, write_profile
+from tests.simulator.cluster import (
+    MODEL,
+    SECRET,
+    SimulatedInstances,
+    instance_metrics,
+    prompt,
+    ready_counts,
+    stream_completion,
+    wait_for,
+    write_profile,
+)
 from tests.stores import free_port, start_redis, stop
 
 NUM_PREFILL = 16
 NUM_DECODE_EACH = 8  # in each of two processes
-MODEL = "SmolLM2-135M-Instruct"  # the embedded model's tokenizer and config; no weights are read
 
 
 @dataclass
@@ -81,30 +90,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for process in started:
             process.stop()
         stop(redis_process)
-
-
-def prompt(index: int, num_words: int = 200) -> str:
-    """A prompt of its own (no prefix shared with another index's)."""
-    return " ".join(f"w{index}x{i}" for i in range(num_words))
-
-
-async def stream_completion(client: AsyncOpenAI, text: str, max_tokens: int) -> tuple[int, str | None]:
-    """(completion tokens, finish reason) of one streamed completion."""
-    num_tokens, finish_reason = 0, None
-    stream = await client.completions.create(
-        model=MODEL,
-        prompt=text,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    async for chunk in stream:
-        if chunk.usage is not None:
-            num_tokens = chunk.usage.completion_tokens
-        if chunk.choices:
-            finish_reason = chunk.choices[0].finish_reason or finish_reason
-    return num_tokens, finish_reason
 
 
 def test_the_gateway_discovers_every_simulated_instance_through_the_registry(cluster: Cluster) -> None:
