@@ -4,7 +4,8 @@ in call order:
 
 1. Prefill (:meth:`Failover.prefill`): a P that fails (down, draining, overloaded, a
    fingerprint it cannot serve) is counted down when it is, and the prefill runs on another
-   P, up to ``MAX_ATTEMPTS`` instances; a client error (a 4xx) ends the request at once. A
+   P, up to ``MAX_ATTEMPTS`` instances (one that could not be reached at all does not count:
+   :func:`unreachable`); a client error (a 4xx) ends the request at once. A
    client that leaves mid-prefill sends that P an Abort in the background: it may have
    pinned blocks just before the cancel reached it.
 2. Hand-off (:meth:`Failover.decode_and_migrate`, each Decode call through
@@ -57,7 +58,7 @@ from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, generatio
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3  # per phase: instances tried before the request fails
+MAX_ATTEMPTS = 3  # per phase: instances that took the call and failed before the request fails
 MAX_HANDOFFS = 3  # Decode calls per request that may end in DATA_LOSS and a new prefill
 # An instance answering with these is down, draining or full: another one may serve.
 _RETRYABLE = {
@@ -156,7 +157,8 @@ class Failover:
         )
         num_prompt_tokens = len(request.prompt_token_ids)
         last_error: grpc.aio.AioRpcError | None = None
-        for _ in range(MAX_ATTEMPTS):
+        num_attempts = 0
+        while num_attempts < MAX_ATTEMPTS:
             prefill = self._within_limits(
                 lambda: self.pool.pick_prefill(
                     exclude=tried,
@@ -183,6 +185,7 @@ class Failover:
                 return response, prefill, sent_at
             except grpc.aio.AioRpcError as error:
                 last_error = self._failed(prefill, error, "prefill", request.trace)
+                num_attempts += not unreachable(prefill, error)
             except asyncio.CancelledError:
                 # The client left mid-prefill: P may have pinned blocks just before the cancel reached it.
                 self._background.spawn(abort_prefill(prefill.channel, prefill_request_id, prefill.address))
@@ -364,7 +367,8 @@ class Failover:
         ``open_stream`` makes the call, with the metadata given (the trace's context)."""
         tried: list[InstanceState] = []
         last_error: grpc.aio.AioRpcError | None = None
-        for _ in range(MAX_ATTEMPTS):
+        num_attempts = 0
+        while num_attempts < MAX_ATTEMPTS:
             instance = self._within_limits(lambda: pick(tried))
             if instance is None:
                 break
@@ -388,6 +392,7 @@ class Failover:
                     if error.code() == grpc.StatusCode.DATA_LOSS and not streamed:
                         raise KVLost(error.details()) from None
                     last_error = self._failed(instance, error, role, request.trace)
+                    num_attempts += not unreachable(instance, error)
                     if streamed:
                         api_error = _as_api_error(
                             error, f"{role} instance {instance.instance_id} at {instance.address} failed mid-stream"
@@ -450,6 +455,18 @@ class Failover:
         if code in _INSTANCE_DOWN:
             self.pool.record_failure(instance)
         return error
+
+
+def unreachable(instance: InstanceState, error: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed call never reached the instance: gRPC could not connect (its channel
+    is failing to), so the instance holds nothing of the request. Such a try costs the
+    request a connection attempt, not one of its ``MAX_ATTEMPTS``: when a host with several
+    instances dies, its neighbours in the ranking are all dead at once, and the request goes
+    on past them to an instance that is up (``tried`` keeps each instance to one try)."""
+    return (
+        error.code() == grpc.StatusCode.UNAVAILABLE
+        and instance.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+    )
 
 
 def _exhausted(role: str, last_error: grpc.aio.AioRpcError | None, tried: list[InstanceState]) -> APIError:

@@ -11,7 +11,8 @@ processes).
   (with a migration budget, the request resumes on another D after the last token sent);
 - a client that leaves releases P's KV exactly once and cancels the Decode call (D aborts);
 - a D that cannot pull the KV (DATA_LOSS) sends the request back to prefill;
-- the budgets: ``MAX_ATTEMPTS`` instances a phase, ``MAX_HANDOFFS`` lost hand-offs,
+- the budgets: ``MAX_ATTEMPTS`` instances a phase (an instance gRPC could not connect to
+  does not count: a real channel to a refused port), ``MAX_HANDOFFS`` lost hand-offs,
   ``--max-migrations``.
 
 The fakes are servicers: objects whose async methods take and return the proto messages
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import socket
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from http import HTTPStatus
 from typing import Any
@@ -601,6 +603,68 @@ async def test_a_hand_off_tries_at_most_max_attempts_decode_instances_then_relea
     )
     assert [len(d.requests) for d in decodes] == [1] * MAX_ATTEMPTS + [0]
     assert len(prefill.requests) == 1 and prefill.released == ["r"]
+
+
+class RefusedPort:
+    """A local port bound but not listening: every connection to it is refused at once, and
+    nobody else can take it while this holds it."""
+
+    def __enter__(self) -> str:
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{self._socket.getsockname()[1]}"
+
+    def __exit__(self, *_: object) -> None:
+        self._socket.close()
+
+
+async def unreachable_first(pool: InstancePool, fakes: Sequence[FakeInstance], address: str) -> list[grpc.aio.Channel]:
+    """Point the first ``fakes`` of the pool at ``address`` through real gRPC channels: what a
+    dead host's instances look like to the gateway."""
+    channels = []
+    for fake in fakes:
+        channel = grpc.aio.insecure_channel(address)
+        pool.instances[fake.address].channel = channel
+        channels.append(channel)
+    return channels
+
+
+@in_loop
+async def test_unreachable_decode_instances_do_not_use_up_the_attempts() -> None:
+    # A host with several decode instances died: they rank first, side by side. The request
+    # goes past all of them (more than MAX_ATTEMPTS) to the live one, and they are skipped
+    # from then on.
+    prefill = FakePrefill()
+    dead = [FakeDecode() for _ in range(MAX_ATTEMPTS + 1)]
+    live = FakeDecode()
+    pool = make_pool(prefill=[prefill], decode=[*dead, live])
+    with RefusedPort() as address:
+        channels = await unreachable_first(pool, dead, address)
+        try:
+            token_ids, error = await collect(Dispatcher(pool))
+        finally:
+            for channel in channels:
+                await channel.close()
+    assert error is None and token_ids == [FIRST, *DECODED]
+    assert len(live.requests) == 1 and prefill.released == []  # D took the KV over
+    assert not any(is_healthy(pool, fake) for fake in dead) and is_healthy(pool, live)
+
+
+@in_loop
+async def test_unreachable_prefill_instances_do_not_use_up_the_attempts() -> None:
+    dead = [FakePrefill() for _ in range(MAX_ATTEMPTS + 1)]
+    live = FakePrefill()
+    decode = FakeDecode()
+    pool = make_pool(prefill=[*dead, live], decode=[decode])
+    with RefusedPort() as address:
+        channels = await unreachable_first(pool, dead, address)
+        try:
+            token_ids, error = await collect(Dispatcher(pool))
+        finally:
+            for channel in channels:
+                await channel.close()
+    assert error is None and token_ids == [FIRST, *DECODED]
+    assert len(live.requests) == 1 and not any(is_healthy(pool, fake) for fake in dead)
 
 
 @in_loop
