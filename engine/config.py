@@ -78,6 +78,11 @@ class EngineConfig:
     prefix_cache_hash_key: bytes | None = field(default=None, repr=False)
     # Ranks the model is split over, one process each (engine/tensor_parallel/); 1: this process alone.
     tensor_parallel_size: int = 1
+    # Stages the layers are split into, one process each per tensor-parallel rank
+    # (engine/pipeline_parallel/); 1: every layer in each rank.
+    pipeline_parallel_size: int = 1
+    # Each stage's layer count, in order (None: as equal as the layer count allows).
+    pipeline_stage_layers: tuple[int, ...] | None = None
     # Run in every tensor-parallel worker once its KV cache exists (engine/tensor_parallel/rank_context.py);
     # a module-level function, so that it reaches the worker by name.
     worker_extension: WorkerExtension | None = None
@@ -114,9 +119,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.method == "draft_model":
+        self._check_pipeline_parallel()
+        if self.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.method != "ngram":
             raise ValueError(
-                "a draft model (--speculative-model) is not supported with --tensor-parallel-size above 1 yet; "
+                f"{self.speculative.method} speculation is not supported with --tensor-parallel-size above 1 yet; "
                 "use n-gram drafts (--num-speculative-tokens alone), or tensor parallel size 1"
             )
         if self.prefix_cache_hash != "auto":
@@ -128,6 +134,38 @@ class EngineConfig:
                 f"--num-speculative-tokens ({self.speculative.num_speculative_tokens}) must be below "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}): a step verifies them with the last token"
             )
+
+    @property
+    def world_size(self) -> int:
+        """Processes the model runs in: one per tensor-parallel rank of each pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_pipeline_parallel(self) -> None:
+        """What pipeline parallelism does not take yet, refused with the way out. The split
+        itself is checked against the model's layers when it loads (engine/pipeline_parallel/stages.py)."""
+        size = self.pipeline_parallel_size
+        if size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {size}")
+        if self.pipeline_stage_layers is not None and len(self.pipeline_stage_layers) != size:
+            raise ValueError(
+                f"--pipeline-stage-layers names {len(self.pipeline_stage_layers)} stages, --pipeline-parallel-size "
+                f"is {size}: give one layer count per stage"
+            )
+        if size == 1:
+            return
+        if self.role != "colocated":
+            raise ValueError(
+                f"a {self.role} instance at --pipeline-parallel-size {size} is not supported yet: its KV connector "
+                "would move the last stage's layers alone; run it at pipeline parallel size 1 (tensor parallelism "
+                "works), or serve colocated"
+            )
+        if self.speculative is not None and self.speculative.method != "ngram":
+            raise ValueError(
+                f"{self.speculative.method} speculation is not supported with --pipeline-parallel-size above 1 yet; "
+                "use n-gram drafts (--num-speculative-tokens alone), or pipeline parallel size 1"
+            )
+        if self.worker_extension is not None:
+            raise ValueError("a worker extension is not supported with --pipeline-parallel-size above 1 yet")
 
     @property
     def block_hasher(self) -> BlockHasher:

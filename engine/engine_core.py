@@ -134,7 +134,7 @@ class EngineCore:
             drafter = (
                 f"n-gram lookup of {spec.ngram_min}-{spec.ngram_max} tokens"
                 if self.ngram
-                else f"draft model {spec.model}"
+                else f"{'Medusa heads' if spec.method == 'medusa' else 'draft model'} {spec.model}"
             )
             logger.info("speculative decoding: up to %d drafts per step from %s", spec.num_speculative_tokens, drafter)
         self.published_load_report = self.load_report()
@@ -343,6 +343,9 @@ class EngineCore:
                 request.num_spec_tokens = 0
             elif self.ngram is not None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids)
+                request.num_spec_tokens = len(request.spec_token_ids)
+            elif self.speculative is not None and self.speculative.method == "medusa":
+                # Proposed by the heads after the request's last step (engine/spec_decode/medusa.py).
                 request.num_spec_tokens = len(request.spec_token_ids)
             else:
                 request.num_spec_tokens = num_speculative_tokens

@@ -24,6 +24,8 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, SchedulerOutput
 from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.medusa import MedusaProposer
+from engine.spec_decode.medusa_checkpoint import load_medusa_heads
 from engine.spec_decode.rejection_sampler import RejectionSampler
 from engine.structured_output.bitmask import PendingBitmask
 from engine.structured_output.manager import StructuredOutputManager
@@ -118,6 +120,12 @@ class ModelRunner:
         spec = config.speculative
         if spec is not None and spec.method == "draft_model" and config.role != "prefill":
             self.draft_model = DraftModelProposer(spec, self)
+        self.medusa: MedusaProposer | None = None
+        if spec is not None and spec.method == "medusa" and config.role != "prefill":
+            heads = load_medusa_heads(
+                Path(spec.model or ""), self.shape.hidden_size, self.shape.vocab_size, self.dtype, self.device
+            )
+            self.medusa = MedusaProposer(heads, spec.num_speculative_tokens, self.model.lm_head)
 
     # ------------------------------------------------------------------ sizing
 
@@ -197,9 +205,29 @@ class ModelRunner:
         sampling = [s.request for s in output.scheduled if s.samples]
         # Grammar masks for this step's tokens are computed while the forward pass runs.
         bitmask = self._start_bitmask(sampling)
-        logits = self._forward(batch)
+        # Medusa drafts from the final hidden state of every row that yields logits.
+        hidden = None
+        if self.medusa is not None:
+            hidden = torch.empty(
+                len(batch.logits_indices), self.shape.hidden_size, dtype=self.dtype, device=self.device
+            )
+        logits = self._forward(batch, hidden)
         if not sampling:
             return ModelOutput(sampled_token_ids=[], logprobs=[])
+        model_output = self._sample(output, logits, sampling, eos_token_ids, draft_probs, bitmask)
+        if self.medusa is not None and hidden is not None:
+            model_output.draft_token_ids = self.medusa.propose(output, model_output, hidden)
+        return model_output
+
+    def _sample(
+        self,
+        output: SchedulerOutput,
+        logits: torch.Tensor,
+        sampling: list[Request],
+        eos_token_ids: frozenset[int],
+        draft_probs: dict[str, torch.Tensor],
+        bitmask: PendingBitmask | None,
+    ) -> ModelOutput:
         if output.num_spec_decodes:
             return self._verify(output, logits, eos_token_ids, draft_probs, bitmask)
         sampler_output = self.sampler(
@@ -216,15 +244,18 @@ class ModelRunner:
         )
         return ModelOutput(sampled_token_ids=sampler_output.token_ids, logprobs=sampler_output.logprobs)
 
-    def _forward(self, batch: FlatBatch) -> torch.Tensor:
-        """Float32 logits of the batch's ``logits_indices`` rows."""
+    def _forward(self, batch: FlatBatch, final_hidden_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits of the batch's ``logits_indices`` rows; their final hidden states into
+        ``final_hidden_out`` if given (the modules' path then: the native step returns logits only)."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_step(batch)  # the other ranks run the same step beside this one
-        if self.native_decode is not None:
+        if self.native_decode is not None and final_hidden_out is None:
             logits = self.native_decode(batch)
             if logits is not None:
                 return logits
-        return self.model(batch.input_ids, batch.positions, self.layer_caches, batch.metadata, batch.logits_indices)
+        return self.model(
+            batch.input_ids, batch.positions, self.layer_caches, batch.metadata, batch.logits_indices, final_hidden_out
+        )
 
     def _start_bitmask(self, sampling: list[Request]) -> PendingBitmask | None:
         """None (and no cost beyond one pass over the rows) when no row samples under a grammar."""

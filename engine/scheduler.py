@@ -356,6 +356,8 @@ class Scheduler:
                 if logprobs is not None:
                     request.logprobs.append(logprobs)
                 self._check_stop(request, token_id)
+            if model_output.draft_token_ids is not None:  # Medusa: what the next step verifies
+                request.spec_token_ids = model_output.draft_token_ids[sample_index - 1]
             if not request.status.is_finished and self.role == "prefill":
                 request.status = RequestStatus.FINISHED_PREFILLED
             updated.append((request, num_added))

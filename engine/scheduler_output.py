@@ -40,9 +40,11 @@ class ModelOutput:
 
     With speculative decoding that token is the bonus (all drafts accepted) or recovered one,
     and ``accepted_token_ids[i]`` lists the drafts accepted before it (None: no request verified
-    drafts this step)."""
+    drafts this step). ``draft_token_ids[i]``: drafts proposed for request i's next step from
+    this step's hidden states (Medusa heads; None: the drafter proposes before scheduling)."""
 
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     accepted_token_ids: list[list[int]] | None = None
     accepted_logprobs: list[list[TokenLogprobs | None]] | None = None
+    draft_token_ids: list[list[int]] | None = None

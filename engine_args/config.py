@@ -7,6 +7,7 @@ The engine is imported inside the functions: importing this module loads no part
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # annotations only: importing these loads torch
@@ -63,11 +64,25 @@ def long_prefill_token_threshold(args: argparse.Namespace, role: EngineRole) -> 
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """The speculative flags as a config: None (speculation off) unless
+    """The speculative flags as a config: None (speculation off) unless ``--speculative-config``,
     ``--num-speculative-tokens`` or ``--speculative-model`` was given; a flag not given keeps
     the field's default."""
     from engine.spec_decode.config import SpeculativeConfig
 
+    older = {
+        "--num-speculative-tokens": args.num_speculative_tokens,
+        "--speculative-model": args.speculative_model,
+        "--speculative-ngram-min": args.speculative_ngram_min,
+        "--speculative-ngram-max": args.speculative_ngram_max,
+    }
+    if args.speculative_config is not None:
+        given_older = [flag for flag, value in older.items() if value is not None]
+        if given_older:
+            raise ValueError(
+                f"--speculative-config says everything about speculation; drop {', '.join(given_older)} (or put "
+                "it in the JSON: num_speculative_tokens, model, prompt_lookup_min, prompt_lookup_max)"
+            )
+        return speculative_config_from_json(args.speculative_config)
     if args.num_speculative_tokens is None and args.speculative_model is None:
         return None
     given = {
@@ -80,3 +95,49 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         method="draft_model" if args.speculative_model else "ngram",
         **{name: value for name, value in given.items() if value is not None},
     )
+
+
+# --speculative-config's keys (vLLM's names) -> SpeculativeConfig's fields.
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "method",
+    "model": "model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "ngram_min",
+    "prompt_lookup_max": "ngram_max",
+}
+
+
+def speculative_config_from_json(text: str) -> SpeculativeConfig:
+    """``--speculative-config`` as vLLM spells it. Medusa without ``num_speculative_tokens``
+    drafts one token per head of its checkpoint, as vLLM does."""
+    import json
+
+    from engine.spec_decode.config import SpeculativeConfig
+
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f'--speculative-config must be a JSON object, e.g. \'{{"method": "ngram"}}\': {error}'
+        ) from None
+    if not isinstance(given, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
+    unknown = sorted(set(given) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--speculative-config: unknown keys {unknown}; this engine takes {sorted(SPECULATIVE_CONFIG_KEYS)}"
+        )
+    if "method" not in given:
+        raise ValueError(
+            '--speculative-config needs a "method": ngram, draft_model or medusa (eagle and eagle3 are not built yet)'
+        )
+    for key, value in given.items():
+        wanted = str if key in ("method", "model") else int
+        if not isinstance(value, wanted) or isinstance(value, bool):
+            raise ValueError(f"--speculative-config: {key} must be a {wanted.__name__}, got {value!r}")
+    fields = {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in given.items()}
+    if fields["method"] == "medusa" and "num_speculative_tokens" not in fields and fields.get("model"):
+        from engine.spec_decode.medusa_checkpoint import read_medusa_config
+
+        fields["num_speculative_tokens"] = read_medusa_config(Path(fields["model"])).num_heads
+    return SpeculativeConfig(**fields)

@@ -166,9 +166,19 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of every command that runs a decoding engine. Unset n-gram bounds keep
+    """The flags of every command that runs a decoding engine. ``--speculative-config`` is kept as
+    given (its JSON text) and parsed in engine_args/config.py. Unset n-gram bounds keep
     ``SpeculativeConfig``'s defaults, which the help repeats (a test holds them equal)."""
-    group = parser.add_argument_group("speculative decoding (off unless one of the first two is given)")
+    group = parser.add_argument_group("speculative decoding (off unless one of the first three is given)")
+    group.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='as vLLM spells it: {"method": "ngram"|"draft_model"|"medusa", "model": FOLDER, '
+        '"num_speculative_tokens": N, "prompt_lookup_min": N, "prompt_lookup_max": N}; medusa: a folder of Medusa '
+        "heads (splitserve train-heads makes one), drafting as many tokens as it has heads unless N says fewer; "
+        "eagle and eagle3 are not built yet. Instead of the flags below, not beside them",
+    )
     group.add_argument(
         "--num-speculative-tokens",
         type=int,

@@ -225,15 +225,20 @@ class LlamaFamilyForCausalLM(nn.Module):
         layer_caches: Sequence[torch.Tensor],
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        final_hidden_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]; layer_caches: per layer, [2, num_blocks, block_size, H_kv, D]
         (views of the block-major cache, engine/kv_cache_layout.py);
-        logits_indices: [R] rows of the batch whose next-token logits are needed.
+        logits_indices: [R] rows of the batch whose next-token logits are needed;
+        final_hidden_out: [R, hidden_size], if given, receives those rows' final (normed) hidden
+        states, which Medusa heads draft from (engine/spec_decode/medusa.py).
         Returns float32 logits [R, vocab_size]."""
         hidden, residual = self.embed_tokens(input_ids), None
         for layer_index, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, layer_caches[layer_index], metadata)
         hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])
+        if final_hidden_out is not None:
+            final_hidden_out.copy_(hidden)
         logits = self.lm_head(hidden).float()
         if self.group is None:
             return logits

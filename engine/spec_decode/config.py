@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SpecMethod = Literal["ngram", "draft_model"]
+SpecMethod = Literal["ngram", "draft_model", "medusa"]
+# Methods vLLM's --speculative-config names that this engine does not build yet (issue 40).
+PLANNED_METHODS = ("eagle", "eagle3")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
@@ -15,17 +17,26 @@ class SpeculativeConfig:
     ``ngram_min`` tokens) ending the sequence is searched for earlier in it, and the tokens
     that followed its latest earlier occurrence are proposed. ``method="draft_model"`` runs
     ``model`` (a local Hugging Face folder with the target's vocabulary) autoregressively.
-    Either way at most ``num_speculative_tokens`` drafts are verified per step."""
+    ``method="medusa"`` reads ``model``'s Medusa heads, which draft from the target's last
+    hidden state (engine/spec_decode/medusa.py). Either way at most ``num_speculative_tokens``
+    drafts are verified per step."""
 
     method: SpecMethod = "ngram"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     ngram_min: int = 2
     ngram_max: int = 4
-    model: str | None = None  # draft_model: the draft checkpoint's folder
+    model: str | None = None  # draft_model: the draft checkpoint's folder; medusa: the heads' folder
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative method must be ngram or draft_model, got {self.method!r}")
+        if self.method in PLANNED_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not built yet (issue 40); use medusa, ngram or draft_model"
+            )
+        if self.method not in ("ngram", "draft_model", "medusa"):
+            raise ValueError(
+                f"speculative method must be one of ngram, draft_model, medusa (eagle and eagle3 are not built yet); "
+                f"got {self.method!r}"
+            )
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -35,5 +46,10 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError("draft-model speculation needs --speculative-model, a local Hugging Face folder")
+        if self.method == "medusa" and not self.model:
+            raise ValueError(
+                'Medusa speculation needs the heads\' folder: --speculative-config \'{"method": "medusa", "model": '
+                '"<folder>"}\' (splitserve train-heads makes one)'
+            )
         if self.method == "ngram" and self.model:
             raise ValueError("--speculative-model makes a draft model speculate; drop the n-gram method (or the model)")

@@ -86,7 +86,11 @@ def test_every_choice_list_is_the_engines() -> None:
 
 
 def test_the_speculative_flags_choose_the_engines_methods() -> None:
-    on = [_parse("generate", "--num-speculative-tokens", "2"), _parse("generate", "--speculative-model", "/d")]
+    on = [
+        _parse("generate", "--num-speculative-tokens", "2"),
+        _parse("generate", "--speculative-model", "/d"),
+        _parse("generate", "--speculative-config", '{"method": "medusa", "model": "/m", "num_speculative_tokens": 2}'),
+    ]
     methods = {config.method for config in map(speculative_config_from_args, on) if config is not None}
     assert methods == set(get_args(SpecMethod))
 
