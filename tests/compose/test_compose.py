@@ -38,10 +38,17 @@ from tests.stores import stop, wait_for_port
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 BASE, GPU, CPU = "docker-compose.yml", "docker-compose.override.yml", "docker-compose.cpu.yml"
-COMPOSE_FILES = (BASE, GPU, CPU)
+SIMULATE = "docker-compose.simulate.yml"  # simulated P and D, many instances a container, on the CPU file
+COMPOSE_FILES = (BASE, GPU, CPU, SIMULATE)
 OBSERVABILITY = "docker-compose.observability.yml"  # optional services, no splitserve command
 # variant -> the -f files; None: no -f, as `docker compose up` in compose/ reads them
-VARIANTS: dict[str, tuple[str, ...] | None] = {"plain": None, "gpu": (BASE, GPU), "cpu": (BASE, CPU), "swarm": (BASE,)}
+VARIANTS: dict[str, tuple[str, ...] | None] = {
+    "plain": None,
+    "gpu": (BASE, GPU),
+    "cpu": (BASE, CPU),
+    "swarm": (BASE,),
+    "simulate": (BASE, CPU, SIMULATE),
+}
 SERVICES = ("redis", "prefill", "decode", "gateway")
 INSTANCES = ("prefill", "decode")
 DEFAULT_MODEL = "/opt/splitserve/models/SmolLM2-135M-Instruct"
@@ -110,7 +117,9 @@ def option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 def parse_command(argv: list[str]) -> argparse.Namespace:
     """Run ``splitserve ARGV`` through the real entry point up to ``run``; fail on any flag
-    the parser does not know exactly (argparse would otherwise accept abbreviations)."""
+    the parser does not know exactly (argparse would otherwise accept abbreviations). A
+    subcommand with subcommands of its own (``simulate ROLE``) is checked against the
+    role's flags."""
     subcommand = next((token for token in argv if token in cli.SUBCOMMANDS), None)
     if subcommand is None:
         pytest.fail(f"no splitserve subcommand in {argv}")
@@ -118,7 +127,14 @@ def parse_command(argv: list[str]) -> argparse.Namespace:
     position = argv.index(subcommand)
     own = argparse.ArgumentParser(add_help=False)
     module.add_arguments(own)
-    for flags, known in ((argv[:position], {"--log-level"}), (argv[position + 1 :], option_strings(own))):
+    rest = argv[position + 1 :]
+    for action in own._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            role = next((token for token in rest if token in action.choices), None)
+            if role is None:
+                pytest.fail(f"splitserve {subcommand} needs one of {sorted(action.choices)}: {argv}")
+            own, rest = action.choices[role], rest[rest.index(role) + 1 :]
+    for flags, known in ((argv[:position], {"--log-level"}), (rest, option_strings(own))):
         unknown = [token for token in flags if re.match(r"--?[A-Za-z]", token) and token.split("=")[0] not in known]
         if unknown:
             pytest.fail(f"splitserve {subcommand} has no flag {unknown}; its flags: {sorted(known)}")
@@ -178,6 +194,7 @@ def test_compose_substitutes_commands_as_these_tests_read_them(variant: str) -> 
     config = compose_config(variant)
     for service in ("prefill", "decode", "gateway"):
         file = CPU if variant == "cpu" and service in INSTANCES else BASE
+        file = SIMULATE if variant == "simulate" else file
         assert config["services"][service]["command"] == command(file, service), (variant, service)
 
 
@@ -223,13 +240,17 @@ COMMANDS = [
 @pytest.mark.parametrize(("file", "service"), COMMANDS)
 def test_command_parses_with_the_real_cli(file: str, service: str) -> None:
     args = parse_command(command(file, service))
-    assert args.command == service
+    simulated = file == SIMULATE and service in INSTANCES
+    assert (args.command, getattr(args, "role", service)) == ("simulate" if simulated else service, service)
     assert args.host == "0.0.0.0"
     assert args.port == EXPECTED_PORTS[service]
     assert args.registry_url == REGISTRY_URL, "the registry's own Redis user"
     assert args.model == DEFAULT_MODEL
     assert args.require_cluster_secret, "never started without the cluster secret"
-    if service in INSTANCES:
+    if simulated:
+        assert args.advertise_host == service, "peers dial the service's DNS name"
+        check_simulated_instances(args, SIMULATED_INSTANCES)
+    elif service in INSTANCES:
         assert args.advertise_host == service, "peers dial the service's DNS name"
         assert args.lmcache_url == KV_STORE_URL, "the KV store's own Redis user"
         assert args.kv_connector == "ucx"
@@ -240,6 +261,81 @@ def test_command_parses_with_the_real_cli(file: str, service: str) -> None:
 
 def test_every_service_command_is_checked() -> None:
     assert {(BASE, "prefill"), (BASE, "decode"), (BASE, "gateway"), (CPU, "prefill"), (CPU, "decode")} <= set(COMMANDS)
+    assert {(SIMULATE, "prefill"), (SIMULATE, "decode"), (SIMULATE, "gateway")} <= set(COMMANDS)
+
+
+# ------------------------------------------------------------------ simulated instances
+
+SIMULATED_INSTANCES = 8  # each container's, by default
+MAX_SIMULATED_INSTANCES = 1000  # a container's, as docker-compose.simulate.yml says: its port ranges' width
+
+
+def instance_ports(args: argparse.Namespace) -> dict[str, list[int]]:
+    """The ports the instances of one ``splitserve simulate`` process listen on, as it assigns
+    them, by kind (``grpc``, ``kv``, ``metrics`` where it serves metrics), in instance order."""
+    from simulator.cli import instance_args
+
+    each = [instance_args(args, index) for index in range(args.num_instances)]
+    kinds = {"grpc": "port", "kv": "kv_port", "metrics": "metrics_port"}
+    ports = {kind: [getattr(one, flag) for one in each] for kind, flag in kinds.items()}
+    return {kind: numbers for kind, numbers in ports.items() if numbers[0] is not None}
+
+
+def check_simulated_instances(args: argparse.Namespace, num_instances: int) -> None:
+    """A simulated role's command: the instances it starts, on ports that never collide; a
+    built-in GPU profile; the first instance on the port the health check asks."""
+    from simulator.cli import instance_args
+    from simulator.timing_model import load_profile
+
+    assert args.num_instances == num_instances
+    profile = load_profile(args.profile)
+    assert (ROOT / "simulator" / "profiles" / f"{args.profile}.json").is_file(), "a built-in profile by its name"
+    assert not profile.name.endswith("-cpu"), "a GPU's timings by default"
+    assert args.time_scale == 1.0
+    ports = [port for numbers in instance_ports(args).values() for port in numbers]
+    assert all(ports), "fixed ports, reachable across containers: 0 would be any free one"
+    assert len(set(ports)) == len(ports), f"instances' ports collide: {sorted(ports)}"
+    widest = instance_ports(argparse.Namespace(**{**vars(args), "num_instances": MAX_SIMULATED_INSTANCES}))
+    ports = [port for numbers in widest.values() for port in numbers]
+    assert len(set(ports)) == len(ports), f"{MAX_SIMULATED_INSTANCES} instances' ports collide"
+    assert instance_args(args, 0).port == args.port, "the health check asks instance 0, on the role's port"
+    ids = {instance_args(args, index).instance_id for index in range(num_instances)}
+    assert len(ids) == num_instances, f"instances share ids in the registry: {ids}"
+
+
+@pytest.mark.parametrize("service", INSTANCES)
+def test_simulated_command_keeps_the_real_ones_settings(service: str) -> None:
+    """What the simulated instances share with the real ones (ports, registry, model, block
+    size, leases, pull failures) is the base file's; the profile sets batch limits and KV size."""
+    real, simulated = vars(parse_command(command(BASE, service))), vars(parse_command(command(SIMULATE, service)))
+    shared = {"host", "port", "advertise_host", "registry_url", "model", "block_size", "require_cluster_secret"}
+    shared |= {"lease_seconds"} if service == "prefill" else {"kv_failure_policy", "kv_pull_timeout"}
+    assert {key: simulated[key] for key in shared} == {key: real[key] for key in shared}
+    assert simulated["kv_port"] != real["kv_port"], "instance 1's gRPC port would be the real KV port"
+
+
+def test_the_simulated_gateway_serves_the_simulated_model_by_a_name_of_its_own() -> None:
+    real, simulated = vars(parse_command(command(BASE, "gateway"))), vars(parse_command(command(SIMULATE, "gateway")))
+    assert simulated["served_model_name"] == "simulated"
+    assert {key for key in real if real[key] != simulated[key]} == {"served_model_name"}, "drifted from the base"
+
+
+def test_the_simulated_instances_check_catches_colliding_ports() -> None:
+    argv = command(SIMULATE, "prefill")
+    overlapping = argv[: argv.index("--kv-port") + 1] + ["50062"] + argv[argv.index("--kv-port") + 2 :]
+    with pytest.raises(AssertionError, match="collide"):
+        check_simulated_instances(parse_command(overlapping), SIMULATED_INSTANCES)
+    with pytest.raises(pytest.fail.Exception):
+        parse_command(["simulate", "prefill", "--kv-failure-policy", "fail"])  # decode's flag
+    with pytest.raises(pytest.fail.Exception):
+        parse_command(["simulate", "--num-instances", "8"])  # no role
+
+
+def test_simulated_instances_keep_the_health_check_of_the_first_one() -> None:
+    services = compose_config("simulate")["services"]
+    for role in INSTANCES:
+        first = with_defaults(raw(BASE)["services"][role]["healthcheck"]["test"])
+        assert services[role]["healthcheck"]["test"] == first, f"{role}: not instance 0's gRPC health"
 
 
 @pytest.mark.parametrize(
@@ -315,7 +411,7 @@ def test_gateway_publishes_rest_and_grpc_ports_on_loopback() -> None:
     assert published == {("127.0.0.1", args.port, args.port), ("127.0.0.1", args.grpc_port, args.grpc_port)}
 
 
-@pytest.mark.parametrize("variant", ["plain", "gpu", "cpu", "swarm"])
+@pytest.mark.parametrize("variant", ["plain", "gpu", "cpu", "swarm", "simulate"])
 def test_compose_publishes_the_gateway_ports_on_loopback(variant: str) -> None:
     ports = published_ports(compose_config(variant)["services"]["gateway"]["ports"])
     assert ports == {("127.0.0.1", 8000, 8000), ("127.0.0.1", 50051, 50051)}
@@ -340,8 +436,9 @@ def test_compose_up_reserves_a_gpu_each(variant: str) -> None:
     assert ids == {"prefill": ["0"], "decode": ["1"]}
 
 
-def test_cpu_override_reserves_no_gpu() -> None:
-    services = compose_config("cpu")["services"]
+@pytest.mark.parametrize("variant", ["cpu", "simulate"])
+def test_cpu_override_reserves_no_gpu(variant: str) -> None:
+    services = compose_config(variant)["services"]
     assert not any(devices(services[role]) for role in SERVICES)
     assert {services[role]["build"]["args"]["BASE_IMAGE"] for role in ("prefill", "decode", "gateway")} == {
         "ubuntu:22.04"
