@@ -108,6 +108,18 @@ class KVConnector(abc.ABC):
         self.num_pulls_cut_off = 0
 
     @property
+    def num_transfers_in_flight(self) -> int:
+        """Pulls this side is serving (P) or making (D) right now; 0 where the backend keeps
+        no count of its own. Reported in the load report (``kv_transfers_in_flight``)."""
+        return 0
+
+    @property
+    def num_connections(self) -> int:
+        """Connections to peers held open now (P: from decode instances; D: kept for the next
+        pull); 0 for a backend that holds none. Reported as ``kv_connections``."""
+        return 0
+
+    @property
     def num_blocks(self) -> int:
         return self.kv_cache.shape[0]
 

@@ -220,18 +220,12 @@ class UCXConnector(KVConnector):
 
     @property
     def num_transfers_in_flight(self) -> int:
-        """Pulls this side is serving (P) or making (D) right now."""
         return self._num_transfers
 
     @property
-    def num_serving_connections(self) -> int:
-        """P: connections from decode instances, open between their pulls."""
-        return len(self._serving)
-
-    @property
-    def num_idle_connections(self) -> int:
-        """D: connections kept open for the next pull, over all prefill instances."""
-        return sum(len(connections) for connections in self._idle.values())
+    def num_connections(self) -> int:
+        # P serves endpoints and D keeps idle ones; one instance is one or the other.
+        return len(self._serving) + sum(len(connections) for connections in self._idle.values())
 
     async def start(self, host: str, port: int) -> str:
         if limit_to_loopback(host):

@@ -176,7 +176,7 @@ class LoadReportRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "fingerprint", "connector", "connector_address", "prefix_cache_hit_rate", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "max_model_len", "num_pending_prefill_tokens", "prefill_tokens_per_s", "counters", "engine_error")
+    __slots__ = ("instance_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "fingerprint", "connector", "connector_address", "prefix_cache_hit_rate", "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "max_model_len", "num_pending_prefill_tokens", "prefill_tokens_per_s", "counters", "engine_error", "num_kv_transfers_in_flight", "num_kv_connections")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class LoadReport(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     num_waiting: int
@@ -213,7 +215,9 @@ class LoadReport(_message.Message):
     prefill_tokens_per_s: float
     counters: InstanceCounters
     engine_error: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., counters: _Optional[_Union[InstanceCounters, _Mapping]] = ..., engine_error: _Optional[str] = ...) -> None: ...
+    num_kv_transfers_in_flight: int
+    num_kv_connections: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., counters: _Optional[_Union[InstanceCounters, _Mapping]] = ..., engine_error: _Optional[str] = ..., num_kv_transfers_in_flight: _Optional[int] = ..., num_kv_connections: _Optional[int] = ...) -> None: ...
 
 class InstanceCounters(_message.Message):
     __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks", "num_kv_handles_refused", "num_local_prefills", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_steps", "step_seconds")

@@ -121,7 +121,8 @@ def test_every_source_attribute_has_its_counter_and_every_counter_its_source() -
     expected = {("engine", f.name) for f in dataclasses.fields(EngineLoad)}
     expected |= {("service", f.name) for f in dataclasses.fields(ServiceCounters)}
     expected |= {("transfers", f.name) for f in dataclasses.fields(TransferCounters)}
-    expected |= {("connector", name) for name in ("num_pulls_cut_off",) if hasattr(connector, name)}
+    connector_state = ("num_pulls_cut_off", "num_transfers_in_flight", "num_connections")
+    expected |= {("connector", name) for name in connector_state if hasattr(connector, name)}
     assert sourced == expected
 
 

@@ -331,13 +331,13 @@ def test_pulls_reuse_one_connection_and_refusals_drop_it(peer: str) -> None:
         try:
             for local_blocks in ([0, 1, 2, 3], [8, 6, 4, 10]):
                 await connector.pull(source(peer), local_blocks, 0, timeout_s=10.0)
-                assert connector.num_idle_connections == 1
+                assert connector.num_connections == 1
                 assert torch.equal(local[local_blocks], remote[PUBLISHED_BLOCKS])
             started = time.monotonic()
             with pytest.raises(KVTransferError, match="no KV published"):
                 await connector.pull(source(peer, request_id="other"), [0, 1, 2, 3], 0, timeout_s=10.0)
             assert time.monotonic() - started < SETTLE_S, "a refused pull has nothing in flight to wait for"
-            assert connector.num_idle_connections == 0  # it had receives posted for messages that never come
+            assert connector.num_connections == 0  # it had receives posted for messages that never come
             local.zero_()
             await connector.pull(source(peer), [0, 1, 2, 3], 0, timeout_s=10.0)
             assert torch.equal(local[[0, 1, 2, 3]], remote[PUBLISHED_BLOCKS])
@@ -474,7 +474,7 @@ def test_pull_timed_out_mid_transfer_leaves_nothing_behind() -> None:
                 assert not local[local_blocks[1]].any()
                 for index in (0, 2, 3):
                     assert torch.equal(local[local_blocks[index]], remote[SLOW_BLOCKS[index]])
-                assert connector.num_transfers_in_flight == 0 and connector.num_idle_connections == 0
+                assert connector.num_transfers_in_flight == 0 and connector.num_connections == 0
                 local.zero_()
                 await asyncio.sleep(stall_s - (time.monotonic() - started) + 0.5)
                 assert not local.any()
@@ -528,12 +528,12 @@ def test_idle_connection_the_peer_dropped_is_replaced() -> None:
             connector = decode_connector(local)
             try:
                 await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
-                assert connector.num_idle_connections == 1
+                assert connector.num_connections == 1
                 assert running.command("drop") == "dropped"
                 local.zero_()
                 await connector.pull(source(running.address), [0, 1, 2, 3], 0, timeout_s=10.0)
                 assert torch.equal(local[[0, 1, 2, 3]], remote[PUBLISHED_BLOCKS])
-                assert connector.num_idle_connections == 1
+                assert connector.num_connections == 1
             finally:
                 await connector.close()
 
@@ -715,7 +715,7 @@ def test_what_p_sends_after_the_settle_window_never_lands_in_reused_blocks() -> 
                 pulling.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await pulling
-                assert not local[0].any() and connector.num_idle_connections == 0
+                assert not local[0].any() and connector.num_connections == 0
                 await connector.pull(source(running.address), reused, 0, timeout_s=10.0)
                 assert torch.equal(local[reused], remote[PUBLISHED_BLOCKS])
                 assert await command("release") in ("released sent", "released failed")

@@ -108,7 +108,7 @@ class StallingConnector(UCXConnector):
         return asyncio.ensure_future(stalled())
 
     def state(self) -> PeerState:
-        return PeerState(self.num_transfers_in_flight, self.num_serving_connections, self.num_sends, self.num_refused)
+        return PeerState(self.num_transfers_in_flight, self.num_connections, self.num_sends, self.num_refused)
 
     async def drop_connections(self) -> None:
         """Close every decode-side connection, as a restarted prefill instance would have."""
@@ -138,7 +138,7 @@ async def serve(args: argparse.Namespace) -> None:
         command, *operands = line.split()
         if command == "drop":
             await connector.drop_connections()
-            while connector.num_serving_connections:
+            while connector.num_connections:
                 await asyncio.sleep(0.01)
             print("dropped", flush=True)
         elif command == "unpublish":
@@ -158,7 +158,7 @@ async def serve(args: argparse.Namespace) -> None:
         else:
             raise ValueError(f"unknown command {line!r}")
     deadline = time.monotonic() + args.drain_seconds  # connections the test closed end on their own, soon
-    while connector.num_serving_connections and time.monotonic() < deadline:
+    while connector.num_connections and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     print(json.dumps(asdict(connector.state())), flush=True)
     await connector.close()

@@ -61,6 +61,11 @@ def test_disaggregated_output_equals_colocated(prefill: Service, decode: Service
     assert_all_free(prefill, decode)
     report = decode.load()
     assert report.kv_transfers >= 5 and report.kv_transfer_bytes > 0
+    # The connector's own state in both reports: no pull under way, and the one connection D
+    # keeps for its next pull from P (P serves it).
+    prefill_report = prefill.load()
+    assert (report.num_kv_transfers_in_flight, prefill_report.num_kv_transfers_in_flight) == (0, 0)
+    assert (report.num_kv_connections, prefill_report.num_kv_connections) == (1, 1)
 
 
 def test_structured_output_equals_colocated_token_for_token(
