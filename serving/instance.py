@@ -292,9 +292,13 @@ async def serve(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
     freeze_heap: bool = True,
+    drain: asyncio.Event | None = None,
 ) -> None:
     """Start engine, connector and gRPC server; run until SIGTERM/SIGINT (or ``stop`` is set,
     for a caller that runs the instance in its own event loop), then drain and stop.
+    SIGUSR1 (or ``drain`` set) turns the instance NOT_SERVING in health and the registry, as a
+    dead engine does, while it keeps serving: gateways route nothing new here and every stream
+    already here runs to its end, so that a planner stops it, idle, without cutting one.
     ``kv_loader`` (decode role): what fills hand-offs' blocks, given to the engine as it starts.
     ``on_start`` runs once the engine runs, before the server takes calls; ``on_stop`` once the
     server has drained, before the connector and engine stop. ``freeze_heap``: exempt what start-up
@@ -364,13 +368,17 @@ async def serve(
 
     if stop is None:
         stop = asyncio.Event()
+        drain = drain or asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, drain.set)
+    stop_serving = asyncio.create_task(_stop_serving_on(drain, instance, health_servicer, heartbeat))
     await stop.wait()
     logger.info("draining: no new requests, waiting up to %.0f s for in-flight ones", DRAIN_GRACE_S)
-    watch.cancel()
-    await asyncio.gather(watch, return_exceptions=True)
+    for task in (watch, stop_serving):
+        task.cancel()
+    await asyncio.gather(watch, stop_serving, return_exceptions=True)
     if heartbeat is not None:
         await heartbeat.stop()
     await health_servicer.enter_graceful_shutdown()
@@ -386,6 +394,24 @@ async def serve(
     if instance.tracer is not None:
         await asyncio.to_thread(instance.tracer.shutdown)
     logger.info("stopped after draining for %.1f s", time.monotonic() - started)
+
+
+async def _stop_serving_on(
+    drain: asyncio.Event | None,
+    instance: Instance,
+    health_servicer: health.aio.HealthServicer,
+    heartbeat: RegistryHeartbeat | None,
+) -> None:
+    """Once ``drain`` is set: NOT_SERVING in health and, at once, in the registry; the server
+    keeps serving what it holds and what a gateway sent before it learnt."""
+    if drain is None:
+        return
+    await drain.wait()
+    logger.info("%s %s: not serving new requests; finishing those it holds", instance.role, instance.instance_id)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    if heartbeat is not None:
+        heartbeat.set_serving(False)
+        await heartbeat.beat()  # now, not at the next heartbeat: gateways stop routing here sooner
 
 
 async def _watch_engine(

@@ -17,7 +17,8 @@ only its event loop's timers. The role's own flags all apply (``splitserve simul
 
 In call order: parse; build each instance (its engine core loads the model folder's
 ``config.json`` and tokenizer, no weights); serve them all on one event loop until SIGTERM or
-SIGINT, then each drains as a real instance does.
+SIGINT, then each drains as a real instance does. SIGUSR1: every instance turns NOT_SERVING
+(health and registry) and keeps serving what it holds, for a planner to stop it once idle.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from prefill_svc import server as prefill_server
 from serving.instance import Instance, engine_config, fingerprint_of
 from simulator.connector import SimulatedConnector
 from simulator.runner import simulated_runner_factory
-from simulator.timing_model import TimingProfile, load_profile
+from simulator.timing_model import DEFAULT_PROFILE, TimingProfile, load_profile
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ ROLE_SERVERS: dict[EngineRole, ModuleType] = {
     "decode": decode_server,
     "colocated": colocated_server,
 }
-DEFAULT_PROFILE = "llama-3.1-8b-h100"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,11 +126,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve_all(instances: list[Instance], each_args: list[argparse.Namespace]) -> None:
-    stop = asyncio.Event()
+    stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, drain.set)  # every instance of the process stops serving new requests
     serve_instance = ROLE_SERVERS[instances[0].role].serve_instance
     await asyncio.gather(
-        *(serve_instance(instance, args, stop=stop, freeze_heap=False) for instance, args in zip(instances, each_args))
+        *(
+            serve_instance(instance, args, stop=stop, freeze_heap=False, drain=drain)
+            for instance, args in zip(instances, each_args)
+        )
     )

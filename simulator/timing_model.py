@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 _MEASURED_STEPS = "measured_steps"
 _PROFILES_PACKAGE = "simulator"
 _PROFILES_FOLDER = "profiles"
+DEFAULT_PROFILE = "llama-3.1-8b-h100"  # what `splitserve simulate` runs without --profile
 
 
 class StepFeatures(NamedTuple):

@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.server", "serve the OpenAI-compatible REST and gRPC fronts, routing to instances"),
     "up": ("launcher.up", "start a gateway with prefill and decode instances on this machine"),
     "simulate": ("simulator.cli", "serve simulated instances: the real internal API, a timing model for the model"),
+    "planner": (
+        "planner.cli",
+        "size the prefill and decode pools to the TTFT and ITL SLOs, starting and stopping instances",
+    ),
     "bench": ("bench.cli", "benchmark an OpenAI-compatible server (serve, sweep, plot)"),
 }
 

@@ -1,0 +1,58 @@
+"""The planner's flags, declared once: ``splitserve planner`` takes them, and ``splitserve up
+--simulate --planner`` passes them on (:func:`planner_argv`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from planner.capacity import Slo
+from planner.decision import PlannerBounds, RoleBounds
+from planner.predictors import PREDICTORS
+
+_FLAGS = (
+    # (flag, type, default, help)
+    ("--ttft-slo", float, 1.0, "the TTFT p90 to hold, seconds"),
+    ("--itl-slo", float, 0.05, "the ITL p90 to hold, seconds"),
+    ("--min-prefill", int, 1, "prefill instances at least"),
+    ("--max-prefill", int, 8, "prefill instances at most"),
+    ("--min-decode", int, 1, "decode instances at least"),
+    ("--max-decode", int, 8, "decode instances at most"),
+    ("--max-instances", int, 16, "instances of both roles together at most (the budget)"),
+    ("--plan-interval", float, 5.0, "seconds between decisions"),
+    ("--up-cooldown", float, 10.0, "seconds after a role's pool changed before it grows again"),
+    ("--down-cooldown", float, 60.0, "seconds after a role's pool changed before it shrinks"),
+    ("--down-margin", float, 0.2, "shrink a pool only to what this much more than the predicted rate needs"),
+    ("--plan-prompt-tokens", float, 512.0, "mean prompt tokens assumed before traffic shows its own"),
+    ("--plan-output-tokens", float, 128.0, "mean output tokens assumed before traffic shows its own"),
+)
+
+
+def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, kind, default, help_text in _FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
+    parser.add_argument(
+        "--predictor", choices=list(PREDICTORS), default="holt", help="the load predictor (docs/planner.md)"
+    )
+
+
+def planner_argv(args: argparse.Namespace) -> list[str]:
+    """The flags above as ``args`` holds them, for a child ``splitserve planner``."""
+    argv: list[str] = []
+    for flag, _, _, _ in _FLAGS:
+        argv += [flag, str(getattr(args, flag.lstrip("-").replace("-", "_")))]
+    return argv + ["--predictor", args.predictor]
+
+
+def slo_of(args: argparse.Namespace) -> Slo:
+    return Slo(args.ttft_slo, args.itl_slo)
+
+
+def bounds_of(args: argparse.Namespace) -> PlannerBounds:
+    return PlannerBounds(
+        RoleBounds(args.min_prefill, args.max_prefill),
+        RoleBounds(args.min_decode, args.max_decode),
+        args.max_instances,
+        up_cooldown_s=args.up_cooldown,
+        down_cooldown_s=args.down_cooldown,
+        down_margin=args.down_margin,
+    )

@@ -1,0 +1,235 @@
+"""The planner against a real simulated cluster: a real gateway finding instances in a real
+Redis, instances that the planner starts as processes of their own. Under a step of load it
+grows the decode pool, counting the new instance from the moment every gateway routes to it;
+when the load ends it drains decode instances that still hold streams, and stops each only
+once its streams have run to their end (none cut); afterwards no KV block is left in use.
+
+The planner runs in this process on its own thread, as ``splitserve planner`` runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from launcher.processes import splitserve_command
+from planner.actuator import LocalActuator
+from planner.capacity import Slo, scaled_profile
+from planner.decision import PlannerBounds, Role, RoleBounds
+from planner.loop import Planner, PlannerConfig
+from planner.metrics import PlannerMetrics
+from planner.observations import GatewayScraper
+from simulator.timing_model import load_profile
+from tests.gateway.processes import HTTPProcess
+from tests.services.processes import SERVICE_ENV
+from tests.simulator.cluster import SECRET, instance_metrics, prompt, stream_completion, wait_for, write_profile
+from tests.stores import free_port, start_redis, stop
+
+TIME_SCALE = 4.0  # steps of about 35 ms: streams slow enough for two cores, fast enough for a test
+# At this scale a decode step of n rows at the test's context takes about 32 + 0.7 n ms: the ITL
+# SLO holds 5 streams an instance, 1.3 requests a second of 64 tokens (planner/capacity.py).
+SLO = Slo(ttft_s=1.0, itl_s=0.036)
+NUM_LOAD_STREAMS = 6  # closed loop: about 2.5 requests a second, two decode instances' worth
+LOAD_TOKENS = 64
+LONG_TOKENS = 200  # streams that outlast the drain's decision by seconds
+
+
+@dataclass
+class PlannedCluster:
+    gateway: HTTPProcess
+    planner: Planner
+    actuator: LocalActuator
+
+    def ready(self, role: Role) -> list[str]:
+        return [i.instance_id for i in self.actuator.live(role) if i.state == "ready"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlannedCluster]:
+    folder = tmp_path_factory.mktemp("planner")
+    profile_path = write_profile(folder)
+    redis_process, registry_url = start_redis()
+    gateway: HTTPProcess | None = None
+    stop_planner = threading.Event()
+    thread: threading.Thread | None = None
+    try:
+        port = free_port()
+        gateway = HTTPProcess(
+            "gateway-planner",
+            "gateway",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "-1",
+            "--registry-url",
+            registry_url,
+            "--poll-interval",
+            "0.5",
+            port=port,
+            env={"SPLITSERVE_CLUSTER_SECRET": SECRET},
+            ready_path="/health",
+        )
+
+        def command(role: Role, instance_id: str) -> list[str]:
+            return splitserve_command(
+                "simulate",
+                role,
+                "--profile",
+                str(profile_path),
+                "--time-scale",
+                str(TIME_SCALE),
+                "--num-instances",
+                "1",
+                "--instance-id",
+                instance_id,
+                "--port",
+                "0",
+                "--registry-url",
+                registry_url,
+                "--heartbeat-seconds",
+                "0.5",
+            )
+
+        actuator = LocalActuator(
+            command, folder / "logs", env={**os.environ, **SERVICE_ENV, "SPLITSERVE_CLUSTER_SECRET": SECRET}
+        )
+        config = PlannerConfig(
+            profile=scaled_profile(load_profile(profile_path), TIME_SCALE),
+            slo=SLO,
+            bounds=PlannerBounds(
+                RoleBounds(1, 1), RoleBounds(1, 3), max_total=4, up_cooldown_s=0.0, down_cooldown_s=3.0
+            ),
+            interval_s=1.0,
+            predictor="holt",
+            prompt_tokens=200,
+            output_tokens=LOAD_TOKENS,
+        )
+        planner = Planner(config, GatewayScraper([gateway.url]), actuator, PlannerMetrics())
+        planner.start_initial()
+        thread = threading.Thread(target=planner.run, args=(stop_planner,), name="planner")
+        thread.start()
+        yield PlannedCluster(gateway, planner, actuator)
+    finally:
+        stop_planner.set()
+        if thread is not None:
+            thread.join(timeout=120)
+        if gateway is not None:
+            gateway.stop()
+        stop(redis_process)
+
+
+class LoadLoop:
+    """``num_streams`` clients each streaming one completion after another until stopped."""
+
+    def __init__(self, url: str, num_streams: int) -> None:
+        self.url = url
+        self.num_streams = num_streams
+        self.results: list[tuple[int, str | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), name="load")
+        self._thread.start()
+
+    async def _run(self) -> None:
+        async with AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+
+            async def client_loop(index: int) -> None:
+                turn = 0
+                while not self._stop.is_set():
+                    try:
+                        result = await stream_completion(client, prompt(index * 1000 + turn, 50), LOAD_TOKENS)
+                    except openai.APIError as error:  # counted, and the load goes on
+                        result = (0, f"error: {error}")
+                    self.results.append(result)
+                    turn += 1
+
+            await asyncio.gather(*(client_loop(i) for i in range(self.num_streams)))
+
+    def stop(self) -> list[tuple[int, str | None]]:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        return self.results
+
+
+def failed_requests(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("splitserve_requests_total{") and ('status="error' in line or 'status="abort' in line)
+    )
+
+
+def test_the_planner_scales_decode_up_from_readiness_and_down_without_cutting_a_stream(
+    cluster: PlannedCluster,
+) -> None:
+    wait_for(lambda: len(cluster.ready("prefill")) == 1 and len(cluster.ready("decode")) == 1, "one of each ready")
+    history = cluster.planner.history
+
+    # A step of load: the planner wants more decode instances, and counts one only once ready.
+    load = LoadLoop(cluster.gateway.url, NUM_LOAD_STREAMS)
+    try:
+        wait_for(lambda: any(t.decision.decode.desired >= 2 for t in history), "the planner to grow decode")
+        first_up = next(t for t in history if t.decision.decode.desired >= 2)
+        assert first_up.ready["decode"] == 1
+        assert first_up.decision.decode.reason in ("load_up", "slo_miss", "max"), first_up.decision
+        wait_for(lambda: len(cluster.ready("decode")) >= 2, "a second decode instance ready", timeout_s=120)
+    finally:
+        results = load.stop()
+    assert results and all(result == (LOAD_TOKENS, "length") for result in results), results
+    new = [i for i in cluster.actuator.instances if i.role == "decode" and i.ready_at is not None][1]
+    assert new.ready_at is not None and new.ready_at > new.started_at
+    # While it started, the ticks saw it starting and did not count it ready.
+    starting_ticks = [t for t in history if first_up.at <= t.at < new.ready_at]
+    assert starting_ticks and all(t.ready["decode"] == 1 for t in starting_ticks)
+    assert instance_metrics(cluster.gateway.url, "healthy")[new.instance_id] == 1.0
+
+    # Streams on every decode instance, then no new traffic: the pool shrinks while they run.
+    decode_ids = cluster.ready("decode")
+
+    async def long_streams() -> list[tuple[int, str | None]]:
+        async with AsyncOpenAI(
+            base_url=f"{cluster.gateway.url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            return await asyncio.gather(
+                *(stream_completion(client, prompt(90_000 + i, 50), LONG_TOKENS) for i in range(3 * len(decode_ids)))
+            )
+
+    finished: list[list[tuple[int, str | None]]] = []
+    streams = threading.Thread(target=lambda: finished.append(asyncio.run(long_streams())))
+    ticks_before = len(history)
+    streams.start()
+    try:
+        wait_for(
+            lambda: any(i.state == "draining" for i in cluster.actuator.instances),
+            "the planner to drain a decode instance",
+            timeout_s=60,
+        )
+        drained = [i for i in cluster.actuator.instances if i.drain_started_at is not None]
+        drain_tick = next(t for t in history[ticks_before:] if t.decision.decode.desired < len(decode_ids))
+        # It drained instances holding streams, which were still running when it did.
+        assert any(drain_tick.observation.instances[i.instance_id].num_running >= 1 for i in drained)
+        assert all(i.process.poll() is None for i in drained if i.state == "draining")
+    finally:
+        streams.join(timeout=120)
+    assert finished and finished[0] == [(LONG_TOKENS, "length")] * (3 * len(decode_ids)), finished
+    # Each drained instance stops once idle, and exits cleanly.
+    wait_for(lambda: all(i.state == "stopped" for i in drained), "the drained instances to stop", timeout_s=60)
+    assert [i.process.returncode for i in drained] == [0] * len(drained)
+    assert failed_requests(cluster.gateway.url) == 0
+    # No KV block left in use on the instances that remain.
+    remaining = {i.instance_id for i in cluster.actuator.live()}
+
+    def all_free() -> bool:
+        free = instance_metrics(cluster.gateway.url, "free_kv_blocks")
+        total = instance_metrics(cluster.gateway.url, "total_kv_blocks")
+        return all(free.get(name) == total.get(name) is not None for name in remaining)
+
+    wait_for(all_free, "every block free on the remaining instances")
+    assert len([name for name in remaining if "decode" in name]) >= 1  # the planner keeps its minimum
