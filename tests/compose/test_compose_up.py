@@ -73,9 +73,10 @@ class Stack:
     prometheus_port: int
     api_key: str
     timings: dict[str, float] = field(default_factory=dict)
+    files: tuple[str, ...] = FILES  # the -f arguments
 
     def compose(self, *args: str, timeout_s: float = 600.0) -> subprocess.CompletedProcess[str]:
-        argv = ["podman-compose", "--env-file", "local.env", "-p", self.project, *FILES, *args]
+        argv = ["podman-compose", "--env-file", "local.env", "-p", self.project, *self.files, *args]
         result = subprocess.run(argv, cwd=COMPOSE_DIR, env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if result.returncode != 0:
             raise AssertionError(
