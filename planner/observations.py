@@ -44,7 +44,8 @@ class InstanceView:
 
     instance_id: str
     role: str
-    healthy: bool = True  # every gateway routes to it
+    healthy: bool = True  # every gateway routes to it: ready
+    routed: bool = False  # some gateway routes to it: not drained yet
     inflight_calls: int = 0  # summed over gateways
     num_waiting: int = 0
     num_running: int = 0
@@ -56,7 +57,7 @@ class InstanceView:
         """Nothing here or on its way: no gateway routes to it nor has a call outstanding on it,
         and its report shows no request and every KV block free (none pinned for a pull)."""
         return (
-            not self.healthy
+            not self.routed
             and self.inflight_calls == 0
             and self.num_waiting == 0
             and self.num_running == 0
@@ -144,6 +145,7 @@ def _add_instance_gauge(
     if attribute == "healthy":
         seen_by[instance_id] = seen_by.get(instance_id, 0) + 1
         view.healthy = view.healthy and value >= 1
+        view.routed = view.routed or value >= 1
     elif attribute == "inflight_calls":
         view.inflight_calls += int(value)
     else:  # the instance's own report: the same whichever gateway relays it
