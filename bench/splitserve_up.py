@@ -43,7 +43,7 @@ def start_up(
         *flags,
         source_dir=source_dir,
     )
-    env = {**os.environ, "SPLITSERVE_API_KEY": ""}
+    env = {name: value for name, value in os.environ.items() if name != "SPLITSERVE_API_KEY"}  # served without a key
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
 
 

@@ -191,10 +191,16 @@ def load_cluster_secret(secret: str | None, secret_file: str | None) -> ClusterS
     file ``--cluster-secret-file`` names (a compose or Kubernetes secret); None when neither
     is given. Raises ValueError when both are, when the file cannot be read, or when the
     secret given is empty: an empty file (an empty Kubernetes Secret key, a ``touch``) or
-    an empty variable must never quietly open the plane."""
-    if secret is not None and secret_file:
+    an empty variable, nor a file path given empty (``SPLITSERVE_CLUSTER_SECRET_FILE=``), must never
+    quietly open the plane."""
+    if secret_file is not None and not secret_file.strip():
+        raise ValueError(
+            "--cluster-secret-file is given but names no file (SPLITSERVE_CLUSTER_SECRET_FILE set to nothing?): name "
+            "the file that holds the cluster secret, or unset the variable to run without one on loopback"
+        )
+    if secret is not None and secret_file is not None:
         raise ValueError("give either --cluster-secret or --cluster-secret-file, not both")
-    if secret_file:
+    if secret_file is not None:
         try:
             secret = Path(secret_file).read_text()
         except OSError as error:

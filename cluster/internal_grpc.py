@@ -54,7 +54,7 @@ def add_internal_plane_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cluster-secret-file",
-        default=env("SPLITSERVE_CLUSTER_SECRET_FILE") or None,
+        default=env("SPLITSERVE_CLUSTER_SECRET_FILE"),  # set but empty: an error at start, as above
         help="read the cluster secret from this file, e.g. /run/secrets/cluster_secret (env "
         "SPLITSERVE_CLUSTER_SECRET_FILE)",
     )

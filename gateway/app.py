@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST app, built from the routers of ``gateway/routes_*.py``: the
 admission gate (API key, then a pending slot: ``gateway/gate.py``) and the body-size limit
-before anything reads the body, and errors in OpenAI's shape (a failure nobody expected
+before anything reads the body, a large body's check off the event loop before FastAPI
+parses it (``gateway/body_check.py``), and errors in OpenAI's shape (a failure nobody expected
 included: a 500 that says so). The routes find what they serve on ``app.state``
 (``gateway/app_state.py``)."""
 
@@ -18,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import routes_openai, routes_probes, routes_tokens
 from gateway.app_state import ServedState
-from gateway.errors import APIError, internal_error
+from gateway.body_check import LargeBodyCheck
+from gateway.errors import APIError, internal_error, validation_error
 from gateway.gate import AdmissionGate
 from gateway.generation import GenerationService
 from gateway.limits import BodySizeLimit
@@ -32,22 +34,20 @@ def create_app(
     model_name: str,
     api_key: str | None,
     discovery_alive: Callable[[], bool] = lambda: True,
-    model_root: str | None = None,
 ) -> FastAPI:
     """``discovery_alive``: whether the loop that keeps the instance pool current still runs;
-    without it the gateway routes on reports that only age, so ``/health`` answers 503.
-    ``model_root``: the folder the model (its tokenizer) was loaded from, shown as ``root`` in
-    ``/v1/models`` as vLLM does, so that a client on the same host can tokenize alike."""
+    without it the gateway routes on reports that only age, so ``/health`` answers 503."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None)
     app.state.served = ServedState(
         service=service,
         model_name=model_name,
-        model_root=model_root or model_name,
         api_key=api_key,
         discovery_alive=discovery_alive,
         status_page=status_page(),  # read once: a missing file fails at start, not at the first visit
     )
-    # Added last, so outermost: the key and a slot before the body is read (gateway/gate.py).
+    # Added last, so outermost: the key and a slot before the body is read (gateway/gate.py),
+    # then its size, then a large body's values counted off the event loop (gateway/body_check.py).
+    app.add_middleware(LargeBodyCheck, check=service.body_check)
     app.add_middleware(BodySizeLimit, max_bytes=service.limits.max_body_bytes)
     app.add_middleware(
         AdmissionGate,
@@ -76,27 +76,11 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    first = error.errors()[0] if error.errors() else {}
-    location = _field_path(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        message, location = f"the request body is not valid JSON: {first.get('msg', '')}", []
-    else:
-        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid value')}"
-    return _error_response(APIError(HTTPStatus.BAD_REQUEST, message, ".".join(location) or None))
+    return _error_response(validation_error(error.errors()))
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     return _error_response(APIError(HTTPStatus(error.status_code), str(error.detail)))
-
-
-def _field_path(location: tuple[int | str, ...]) -> list[str]:
-    """A pydantic error location as the request's field path: without "body", and without
-    the union members pydantic tries ("str", "list[str]", "function-after[...]")."""
-    return [str(part) for part in location if part != "body" and not (isinstance(part, str) and _is_union_tag(part))]
-
-
-def _is_union_tag(part: str) -> bool:
-    return "[" in part or part in {"str", "int", "float", "bool", "none"}
 
 
 def _error_response(error: APIError) -> JSONResponse:

@@ -18,7 +18,6 @@ from gateway.generation import GenerationService
 class ServedState:
     service: GenerationService
     model_name: str  # what clients send as "model" and /v1/models lists
-    model_root: str  # the folder the tokenizer was loaded from, /v1/models' "root" (as vLLM)
     api_key: str | None
     # Whether the loop that keeps the instance pool current still runs: without it the gateway
     # routes on reports that only age, so /health answers 503.

@@ -41,6 +41,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerFast
 
 from gateway.errors import bad_request
+from gateway.log_safe import loggable_names
 from gateway.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class ChatTemplate:
             kwargs[key] = value
         if ignored:
             logger.info(
-                "ignoring chat_template_kwargs the model's template does not read: %s", ", ".join(sorted(ignored))
+                "ignoring chat_template_kwargs the model's template does not read: %s", loggable_names(sorted(ignored))
             )
         kwargs.setdefault("add_generation_prompt", add_generation_prompt)
         kwargs.setdefault("continue_final_message", continue_final_message)

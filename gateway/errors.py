@@ -11,6 +11,7 @@ gets a generic message naming that id (:func:`instance_failure`).
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -68,6 +69,28 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, param, code)
+
+
+def validation_error(errors: Sequence[Mapping[str, object]]) -> APIError:
+    """The 400 for pydantic's validation errors of a request body (the first one named): the
+    field's path as the client wrote it, and pydantic's message."""
+    first = errors[0] if errors else {}
+    location = _field_path(first.get("loc", ()))  # type: ignore[arg-type]
+    if first.get("type") == "json_invalid":
+        message, location = f"the request body is not valid JSON: {first.get('msg', '')}", []
+    else:
+        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid value')}"
+    return APIError(HTTPStatus.BAD_REQUEST, message, ".".join(location) or None)
+
+
+def _field_path(location: tuple[int | str, ...]) -> list[str]:
+    """A pydantic error location as the request's field path: without "body", and without
+    the union members pydantic tries ("str", "list[str]", "function-after[...]")."""
+    return [str(part) for part in location if part != "body" and not (isinstance(part, str) and _is_union_tag(part))]
+
+
+def _is_union_tag(part: str) -> bool:
+    return "[" in part or part in {"str", "int", "float", "bool", "none"}
 
 
 def internal_error(where: str) -> APIError:

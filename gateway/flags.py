@@ -23,6 +23,9 @@ DEFAULT_PORT = 8000
 DEFAULT_GRPC_PORT = 50051
 # What one request may ask (gateway/limits.py).
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token conversation as JSON, escapes included, with room to spare
+# A 128k-token prompt as token ids, twice over; what FastAPI parses on the event loop once a body
+# has passed the check (gateway/body_check.py), so its cost there is bounded by this.
+DEFAULT_MAX_JSON_VALUES = 1 << 18
 DEFAULT_MAX_PROMPTS = 128  # prompts in one /v1/completions request; each takes a pending slot
 DEFAULT_MAX_PROMPT_CHARS = 1 << 20  # about 4 characters a token for 128k tokens, twice over
 DEFAULT_MAX_STOP = 32  # stop strings, and separately stop token ids, per request
@@ -99,6 +102,15 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1024,
         help="requests in flight at once; beyond this the gateway answers 429",
+    )
+    parser.add_argument(
+        "--max-pending-requests-per-client",
+        type=int,
+        default=None,
+        help="requests in flight at once from one client address (gRPC: its peer address); beyond this it gets 429 "
+        "while others are still admitted. Behind a proxy every client has the proxy's address: raise it to "
+        "--max-pending-requests (default: three quarters of --max-pending-requests, so that no one address fills "
+        "them)",
     )
     parser.add_argument(
         "--max-connections",
@@ -179,6 +191,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body (REST) or message (gRPC); beyond it the gateway answers 413",
     )
     parser.add_argument(
+        "--max-request-json-values",
+        type=int,
+        default=DEFAULT_MAX_JSON_VALUES,
+        help="JSON values (numbers, strings, ...; objects: a sixteenth of it) one REST body may hold, checked off "
+        "the event loop for bodies over 16 KiB; beyond it the gateway answers 400 (default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-prompts-per-request",
         type=int,
         default=DEFAULT_MAX_PROMPTS,
@@ -222,13 +241,14 @@ def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
     Read the key with :func:`resolve_api_key`."""
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("SPLITSERVE_API_KEY") or None,
+        # Set but empty is not the same as unset: an error at start (resolve_api_key).
+        default=os.environ.get("SPLITSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on the API (env SPLITSERVE_API_KEY; a command line is "
         "readable by every local user: prefer --api-key-file)",
     )
     parser.add_argument(
         "--api-key-file",
-        default=os.environ.get(API_KEY_FILE_ENV) or None,
+        default=os.environ.get(API_KEY_FILE_ENV),
         metavar="PATH",
         help=f"read the API key from this file, e.g. a compose or Kubernetes secret under /run/secrets "
         f"(env {API_KEY_FILE_ENV})",
@@ -237,10 +257,21 @@ def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
     """The API key the flags give: ``--api-key``, or the content of ``--api-key-file``
-    (surrounding whitespace stripped). Raises ValueError for both at once, or a file that
-    cannot be read or is empty: a key file that gives no key must not leave the API open."""
+    (surrounding whitespace stripped). Raises ValueError for both at once, for either given but
+    empty (``SPLITSERVE_API_KEY=``, ``SPLITSERVE_API_KEY_FILE=``), or a file that cannot be read
+    or is empty: a key given but empty must not leave the API open."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError(
+            "the API key is given but empty (--api-key '' or SPLITSERVE_API_KEY set to nothing): set it to the key "
+            "clients send, or unset the variable to serve without one"
+        )
     if args.api_key_file is None:
         return args.api_key
+    if not args.api_key_file.strip():
+        raise ValueError(
+            f"--api-key-file is given but names no file ({API_KEY_FILE_ENV} set to nothing?): name the file that "
+            "holds the API key, or unset the variable to serve without one"
+        )
     if args.api_key is not None:
         raise ValueError("give the API key once: --api-key (SPLITSERVE_API_KEY) or --api-key-file, not both")
     try:

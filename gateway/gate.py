@@ -7,10 +7,13 @@ A REST request, in call order:
 1. ``AdmissionGate`` (ASGI, outermost): paths open to all (probes, metrics, status) pass.
    Any other needs the API key, read from the ``Authorization`` header: 401, body unread.
 2. The API paths (:data:`ADMITTED_PATHS`) then take a pending slot of
-   ``--max-pending-requests`` (:class:`PendingSlots`): 429, body unread, when none is free.
+   ``--max-pending-requests`` (:class:`PendingSlots`): 429, body unread, when none is free, or
+   when the client (its address) already holds ``--max-pending-requests-per-client``.
    The slot is the request's until its response has ended (a stream included), whatever
    ends it; the handler finds it with :func:`gate_pass_of`.
-3. ``BodySizeLimit`` (``gateway/limits.py``) reads the body: 413 beyond ``--max-request-body-bytes``.
+3. ``BodySizeLimit`` (``gateway/limits.py``) reads the body: 413 beyond ``--max-request-body-bytes``;
+   ``LargeBodyCheck`` (``gateway/body_check.py``) checks a large one off the event loop: 400
+   past ``--max-request-json-values`` or invalid.
 4. The handler parses the body; a completion with several prompts takes one more slot per
    prompt past the first (``GatePass.take_more``) before any is tokenized; costly work runs
    on the bounded pools of ``gateway/work_pool.py`` under the request's client (its peer
@@ -36,14 +39,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 
+from gateway.connection_guard import client_address
 from gateway.errors import APIError, bearer_matches
 from gateway.limits import ASGIApp, Receive, Scope, Send
 from gateway.request_trace import EdgeTiming
 
 logger = logging.getLogger(__name__)
 
-# Who a request comes from, for fairness between clients in the work pools: the peer's
-# address. Behind a proxy every request has the proxy's, and the pools see one client.
+# Who a request comes from, for fairness between clients in the pending slots and the work
+# pools: the peer's address as the connection guard counts it (IPv4, or an IPv6 /64). Behind a
+# proxy every request has the proxy's, and the gate sees one client.
 ClientId = NewType("ClientId", str)
 
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
@@ -51,32 +56,44 @@ _GATE_PASS = "splitserve_gate_pass"  # the key of a request's GatePass in the AS
 
 
 def client_of_scope(scope: Scope) -> ClientId:
-    client = scope.get("client")
-    return ClientId(str(client[0]) if client else "unknown")
+    return ClientId(client_address(scope.get("client")))
 
 
 def client_of_peer(peer: str) -> ClientId:
     """gRPC's ``context.peer()`` (``ipv4:10.0.0.1:5000``, ``ipv6:%5B::1%5D:5000``) without the port."""
     address = unquote(peer.partition(":")[2] or peer)
     host, colon, port = address.rpartition(":")
-    return ClientId(host if colon and port.isdigit() else address)
+    if not (colon and port.isdigit()):
+        return ClientId(address)
+    return ClientId(client_address((host.strip("[]"), int(port))))
 
 
 class PendingSlots:
-    """The ``--max-pending-requests`` slots. Event-loop only: no lock."""
+    """The ``--max-pending-requests`` slots, of which one client (its address) holds at most
+    ``max_per_client``, so that one client's flood leaves slots to the others (as the work
+    pools leave them workers). Event-loop only: no lock."""
 
-    def __init__(self, max_pending: int) -> None:
+    def __init__(self, max_pending: int, max_per_client: int | None = None) -> None:
         if max_pending < 1:
             raise ValueError(f"--max-pending-requests must be >= 1, got {max_pending}")
+        if max_per_client is not None and max_per_client < 1:
+            raise ValueError(f"--max-pending-requests-per-client must be >= 1, got {max_per_client}")
         self.max_pending = max_pending
+        self._max_per_client = max_per_client
         self.num_pending = 0
+        self._pending_by_client: dict[ClientId, int] = {}
+
+    @property
+    def max_per_client(self) -> int:
+        """The flag, else three quarters of ``max_pending`` (all of them below 4)."""
+        return self._max_per_client or self.max_pending - self.max_pending // 4
 
     def admit(self, client: ClientId) -> GatePass:
-        """One slot for a new request. Raises APIError 429 when none is free."""
-        self._take(1)
+        """One slot for a new request. Raises APIError 429 when none is free, or none of the client's share."""
+        self._take(client, 1)
         return GatePass(client, self, 1)
 
-    def _take(self, num_slots: int) -> None:
+    def _take(self, client: ClientId, num_slots: int) -> None:
         if self.num_pending + num_slots > self.max_pending:
             raise APIError(
                 HTTPStatus.TOO_MANY_REQUESTS,
@@ -84,7 +101,25 @@ class PendingSlots:
                 code="queue_full",
                 retry_after_s=1.0,
             )
+        held = self._pending_by_client.get(client, 0)
+        if held + num_slots > self.max_per_client:
+            raise APIError(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                f"this client has {held} requests in flight, at its limit of {self.max_per_client} "
+                "(--max-pending-requests-per-client); retry later",
+                code="client_queue_full",
+                retry_after_s=1.0,
+            )
         self.num_pending += num_slots
+        self._pending_by_client[client] = held + num_slots
+
+    def _give_back(self, client: ClientId, num_slots: int) -> None:
+        self.num_pending -= num_slots
+        held = self._pending_by_client.get(client, 0) - num_slots
+        if held > 0:
+            self._pending_by_client[client] = held
+        else:
+            self._pending_by_client.pop(client, None)
 
 
 @dataclass(slots=True)
@@ -100,12 +135,12 @@ class GatePass:
     def take_more(self, num_slots: int) -> None:
         """Slots for the extra prompts of one request. Raises APIError 429 when they are not free."""
         if num_slots > 0:
-            self._slots._take(num_slots)
+            self._slots._take(self.client, num_slots)
             self.num_slots += num_slots
 
     def release(self) -> None:
         """Give every slot back; a second call does nothing."""
-        self._slots.num_pending -= self.num_slots
+        self._slots._give_back(self.client, self.num_slots)
         self.num_slots = 0
 
 

@@ -38,6 +38,7 @@ from cluster.tracing import Tracer
 from engine.context_length import ContextLengthExceeded, resolve_max_tokens
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from gateway.body_check import BodyCheck
 from gateway.dispatch import Dispatcher
 from gateway.dispatch_request import DispatchRequest, TokenEvent
 from gateway.errors import APIError, bad_request
@@ -138,9 +139,11 @@ class GenerationService:
         model_name: str = "",
         tracer: Tracer | None = None,
         request_log: RequestLogFormat = "off",
+        max_pending_per_client: int | None = None,
     ) -> None:
         """``model_name``: the served name (traces name requests by it); ``tracer``: None when
-        tracing is off; ``request_log``: a line per finished request (gateway/request_log.py)."""
+        tracing is off; ``request_log``: a line per finished request (gateway/request_log.py);
+        ``max_pending_per_client``: one client's share of the pending slots (None: the default)."""
         self.pool = pool
         self.model_name = model_name
         self.tracer = tracer
@@ -150,7 +153,10 @@ class GenerationService:
         # Fronts check a structured output with it before prepare.
         self.grammars = GrammarValidator(tokenizer, tokenizer.limits.grammar_compile_timeout_s)
         self.metrics = metrics
-        self.slots = PendingSlots(max_pending_requests)  # taken at the gate (gateway/gate.py)
+        # Taken at the gate (gateway/gate.py).
+        self.slots = PendingSlots(max_pending_requests, max_pending_per_client)
+        # Large REST bodies checked off the event loop before FastAPI parses them.
+        self.body_check = BodyCheck(tokenizer.limits.max_json_values)
         self.request_timeout_s = request_timeout_s
         self._max_model_len = max_model_len
         self.enable_priority = enable_priority
@@ -162,7 +168,8 @@ class GenerationService:
         ).set_function(lambda: self.slots.num_pending)
         running = Gauge(
             "splitserve_work_pool_running",
-            "Tasks running on a work pool (tokenizer: templates, tokenizing; grammar: compiles)",
+            "Tasks running on a work pool (tokenizer: templates, tokenizing; grammar: compiles; body_check: "
+            "large bodies)",
             ["pool"],
             registry=metrics.registry,
         )
@@ -175,7 +182,7 @@ class GenerationService:
             ["pool"],
             registry=metrics.registry,
         )
-        for work_pool in (tokenizer.pool, self.grammars.pool):
+        for work_pool in (tokenizer.pool, self.grammars.pool, self.body_check.pool):
             _watch(work_pool, running, waiting, refused)
 
     @property
@@ -183,8 +190,10 @@ class GenerationService:
         return self.slots.num_pending
 
     def close(self) -> None:
-        """Stop the grammar pool's threads (the tokenizer's are its owner's to close)."""
+        """Stop the grammar pool's threads and the body check's processes (the tokenizer's
+        threads are its owner's to close)."""
         self.grammars.close()
+        self.body_check.close()
 
     @property
     def limits(self) -> RequestLimits:

@@ -2,7 +2,8 @@
 hold its event loop, its memory or its tokenizer for long: the request body, the
 prompts of one completion request, the stop strings, a prompt's characters
 before tokenizing, and the time a chat template may take to render and a grammar
-to compile.
+to compile; and the JSON values a large body may hold, checked off the event loop
+(``gateway/body_check.py``).
 
 Each is a gateway flag (``gateway.server``); the defaults are generous for a
 128k-token context and still keep a single request cheap to refuse.
@@ -22,6 +23,7 @@ from gateway.flags import (
     DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
     DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_JSON_VALUES,
     DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_MAX_PROMPTS,
     DEFAULT_MAX_STOP,
@@ -38,6 +40,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_json_values: int = DEFAULT_MAX_JSON_VALUES  # numbers, strings, ... in one body (gateway/body_check.py)
     max_prompts: int = DEFAULT_MAX_PROMPTS
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
     max_stop: int = DEFAULT_MAX_STOP
@@ -48,6 +51,7 @@ class RequestLimits:
     def __post_init__(self) -> None:
         for name in (
             "max_body_bytes",
+            "max_json_values",
             "max_prompts",
             "max_prompt_chars",
             "max_stop",
@@ -117,7 +121,7 @@ class BodySizeLimit:
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left before sending the body
-                await self.app(scope, _replay(message, receive), send)
+                await self.app(scope, replay(message, receive), send)
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
@@ -128,7 +132,7 @@ class BodySizeLimit:
             if not message.get("more_body", False):
                 break
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay(body, receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = APIError(
@@ -142,8 +146,9 @@ class BodySizeLimit:
         await response(scope, receive, send)
 
 
-def _replay(first: Message, receive: Receive) -> Receive:
-    """A ``receive`` that answers ``first`` once, then defers to the server's."""
+def replay(first: Message, receive: Receive) -> Receive:
+    """A ``receive`` that answers ``first`` once, then defers to the server's (a middleware that
+    has read the body hands it on with this)."""
     pending: list[Message] = [first]
 
     async def replayed() -> Message:

@@ -25,6 +25,7 @@ from gateway.chunk_times import ChunkClock, ChunkTimedResponse
 from gateway.errors import APIError, bad_request, internal_error
 from gateway.gate import GatePass
 from gateway.generation import Generated, GenerationJob, GenerationService, Usage
+from gateway.log_safe import loggable_names
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, UsageInfo
 from gateway.request_log import TIMING_HEADER
 from gateway.structured_request import structured_request
@@ -44,7 +45,7 @@ def sampling_params(
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by this server", param="logit_bias")
     if request.ignored_fields:
-        logger.info("ignoring fields this server does not know: %s", ", ".join(request.ignored_fields))
+        logger.info("ignoring fields this server does not know: %s", loggable_names(request.ignored_fields))
     try:
         return SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,

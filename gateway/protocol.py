@@ -25,6 +25,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # top-N alternatives per token, as in vLLM
 MAX_N = 128  # OpenAI's bound on n (this server serves n = 1; the bound keeps the error a 400 for any int)
+MAX_MESSAGES = 2048  # in one conversation; each is a model to build (OpenAI's error: an array too long)
 MAX_CACHE_SALT_CHARS = 1024  # vLLM suggests 43 characters (256 random bits, base64)
 
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
@@ -139,7 +140,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingExtras):
     # The order of https://platform.openai.com/docs/api-reference/chat/create
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     model: str | None = None
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -285,7 +286,7 @@ class TokenizeCompletionRequest(OpenAIRequest):
 
 class TokenizeChatRequest(OpenAIRequest):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -17,7 +17,8 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(served: Served) -> ModelList:
-    card = ModelCard(id=served.model_name, root=served.model_root, max_model_len=served.service.max_model_len)
+    # root: the served name, not the folder the gateway loaded it from (a path says how the host is laid out).
+    card = ModelCard(id=served.model_name, root=served.model_name, max_model_len=served.service.max_model_len)
     return ModelList(data=[card])
 
 

@@ -114,6 +114,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     request_limits = limits.RequestLimits(
         max_body_bytes=args.max_request_body_bytes,
+        max_json_values=args.max_request_json_values,
         max_prompts=args.max_prompts_per_request,
         max_prompt_chars=args.max_prompt_chars,
         max_stop=args.max_stop_sequences,
@@ -137,6 +138,7 @@ async def serve(args: argparse.Namespace) -> None:
         model_name=model_name,
         tracer=tracer,
         request_log=args.request_log,
+        max_pending_per_client=args.max_pending_requests_per_client,
     )
     grpc_server = None
     if args.grpc_port >= 0:
@@ -144,9 +146,7 @@ async def serve(args: argparse.Namespace) -> None:
             service, model_name, args.api_key, args.host, args.grpc_port, max_connections
         )
         logger.info("gRPC Generation API on %s:%d", args.host, grpc_port)
-    app = create_app(
-        service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive, model_root=str(model_path)
-    )
+    app = create_app(service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive)
     config = uvicorn.Config(
         # A backstop beneath the gate's 429s (gateway/gate.py) that spares the probes, in place of
         # uvicorn's limit_concurrency, which answers them 503 too.

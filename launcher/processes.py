@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -131,13 +131,19 @@ class Child:
         self,
         name: str,
         argv: list[str],
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str | None] | None = None,
         cpus: set[int] | None = None,
         stop_stage: int = 1,
     ) -> None:
+        """``env``: added to this process's environment; a None value unsets the variable."""
         self.name = name
         self.stop_stage = stop_stage  # children stop in stages, lowest first: each waits for the one before
-        child_env = {**os.environ, **(env or {})}
+        child_env = {**os.environ}
+        for variable, value in (env or {}).items():
+            if value is None:
+                child_env.pop(variable, None)
+            else:
+                child_env[variable] = value
         if cpus is not None:
             # torch sizes its thread pool by the machine, not the affinity mask: oversubscribed
             # threads on a pinned process would fight over its cores.

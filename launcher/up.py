@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             Child(
                 "gateway",
                 splitserve_command("--log-level", args.log_level, "gateway", *gateway_flags(args, model, routes, name)),
-                env={"SPLITSERVE_API_KEY": args.api_key or "", API_KEY_FILE_ENV: "", **cluster_env},
+                # None unsets: the gateway's own environment gives it this key or none, never an empty one.
+                env={"SPLITSERVE_API_KEY": args.api_key, API_KEY_FILE_ENV: None, **cluster_env},
                 stop_stage=0,
             )
         )
@@ -273,7 +274,13 @@ def _cluster_secret_env() -> dict[str, str]:
     """The environment that gives every child the cluster secret: one made for this run, so
     that only this run's processes get in, unless the user gave one (a file they then all read).
     Raises ValueError for one given empty, as every child would."""
-    if os.environ.get("SPLITSERVE_CLUSTER_SECRET_FILE"):
+    secret_file = os.environ.get("SPLITSERVE_CLUSTER_SECRET_FILE")
+    if secret_file is not None:
+        if not secret_file.strip():
+            raise ValueError(
+                "SPLITSERVE_CLUSTER_SECRET_FILE is set but empty: name the file that holds the cluster secret, or "
+                "unset it to have a secret made for this run"
+            )
         return {}
     given = os.environ.get("SPLITSERVE_CLUSTER_SECRET")
     if given is not None and not given.strip():

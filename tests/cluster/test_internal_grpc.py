@@ -456,6 +456,26 @@ def test_a_secret_given_empty_or_missing_where_required_stops_the_start(
     assert all(is_loopback(host) for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
 
 
+def test_a_secret_file_path_given_empty_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SPLITSERVE_CLUSTER_SECRET_FILE=`` (a manifest whose value did not expand) used to mean
+    "no secret": an open plane on loopback, with a log line (issue 42, item 7)."""
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("SPLITSERVE_REQUIRE_CLUSTER_SECRET", raising=False)
+
+    def parse(*argv: str) -> InternalPlane:
+        parser = argparse.ArgumentParser()
+        add_internal_plane_arguments(parser)
+        return InternalPlane.from_args(parser.parse_args(argv), "127.0.0.1")
+
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET_FILE", "")
+    with pytest.raises(ValueError, match="--cluster-secret-file is given but names no file"):
+        parse()
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET_FILE")
+    with pytest.raises(ValueError, match="--cluster-secret-file is given but names no file"):
+        parse("--cluster-secret-file", " ")
+    assert parse().secret is None
+
+
 def test_mutual_tls_refuses_peers_without_a_certificate_from_the_cluster_ca(tmp_path: Path) -> None:
     from tests.certificates import TestCA
 

@@ -25,7 +25,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.checkpoints import make_checkpoint
+from tests.gateway.processes import running_gateway
 from tests.gateway.test_dispatch_failover import DETAILS, FakeDecode, FakePrefill, make_pool, rpc_error
+from tests.stores import free_port
 
 API_KEY = "the-api-key-of-these-tests"
 SECRET_LOOKING = "10.9.8.7:50061 engine says"  # what an instance's own error could carry
@@ -124,3 +126,16 @@ def test_the_status_page_needs_the_api_key_when_one_is_set(model: Path) -> None:
             assert (await client.get("/status.json")).status_code == 200, "no key set: open, as before"
 
     asyncio.run(scenario())
+
+
+def test_the_model_list_names_the_served_model_not_its_path(model: Path) -> None:
+    """``/v1/models`` showed the folder the gateway loaded the model from as ``root``: how the
+    host is laid out, to anyone with the key (issue 42, item 7). Now the served name."""
+    nowhere = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    flags = ["--prefill", nowhere[0], "--decode", nowhere[1], "--served-model-name", "tiny"]
+    with running_gateway(model, *flags, ready_path="/health") as served:
+        listed = httpx.get(f"{served.url}/v1/models", timeout=30)
+    assert listed.status_code == 200, listed.text
+    (card,) = listed.json()["data"]
+    assert card["id"] == card["root"] == "tiny"
+    assert str(model) not in listed.text

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from engine.structured_output.compiler import GrammarCompiler
-from gateway.flags import add_api_key_argument, resolve_api_key
+from gateway.flags import API_KEY_FILE_ENV, add_api_key_argument, resolve_api_key
 from gateway.limits import RequestLimits
 from gateway.work_pool import WorkPool
 from launcher.processes import splitserve_command
@@ -333,6 +333,31 @@ def until_models(url: str, api_key: str) -> None:
 
 def models_status(url: str, api_key: str) -> int:
     return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30).status_code
+
+
+def test_an_api_key_or_key_file_given_empty_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SPLITSERVE_API_KEY=`` and ``SPLITSERVE_API_KEY_FILE=`` used to mean "no key": an open API
+    for an operator whose secret did not reach the variable (issue 42, item 7). The flags read
+    the variables as their defaults, so each parser is made after the variable is set."""
+
+    def resolve(*argv: str) -> str | None:
+        parser = argparse.ArgumentParser()
+        add_api_key_argument(parser)
+        return resolve_api_key(parser.parse_args(argv))
+
+    monkeypatch.delenv(API_KEY_FILE_ENV, raising=False)
+    monkeypatch.setenv("SPLITSERVE_API_KEY", "")
+    with pytest.raises(ValueError, match="the API key is given but empty .* unset the variable"):
+        resolve()
+    monkeypatch.delenv("SPLITSERVE_API_KEY")
+    with pytest.raises(ValueError, match="the API key is given but empty"):
+        resolve("--api-key", " ")
+    monkeypatch.setenv(API_KEY_FILE_ENV, "")
+    with pytest.raises(ValueError, match="--api-key-file is given but names no file"):
+        resolve()
+    monkeypatch.delenv(API_KEY_FILE_ENV)
+    assert resolve() is None  # not given at all: an open API, as before
+    assert resolve("--api-key", "k") == "k"
 
 
 def test_an_api_key_file_must_hold_a_key(model: Path, tmp_path: Path) -> None:
