@@ -60,11 +60,13 @@ def forward(
     block_rows: Sequence[list[int]],
     num_decodes: int = 0,
     logits_indices: np.ndarray | None = None,
+    final_hidden_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One forward pass over rows of ``num_new[i]`` tokens (of ``input_ids``, laid end to end)
     after ``num_computed[i]`` already in row i's blocks; the first ``num_decodes`` rows hold
     one token each. Returns float32 logits [R, vocab] of the batch's rows ``logits_indices``
-    (positions in ``input_ids``), by default of each row's last token."""
+    (positions in ``input_ids``), by default of each row's last token; their final hidden
+    states [R, hidden_size] into ``final_hidden_out`` if given (Medusa heads' training data)."""
     runner = engine.runner
     batch = build_flat_batch(
         input_ids,
@@ -78,7 +80,9 @@ def forward(
     )
     if logits_indices is not None:
         batch.logits_indices = runner.to_device(logits_indices.astype(np.int64))
-    return runner.model(batch.input_ids, batch.positions, runner.layer_caches, batch.metadata, batch.logits_indices)
+    return runner.model(
+        batch.input_ids, batch.positions, runner.layer_caches, batch.metadata, batch.logits_indices, final_hidden_out
+    )
 
 
 def teacher_forced_logits(

@@ -14,6 +14,7 @@ from types import ModuleType
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("splitserve.generate", "generate text offline with the engine"),
     "perplexity": ("splitserve.perplexity", "measure a model's perplexity over a text, as llama-perplexity does"),
+    "train-heads": ("splitserve.train_heads", "train Medusa heads for a model on its own generations, on this machine"),
     "prefill": ("prefill_svc.server", "serve the engine in the prefill role over gRPC"),
     "decode": ("decode_svc.server", "serve the engine in the decode role over gRPC"),
     "colocated": ("colocated_svc.server", "serve the engine doing both phases over gRPC (no KV hand-off)"),

@@ -53,3 +53,34 @@ def make_medusa_heads(
     config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "base_model_name_or_path": "tiny"}
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def make_cycling_checkpoint(directory: Path, cycle_length: int = 24, num_steps: int = 40) -> tuple[Path, list[int]]:
+    """The tiny checkpoint taught (a few dozen steps of transformers' own training) to continue a
+    fixed cycle of ``cycle_length`` tokens: a target whose greedy continuations follow a pattern
+    heads can learn, where a random checkpoint's are noise. Returns the folder and the cycle."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import make_checkpoint
+
+    make_checkpoint(directory)
+    cycle = random.Random(0).sample(range(3, VOCAB_SIZE), cycle_length)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(num_steps):
+        starts = torch.randint(0, cycle_length, (8,), generator=generator).tolist()
+        batch = torch.tensor([cycle_snippet(cycle, start, 32) for start in starts])
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(directory)
+    return directory, cycle
+
+
+def cycle_snippet(cycle: list[int], start: int, length: int) -> list[int]:
+    return [cycle[(start + j) % len(cycle)] for j in range(length)]

@@ -1,0 +1,168 @@
+"""``splitserve train-heads --method medusa --output DIR``: Medusa heads for a model, trained on
+this machine from the model's own greedy continuations (engine/spec_decode/medusa_training.py).
+
+The prompts: ``--prompts-file`` (one prompt a line), or by default instructions over the
+paragraphs of the text shipped with the package (splitserve/data/README.md says which), sent
+through the model's chat template where it has one. The heads land in ``DIR`` in vLLM's Medusa
+layout over the target's own LM head (engine/spec_decode/medusa_checkpoint.py), with what they
+were trained on and their held-out accuracy in ``DIR/config.json``; serve them with
+``--speculative-config '{"method": "medusa", "model": "DIR"}'``. An interrupted run resumes
+from ``DIR/work`` (generated shards, the last training checkpoint), which may be deleted after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine_args.config import numerics_fields
+from engine_args.flags import add_device_argument, add_numerics_arguments
+from splitserve.perplexity import DEFAULT_TEXT, default_text
+
+if TYPE_CHECKING:  # annotations only: importing it loads torch
+    from engine.llm import LLM
+
+logger = logging.getLogger(__name__)
+
+# Instructions over the shipped text's paragraphs: chat turns of several kinds (continuing,
+# summarising, explaining, rewriting), as a chat model's users send.
+INSTRUCTIONS = (
+    "Continue this passage in the same style:\n\n{}",
+    "Summarize this passage in two sentences:\n\n{}",
+    "What does this passage tell us about the people in it?\n\n{}",
+    "Rewrite this passage in plain modern English:\n\n{}",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.spec_decode.medusa_training import HeadTraining
+
+    defaults = HeadTraining()
+    parser.add_argument(
+        "--method", required=True, choices=["medusa"], help="which heads to train (EAGLE is not built yet)"
+    )
+    add_numerics_arguments(parser)
+    add_device_argument(parser)
+    parser.add_argument("--output", type=Path, required=True, help="folder for the heads (created)")
+    parser.add_argument(
+        "--prompts-file",
+        type=Path,
+        default=None,
+        help=f"prompts, one a line (default: instructions over paragraphs of splitserve/data/{DEFAULT_TEXT})",
+    )
+    parser.add_argument("--num-prompts", type=int, default=256, help="prompts to generate from (default: 256)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=defaults.max_new_tokens,
+        help=f"tokens of each greedy continuation (default: {defaults.max_new_tokens})",
+    )
+    parser.add_argument("--num-heads", type=int, default=defaults.num_heads, help=f"(default: {defaults.num_heads})")
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=defaults.num_layers,
+        help=f"residual blocks per head (default: {defaults.num_layers})",
+    )
+    parser.add_argument("--steps", type=int, default=defaults.num_steps, help=f"(default: {defaults.num_steps})")
+    parser.add_argument(
+        "--batch-size", type=int, default=defaults.batch_size, help=f"positions a step (default: {defaults.batch_size})"
+    )
+    parser.add_argument(
+        "--learning-rate", type=float, default=defaults.learning_rate, help=f"(default: {defaults.learning_rate})"
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed, help=f"(default: {defaults.seed})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.spec_decode.medusa_checkpoint import save_medusa_heads
+    from engine.spec_decode.medusa_training import (
+        HeadTraining,
+        make_training_data,
+        served_lm_head_weight,
+        train_heads,
+    )
+
+    settings = HeadTraining(
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+    )
+    work = args.output / "work"
+    llm = LLM(**numerics_fields(args))
+    texts, source = _prompt_texts(args.prompts_file, args.num_prompts)
+    prompts = [_encode(llm, text) for text in texts]
+    data = make_training_data(llm, prompts, settings, work, _progress)
+    heads, heldout = train_heads(data, served_lm_head_weight(llm), settings, work, _progress)
+    extra = {
+        "base_model": str(llm.engine.model_path),
+        "training": {
+            "method": "self-distillation: the base model's greedy continuations, hard labels",
+            "prompts": source,
+            "num_prompts": len(prompts),
+            "max_new_tokens": settings.max_new_tokens,
+            "num_positions": int(data.hidden.shape[0]),
+            "num_steps": settings.num_steps,
+            "batch_size": settings.batch_size,
+            "learning_rate": settings.learning_rate,
+            "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        },
+        "heldout": {
+            "num_positions": heldout.num_positions,
+            "top1_accuracy": [round(a, 4) for a in heldout.top1_accuracy],
+            "mean_accepted_drafts": round(heldout.mean_accepted_drafts, 4),
+        },
+    }
+    save_medusa_heads(heads, args.output, llm.engine.vocab_size, extra)
+    logger.info(
+        "Medusa heads in %s: held-out top-1 accuracy per head %s, about %.2f drafts accepted a step",
+        args.output,
+        extra["heldout"]["top1_accuracy"],  # type: ignore[index]
+        heldout.mean_accepted_drafts,
+    )
+    sys.stdout.write(json.dumps(extra["heldout"]) + "\n")
+    return 0
+
+
+def _prompt_texts(prompts_file: Path | None, num_prompts: int) -> tuple[list[str], str]:
+    """The prompts' texts and where they came from, in words."""
+    if prompts_file is not None:
+        lines = [line.strip() for line in prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"{prompts_file} holds no prompts (one a line)")
+        return lines[:num_prompts], f"{prompts_file} ({min(num_prompts, len(lines))} lines)"
+    paragraphs = [" ".join(p.split()) for p in default_text().split("\n\n")]
+    paragraphs = [p[:1200] for p in paragraphs if len(p) >= 200]
+    texts = [INSTRUCTIONS[i % len(INSTRUCTIONS)].format(p) for i, p in enumerate(paragraphs)]
+    # More prompts than paragraphs: every paragraph again under the next instruction.
+    while len(texts) < num_prompts:
+        shift = len(texts) // len(paragraphs)
+        texts += [INSTRUCTIONS[(i + shift) % len(INSTRUCTIONS)].format(p) for i, p in enumerate(paragraphs)]
+    return texts[:num_prompts], (
+        f"instructions ({len(INSTRUCTIONS)} kinds) over {len(paragraphs)} paragraphs of splitserve/data/{DEFAULT_TEXT}"
+    )
+
+
+def _encode(llm: LLM, text: str) -> list[int]:
+    tokenizer = llm.tokenizer
+    if tokenizer.chat_template is not None:
+        messages = [{"role": "user", "content": text}]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(encoded["input_ids"])
+    return list(tokenizer.encode(text))
+
+
+def _progress(items: Iterable[int], description: str, total: int) -> Iterable[int]:
+    from tqdm import tqdm
+
+    return tqdm(items, desc=description, total=total, unit="shard" if description == "generating" else "step")

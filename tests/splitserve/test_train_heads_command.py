@@ -1,0 +1,31 @@
+"""``splitserve train-heads`` at a tiny size: the command trains heads for the tiny checkpoint on
+prompts from the shipped text, writes them where the engine reads them, and says what they
+were trained on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.spec_decode.medusa_checkpoint import load_medusa_heads
+from splitserve.cli import main
+from tests.checkpoints import VOCAB_SIZE, make_checkpoint
+
+
+def test_train_heads_writes_heads_the_engine_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_checkpoint(tmp_path / "model")
+    output = tmp_path / "heads"
+    argv = ["train-heads", "--method", "medusa", "--model", str(model), "--dtype", "float32", "--output", str(output)]
+    argv += ["--num-prompts", "3", "--max-new-tokens", "6", "--steps", "4", "--batch-size", "8", "--num-heads", "2"]
+    assert main(argv) == 0
+    config = json.loads((output / "config.json").read_text())
+    assert (config["num_heads"], config["original_lm_head"], config["base_model"]) == (2, True, str(model))
+    assert config["training"]["num_prompts"] == 3 and "pride_and_prejudice" in config["training"]["prompts"]
+    assert config["training"]["num_positions"] == 3 * 5  # each prompt's last token, then 6 outputs but the last
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == config["heldout"]
+    heads = load_medusa_heads(output, 64, VOCAB_SIZE, torch.float32, torch.device("cpu"))
+    assert heads.num_heads == 2 and len(heads.lm_heads) == 0  # the target's own LM head
+    assert (output / "work" / "train_state.pt").is_file()  # a rerun resumes from here
