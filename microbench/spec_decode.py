@@ -11,7 +11,13 @@ elsewhere on the machine lands on both alike. Workloads:
   which lookups then predict);
 - ``random-sampled``: the same prompt sampled at temperature 1 (seeded, the same seeds on
   both sides): output that rarely repeats, so drafts are few and mostly rejected —
-  speculation's worst case.
+  speculation's worst case;
+- ``chat``: a question through the model's chat template, answered greedily: what Medusa
+  heads trained on the model's chat (``splitserve train-heads``) are for.
+
+``--speculative-config`` takes any method as the serving commands do (Medusa heads:
+``'{"method": "medusa", "model": "HEADS"}'``); the acceptance rate at each depth of the draft
+chain and the mean accepted length close the report.
 
 Each request yields exactly ``--output-len`` tokens (EOS ignored). Reported per workload
 and engine: median ms per output token after the first (the single-stream inter-token
@@ -37,12 +43,15 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
+from engine_args.config import speculative_config_from_json
 from engine_args.flags import add_dtype_argument
 
 logger = logging.getLogger(__name__)
 
 _REPO = Path(__file__).resolve().parent.parent
 _CODE_FILE = _REPO / "engine" / "kv_cache_utils.py"
+# The chat workload's question: none of the shipped text's paragraphs the heads trained on.
+CHAT_QUESTION = "Explain how a hash table works, then show a short Python example that counts words with one."
 _TOKEN_ID_MARGIN = 100  # random ids keep clear of the special tokens at both ends of the vocabulary
 
 
@@ -121,7 +130,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speculative-ngram-max", type=int, default=4)
     parser.add_argument("--speculative-model", default=None, help="draft model folder (default: n-gram drafting)")
     parser.add_argument(
-        "--workloads", default="code,random,random-sampled", help="comma-separated: code, random, random-sampled"
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="as the serving commands take it; overrides the above",
+    )
+    parser.add_argument(
+        "--workloads", default="code,random,random-sampled", help="comma-separated: code, random, random-sampled, chat"
     )
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument(
@@ -183,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         ngram_max=args.speculative_ngram_max,
         model=args.speculative_model,
     )
+    if args.speculative_config is not None:
+        spec = speculative_config_from_json(args.speculative_config)
     common = dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)
     # The speculating engine is created first: of two plain engines in one process, the one created
     # second runs identical steps faster (docs/benchmarks.md, "Speculative decoding"), so that bias
@@ -197,12 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads.split(","):
         if workload == "code":
             prompts["code"] = code_edit_prompt(tokenizer)
+        elif workload == "chat":
+            messages = [{"role": "user", "content": CHAT_QUESTION}]
+            encoded = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+            prompts["chat"] = list(encoded["input_ids"])
         elif workload in ("random", "random-sampled"):
             prompts[workload] = random_prompt(
                 random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size
             )
         else:
-            raise ValueError(f"unknown workload {workload!r}; use code, random, random-sampled")
+            raise ValueError(f"unknown workload {workload!r}; use code, random, random-sampled, chat")
     run_side_by_side(engines, random_prompt(rng, 64, engines["plain"].vocab_size), 8, 0.0, 0)  # warm-up, untimed
 
     results: list[RunResult] = []
@@ -244,12 +267,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['workload']:<16}{row['plain_ms_per_token']:>14.2f}{row['spec_ms_per_token']:>13.2f}{row['speedup']:>8.2f}x"
             f"{row['cpu_speedup']:>12.2f}x{row['num_draft_tokens']:>8}{row['num_accepted_tokens']:>10}{row['acceptance_rate']:>13.1%}"
         )
+    stats = engines["spec"].scheduler.spec_stats  # every workload's, the warm-up's too
+    lines.append(
+        "acceptance at each draft depth: "
+        + ", ".join(f"{rate:.1%}" for rate in stats.acceptance_rate_at)
+        + f"; mean accepted length {stats.mean_accepted_length:.2f}"
+    )
     sys.stdout.write("\n".join(lines) + "\n")
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         report = {
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "summary": summary,
+            "acceptance_rate_at": stats.acceptance_rate_at,
+            "accepted_length_counts": stats.accepted_length_counts,
+            "mean_accepted_length": stats.mean_accepted_length,
             "runs": [asdict(r) for r in results],
         }
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")

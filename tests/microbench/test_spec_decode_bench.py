@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.spec_decode.config import SpeculativeConfig
@@ -36,3 +38,16 @@ def test_summary_is_the_median_per_side_and_the_acceptance_over_all_rounds() -> 
     (row,) = summarize(runs)
     assert (row["plain_ms_per_token"], row["spec_ms_per_token"], row["speedup"]) == (35.0, 14.0, 2.5)
     assert (row["num_draft_tokens"], row["num_accepted_tokens"], row["acceptance_rate"]) == (20, 8, 0.4)
+
+
+def test_medusa_heads_through_the_speculative_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from microbench.spec_decode import main
+    from tests.engine.spec_decode.medusa_heads import make_medusa_heads
+
+    model = make_checkpoint(tmp_path / "model")
+    heads = make_medusa_heads(tmp_path / "heads", "vllm", num_heads=2)
+    config = f'{{"method": "medusa", "model": "{heads}"}}'
+    argv = ["--model", str(model), "--speculative-config", config, "--workloads", "random", "--output-len", "6"]
+    assert main([*argv, "--rounds", "1", "--random-input-len", "12", "--kv-cache-memory", str(1 << 22)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("acceptance at each draft depth: ") and "mean accepted length" in last
