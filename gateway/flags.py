@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from cluster.tracing import add_tracing_arguments
+from gateway.event_loop import LOOPS
 
 Routing = Literal["load", "kv"]
 ROUTINGS: tuple[Routing, ...] = ("load", "kv")
@@ -157,6 +158,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=75.0,
         help="seconds an idle HTTP connection stays open (as nginx's keepalive_timeout)",
+    )
+    parser.add_argument(
+        "--loop",
+        default="auto",
+        choices=LOOPS,
+        help="the event loop (gateway/event_loop.py): auto, uvloop where it is installed (as uvicorn picks); "
+        "asyncio, the standard library's (default: auto)",
     )
     add_routing_arguments(parser)
     # Several gateways (gateway/api_servers.py), each breaking routing ties in its own order (gateway/tie_break.py).

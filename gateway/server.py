@@ -23,6 +23,7 @@ from gateway.api_servers import reuse_port_socket, run_api_servers
 from gateway.app import create_app
 from gateway.connection_guard import ConnectionGuard, ConnectionLimits
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
+from gateway.event_loop import loop_factory, resolved_loop
 from gateway.flags import add_gateway_arguments, resolve_api_key
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     gateway_slot(args)  # its ValueError before any process starts
     if args.api_server_count > 1 and args.api_server_index is None:
         return run_api_servers(args)
-    asyncio.run(serve(args))
+    with asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
+        runner.run(serve(args))
     return 0
 
 
@@ -110,7 +112,11 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics(pool)
     # Which of the processes sharing the port answered a scrape (each counts only its own requests).
     Info("splitserve_api_server", "This gateway process among --api-server-count", registry=metrics.registry).info(
-        {"index": str(args.api_server_index or 0), "count": str(args.api_server_count)}
+        {
+            "index": str(args.api_server_index or 0),
+            "count": str(args.api_server_count),
+            "loop": resolved_loop(args.loop),
+        }
     )
     request_limits = limits.RequestLimits(
         max_body_bytes=args.max_request_body_bytes,
