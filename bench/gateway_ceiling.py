@@ -238,6 +238,8 @@ def start_cluster(args: argparse.Namespace, out: Path) -> tuple[list[subprocess.
     ]  # fmt: skip
     if args.api_server_count:
         gateway_flags += ["--api-server-count", str(args.api_server_count)]
+    if args.loop:
+        gateway_flags += ["--loop", args.loop]
     gateway = subprocess.Popen(
         splitserve_command("--log-level", "WARNING", "gateway", *gateway_flags, source_dir=args.source_dir),
         stdout=log,
@@ -279,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source-dir", type=Path, default=None, help="serve from this checkout (a before/after)")
     parser.add_argument(
         "--api-server-count", type=int, default=0, help="gateway processes on one port (0: the default)"
+    )
+    parser.add_argument(
+        "--loop", default=None, help="the gateway's --loop (auto, asyncio, uvloop; default: the gateway's own)"
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
