@@ -278,7 +278,8 @@ async def _read_answer(
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """A model ``GET /v1/models`` lists: its id, and its ``root`` where the server says it (vLLM
-    and splitserve give the folder they loaded it from there)."""
+    gives the folder it loaded the model from there; splitserve its served name, which is that
+    folder when ``--model`` names one and no ``--served-model-name`` is given)."""
 
     model_id: str
     root: str | None

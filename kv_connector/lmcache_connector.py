@@ -41,8 +41,11 @@ The store is not trusted (docs/security.md):
   handle, which P signs. D digests every chunk it fetches and refuses the pull (a :class:`KVTransferError`,
   before anything is written to its blocks) unless each matches, and refuses a handle that
   carries none. Bytes someone else wrote under a real key never reach D's prefix cache.
-- **Keys.** LMCache keys a chunk by a hash of the tokens up to its end, unkeyed and the same
-  for every tenant. Each publish adds a tag of its own to its keys: HMAC-SHA256, under the KV
+- **Keys.** LMCache keys a chunk by a hash chained over the tokens up to its end; left to
+  itself that hash is Python's unkeyed builtin ``hash`` of token tuples, which anyone who can
+  list the store's keys could compute for a prompt they guess. Here it is HMAC-SHA256 under the
+  KV store key (:meth:`LMCacheConnector._chunk_hash`, installed in LMCache's token database at
+  start). Each publish also adds a tag of its own to its keys: HMAC-SHA256, under the KV
   store key derived from the cluster secret (``cluster/derived_keys.py``), of the request's
   cache salt, the handle's pull token (random per handle) and the head. No two publishes, and no two
   tenants, share a key (so one publish never overwrites another's chunks, whose bytes may
@@ -72,6 +75,7 @@ import socket
 import threading
 import time
 import uuid
+from array import array
 from collections.abc import Callable
 from dataclasses import fields
 from typing import TypeVar
@@ -116,6 +120,7 @@ _REMOTE_OP_TIMEOUT_S = 10  # lmcache gives up on one remote get after this long
 _PROBE_TIMEOUT_S = 1.0
 _CLOSE_TIMEOUT_S = 10.0
 DEFAULT_TTL_S = 600.0  # a hand-off is pulled within seconds; a handle queued longer is re-prefilled
+_CHUNK_HASH_LABEL = b"splitserve lmcache chunk hash v1\0"  # apart from key_tag's messages, under the same key
 _KEY_TAG = "lmcache.tag.k"  # LMCache appends a request's tags to its keys: "...@k%<tag>"
 _KEY_TAG_BYTES = 12  # hex-encoded: 24 characters, within lm://'s 150-byte keys
 _KV_STORE_SUFFIXES = ("kv_bytes", "metadata")  # lmcache's Redis connector: two Redis keys per chunk
@@ -383,10 +388,28 @@ class LMCacheConnector(KVConnector):
             engine = LMCacheEngineBuilder.get_or_create(
                 self._instance_id, config, metadata, self._adapter, _single_rank, _single_rank
             )
+            # Before any key is made: P and D must chain chunk hashes alike (both hold the key).
+            engine.token_database.hash_func = self._chunk_hash
             engine.post_init()
         finally:
             multiprocessing.set_start_method(start_method, force=True)
         return engine
+
+    def _chunk_hash(self, chunk: tuple[int, tuple[int, ...], tuple[object, ...]]) -> bytes:
+        """LMCache's chunk hash (its token database calls it with the parent chunk's hash, the
+        chunk's token ids and extra keys, none here): HMAC-SHA256 under the KV store key, of which
+        LMCache keeps the first 8 bytes. Read at each call, so a connector given another key
+        (a test's other cluster) hashes with it."""
+        parent_hash, token_ids, extra_keys = chunk
+        message = b"".join(
+            (
+                _CHUNK_HASH_LABEL,
+                (parent_hash % (1 << 64)).to_bytes(8, "little"),
+                array("q", token_ids).tobytes(),
+                repr(extra_keys).encode() if extra_keys else b"",
+            )
+        )
+        return hmac.new(self._store_key, message, hashlib.sha256).digest()
 
     def _started(self) -> LMCacheEngine:
         if self._engine is None:

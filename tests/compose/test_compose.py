@@ -53,7 +53,7 @@ SERVICES = ("redis", "prefill", "decode", "gateway")
 INSTANCES = ("prefill", "decode")
 DEFAULT_MODEL = "/opt/splitserve/models/SmolLM2-135M-Instruct"
 EXPECTED_PORTS = {"prefill": 50061, "decode": 50071, "gateway": 8000}
-REGISTRY_URL, KV_STORE_URL = "redis://registry@redis:6379", "redis://kv@redis:6379"
+REGISTRY_URL, KV_STORE_URL = "redis://registry@redis:6379", "redis://kv@redis:6379/1"
 # Files under compose/ each made once (README); the variable naming another path; the service's secret.
 SECRET_FILES = {
     "cluster-secret": ("CLUSTER_SECRET_FILE", "cluster_secret"),
@@ -718,6 +718,13 @@ def test_redis_users_can_do_their_own_work_and_nothing_else(tmp_path: Path, monk
         assert kv.set(chunk + "kv_bytes", b"\x00" * 64) and kv.set(chunk + "metadata", b"m")
         assert kv.exists(chunk + "metadata") == 1 and kv.get(chunk + "kv_bytes") == b"\x00" * 64
         assert kv.pexpire(chunk + "kv_bytes", 60_000)
+        # LMCache's chunks live in database 1: the registry's SCAN never lists them (their keys name
+        # prompts' chunks), and its user may not SELECT another database (issue 42, item 7).
+        registry = redis.Redis.from_url(with_password_file(local[REGISTRY_URL]))
+        assert list(registry.scan_iter(match="*")) == []
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            registry.execute_command("SELECT", 1)
+        registry.close()
         assert kv.delete(chunk + "metadata") == 1
         for refused in (
             lambda: kv.set("splitserve:instance:forged", b"x"),  # a registration: the registry's

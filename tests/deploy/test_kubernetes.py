@@ -144,7 +144,7 @@ def test_commands_parse_with_the_real_cli(role: str) -> None:
         env = {e["name"]: e for e in container(role)["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert args.kv_port == PORTS[role] + 1
-        assert args.lmcache_url == "redis://kv@redis:6379", "the KV store's own Redis user"
+        assert args.lmcache_url == "redis://kv@redis:6379/1", "the KV store's own Redis user, in its own database"
         ports = {p["name"]: p["containerPort"] for p in container(role)["ports"]}
         assert ports == {"grpc": args.port, "kv": args.kv_port}
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.default_model import DEFAULT_MODEL_NAME, embedded_model
+from engine.default_model import DEFAULT_MODEL_NAME
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.gateway.processes import HTTPProcess
 from tests.stores import free_port
@@ -89,8 +89,8 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [DEFAULT_MODEL_NAME]
-    # The path it was loaded from, as vLLM shows it: for --dtype float32, the folder.
-    assert models[0].root == str(embedded_model("auto", "float32", "cpu"))
+    # The served name, not the path it was loaded from (issue 42, item 7: how the host is laid out).
+    assert models[0].root == DEFAULT_MODEL_NAME
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -409,6 +409,50 @@ def test_keys_belong_to_one_publish_and_expire() -> None:
         stop(process)
 
 
+def test_chunk_hashes_in_keys_are_keyed_by_the_cluster_secret() -> None:
+    """LMCache named a chunk by Python's unkeyed builtin ``hash`` chained over its tokens: anyone
+    who can list the store's keys (a SCAN) could hash a prompt they guess and see whether it is
+    cached (issue 42, item 7). Now HMAC-SHA256 under the KV store key: two clusters' keys for
+    the same prompt share no chunk hash, and neither is the builtin one; a pull still finds P's."""
+    import redis
+
+    process, url = start_redis()
+    token = bytes(range(16))
+
+    def builtin_chain(tokens: list[int]) -> set[bytes]:
+        parent, hashes = 0, set()
+        for start in range(0, len(tokens), CHUNK_SIZE):
+            parent = hash((parent, tuple(tokens[start : start + CHUNK_SIZE]), ()))
+            hashes.add(f"{parent:x}".encode())
+        return hashes
+
+    async def scenario() -> None:
+        client = redis.Redis.from_url(url)
+        chunk_hashes = {}
+        for store_key in (bytes(32), bytes(range(32))):
+            prefill = LMCacheConnector(
+                seeded_cache(7), fingerprint(), remote_url=url, chunk_size=CHUNK_SIZE, store_key=store_key
+            )
+            await prefill.start("127.0.0.1", 0)
+            try:
+                published = await prefill.publish("r", PUBLISHED_BLOCKS, PROMPT, pull_token=token)
+            finally:
+                await prefill.close()
+            chunk_hashes[store_key] = {key.split(b"@")[3] for key in _publish_keys(client, store_key, "", token)}
+            local = torch.zeros(SHAPE, dtype=torch.bfloat16)
+            pulled = source(digests=list(published.chunk_digests), pull_token=token)
+            await asyncio.to_thread(pull, local, url, pulled, [0, 3, 11, 6], store_key=store_key)
+            assert torch.equal(local[[0, 3, 11]], seeded_cache(7)[PUBLISHED_BLOCKS[:3]])
+        first, second = chunk_hashes.values()
+        assert len(first) == len(second) == 2  # PROMPT's two chunks
+        assert first.isdisjoint(second) and first.isdisjoint(builtin_chain(PROMPT)), (first, second)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop(process)
+
+
 def test_a_slow_store_never_holds_up_the_event_loop(redis_url: str) -> None:
     """The store stops answering mid-publish: the event loop runs on (the publish waits on a
     worker thread), an unpublish of the request waits for the publish to stop copying the
