@@ -16,8 +16,9 @@ from contextlib import aclosing
 from http import HTTPStatus
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.health_watch import BoundedHealthServicer
 from cluster.sampling_proto import sampling_params_from_proto
 from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
 from gateway.gate import GatePass, client_of_peer
@@ -158,7 +159,7 @@ async def start_grpc_front(
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, model_name, api_key), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = BoundedHealthServicer()  # open to all: its Watch streams capped
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.auth import load_cluster_secret
 from cluster.derived_keys import kv_store_key, prefix_cache_key
+from cluster.health_watch import BoundedHealthServicer
 from cluster.instance_counters import fill_load_report
 from cluster.internal_grpc import InternalPlane, add_internal_plane_arguments
 from cluster.registration import RegistryHeartbeat
@@ -321,7 +322,7 @@ async def serve(
     server = instance.plane.server()
     add_servicer(server)
     disaggregation_pb2_grpc.add_LoadServicer_to_server(LoadServicer(instance), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = BoundedHealthServicer()  # open to all: its Watch streams capped (cluster/health_watch.py)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = instance.plane.add_port(server, f"{args.host}:{args.port}", advertise)
     await server.start()

@@ -20,20 +20,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cluster.call_counts import CallCounts
 from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, read
 from cluster.request_phases import PHASE_BUCKETS, Phase, phase_seconds
+from serving.metrics_http import BoundedWSGIServer, start_metrics_http_server
 from splitserve.v1 import disaggregation_pb2
 from splitserve.v1.generation_pb2 import RequestPhases
-
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +90,8 @@ class PhaseMetrics:
 
 
 class MetricsServer:
-    """prometheus_client's HTTP server on its own thread, serving only this instance's registry."""
+    """prometheus_client's WSGI app on a bounded HTTP server of its own thread, serving only this
+    instance's registry."""
 
     def __init__(
         self,
@@ -112,9 +110,10 @@ class MetricsServer:
         if call_counts is not None:
             report = load_report()
             registry.register(CallCountCollector(call_counts, report.instance_id, report.role))
-        self._server: WSGIServer
+        self._server: BoundedWSGIServer
         self._thread: threading.Thread
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        # Connections capped and given a deadline (serving/metrics_http.py): the port is open to all.
+        self._server, self._thread = start_metrics_http_server(host, port, registry)
         self.port = self._server.server_port
         logger.info("%s: Prometheus metrics on http://%s:%d/metrics", name, host, self.port)
 
