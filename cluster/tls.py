@@ -29,15 +29,17 @@ class TLSFiles:
     ca: bytes | None = None
 
     @classmethod
-    def load(cls, cert: str | None, key: str | None, ca: str | None) -> TLSFiles | None:
-        """None when no TLS flag is given. Raises ValueError naming the flag to fix."""
+    def load(cls, cert: str | None, key: str | None, ca: str | None, flags: str = "--tls") -> TLSFiles | None:
+        """None when no TLS flag is given. Raises ValueError naming the flag to fix: ``flags``
+        is their common prefix (``--tls``: the internal plane's; ``--grpc-tls``: the gateway's
+        public gRPC front's)."""
         if not (cert or key or ca):
             return None
         if bool(cert) != bool(key):
             raise ValueError(
-                "--tls-cert and --tls-key go together: give both (the certificate and its private key) or neither"
+                f"{flags}-cert and {flags}-key go together: give both (the certificate and its private key) or neither"
             )
-        return cls(cert=_read(cert, "--tls-cert"), key=_read(key, "--tls-key"), ca=_read(ca, "--tls-ca"))
+        return cls(cert=_read(cert, f"{flags}-cert"), key=_read(key, f"{flags}-key"), ca=_read(ca, f"{flags}-ca"))
 
     @property
     def mutual(self) -> bool:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from cluster.tls import TLSFiles
 from cluster.tracing import add_tracing_arguments
 from gateway.event_loop import LOOPS
 
@@ -62,6 +63,7 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC Generation port (0: any free port, -1: off)"
     )
+    add_grpc_front_tls_arguments(parser)
     add_api_key_argument(parser)
     parser.add_argument(
         "--prefill",
@@ -242,6 +244,42 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_internal_plane_arguments(parser)
     add_tracing_arguments(parser)
     add_request_log_argument(parser)
+
+
+def add_grpc_front_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """TLS for the public gRPC ``Generation`` front (``gateway/grpc_front.py``), apart from the
+    internal plane's ``--tls-*``: clients and instances trust different CAs. Read them with
+    :func:`resolve_grpc_front_tls`."""
+    env = os.environ.get
+    parser.add_argument(
+        "--grpc-tls-cert",
+        default=env("SPLITSERVE_GRPC_TLS_CERT") or None,
+        help="PEM certificate the gRPC Generation front serves TLS with, so that the API key and prompts do not "
+        "cross in the clear (env SPLITSERVE_GRPC_TLS_CERT; with --grpc-tls-key)",
+    )
+    parser.add_argument(
+        "--grpc-tls-key",
+        default=env("SPLITSERVE_GRPC_TLS_KEY") or None,
+        help="PEM private key of --grpc-tls-cert (env SPLITSERVE_GRPC_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--grpc-tls-ca",
+        default=env("SPLITSERVE_GRPC_TLS_CA") or None,
+        help="PEM CA certificates: the gRPC front then requires client certificates they signed (mutual TLS) "
+        "(env SPLITSERVE_GRPC_TLS_CA)",
+    )
+
+
+def resolve_grpc_front_tls(args: argparse.Namespace) -> TLSFiles | None:
+    """The gRPC front's TLS files, read once; None for plaintext. Raises ValueError naming the flag
+    to fix: a key without its certificate, a file it cannot read, a CA without a certificate."""
+    tls = TLSFiles.load(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca, flags="--grpc-tls")
+    if tls is not None and tls.cert is None:
+        raise ValueError(
+            "--grpc-tls-ca checks clients' certificates of a front serving TLS: give --grpc-tls-cert and "
+            "--grpc-tls-key too"
+        )
+    return tls
 
 
 def add_api_key_argument(parser: argparse.ArgumentParser) -> None:

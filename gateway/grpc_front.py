@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.health_watch import BoundedHealthServicer
 from cluster.sampling_proto import sampling_params_from_proto
+from cluster.tls import TLSFiles
 from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
 from gateway.gate import GatePass, client_of_peer
 from gateway.generation import GenerationJob, GenerationService
@@ -150,9 +151,11 @@ async def start_grpc_front(
     host: str,
     port: int,
     max_concurrent_rpcs: int | None = None,
+    tls: TLSFiles | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """``max_concurrent_rpcs``: calls served at once (``--max-connections``); gRPC answers
-    RESOURCE_EXHAUSTED beyond it before the handler runs."""
+    RESOURCE_EXHAUSTED beyond it before the handler runs. ``tls``: serve TLS with these files
+    (``--grpc-tls-*``; with a CA, clients must present a certificate it signed); None: plaintext."""
     # The REST body limit applies to gRPC messages too (gRPC answers RESOURCE_EXHAUSTED beyond it).
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", service.limits.max_body_bytes)],
@@ -161,7 +164,10 @@ async def start_grpc_front(
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, model_name, api_key), server)
     health_servicer = BoundedHealthServicer()  # open to all: its Watch streams capped
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, bound

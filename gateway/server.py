@@ -24,7 +24,7 @@ from gateway.app import create_app
 from gateway.connection_guard import ConnectionGuard, ConnectionLimits
 from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
 from gateway.event_loop import loop_factory, resolved_loop
-from gateway.flags import add_gateway_arguments, resolve_api_key
+from gateway.flags import add_gateway_arguments, resolve_api_key, resolve_grpc_front_tls
 from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instance_limits import InstanceLimits
@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args.api_key = resolve_api_key(args)
+    args.grpc_tls = resolve_grpc_front_tls(args)  # its files read once, and their errors before any start
     if not (args.prefill or args.decode or args.colocated or args.registry_url):
         raise ValueError(
             "no instances to route to: give --registry-url redis://HOST:PORT, or --prefill and --decode HOST:PORT (or "
@@ -149,9 +150,9 @@ async def serve(args: argparse.Namespace) -> None:
     grpc_server = None
     if args.grpc_port >= 0:
         grpc_server, grpc_port = await start_grpc_front(
-            service, model_name, args.api_key, args.host, args.grpc_port, max_connections
+            service, model_name, args.api_key, args.host, args.grpc_port, max_connections, args.grpc_tls
         )
-        logger.info("gRPC Generation API on %s:%d", args.host, grpc_port)
+        logger.info("gRPC Generation API on %s:%d%s", args.host, grpc_port, " (TLS)" if args.grpc_tls else "")
     app = create_app(service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive)
     config = uvicorn.Config(
         # A backstop beneath the gate's 429s (gateway/gate.py) that spares the probes, in place of
