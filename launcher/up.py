@@ -37,6 +37,7 @@ from gateway.flags import (
 )
 from kv_connector.registry import add_kv_connector_arguments
 from launcher.processes import Child, embedded_model, free_port, parse_instance_cpu_lists, splitserve_command
+from planner.flags import add_planner_arguments, planner_argv
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-scale", type=float, default=1.0, help="--simulate: every simulated time multiplied by this"
     )
+    parser.add_argument(
+        "--planner",
+        action="store_true",
+        help="--simulate: a planner sizes the pools to --ttft-slo and --itl-slo, starting and stopping one process "
+        "per instance; --num-prefill and --num-decode are the sizes it starts with (docs/planner.md)",
+    )
+    add_planner_arguments(parser)  # passed on to the planner
     add_routing_arguments(parser)  # passed on to the gateway
     add_request_log_argument(parser)  # passed on to the gateway
     add_api_server_count_argument(parser)  # passed on to the gateway
@@ -102,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     args.api_key = resolve_api_key(args)  # --api-key-file read here, once
     if args.num_prefill < 1 or args.num_decode < 1:
         raise ValueError("--num-prefill and --num-decode must be at least 1")
+    if args.planner and not args.simulate:
+        raise ValueError("--planner starts simulated instances for now: add --simulate")
     cpus = instance_cpus(args)
     # The embedded model is converted (once) before anything starts, so instances never race to.
     model, name = (Path(args.model), None) if args.model else embedded_model(args.load_format, args.dtype)
@@ -245,6 +255,9 @@ def _start_simulated_instances(
     registry_url = _start_redis(
         children, "--simulate registers its instances in a local Redis: install redis-server to have one started here"
     )
+    if args.planner:
+        children.append(Child("planner", planner_command(args, common, registry_url), env=cluster_env))
+        return ["--registry-url", registry_url]
     counts = {"colocated": 1} if args.colocated else {"prefill": args.num_prefill, "decode": args.num_decode}
     profile = ["--profile", args.simulate_profile] if args.simulate_profile else []
     for role, count in counts.items():
@@ -268,6 +281,22 @@ def _start_simulated_instances(
         )
         children.append(Child(f"simulate-{role}", argv, env=cluster_env))
     return ["--registry-url", registry_url]
+
+
+def planner_command(args: argparse.Namespace, common: list[str], registry_url: str) -> list[str]:
+    """``splitserve planner`` for ``up --simulate --planner``: it starts the instances (one
+    process each) and reads this run's gateway."""
+    if args.colocated:
+        raise ValueError("--planner sizes prefill and decode pools: drop --colocated")
+    model = common[common.index("--model") + 1]
+    profile = ["--simulate-profile", args.simulate_profile] if args.simulate_profile else []
+    return splitserve_command(
+        "--log-level", args.log_level, "planner",
+        "--gateway-url", f"http://{_dial_host(args.host)}:{args.port}", "--registry-url", registry_url,
+        "--model", model, *profile, "--time-scale", str(args.time_scale),
+        "--initial-prefill", str(args.num_prefill), "--initial-decode", str(args.num_decode),
+        *planner_argv(args),
+    )  # fmt: skip
 
 
 def _cluster_secret_env() -> dict[str, str]:

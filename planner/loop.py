@@ -28,8 +28,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
 from planner.actuator import LocalActuator, ManagedInstance
 from planner.capacity import InstanceCapacity, Slo, Workload, instance_capacity
 from planner.decision import ROLES, Cooldowns, Decision, Observed, PlannerBounds, Role, decide
@@ -101,7 +99,7 @@ class Planner:
                     tick = self.tick()
                     if tick is not None:
                         self.history.append(tick)
-                except (httpx.HTTPError, OSError) as error:
+                except OSError as error:  # urllib's errors are OSErrors
                     logger.warning("planner: a gateway's metrics could not be read (%s); trying next interval", error)
                 stop.wait(max(0.0, self.config.interval_s - (time.monotonic() - started)))
         finally:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 import time
+import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 TTFT = "splitserve_time_to_first_token_seconds"
@@ -206,22 +206,21 @@ def _p90(before: Scrape, after: Scrape, name: str) -> float | None:
 
 
 class GatewayScraper:
-    """Reads the gateways' ``/metrics`` over HTTP (a blocking client: the planner's loop is a
-    thread of its own)."""
+    """Reads the gateways' ``/metrics`` over HTTP, blocking (the planner's loop is a thread of
+    its own). A gateway that does not answer raises OSError (urllib's URLError is one)."""
 
     def __init__(self, gateway_urls: Sequence[str], timeout_s: float = 5.0) -> None:
         if not gateway_urls:
             raise ValueError("the planner needs at least one --gateway-url to read metrics from")
         self.gateway_urls = [url.rstrip("/") for url in gateway_urls]
-        self._client = httpx.Client(timeout=timeout_s)
+        self.timeout_s = timeout_s
 
     def scrape(self) -> Scrape:
         texts = []
         for url in self.gateway_urls:
-            response = self._client.get(f"{url}/metrics")
-            response.raise_for_status()
-            texts.append(response.text)
+            with urllib.request.urlopen(f"{url}/metrics", timeout=self.timeout_s) as response:
+                texts.append(response.read().decode())
         return parse_metrics(texts, time.monotonic())
 
     def close(self) -> None:
-        self._client.close()
+        """Nothing held between scrapes; kept so callers close what they open."""

@@ -1,0 +1,477 @@
+"""``python -m bench.planner``: a day of traffic replayed against simulated instances three
+ways, pools sized statically for the peak, statically for the mean, and by the planner, with
+the SLO attainment, the instance-seconds and the requests failed or cut of each.
+
+The day (bench/day_trace.py): the rate rising tenfold from the night's trough to noon and back,
+the mix moving from chatty to long prompts and back, compressed into ``--duration-s``. The
+instances simulate ``--profile`` (a GPU profile by default) at ``--time-scale``: everything
+they do is that many times slower, so the same pools carry ``1 / time-scale`` of the profile's
+rates with the same streams per instance, and a two-core host keeps up. ``--peak-rate`` and the
+SLOs are in the profile's time, as on the real hardware; the run scales them.
+
+Each way, in order: a Redis registry and a gateway; the pools' first instances, one process
+each (planner/actuator.py), waited for until every gateway routes to them; then the planner's
+loop on its thread (for the static ways, with ``--min`` = ``--max`` so it holds the sizes) and
+the trace replayed open-loop, each request a stream of token ids at its arrival time; then
+everything stopped. The static sizes are what the planner's capacity model says the peak
+window, or the day's mean, needs (planner/capacity.py): the same model the planner uses.
+
+Reported per way: the share of windows (``--window-s``, the compressed day's "minutes") whose
+requests met both SLOs at p90 (TTFT from the client's send to its first token; ITL from the
+gateway's own chunk write times, so a client short of CPU does not count), each SLO alone,
+the instance-seconds from the trace's start to its last request's end (start-up and drain
+included), and the requests that failed (no token) or were cut (a stream that ended short).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import subprocess
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+import numpy as np
+
+from bench.day_trace import Arrival, RequestKind, day_trace, windows_of
+from bench.token_gaps import CHUNK_TIMES_HEADER, parse_chunk_times
+from launcher.processes import free_port, splitserve_command
+from planner.actuator import CommandFor, LocalActuator
+from planner.capacity import Slo, Workload, instance_capacity, scaled_profile
+from planner.decision import ROLES, PlannerBounds, Role, RoleBounds, instances_needed
+from planner.loop import Planner, PlannerConfig
+from planner.metrics import PlannerMetrics
+from planner.observations import GatewayScraper
+from simulator.timing_model import DEFAULT_PROFILE, TimingProfile, load_profile
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["static-peak", "static-mean", "planner"]
+MODES: tuple[Mode, ...] = ("static-peak", "static-mean", "planner")
+READY_TIMEOUT_S = 300.0
+ATTAINMENT_TARGET = 0.95  # the issue's targets: SLOs met in 95% of windows
+INSTANCE_SECONDS_TARGET = 0.6  # with at most 60% of the peak-sized pools' instance-seconds
+
+
+@dataclass(slots=True)
+class RequestResult:
+    offset_s: float
+    long_prompt: bool
+    max_tokens: int
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)  # the gateway's, between content chunks
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.ttft_s is None
+
+    @property
+    def cut(self) -> bool:
+        """Started streaming, then ended short of its tokens."""
+        return self.ttft_s is not None and (self.finish_reason != "length" or self.num_tokens < self.max_tokens)
+
+
+@dataclass(slots=True)
+class WindowResult:
+    start_s: float
+    num_requests: int
+    ttft_p90_s: float | None
+    itl_p90_s: float | None
+    ttft_met: bool
+    itl_met: bool
+    ready: dict[Role, float]  # mean ready instances per role over the window's planner ticks
+
+
+@dataclass(slots=True)
+class ModeResult:
+    mode: Mode
+    sizes: dict[Role, int]  # the pools it started with
+    windows: list[WindowResult]
+    instance_seconds: float
+    seconds: float
+    num_requests: int
+    num_failed: int
+    num_cut: int
+
+    @property
+    def attainment(self) -> float:
+        return sum(w.ttft_met and w.itl_met for w in self.windows) / len(self.windows)
+
+
+# ------------------------------------------------------------------------- sizing
+
+
+def window_needs(
+    windows: list[list[Arrival]], window_s: float, profile: TimingProfile, slo: Slo
+) -> list[dict[Role, int]]:
+    """Instances of each role each window's traffic needs, by the planner's capacity model."""
+    return [needs_for(window, window_s, profile, slo) for window in windows]
+
+
+def needs_for(arrivals: list[Arrival], seconds: float, profile: TimingProfile, slo: Slo) -> dict[Role, int]:
+    if not arrivals:
+        return {"prefill": 1, "decode": 1}
+    workload = Workload(
+        len(arrivals) / seconds,
+        sum(a.prompt_tokens for a in arrivals) / len(arrivals),
+        sum(a.output_tokens for a in arrivals) / len(arrivals),
+    )
+    capacity = instance_capacity(profile, workload, slo)
+    return {
+        "prefill": instances_needed(workload.request_rate, capacity.prefill_rate),
+        "decode": instances_needed(workload.request_rate, capacity.decode_rate),
+    }
+
+
+# ------------------------------------------------------------------------ cluster
+
+
+class Stack:
+    """Redis and one gateway, on loopback, for one way of the run."""
+
+    def __init__(self, out: Path, env: dict[str, str]) -> None:
+        self.log = (out / "stack.log").open("ab")
+        redis_port = free_port()
+        self.redis = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.registry_url = f"redis://127.0.0.1:{redis_port}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.gateway = subprocess.Popen(
+            splitserve_command(
+                "--log-level",
+                "WARNING",
+                "gateway",
+                "--port",
+                str(port),
+                "--grpc-port",
+                "-1",
+                "--registry-url",
+                self.registry_url,
+                "--poll-interval",
+                "0.5",
+                "--max-pending-requests",
+                "8192",
+            ),  # fmt: skip
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def stop(self) -> None:
+        for process in (self.gateway, self.redis):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.log.close()
+
+
+def wait_ready(planner: Planner, scraper: GatewayScraper, processes: list[subprocess.Popen[bytes]]) -> None:
+    """Until every gateway routes to every instance started (their readiness, as the planner counts it)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if any(process.poll() is not None for process in processes):
+            raise RuntimeError("the gateway or Redis exited before the instances were ready; see stack.log")
+        try:
+            scrape = scraper.scrape()
+        except OSError:
+            scrape = None
+        if scrape is not None:
+            for instance in planner.actuator.live():
+                view = scrape.instances.get(instance.instance_id)
+                if view is not None and view.healthy:
+                    planner.actuator.mark_ready(instance)
+            if all(i.state == "ready" for i in planner.actuator.live()):
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"instances not ready after {READY_TIMEOUT_S:.0f} s")
+        time.sleep(0.5)
+
+
+# ------------------------------------------------------------------------- replay
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, model: str, index: int, arrival: Arrival, result: RequestResult
+) -> None:
+    # Token ids of the request's own (no prefix shared): the gateway's tokenizer is no part of this.
+    prompt = [100 + (index * 7919 + i * 31) % 30000 for i in range(arrival.prompt_tokens)]
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": arrival.output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.monotonic()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers={CHUNK_TIMES_HEADER: "1"}) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return
+            num_events, content_events = 0, []
+            async for raw in response.content:
+                line = raw.rstrip(b"\r\n")
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        result.num_tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices") or ():
+                        if result.ttft_s is None:
+                            result.ttft_s = time.monotonic() - sent
+                        content_events.append(num_events)
+                        result.finish_reason = choice.get("finish_reason") or result.finish_reason
+                    num_events += 1
+                elif line.startswith(b":"):
+                    offsets = parse_chunk_times(line[1:].decode())
+                    if offsets is not None:
+                        times = [offsets[i] / 1000.0 for i in content_events if i < len(offsets)]
+                        result.gaps_s = [b - a for a, b in zip(times, times[1:])]
+    except (aiohttp.ClientError, TimeoutError) as error:
+        result.error = repr(error)
+
+
+async def replay(url: str, model: str, trace: list[Arrival], started: float) -> list[RequestResult]:
+    results = [RequestResult(a.offset_s, a.long_prompt, a.output_tokens) for a in trace]
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
+        async def at_its_time(index: int) -> None:
+            await asyncio.sleep(max(0.0, started + trace[index].offset_s - time.monotonic()))
+            await one_request(session, url, model, index, trace[index], results[index])
+
+        await asyncio.gather(*(at_its_time(i) for i in range(len(trace))))
+    return results
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+        return str(json.loads(response.read())["data"][0]["id"])
+
+
+# ---------------------------------------------------------------------- one way
+
+
+def run_mode(
+    mode: Mode, args: argparse.Namespace, trace: list[Arrival], sizes: dict[Role, int], out: Path
+) -> ModeResult:
+    folder = out / mode
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "SPLITSERVE_CLUSTER_SECRET": "bench-planner-" + os.urandom(12).hex()}
+    profile = scaled_profile(load_profile(args.profile), args.time_scale)
+    slo = Slo(args.ttft_slo * args.time_scale, args.itl_slo * args.time_scale)
+    if mode == "planner":
+        bounds = PlannerBounds(
+            RoleBounds(1, args.max_per_role),
+            RoleBounds(1, args.max_per_role),
+            args.max_instances,
+            up_cooldown_s=args.up_cooldown,
+            down_cooldown_s=args.down_cooldown,
+            down_margin=args.down_margin,
+        )
+    else:  # the planner's loop holding fixed sizes: the same processes, the same accounting
+        bounds = PlannerBounds(
+            RoleBounds(sizes["prefill"], sizes["prefill"]), RoleBounds(sizes["decode"], sizes["decode"]), 10**6
+        )
+    stack = Stack(folder, env)
+    scraper = GatewayScraper([stack.url])
+    command = instance_command(args, stack.registry_url)
+    planner = Planner(
+        PlannerConfig(profile, slo, bounds, args.plan_interval, args.predictor, dict(sizes)),
+        scraper,
+        LocalActuator(command, folder / "instances", env=env),
+        PlannerMetrics(),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=planner.run, args=(stop,), name=f"planner-{mode}")
+    try:
+        planner.start_initial()
+        wait_ready(planner, scraper, [stack.gateway, stack.redis])
+        model = served_model(stack.url)
+        logger.info("%s: %s ready; replaying %d requests", mode, sizes, len(trace))
+        started = time.monotonic()
+        thread.start()
+        results = asyncio.run(replay(stack.url, model, trace, started))
+        ended = time.monotonic()
+        instance_seconds = sum(
+            max(0.0, min(i.stopped_at or ended, ended) - max(i.started_at, started)) for i in planner.actuator.instances
+        )
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        else:
+            planner.actuator.stop_all()
+        scraper.close()
+        stack.stop()
+    windows = summarize_windows(results, planner, started, args.duration_s, args.window_s, slo)
+    return ModeResult(
+        mode,
+        dict(sizes),
+        windows,
+        instance_seconds,
+        ended - started,
+        len(results),
+        sum(r.failed for r in results),
+        sum(r.cut for r in results),
+    )
+
+
+def instance_command(args: argparse.Namespace, registry_url: str) -> CommandFor:
+    def command(role: Role, instance_id: str) -> list[str]:
+        return splitserve_command(
+            "--log-level", "WARNING", "simulate", role, "--profile", args.profile,
+            "--time-scale", str(args.time_scale), "--num-instances", "1", "--instance-id", instance_id,
+            "--port", "0", "--registry-url", registry_url, "--heartbeat-seconds", "0.5",
+        )  # fmt: skip
+
+    return command
+
+
+def p90(values: list[float]) -> float | None:
+    return float(np.percentile(values, 90)) if values else None
+
+
+def summarize_windows(
+    results: list[RequestResult], planner: Planner, started: float, duration_s: float, window_s: float, slo: Slo
+) -> list[WindowResult]:
+    num_windows = max(1, math.ceil(duration_s / window_s))
+    windows = []
+    for index in range(num_windows):
+        low, high = index * window_s, (index + 1) * window_s
+        inside = [r for r in results if low <= r.offset_s < high]
+        ttft = p90([r.ttft_s for r in inside if r.ttft_s is not None])
+        itl = p90([gap for r in inside for gap in r.gaps_s])
+        ticks = [t for t in planner.history if low <= t.at - started < high]
+        ready = {role: (sum(t.ready[role] for t in ticks) / len(ticks) if ticks else math.nan) for role in ROLES}
+        failed = any(r.failed or r.cut for r in inside)
+        windows.append(
+            WindowResult(
+                low,
+                len(inside),
+                ttft,
+                itl,
+                not failed and (ttft is None or ttft <= slo.ttft_s),
+                not failed and (itl is None or itl <= slo.itl_s),
+                ready,
+            )
+        )
+    return windows
+
+
+# ------------------------------------------------------------------------ report
+
+
+def report(results: list[ModeResult], args: argparse.Namespace) -> str:
+    peak = next((r for r in results if r.mode == "static-peak"), None)
+    lines = [
+        f"{args.profile} at time scale {args.time_scale:g}; SLOs TTFT p90 {args.ttft_slo:g} s, ITL p90 "
+        f"{args.itl_slo:g} s (profile time); {len(results[0].windows)} windows of {args.window_s:g} s",
+        f"{'way':<12} {'sizes P+D':>10} {'both SLOs':>10} {'TTFT':>6} {'ITL':>6} {'inst-s':>9} {'vs peak':>8} "
+        f"{'requests':>9} {'failed':>7} {'cut':>5}",
+    ]
+    for r in results:
+        share = (
+            f"{r.instance_seconds / peak.instance_seconds:.0%}" if peak is not None and peak.instance_seconds else "-"
+        )
+        lines.append(
+            f"{r.mode:<12} {r.sizes['prefill']:>4}+{r.sizes['decode']:<5} {r.attainment:>10.0%} "
+            f"{sum(w.ttft_met for w in r.windows) / len(r.windows):>6.0%} "
+            f"{sum(w.itl_met for w in r.windows) / len(r.windows):>6.0%} {r.instance_seconds:>9.0f} {share:>8} "
+            f"{r.num_requests:>9} {r.num_failed:>7} {r.num_cut:>5}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="the instances' timing profile (a GPU one)")
+    parser.add_argument("--time-scale", type=float, default=20.0)
+    parser.add_argument("--ttft-slo", type=float, default=1.0, help="seconds, in the profile's time")
+    parser.add_argument("--itl-slo", type=float, default=0.01, help="seconds, in the profile's time")
+    parser.add_argument("--peak-rate", type=float, default=60.0, help="requests a second at noon, profile time")
+    parser.add_argument("--trough-ratio", type=float, default=0.1, help="the night's rate over the peak's")
+    parser.add_argument("--long-share", type=float, default=0.7, help="long-prompt requests' share at noon")
+    parser.add_argument("--chatty", default="128:256", help="a chatty request's mean prompt:output tokens")
+    parser.add_argument("--long", default="2048:128", help="a long-prompt request's mean prompt:output tokens")
+    parser.add_argument("--duration-s", type=float, default=1200.0, help="the compressed day, real seconds")
+    parser.add_argument("--window-s", type=float, default=60.0, help="a window of the SLO attainment, real seconds")
+    parser.add_argument("--modes", default=",".join(MODES), help="which ways, comma-separated")
+    parser.add_argument("--plan-interval", type=float, default=5.0)
+    parser.add_argument("--up-cooldown", type=float, default=5.0)
+    parser.add_argument("--down-cooldown", type=float, default=30.0)
+    parser.add_argument("--down-margin", type=float, default=0.2)
+    parser.add_argument("--predictor", default="holt")
+    parser.add_argument("--max-per-role", type=int, default=8)
+    parser.add_argument("--max-instances", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes takes {', '.join(MODES)}; got {', '.join(unknown)}")
+    out: Path = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+
+    def kind(spec: str) -> RequestKind:
+        prompt, output = (int(x) for x in spec.split(":"))
+        return RequestKind(prompt, output)
+
+    trace = day_trace(
+        args.duration_s,
+        args.peak_rate / args.time_scale,
+        args.trough_ratio,
+        args.long_share,
+        kind(args.chatty),
+        kind(args.long),
+        args.seed,
+    )
+    profile = scaled_profile(load_profile(args.profile), args.time_scale)
+    slo = Slo(args.ttft_slo * args.time_scale, args.itl_slo * args.time_scale)
+    windows = windows_of(trace, args.duration_s, args.window_s)
+    needs = window_needs(windows, args.window_s, profile, slo)
+    peak = {role: max(need[role] for need in needs) for role in ROLES}
+    mean = needs_for(trace, args.duration_s, profile, slo)
+    sizes: dict[Mode, dict[Role, int]] = {"static-peak": peak, "static-mean": mean, "planner": needs[0]}
+    logger.info("%d requests; windows need %s; peak %s, mean %s", len(trace), needs, peak, mean)
+    results = [run_mode(mode, args, trace, sizes[mode], out) for mode in modes]
+    text = report(results, args)
+    print(text, flush=True)
+    (out / "planner.json").write_text(
+        json.dumps(
+            {
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "window_needs": needs,
+                "results": [asdict(r) | {"attainment": r.attainment} for r in results],
+                "report": text,
+            },
+            indent=1,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
