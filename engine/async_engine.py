@@ -62,9 +62,9 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, runner_factory: RunnerFactory = ModelRunner) -> None:
         # Loaded on a thread that ends: the step thread's OpenMP team is then the process's
         # only one, and its workers spin between a step's parallel regions (engine/openmp_threads.py).
-        # Not with tensor-parallel workers: they die with the thread that started them
-        # (PR_SET_PDEATHSIG follows the parent thread, not the process).
-        if config.tensor_parallel_size == 1:
+        # Not with tensor- or pipeline-parallel workers: they die with the thread that started
+        # them (PR_SET_PDEATHSIG follows the parent thread, not the process).
+        if config.world_size == 1:
             self.core = run_in_passing_thread(lambda: EngineCore(config, runner_factory), name="engine-load")
         else:
             self.core = EngineCore(config, runner_factory)

@@ -49,10 +49,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.block_size = config.block_size
         backend = select_backend(config.attention_backend, self.device)
-        # Tensor parallel: this process is rank 0, with workers for the other ranks (spawned
-        # first: they load their shards while this one loads its own).
+        # Tensor or pipeline parallel: this process is rank 0 (the last stage's), with workers for
+        # the other ranks (spawned first: they load their shards while this one loads its own).
         self.tensor_parallel: TensorParallelExecutor | None = None
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             self.tensor_parallel = TensorParallelExecutor.start(config, model_path, self.device)
         try:
             self._load(config, model_path, backend)
@@ -71,6 +71,7 @@ class ModelRunner:
             group,
             config.quantization,
             activations=config.quant_activations,
+            stage=self.tensor_parallel.stage if self.tensor_parallel is not None else None,
         )
         self.model, self.hf_config, self.architecture = loaded.model, loaded.config, loaded.architecture
         self.dtype = loaded.dtype
@@ -78,9 +79,10 @@ class ModelRunner:
         self.backend_name = backend.name
         # How K and V are stored: the model's dtype, or 8-bit rows with their scales (--kv-cache-dtype).
         self.kv_format = KVCacheFormat(config.kv_cache_dtype, self.dtype, self.shape.head_dim)
-        # One rank's share of a block: its KV heads (all of them without tensor parallelism).
+        # One rank's share of a block: its KV heads of its stage's layers (all of them without
+        # tensor or pipeline parallelism).
         self.bytes_per_block = kv_cache_bytes_per_block(
-            self.shape.num_layers,
+            len(self.model.layers),
             self.block_size,
             self.model.local.num_kv_heads,
             self.kv_format.row_elements,
@@ -107,7 +109,7 @@ class ModelRunner:
             self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
             self.bytes_per_block,
-            f" on each of {config.tensor_parallel_size} ranks" if self.tensor_parallel is not None else "",
+            f" on this rank of {config.world_size}" if self.tensor_parallel is not None else "",
             self.kv_format.fingerprint_dtype,
             backend.name,
         )
@@ -136,7 +138,9 @@ class ModelRunner:
             return self.config.num_blocks_override
         if self.device.type != "cuda":
             budget = (self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // self.config.tensor_parallel_size
-            return num_blocks_for_budget(budget, self.bytes_per_block)
+            # A block's bytes on one tensor-parallel rank of every stage: pipeline stages split the
+            # layers, so the instance's budget holds as many blocks as without them.
+            return num_blocks_for_budget(budget, self.bytes_per_block // len(self.model.layers) * self.shape.num_layers)
         if self.tensor_parallel is not None:
             # Written for GPUs, untested where none is lent: no profiling pass (it would need every
             # rank's forward); the weights this rank holds and a headroom for activations are kept.
@@ -144,14 +148,16 @@ class ModelRunner:
             budget = int(total * self.config.gpu_memory_utilization) - 2 * torch.cuda.memory_allocated(self.device)
             if self.config.kv_cache_memory:
                 budget = min(budget, self.config.kv_cache_memory)
-            return self.tensor_parallel.group.all_reduce_min(num_blocks_for_budget(budget, self.bytes_per_block))
+            num_blocks = num_blocks_for_budget(budget, self.bytes_per_block)
+            group = self.tensor_parallel.group
+            return group.all_reduce_min(num_blocks) if group is not None else num_blocks
         return num_blocks_for_budget(self._profile_free_gpu_memory(), self.bytes_per_block)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         shape = self.shape
         return allocate_kv_cache(
             num_blocks,
-            shape.num_layers,
+            len(self.model.layers),
             self.block_size,
             self.model.local.num_kv_heads,
             shape.head_dim,
@@ -246,11 +252,13 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch, final_hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits of the batch's ``logits_indices`` rows; their final hidden states into
-        ``final_hidden_out`` if given (the modules' path then: the native step returns logits only)."""
+        ``final_hidden_out`` if given."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_step(batch)  # the other ranks run the same step beside this one
-        if self.native_decode is not None and final_hidden_out is None:
-            logits = self.native_decode(batch)
+            if self.tensor_parallel.inbound is not None:  # the last pipeline stage, after the others
+                return self.tensor_parallel.last_stage_logits(self.model, batch, self.layer_caches)
+        if self.native_decode is not None:
+            logits = self.native_decode(batch, final_hidden_out)
             if logits is not None:
                 return logits
         return self.model(

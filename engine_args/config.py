@@ -10,6 +10,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from engine_args.flags import parse_stage_layers
+
 if TYPE_CHECKING:  # annotations only: importing these loads torch
     from engine.config import EngineConfig, EngineRole
     from engine.spec_decode.config import SpeculativeConfig
@@ -40,6 +42,8 @@ def engine_fields(args: argparse.Namespace, role: EngineRole = "colocated") -> d
         "long_prefill_token_threshold": long_prefill_token_threshold(args, role),
         "prefix_cache_hash": args.prefix_cache_hash,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "pipeline_stage_layers": parse_stage_layers(args.pipeline_stage_layers) if args.pipeline_stage_layers else None,
         # The prefill role never speculates (it samples one token); the engine ignores it there.
         "speculative": speculative_config_from_args(args),
     }

@@ -145,6 +145,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: auto)",
     )
     add_tensor_parallel_argument(parser)
+    add_pipeline_parallel_arguments(parser)
     add_speculative_arguments(parser)
 
 
@@ -158,6 +159,48 @@ def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N", help=f"{TENSOR_PARALLEL_HELP} (default: 1)"
     )
+
+
+def add_pipeline_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="stages the model's layers are split into, one process each (per tensor-parallel rank): contiguous "
+        "layers, the first stage embedding the tokens, the last computing the logits; colocated and offline "
+        "engines only, so far (default: 1)",
+    )
+    parser.add_argument(
+        "--pipeline-stage-layers",
+        type=_stage_layers,
+        default=None,
+        metavar="N,N,...",
+        help="each pipeline stage's layer count, in order, adding up to the model's layers (default: as equal as "
+        "the layer count allows, the extra layers on the stages before the last)",
+    )
+
+
+def parse_stage_layers(text: str) -> tuple[int, ...]:
+    """``--pipeline-stage-layers`` as counts: ``"10,10,10"`` -> (10, 10, 10)."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated layer counts such as 10,10,10; got {text!r}") from None
+    if min(counts) < 1:
+        raise ValueError(f"every pipeline stage needs at least one layer; got {text!r}")
+    return counts
+
+
+def _stage_layers(value: str) -> str:
+    """--pipeline-stage-layers: checked here, kept as its text (so that :func:`engine_argv` passes
+    it on as given); engine_args/config.py reads the counts with :func:`parse_stage_layers`."""
+    try:
+        parse_stage_layers(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,7 @@
-"""Tensor parallelism on one CPU host: TP=1 with every core against TP=N with a core share per
-rank, single-stream decode and offline throughput, with the collectives' share of the time.
+"""Tensor and pipeline parallelism on one CPU host: TP=1 with every core against TP=N and/or
+PP=M with a core share per rank, single-stream decode and offline throughput, with the
+collectives' share of the time (rank 0's: its stage's all-reduces and gather; a pipeline
+stage's wait for the one before it is not counted there).
 
 Each size runs in a fresh process of its own (``torch.set_num_threads`` is process-wide, and a
 TP=N engine sets rank 0's share), the sizes alternating round by round so that load from
@@ -16,6 +18,9 @@ it is a random-weight Llama of SmolLM2's size with heads every size here divides
 4 KV heads of 64, 30 layers, MLP 1536, vocabulary 49152: 135M parameters)::
 
     python -m microbench.tensor_parallel --sizes 1,2 --rounds 3
+    python -m microbench.tensor_parallel --sizes 1,1x2,2 --rounds 3   # PP 2 beside TP 2
+
+A size is ``N`` (tensor parallel N) or ``NxM`` (tensor parallel N in each of M pipeline stages).
 """
 
 from __future__ import annotations
@@ -65,14 +70,22 @@ def write_model(directory: Path) -> Path:
     return directory
 
 
-def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
+def parse_size(size: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 1); ``"2x3"`` -> tensor parallel 2 in each of 3 pipeline stages."""
+    tensor, _, pipeline = size.partition("x")
+    return int(tensor), int(pipeline or 1)
+
+
+def measure(args: argparse.Namespace, size: str) -> dict[str, Any]:
     """In this process: one engine at ``size``, the single stream and the offline batch."""
     from engine import LLM, SamplingParams
 
+    tensor_parallel_size, pipeline_parallel_size = parse_size(size)
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
-        tensor_parallel_size=size,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=False,
     )
@@ -108,7 +121,9 @@ def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
     num_output = sum(len(output.outputs[0].token_ids) for output in outputs)
     llm.close()
     return {
-        "tensor_parallel_size": size,
+        "size": size,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
         "single_stream_ms_per_token": 1000 * decode_s / (args.output_len - 1),
         "single_stream_collective_share": decode_collective_s / decode_s,
         "offline_output_tokens_per_s": num_output / offline_s,
@@ -119,7 +134,9 @@ def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m microbench.tensor_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local checkpoint (default: a SmolLM2-sized random Llama)")
-    parser.add_argument("--sizes", default="1,2", help="comma-separated tensor-parallel sizes")
+    parser.add_argument(
+        "--sizes", default="1,2", help="comma-separated sizes: N, tensor parallel N; NxM, N in each of M stages"
+    )
     add_dtype_argument(parser, default="float32")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -128,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 28, help="bytes, all ranks together")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", type=Path, default=None)
-    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: measure this size
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: measure this size
     return parser.parse_args(argv)
 
 
@@ -140,14 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.one is not None:
         print(json.dumps(measure(args, args.one)), flush=True)
         return 0
-    sizes = [int(size) for size in args.sizes.split(",")]
+    sizes = args.sizes.split(",")
+    for size in sizes:
+        parse_size(size)  # a ValueError for a size that is not one, before any run
     with tempfile.TemporaryDirectory(prefix="tp-bench-") as scratch:
         model = args.model or str(write_model(Path(scratch)))
         results: list[dict[str, Any]] = []
         for round_index in range(args.rounds):
             for size in sizes if round_index % 2 == 0 else sizes[::-1]:
                 child = [sys.executable, "-m", "microbench.tensor_parallel", *(argv or sys.argv[1:])]
-                child += ["--model", model, "--one", str(size)]
+                child += ["--model", model, "--one", size]
                 done = subprocess.run(child, check=True, capture_output=True, text=True, env=dict(os.environ))
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 result["round"] = round_index
@@ -155,12 +174,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(result), flush=True)
     summary = []
     for size in sizes:
-        runs = [r for r in results if r["tensor_parallel_size"] == size]
-        summary.append({key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "round"})
-    print(f"{'TP':>3} {'ms/token (1 stream)':>20} {'collectives':>12} {'offline tok/s':>14} {'collectives':>12}")
+        runs = [r for r in results if r["size"] == size]
+        medians = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key not in ("round", "size")}
+        summary.append({"size": size, **medians})
+    print(f"{'TPxPP':>5} {'ms/token (1 stream)':>20} {'collectives':>12} {'offline tok/s':>14} {'collectives':>12}")
     for row in summary:
+        shape = f"{row['tensor_parallel_size']:.0f}x{row['pipeline_parallel_size']:.0f}"
         print(
-            f"{row['tensor_parallel_size']:>3.0f} {row['single_stream_ms_per_token']:>20.1f} "
+            f"{shape:>5} {row['single_stream_ms_per_token']:>20.1f} "
             f"{100 * row['single_stream_collective_share']:>11.1f}% {row['offline_output_tokens_per_s']:>14.1f} "
             f"{100 * row['offline_collective_share']:>11.1f}%"
         )

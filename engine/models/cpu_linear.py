@@ -152,7 +152,8 @@ def prepare_linears(model: nn.Module, path: LinearPath) -> int:
     if path == "torch":
         return 0
     kernels = cpu_kernels.load()
-    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    # A pipeline stage's absent LM head has no rows: nothing to pack (oneDNN refuses it).
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and m.out_features > 0]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

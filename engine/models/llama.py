@@ -25,6 +25,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.ops import ModelOps
 from engine.models.rotary import RotaryEmbedding
+from engine.pipeline_parallel.stages import PipelineStage
 from engine.tensor_parallel.group import TensorParallelGroup
 from engine.tensor_parallel.layout import TensorParallelLayout
 
@@ -199,22 +200,27 @@ class LlamaFamilyForCausalLM(nn.Module):
         backend: AttentionBackend,
         ops: ModelOps,
         parallel: TensorParallel | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
-        """``parallel``: build this rank's shard (None: the whole model, in this process)."""
+        """``parallel``: build this rank's shard (None: the whole model, in this process).
+        ``stage``: build this pipeline stage's layers only (None: every layer)."""
         super().__init__()
         self.shape = ModelShape.from_config(config, architecture)
         shape = self.shape
         self.layout = parallel.layout if parallel is not None else None
         self.group = parallel.group if parallel is not None else None
         self.local = LocalShape.of(shape, self.layout)
+        self.stage = stage if stage is not None else PipelineStage.whole(shape.num_layers)
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype, ops)
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)  # replicated on every rank
+        # Replicated on every tensor-parallel rank. A pipeline stage other than the first holds
+        # no embedding rows, one other than the last no LM-head rows (engine/pipeline_parallel/).
+        self.embed_tokens = nn.Embedding(shape.vocab_size if self.stage.is_first else 0, shape.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, self.local, self.rotary, backend, ops, self.group) for _ in range(shape.num_layers)
+            DecoderLayer(shape, self.local, self.rotary, backend, ops, self.group) for _ in self.stage.layers
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(shape.hidden_size, self.local.vocab_size, bias=False)
-        if shape.tie_word_embeddings and self.layout is None:
+        self.lm_head = nn.Linear(shape.hidden_size, self.local.vocab_size if self.stage.is_last else 0, bias=False)
+        if shape.tie_word_embeddings and self.layout is None and self.stage.is_whole:
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
@@ -233,9 +239,34 @@ class LlamaFamilyForCausalLM(nn.Module):
         final_hidden_out: [R, hidden_size], if given, receives those rows' final (normed) hidden
         states, which Medusa heads draft from (engine/spec_decode/medusa.py).
         Returns float32 logits [R, vocab_size]."""
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.run_layers(positions, self.embed_tokens(input_ids), None, layer_caches, metadata)
+        return self.compute_logits(hidden, residual, logits_indices, final_hidden_out)
+
+    def run_layers(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        layer_caches: Sequence[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's layers (all, or a pipeline stage's: engine/pipeline_parallel/stage_step.py),
+        ``layer_caches`` theirs in order. hidden, residual: [T, hidden_size] as a layer takes them
+        (residual None before the model's first layer); returns them after the last."""
         for layer_index, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, layer_caches[layer_index], metadata)
+        if residual is None:
+            raise RuntimeError("bug: a model or pipeline stage without layers")
+        return hidden, residual
+
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        logits_indices: torch.Tensor,
+        final_hidden_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Float32 logits [R, vocab_size] of rows ``logits_indices`` of the last layer's output."""
         hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])
         if final_hidden_out is not None:
             final_hidden_out.copy_(hidden)
@@ -270,13 +301,14 @@ class LlamaFamilyForCausalLM(nn.Module):
             if name.startswith("lm_head.") and shape.tie_word_embeddings:
                 continue  # tied: some checkpoints still store the copy
             loads = [(name, full)]
-            if self.layout is not None and shape.tie_word_embeddings and name.endswith("embed_tokens.weight"):
-                loads.append(("lm_head.weight", full))  # a shard of its own: the embedding stays whole
+            separate_head = self.layout is not None or not self.stage.is_whole
+            if separate_head and shape.tie_word_embeddings and name.endswith("embed_tokens.weight"):
+                loads.append(("lm_head.weight", full))  # a copy or shard of its own: the embedding stays whole
             for load_name, load_full in loads:
                 tensor = self._shard(load_name, load_full)
                 if tensor is None:
                     continue  # not this rank's (a row-parallel bias on a rank other than 0)
-                target, offset, rows = map_name(load_name, fused)
+                target, offset, rows = map_name(load_name, fused, self.stage.layers.start)
                 if target not in params:
                     if "rotary_emb" in load_name:
                         continue
@@ -307,6 +339,8 @@ class LlamaFamilyForCausalLM(nn.Module):
     def shard_of(self, name: str, num_rows: int) -> Shard:
         """Which part of checkpoint tensor ``name`` (of ``num_rows`` rows) this rank holds; the
         GGUF loader applies the same answer to quantized rows (engine/models/gguf_loader.py)."""
+        if not self.stage.holds(name):
+            return "none"
         layout = self.layout
         if layout is None:
             return "whole"
@@ -336,11 +370,15 @@ class LlamaFamilyForCausalLM(nn.Module):
         return "whole"  # replicated: the embedding, the norms
 
 
-def map_name(name: str, fused: dict[str, tuple[str, int | None, int | None]]) -> tuple[str, int | None, int | None]:
-    """``model.layers.3.self_attn.k_proj.weight`` -> (``layers.3.qkv_proj.weight``, offset, rows)."""
+def map_name(
+    name: str, fused: dict[str, tuple[str, int | None, int | None]], first_layer: int = 0
+) -> tuple[str, int | None, int | None]:
+    """``model.layers.3.self_attn.k_proj.weight`` -> (``layers.3.qkv_proj.weight``, offset, rows);
+    ``first_layer``: the model's number of this process's first layer (a pipeline stage's)."""
     name = name.removeprefix("model.")
     if name.startswith("layers."):
-        _, index, rest = name.split(".", 2)
+        _, number, rest = name.split(".", 2)
+        index = int(number) - first_layer
         for hf_name, (ours, offset, rows) in fused.items():
             if rest.startswith(hf_name + "."):
                 return f"layers.{index}.{ours}{rest[len(hf_name) :]}", offset, rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from engine.models.int8_quantize import int8_weights
 from engine.models.llama import LlamaFamilyForCausalLM, ModelShape, TensorParallel
 from engine.models.ops import NativeCPUOps, select_ops
 from engine.models.quantized_model import load_quantized
+from engine.pipeline_parallel.stages import PipelineStage
 from engine.tensor_parallel.group import TensorParallelGroup
 from engine.tensor_parallel.layout import TensorParallelLayout
 
@@ -128,15 +130,24 @@ def load_model(
     group: TensorParallelGroup | None = None,
     quantization: QuantizationName | None = None,
     activations: QuantActivations = "float",
+    stage: PipelineStage | None = None,
 ) -> LoadedModel:
     """``path``: a Hugging Face folder or a GGUF file. ``group``: load this rank's shard of the
     model, whose collectives run in ``group`` (None: the whole model). ``quantization``: None,
     or ``int8`` to quantize a folder's weights at load. ``activations``: how the quantized
-    weights' kernels take their inputs (engine.config.QuantActivations)."""
+    weights' kernels take their inputs (engine.config.QuantActivations). ``stage``: load this
+    pipeline stage's layers only (None: all of them)."""
     if quantization is not None and is_gguf(path):
         raise ValueError(
             f"--quantization {quantization} quantizes a float checkpoint at load; {path.name} is a GGUF file whose "
             "weights are quantized already: drop --quantization, or give a Hugging Face folder"
+        )
+    if stage is not None and not stage.is_whole and (quantization is not None or is_gguf(path)):
+        raise ValueError(
+            f"pipeline parallelism loads a Hugging Face folder's float weights; {path.name} "
+            f"{'is a GGUF file' if is_gguf(path) else f'with --quantization {quantization}'} is not split into stages "
+            "yet: give a Hugging Face folder without --quantization (for the embedded model, --load-format "
+            "safetensors or a --dtype), or pipeline parallel size 1"
         )
     config = AutoConfig.from_pretrained(str(metadata_folder(path)))
     architectures = getattr(config, "architectures", None) or []
@@ -171,14 +182,19 @@ def load_model(
     else:
         if activations != "float":
             logger.warning("%s keeps no weight quantized: activations %s change nothing", path.name, activations)
-        with torch.device(device):
-            model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops, parallel)
+        with torch.device(device), warnings.catch_warnings():
+            # A pipeline stage's absent embedding or LM head has no rows: nothing to initialize.
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op")
+            model = LlamaFamilyForCausalLM(config, architecture, supported_len, dtype, backend, ops, parallel, stage)
             model = model.to(dtype)
         model.load_weights(iter_safetensors(path))
     model.eval()
     path_name = linear_path(device, dtype)
     prepare_linears(model, path_name)
     shard = f", rank {group.rank} of {group.world_size}" if group is not None else ""
+    if stage is not None and not stage.is_whole:
+        layers = f"layers {stage.layers.start}-{stage.layers.stop - 1}"
+        shard += f", pipeline stage {stage.index} of {stage.num_stages} ({layers})"
     logger.info("loaded %s (%s) from %s in %s on %s%s", architecture, config.model_type, path, dtype, device, shard)
     if device.type == "cpu":
         kernel_isa = ops.kernels.isa if isinstance(ops, NativeCPUOps) else "none (pure PyTorch)"

@@ -124,6 +124,7 @@ class NativeDecodeStep:
         self._model, self._layer_caches = model, layer_caches
         self._runs: list[ctypes.Array[_QuantRun]] = []
         shape, dtype = model.shape, _compute_dtype(model)
+        self._hidden_dtype = dtype
         first_cache = layer_caches[0]
         self._layers = (_Layer * shape.num_layers)(
             *[self._layer_struct(layer, cache) for layer, cache in zip(model.layers, layer_caches, strict=True)]
@@ -155,13 +156,18 @@ class NativeDecodeStep:
             layers=self._layers,
         )
 
-    def __call__(self, batch: FlatBatch) -> torch.Tensor | None:
+    def __call__(self, batch: FlatBatch, final_hidden_out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Float32 logits [T, vocab_size] of a step whose T rows are all decode tokens wanting
-        logits, with T <= :attr:`max_rows`; None for any other step (the modules run it)."""
+        logits, with T <= :attr:`max_rows`; None for any other step (the modules run it). Their
+        final hidden states into ``final_hidden_out`` ([T, hidden], the model's dtype) if given."""
         metadata = batch.metadata
         num_rows = batch.input_ids.shape[0]
         if num_rows > self.max_rows or metadata.num_decodes != num_rows or batch.logits_indices.shape[0] != num_rows:
             return None
+        if final_hidden_out is not None and not (
+            final_hidden_out.dtype == self._hidden_dtype and final_hidden_out.is_contiguous()
+        ):
+            raise RuntimeError(f"bug: hidden states go out as contiguous {self._hidden_dtype}")
         logits = torch.empty((num_rows, self._struct.vocab_size), dtype=torch.float32)
         block_tables = metadata.block_tables
         status = self.kernels.decode_forward(
@@ -174,6 +180,7 @@ class NativeDecodeStep:
             metadata.seq_lens.data_ptr(),
             num_rows,
             logits.data_ptr(),
+            _pointer(final_hidden_out),
         )
         if status == -1:
             raise MemoryError(f"decode step of {num_rows} rows: {_DECODE_ERRORS[status]}")
@@ -243,6 +250,8 @@ def _unsupported(
         return f"no native step for {type(model).__name__}"
     if model.group is not None:
         return "tensor parallel: the ranks all-reduce between a layer's kernels"
+    if not model.stage.is_whole:
+        return "pipeline parallel: this process runs one stage's layers"
     dtype, device = _compute_dtype(model), model.norm.weight.device
     if device.type != "cpu" or not kernels.supports(dtype):
         return f"{dtype} on {device.type}"

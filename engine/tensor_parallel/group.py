@@ -40,15 +40,18 @@ class TensorParallelGroup:
         device: torch.device,
         store: dist.TCPStore | None = None,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        prefix: str = "",
     ) -> None:
         """Blocks until every rank has joined. ``store``: rank 0 passes the one it made (see
-        :func:`host_store`); the other ranks connect to ``store_port``."""
+        :func:`host_store`); the other ranks connect to ``store_port``. ``prefix``: the group's
+        keys in the store (each pipeline stage's group has its own in one store)."""
         self.rank, self.world_size = rank, world_size
         if store is None:
             store = dist.TCPStore(
                 "127.0.0.1", store_port, world_size, False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)
             )
-        self._store = store
+        group_store: dist.Store = dist.PrefixStore(prefix, store) if prefix else store
+        self._store = group_store
         # Seconds this rank has spent in the model's collectives (waiting for its peers
         # included): what tensor parallelism costs a step, read by microbench/tensor_parallel.py.
         self.collective_seconds = 0.0
@@ -57,15 +60,15 @@ class TensorParallelGroup:
         if device.type == "cuda":  # written for GPUs, untested where none is lent
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            self._group = dist.ProcessGroupNCCL(group_store, rank, world_size, options)
         else:
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             options._timeout = timeout
-            self._group = dist.ProcessGroupGloo(store, rank, world_size, options)
+            self._group = dist.ProcessGroupGloo(group_store, rank, world_size, options)
         self._shared: SharedMemoryCollectives | None = None
         if device.type == "cpu" and world_size > 1:
-            self._shared = SharedMemoryCollectives.join(store, rank, world_size, self._barrier, timeout_s)
+            self._shared = SharedMemoryCollectives.join(group_store, rank, world_size, self._barrier, timeout_s)
 
     def watch_peers(self, peers_alive: Callable[[], bool]) -> None:
         """Rank 0: how a collective waiting in shared memory learns a worker has died."""

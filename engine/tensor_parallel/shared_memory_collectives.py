@@ -91,7 +91,7 @@ class SharedMemoryCollectives:
         slot_bytes = min(_MAX_SLOT_BYTES, _SEGMENT_BUDGET // (2 * world_size)) // 64 * 64
         path = ""
         if rank == 0:
-            path = _create_segment(_HEADER + 2 * world_size * slot_bytes) if kernels is not None else ""
+            path = create_segment(_HEADER + 2 * world_size * slot_bytes, "tp") if kernels is not None else ""
             store.set(_STORE_KEY, path)
         else:
             path = store.get(_STORE_KEY).decode()
@@ -175,11 +175,12 @@ class SharedMemoryCollectives:
                 raise RuntimeError(f"a tensor-parallel collective waited {self._timeout_s:.0f} s for a peer: giving up")
 
 
-def _create_segment(size: int) -> str:
+def create_segment(size: int, purpose: str) -> str:
     """A file of ``size`` bytes, its blocks reserved (a full /dev/shm fails here, not later
-    with SIGBUS); its path, or "" if none can be made."""
+    with SIGBUS); its path, or "" if none can be made. ``purpose`` goes into its name (``tp``:
+    these collectives; ``pp``: engine/pipeline_parallel/activation_channel.py)."""
     directory = _SHM_DIR if _SHM_DIR.is_dir() else Path(tempfile.gettempdir())
-    path = directory / f"splitserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = directory / f"splitserve-{purpose}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -187,7 +188,7 @@ def _create_segment(size: int) -> str:
         finally:
             os.close(fd)
     except OSError as error:
-        logger.warning("tensor parallel: no shared memory for collectives (%s); using gloo alone", error)
+        logger.warning("no shared memory segment for %s (%s)", purpose, error)
         path.unlink(missing_ok=True)
         return ""
     return str(path)
