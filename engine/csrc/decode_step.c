@@ -155,12 +155,14 @@ static int run_linear(const DecodeLinear *linear, const void *x, int64_t x_strid
 /*
  * input_ids, positions, slot_mapping: [num_rows] int64; block_tables: [num_rows, >= blocks]
  * int32, rows block_table_stride apart; seq_lens: [num_rows] int32 (the new token included);
- * logits: [num_rows, vocab_size] float32. Returns DECODE_OK, or an error code having written
- * nothing but (possibly) some layers' K/V of this step's tokens, which a retry rewrites alike.
+ * logits: [num_rows, vocab_size] float32; hidden_out: NULL, or [num_rows, hidden] in the model
+ * dtype for the final normed hidden states (what Medusa heads draft from). Returns DECODE_OK, or
+ * an error code having written nothing but (possibly) some layers' K/V of this step's tokens,
+ * which a retry rewrites alike.
  */
 int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t *positions,
                    const int64_t *slot_mapping, const int32_t *block_tables, int64_t block_table_stride,
-                   const int32_t *seq_lens, int64_t num_rows, float *logits) {
+                   const int32_t *seq_lens, int64_t num_rows, float *logits, void *hidden_out) {
     const int bf16 = (int)m->is_bf16;
     const int64_t bytes = bf16 ? 2 : 4, rows = num_rows, hidden = m->hidden;
     const int64_t q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
@@ -221,6 +223,7 @@ int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t
     }
     if (status == DECODE_OK) {
         add_rms_norm(x, residual, m->final_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
+        if (hidden_out != NULL) memcpy(hidden_out, normed, (size_t)(rows * hidden * bytes));
         status = run_linear(&m->head, normed, hidden, head_out, rows, hidden, m->vocab_size, bf16);
     }
     if (status == DECODE_OK && bf16) {

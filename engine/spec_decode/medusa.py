@@ -12,8 +12,8 @@ sampled requests alike.
 One step, in call order:
 
 1. ``ModelRunner.execute``: the target's forward fills the final hidden state of every row that
-   yields logits (``LlamaFamilyForCausalLM.forward``'s ``final_hidden_out``); the step samples or
-   verifies as usual.
+   yields logits (``final_hidden_out`` of ``LlamaFamilyForCausalLM.forward``, and of the native
+   CPU decode step, engine/models/native_decode.py); the step samples or verifies as usual.
 2. :meth:`MedusaProposer.propose`: per request that sampled, the row of its last emitted token's
    logits (after a verification: the row after its last accepted draft); the heads' drafts for
    the next step go back in ``ModelOutput.draft_token_ids``.

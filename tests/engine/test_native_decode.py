@@ -56,7 +56,9 @@ class Checked:
         self.num_steps = 0
         self.row_counts: list[int] = []
 
-    def __call__(self, batch: FlatBatch) -> torch.Tensor | None:
+    def __call__(self, batch: FlatBatch, final_hidden_out: torch.Tensor | None = None) -> torch.Tensor | None:
+        if final_hidden_out is not None:
+            raise AssertionError("these engines do not speculate with Medusa: no step asks for hidden states")
         logits = self.native(batch)
         if logits is None:
             return None

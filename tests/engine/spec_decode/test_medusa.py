@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.flat_batch import FlatBatch
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.medusa_checkpoint import load_medusa_heads, read_medusa_config
@@ -151,3 +152,34 @@ def test_more_drafts_than_heads_is_refused(target: Path, tmp_path: Path) -> None
     assert read_medusa_config(heads).num_heads == 2
     with pytest.raises(ValueError, match="2 heads, fewer than the 3 speculative tokens"):
         make_engine(target, medusa(heads, 3))
+
+
+def test_the_native_decode_step_hands_the_heads_the_modules_hidden_states(
+    target: Path, plain_greedy: list[list[int]], tmp_path: Path
+) -> None:
+    """CPU decode and verification steps run in one native call (engine/models/native_decode.py);
+    with Medusa it also writes the final hidden states, bit for bit the modules' own."""
+    core = make_engine(target, medusa(make_medusa_heads(tmp_path / "heads", "vllm")))
+    runner = core.runner
+    native = runner.native_decode
+    if native is None:
+        pytest.skip("no native CPU kernels here (no C compiler)")
+    num_rows_checked: list[int] = []
+
+    def checked(batch: FlatBatch, final_hidden_out: torch.Tensor | None = None) -> torch.Tensor | None:
+        logits = native(batch, final_hidden_out)
+        if logits is None:
+            return None
+        assert final_hidden_out is not None  # Medusa asks for them at every step
+        expected_hidden = torch.empty_like(final_hidden_out)
+        expected = runner.model(
+            batch.input_ids, batch.positions, runner.layer_caches, batch.metadata, batch.logits_indices, expected_hidden
+        )
+        assert torch.equal(logits, expected) and torch.equal(final_hidden_out, expected_hidden)
+        num_rows_checked.append(batch.input_ids.shape[0])
+        return logits
+
+    runner.native_decode = checked  # type: ignore[assignment]
+    prompts = repetitive_prompts()
+    assert generate(core, prompts, [GREEDY] * len(prompts)) == plain_greedy
+    assert max(num_rows_checked) > len(prompts)  # verification steps (1 + drafts rows a request) went native
