@@ -51,6 +51,8 @@ from planner.decision import ROLES, PlannerBounds, Role, RoleBounds, instances_n
 from planner.loop import Planner, PlannerConfig
 from planner.metrics import PlannerMetrics
 from planner.observations import GatewayScraper
+from planner.predictor_eval import rank_predictors
+from planner.predictors import PREDICTORS
 from simulator.timing_model import DEFAULT_PROFILE, TimingProfile, load_profile
 
 logger = logging.getLogger(__name__)
@@ -422,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--up-cooldown", type=float, default=5.0)
     parser.add_argument("--down-cooldown", type=float, default=30.0)
     parser.add_argument("--down-margin", type=float, default=0.2)
-    parser.add_argument("--predictor", default="holt")
+    parser.add_argument("--predictor", default="moving-average", choices=list(PREDICTORS))
     parser.add_argument("--max-per-role", type=int, default=8)
     parser.add_argument("--max-instances", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
@@ -456,14 +458,22 @@ def main(argv: list[str] | None = None) -> int:
     mean = needs_for(trace, args.duration_s, profile, slo)
     sizes: dict[Mode, dict[Role, int]] = {"static-peak": peak, "static-mean": mean, "planner": needs[0]}
     logger.info("%d requests; windows need %s; peak %s, mean %s", len(trace), needs, peak, mean)
+    # Which predictor forecasts this day's rate best, one planning interval ahead (no cluster needed).
+    interval_rates = [len(w) / args.plan_interval for w in windows_of(trace, args.duration_s, args.plan_interval)]
+    predictors = rank_predictors(PREDICTORS, {"day": interval_rates}) if len(interval_rates) > 1 else []
     results = [run_mode(mode, args, trace, sizes[mode], out) for mode in modes]
     text = report(results, args)
+    if predictors:
+        text += "\npredictors, mean absolute error one interval ahead over the mean rate: " + ", ".join(
+            f"{name} {score:.3f}" for name, score in predictors
+        )
     print(text, flush=True)
     (out / "planner.json").write_text(
         json.dumps(
             {
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                 "window_needs": needs,
+                "predictor_errors": dict(predictors),
                 "results": [asdict(r) | {"attainment": r.attainment} for r in results],
                 "report": text,
             },

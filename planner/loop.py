@@ -5,10 +5,11 @@
 2. bring its instances' states up to date: a starting one every gateway routes to is ready
    (scale-up counts from readiness, not from the process's start); a draining one every
    gateway shows idle is stopped (``planner/actuator.py``); one that exited by itself is gone;
-3. feed the observed request rate to the predictor and size for the larger of its forecast
-   and the rate just observed (too few instances costs the SLO at once, too many only
-   instance-seconds, which the scale-down margin and cooldown then win back), at the mean
-   prompt and output lengths of recent traffic;
+3. feed the observed request rate to the predictor and size for its forecast of the next
+   interval (the rate of one interval is noisy: sizing for the larger of the forecast and the
+   last observation would follow every upward blip), at the mean prompt and output lengths of
+   recent traffic; an SLO the metrics show missed corrects what the forecast misses
+   (``planner/decision.py``);
 4. price one instance of each role for that mix (``planner/capacity.py``) and decide
    (``planner/decision.py``), counting starting and ready instances as the pool so that a
    start under way is not started twice;
@@ -48,7 +49,7 @@ class PlannerConfig:
     slo: Slo
     bounds: PlannerBounds
     interval_s: float = 5.0
-    predictor: str = "holt"
+    predictor: str = "moving-average"
     initial_instances: dict[Role, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     prompt_tokens: float = 512.0  # the mix assumed before traffic says otherwise
     output_tokens: float = 128.0
@@ -156,14 +157,13 @@ class Planner:
 
     def _workload(self, observation: Observation) -> Workload:
         self._predictor.observe(observation.request_rate)
-        predicted = self._predictor.predict() or 0.0
+        predicted = self._predictor.predict()
         if observation.prompt_tokens is not None:
             self._prompt_tokens += LENGTH_WEIGHT * (observation.prompt_tokens - self._prompt_tokens)
         if observation.output_tokens is not None:
             self._output_tokens += LENGTH_WEIGHT * (observation.output_tokens - self._output_tokens)
-        return Workload(
-            max(predicted, observation.request_rate), max(1.0, self._prompt_tokens), max(1.0, self._output_tokens)
-        )
+        rate = observation.request_rate if predicted is None else predicted
+        return Workload(rate, max(1.0, self._prompt_tokens), max(1.0, self._output_tokens))
 
     def _resize(self, role: Role, desired: int, observation: Observation) -> None:
         pool = self._pool(role)

@@ -33,5 +33,6 @@ def test_a_smoke_sized_day_replays_three_ways(tmp_path: Path) -> None:
         assert len(result["windows"]) == 2
         assert sum(window["num_requests"] for window in result["windows"]) == num_requests
         assert result["instance_seconds"] > 0
+    assert sorted(report["predictor_errors"]) == ["holt", "last", "moving-average"]
     for role in ("prefill", "decode"):
         assert results["static-peak"]["sizes"][role] >= results["static-mean"]["sizes"][role]

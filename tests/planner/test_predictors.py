@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.day_trace import day_trace, windows_of
 from planner.predictor_eval import forecast_error, rank_predictors
 from planner.predictors import PREDICTORS, HoltLinear, LastValue, MovingAverage, make_predictor
 
@@ -54,3 +55,18 @@ def test_make_predictor_names_the_choices() -> None:
     assert isinstance(make_predictor("holt"), HoltLinear)
     with pytest.raises(ValueError, match="moving-average"):
         make_predictor("prophet")
+
+
+def day_rates(interval_s: float, seed: int) -> list[float]:
+    """bench.planner's default day (1,200 s, 3 requests a second at noon), as rates per interval."""
+    trace = day_trace(duration_s=1200.0, peak_rate=3.0, seed=seed)
+    return [len(window) / interval_s for window in windows_of(trace, 1200.0, interval_s)]
+
+
+def test_on_the_benchmarks_day_noise_favours_the_average_and_longer_intervals_holt() -> None:
+    # At 5 s a noon interval holds about 15 requests: Poisson noise outweighs the trend.
+    short = rank_predictors(PREDICTORS, {f"seed {s}": day_rates(5.0, s) for s in range(5)})
+    assert short[0][0] == "moving-average", short
+    # At 30 s the trend shows through, and following it pays.
+    long = rank_predictors(PREDICTORS, {f"seed {s}": day_rates(30.0, s) for s in range(5)})
+    assert long[0][0] == "holt", long
