@@ -23,6 +23,7 @@ DOCS = [
     "docs/deployment.md",
     "docs/benchmarking.md",
     "docs/simulator.md",
+    "docs/planner.md",
 ]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 TOP_LEVEL = {path.name for path in ROOT.iterdir() if not path.name.startswith(".")}
