@@ -183,3 +183,29 @@ def test_the_native_decode_step_hands_the_heads_the_modules_hidden_states(
     prompts = repetitive_prompts()
     assert generate(core, prompts, [GREEDY] * len(prompts)) == plain_greedy
     assert max(num_rows_checked) > len(prompts)  # verification steps (1 + drafts rows a request) went native
+
+
+def test_preemption_and_abort_leave_no_block_behind(
+    target: Path, plain_greedy: list[list[int]], tmp_path: Path
+) -> None:
+    """A KV cache too small for every request at once: requests are preempted (their drafts
+    dropped with them) and recomputed, and their output is still the plain one; an aborted
+    request gives its blocks back."""
+    heads = make_medusa_heads(tmp_path / "heads", "vllm")
+    prompts = repetitive_prompts()
+    small = make_engine(target, medusa(heads), kv_cache_memory=12 * 8192)  # 12 blocks of the tiny model
+    assert small.kv_cache_manager.num_total_blocks == 12
+    assert generate(small, prompts, [GREEDY] * len(prompts)) == plain_greedy  # and every block came back
+    assert small.scheduler.num_preemptions > 0 and small.scheduler.spec_stats.num_draft_tokens > 0
+
+    core = make_engine(target, medusa(heads))
+    for index, prompt in enumerate(prompts):
+        core.add_request(prompt, GREEDY, request_id=f"r{index}")
+    for _ in range(4):
+        core.step()
+    assert core.scheduler.spec_stats.num_draft_tokens > 0  # drafts were in flight
+    core.abort(["r0", "r2"])
+    while core.has_unfinished_requests():
+        core.step()
+    manager = core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_total_blocks
