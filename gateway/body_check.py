@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 # Bodies up to this size are parsed on the event loop as they come: a hostile one (a union's
 # error for each of some thousands of values) holds it for some milliseconds at most.
-INLINE_MAX_BYTES = 16 << 10
+INLINE_MAX_BYTES = 8 << 10
 NUM_WORKERS = 2  # processes, and the pool threads waiting on them: one client holds one at most
 MAX_WAITING = 64
 MAX_WAITING_PER_CLIENT = 8  # a body is at most --max-request-body-bytes: a client queues a few

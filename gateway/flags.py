@@ -205,7 +205,7 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_JSON_VALUES,
         help="JSON values (numbers, strings, ...; objects: a sixteenth of it) one REST body may hold, checked off "
-        "the event loop for bodies over 16 KiB; beyond it the gateway answers 400 (default: %(default)s)",
+        "the event loop for bodies over 8 KiB; beyond it the gateway answers 400 (default: %(default)s)",
     )
     parser.add_argument(
         "--max-prompts-per-request",

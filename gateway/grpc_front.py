@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.health_watch import BoundedHealthServicer
 from cluster.sampling_proto import sampling_params_from_proto
 from cluster.tls import TLSFiles
+from engine.context_length import ContextLengthExceeded, resolve_max_tokens
 from gateway.errors import APIError, bad_request, bearer_matches, internal_error, unknown_model
 from gateway.gate import GatePass, client_of_peer
 from gateway.generation import GenerationJob, GenerationService
@@ -132,6 +133,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             with gate_pass.timing.stage("tokenize"):
                 token_ids = await self.service.tokenizer.encode(request.text, client=client, param="text")
         else:
+            # The context's first rule before the ids become a Python list: millions of them (an
+            # 8 MiB message holds some 8 million) would take the event loop a tenth of a second.
+            try:
+                resolve_max_tokens(len(request.token_ids.ids), None, self.service.max_model_len)
+            except ContextLengthExceeded as error:
+                raise bad_request(str(error), "token_ids", code="context_length_exceeded") from None
             token_ids = list(request.token_ids.ids)
         # Token-id prompts get no text back, but stop strings still need the text to match on.
         return self.service.prepare(

@@ -105,3 +105,19 @@ def test_the_grpc_front_serves_tls_and_mutual_tls(model: Path, tmp_path: Path) -
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(scenario())
+
+
+def test_a_prompt_of_ids_longer_than_the_context_is_refused_before_it_is_read(model: Path) -> None:
+    """Millions of ids in one message (issue 42, item 5) are refused on their count, naming the
+    field, before the front turns them into a Python list on its event loop."""
+
+    async def scenario() -> None:
+        async with grpc_front(model, None) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1] * 4_000_000))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=30).read()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "maximum context length" in (refused.value.details() or "")
+
+    asyncio.run(scenario())

@@ -2,7 +2,7 @@
 slot (issue 42, item 5): a real gateway process in front of a colocated instance, raw sockets
 from one loopback address (127.0.0.2, the attacker) and httpx from another (127.0.0.1).
 
-- Bodies over 16 KiB are checked in a worker process (``gateway/body_check.py``): while the
+- Bodies over 8 KiB are checked in a worker process (``gateway/body_check.py``): while the
   attacker's 8 MiB bodies (240,000 chat messages; 4,000,000 prompt token ids) are in the
   gateway, another client's ``/health`` is answered before any of them, and its chat completion
   succeeds; each of them gets a 400 naming the limit. Before, the loop parsed each body itself
@@ -143,7 +143,7 @@ def test_one_client_holds_at_most_its_share_of_the_pending_slots(gateway: HTTPPr
 
 def test_a_large_body_within_the_limits_is_served_and_one_beyond_them_refused(gateway: HTTPProcess) -> None:
     with httpx.Client(base_url=gateway.url, timeout=HANG_GUARD_S) as client:
-        # Over 16 KiB (its "user" field: OpenAI's end-user id, which this server logs no more than it reads).
+        # Over 8 KiB (its "user" field: OpenAI's end-user id, which this server logs no more than it reads).
         large = {"prompt": [1, 2, 3, 4], "max_tokens": 2, "temperature": 0, "user": "x" * (20 << 10)}
         served = client.post("/v1/completions", json=large)
         assert served.status_code == 200 and served.json()["usage"]["prompt_tokens"] == 4, served.text
