@@ -1,0 +1,66 @@
+"""A real colocated instance at ``--pipeline-parallel-size 2`` (issue 41): its Generate streams
+give the offline engine's greedy tokens, no block is left in use, a prefill or decode instance at
+PP 2 is refused at start with the way out, and stopping the instance leaves none of its stage
+processes behind."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
+from tests.checkpoints import random_prompts
+from tests.services.client import GREEDY, expected_tokens
+from tests.services.processes import Service, running
+
+PROMPTS = random_prompts([6, 21, 40], seed=71)
+
+
+def children_of(pid: int) -> list[int]:
+    """The process's direct children (its stage workers, multiprocessing's resource tracker)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+def exists(pid: int) -> bool:
+    """Alive, and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_colocated_instance_at_pp2_streams_the_offline_tokens(model: Path, colocated: LLM) -> None:
+    service = Service("colocated", model, "--dtype", "float32", "--pipeline-parallel-size", "2")
+    try:
+        workers = children_of(service.process.pid)
+        assert workers  # the first stage's process, at least
+        stub = generation_pb2_grpc.GenerationStub(service.channel)
+        for index, prompt in enumerate(PROMPTS):
+            request = generation_pb2.GenerateRequest(
+                request_id=f"pp-{index}", token_ids=generation_pb2.TokenIds(ids=prompt), sampling=GREEDY
+            )
+            responses = list(stub.Generate(request, timeout=60))
+            assert [token for response in responses for token in response.token_ids] == expected_tokens(
+                colocated, prompt
+            )
+        report = service.wait_all_free()
+        assert report.num_free_blocks == report.num_total_blocks
+    finally:
+        assert service.stop() == 0
+    deadline = time.monotonic() + 30
+    while any(exists(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if exists(pid)]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_prefill_or_decode_instance_at_pp2_is_refused_at_start(model: Path, role: str) -> None:
+    refused = f"a {role} instance at --pipeline-parallel-size 2 is not supported yet"
+    with pytest.raises(RuntimeError, match=refused), running(role, model, "--pipeline-parallel-size", "2"):
+        pass
