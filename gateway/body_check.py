@@ -29,8 +29,10 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -130,15 +132,20 @@ class BodyCheck:
             raise ValueError(f"--max-request-json-values must be >= 1, got {max_values}")
         self.max_values = max_values
         self.pool = WorkPool("body_check", NUM_WORKERS, MAX_WAITING, MAX_WAITING_PER_CLIENT)
-        # spawn: a fork of the gateway would copy its threads' locks in whatever state they were.
-        self._processes = ProcessPoolExecutor(NUM_WORKERS, mp_context=multiprocessing.get_context("spawn"))
+        self._processes = _worker_processes()
+        self._restart_lock = threading.Lock()  # the pool's threads may find it broken at once
 
     async def run(self, model: type[BaseModel], body: bytes, client: str) -> BodyRefusal | None:
         """:func:`check_body` in a worker process. Raises APIError 429 when the client's share
         of the queue is full, 400 when the check runs past :data:`CHECK_TIMEOUT_S`."""
 
         def in_process(_stop: object) -> BodyRefusal | None:
-            return self._processes.submit(check_body, model, body, self.max_values).result()
+            processes = self._processes
+            try:
+                return processes.submit(check_body, model, body, self.max_values).result()
+            except BrokenProcessPool:
+                self._restart(processes)
+                raise
 
         try:
             return await self.pool.run(client, in_process, CHECK_TIMEOUT_S)  # type: ignore[arg-type]
@@ -147,10 +154,31 @@ class BodyCheck:
                 f"checking the request body took longer than {CHECK_TIMEOUT_S:.0f} s; send a simpler one",
                 code="request_too_complex",
             ) from None
+        except BrokenProcessPool:
+            # A worker died (killed for memory, say): this body is not answered for, the next gets new workers.
+            logger.error("a request body check's worker process died; starting new ones")
+            raise APIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "the gateway could not check the request body; retry later",
+                code="body_check_failed",
+                retry_after_s=1.0,
+            ) from None
+
+    def _restart(self, broken: ProcessPoolExecutor) -> None:
+        """Worker thread: replace a broken process pool, once however many threads found it broken."""
+        with self._restart_lock:
+            if self._processes is broken:
+                broken.shutdown(wait=False, cancel_futures=True)
+                self._processes = _worker_processes()
 
     def close(self) -> None:
         self.pool.close()
         self._processes.shutdown(wait=False, cancel_futures=True)
+
+
+def _worker_processes() -> ProcessPoolExecutor:
+    # spawn: a fork of the gateway would copy its threads' locks in whatever state they were.
+    return ProcessPoolExecutor(NUM_WORKERS, mp_context=multiprocessing.get_context("spawn"))
 
 
 class LargeBodyCheck:
