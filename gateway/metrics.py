@@ -42,6 +42,8 @@ _LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+# Output tokens of a request: from a one-word answer to a long generation.
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -100,6 +102,15 @@ class GatewayMetrics:
             registry=r,
         )
         self.generation_tokens = Counter("splitserve_generation_tokens", "Output tokens sent", registry=r)
+        # Per request, at its end: the mean output length of the requests that ended in an
+        # interval (the planner sizes decode by it), which tokens sent over requests ended is
+        # not while streams start faster than they end.
+        self.request_generation_tokens = Histogram(
+            "splitserve_request_generation_tokens",
+            "Output tokens of each request that finished (stop or length)",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.kv_transfer_bytes = Counter(
             "splitserve_kv_transfer_bytes", "KV bytes moved from prefill to decode", registry=r
         )
@@ -155,6 +166,7 @@ class RequestTimer:
         "first_token_at",
         "last_token_at",
         "num_gaps",
+        "num_tokens",
         "phases",
         "_prefill_phases",
     )
@@ -170,6 +182,7 @@ class RequestTimer:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.num_gaps = 0  # inter-token gaps observed so far
+        self.num_tokens = 0  # output tokens sent so far
         self.phases: RequestPhases | None = None  # from the first token on
         self._prefill_phases: RequestPhases | None = None  # the prefilling instance's, until then
 
@@ -216,6 +229,7 @@ class RequestTimer:
         for _ in range(num_gaps):  # tokens that arrived together split the gap evenly
             self.metrics.itl.observe(gap)
         self.metrics.generation_tokens.inc(num_tokens)
+        self.num_tokens += num_tokens
         self.last_token_at = now
         self.num_gaps += num_gaps
 
@@ -223,6 +237,7 @@ class RequestTimer:
         self.metrics.requests.labels(status=status).inc()
         if status in ("stop", "length"):
             self.metrics.e2e.observe(time.monotonic() - self.arrival)
+            self.metrics.request_generation_tokens.observe(self.num_tokens)
             if self.num_gaps and self.first_token_at is not None and self.last_token_at is not None:
                 self.metrics.recent.add_itl((self.last_token_at - self.first_token_at) / self.num_gaps)
 

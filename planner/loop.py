@@ -5,10 +5,10 @@
 2. bring its instances' states up to date: a starting one every gateway routes to is ready
    (scale-up counts from readiness, not from the process's start); a draining one every
    gateway shows idle is stopped (``planner/actuator.py``); one that exited by itself is gone;
-3. feed the observed request rate to the predictor and size for its forecast of the next
-   interval (the rate of one interval is noisy: sizing for the larger of the forecast and the
-   last observation would follow every upward blip), at the mean prompt and output lengths of
-   recent traffic; an SLO the metrics show missed corrects what the forecast misses
+3. feed the observed request rate to the predictor and size for its forecast as far ahead as
+   an instance takes to become ready here, not for the rate just observed (one interval's
+   count is noisy: the larger of the two would follow every upward blip), at the mean prompt
+   and output lengths of recent traffic; an SLO the metrics show missed corrects what the forecast misses
    (``planner/decision.py``);
 4. price one instance of each role for that mix (``planner/capacity.py``) and decide
    (``planner/decision.py``), counting starting and ready instances as the pool so that a
@@ -25,6 +25,7 @@ cooldowns.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from simulator.timing_model import TimingProfile
 logger = logging.getLogger(__name__)
 
 LENGTH_WEIGHT = 0.5  # each interval's mean lengths weigh this much against those before
+STARTUPS_AVERAGED = 8  # instances whose start-up time sets how far ahead to forecast
 DRAIN_TIMEOUT_S = 600.0  # a draining instance that never shows idle is stopped after this
 
 
@@ -157,13 +159,23 @@ class Planner:
 
     def _workload(self, observation: Observation) -> Workload:
         self._predictor.observe(observation.request_rate)
-        predicted = self._predictor.predict()
+        predicted = self._predictor.predict(self._lead_intervals())
         if observation.prompt_tokens is not None:
             self._prompt_tokens += LENGTH_WEIGHT * (observation.prompt_tokens - self._prompt_tokens)
         if observation.output_tokens is not None:
             self._output_tokens += LENGTH_WEIGHT * (observation.output_tokens - self._output_tokens)
         rate = observation.request_rate if predicted is None else predicted
         return Workload(rate, max(1.0, self._prompt_tokens), max(1.0, self._output_tokens))
+
+    def _lead_intervals(self) -> int:
+        """How many intervals ahead to forecast: an instance started now serves once ready, so
+        the rate that matters is the one about its start-up time from now (the mean of the last
+        few instances' start-up, as this host and these instances take it)."""
+        startups = [i.ready_at - i.started_at for i in self.actuator.instances if i.ready_at is not None]
+        recent = startups[-STARTUPS_AVERAGED:]
+        if not recent:
+            return 1
+        return max(1, math.ceil(sum(recent) / len(recent) / self.config.interval_s))
 
     def _resize(self, role: Role, desired: int, observation: Observation) -> None:
         pool = self._pool(role)

@@ -25,7 +25,11 @@ ITL = "splitserve_inter_token_latency_seconds"
 QUEUE = "splitserve_request_queue_time_seconds"
 HISTOGRAMS = (TTFT, ITL, QUEUE)
 PROMPT_TOKENS = "splitserve_prompt_tokens_total"
-GENERATION_TOKENS = "splitserve_generation_tokens_total"
+# Each finished request's output tokens, a histogram: its sum over its count is the mean output
+# length of the requests that finished (tokens sent over requests ended is not, while streams
+# start faster than they end).
+OUTPUT_TOKENS_SUM = "splitserve_request_generation_tokens_sum"
+OUTPUT_TOKENS_COUNT = "splitserve_request_generation_tokens_count"
 FINISHED_REQUESTS = "splitserve_requests_total"  # summed over outcomes
 _INSTANCE_GAUGES = {
     "splitserve_instance_healthy": "healthy",
@@ -81,7 +85,7 @@ class Observation:
     interval_s: float
     request_rate: float  # requests dispatched to an instance a second
     prompt_tokens: float | None  # mean per request dispatched; None: none this interval
-    output_tokens: float | None  # output tokens sent per request finished; None: none finished
+    output_tokens: float | None  # mean output tokens of the requests that finished; None: none did
     ttft_p90_s: float | None
     itl_p90_s: float | None
     queue_p90_s: float | None
@@ -113,7 +117,7 @@ def parse_metrics(texts: Iterable[str], at: float) -> Scrape:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 name, labels, value = sample.name, sample.labels, sample.value
-                if name in (PROMPT_TOKENS, GENERATION_TOKENS, FINISHED_REQUESTS):
+                if name in (PROMPT_TOKENS, OUTPUT_TOKENS_SUM, OUTPUT_TOKENS_COUNT, FINISHED_REQUESTS):
                     scrape.counters[name] = scrape.counters.get(name, 0.0) + value
                     if name == FINISHED_REQUESTS and _failed(labels.get("status", "")):
                         scrape.failed_requests += value
@@ -182,12 +186,12 @@ def observe(before: Scrape, after: Scrape) -> Observation:
         return max(0.0, after.counters.get(name, 0.0) - before.counters.get(name, 0.0))
 
     dispatched = _histogram_count(after, before, QUEUE)
-    finished = delta(FINISHED_REQUESTS)
+    finished = delta(OUTPUT_TOKENS_COUNT)
     return Observation(
         interval_s=interval_s,
         request_rate=dispatched / interval_s,
         prompt_tokens=delta(PROMPT_TOKENS) / dispatched if dispatched else None,
-        output_tokens=delta(GENERATION_TOKENS) / finished if finished else None,
+        output_tokens=delta(OUTPUT_TOKENS_SUM) / finished if finished else None,
         ttft_p90_s=_p90(before, after, TTFT),
         itl_p90_s=_p90(before, after, ITL),
         queue_p90_s=_p90(before, after, QUEUE),

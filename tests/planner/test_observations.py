@@ -25,8 +25,10 @@ def gateway_text(
     le_01, le_1, le_inf = ttft_buckets
     return f"""# TYPE splitserve_prompt_tokens counter
 splitserve_prompt_tokens_total {prompt_tokens}
-# TYPE splitserve_generation_tokens counter
-splitserve_generation_tokens_total {output_tokens}
+# TYPE splitserve_request_generation_tokens histogram
+splitserve_request_generation_tokens_bucket{{le="+Inf"}} {finished}
+splitserve_request_generation_tokens_count {finished}
+splitserve_request_generation_tokens_sum {output_tokens}
 # TYPE splitserve_requests counter
 splitserve_requests_total{{status="length"}} {finished}
 splitserve_requests_total{{status="error_503"}} {errors}
@@ -77,7 +79,7 @@ def test_an_interval_is_the_difference_of_two_scrapes_summed_over_gateways() -> 
     observation = observe(before, after)
     assert observation.request_rate == pytest.approx(3.0)  # (20 + 10) dispatched in 10 s
     assert observation.prompt_tokens == pytest.approx(500.0)  # 15,000 tokens over 30
-    assert observation.output_tokens == pytest.approx(1000 / 11)  # 1,000 tokens over 11 ended (one failed)
+    assert observation.output_tokens == pytest.approx(100.0)  # 1,000 tokens of the 10 that finished
     assert observation.ttft_p90_s == pytest.approx(0.82)
     assert observation.itl_p90_s is None  # no ITL histogram in these texts
     assert observation.num_failed == 1
