@@ -289,3 +289,16 @@ def test_a_stage_that_dies_mid_stream_ends_the_engine_naming_it_and_leaves_nothi
         assert not [path for process in workers for path in SHM.glob(f"splitserve-pp-{process.pid}-*")]
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_smollm2_at_pp3_equals_pp1() -> None:
+    """The embedded model's 30 layers in stages of 10, from its safetensors folder (float32)."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    config = dict(dtype="float32", kv_cache_memory=64 << 20, max_model_len=256)
+    with LLM(model=None, **config) as whole:
+        expected = [output.outputs[0].token_ids for output in whole.generate(prompts, params)]
+    with LLM(model=None, pipeline_parallel_size=3, **config) as split:
+        assert split.engine.runner.model.stage.layers == range(20, 30)  # this process: the last stage
+        assert [output.outputs[0].token_ids for output in split.generate(prompts, params)] == expected
