@@ -55,7 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"prompts, one a line (default: instructions over paragraphs of splitserve/data/{DEFAULT_TEXT})",
     )
-    parser.add_argument("--num-prompts", type=int, default=256, help="prompts to generate from (default: 256)")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=200,
+        help="prompts to generate from, at most; the shipped text gives one per pairing of its long paragraphs with "
+        "the instructions (default: 200, all of them)",
+    )
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -143,10 +149,10 @@ def _prompt_texts(prompts_file: Path | None, num_prompts: int) -> tuple[list[str
         return lines[:num_prompts], f"{prompts_file} ({min(num_prompts, len(lines))} lines)"
     paragraphs = [" ".join(p.split()) for p in default_text().split("\n\n")]
     paragraphs = [p[:1200] for p in paragraphs if len(p) >= 200]
-    texts = [INSTRUCTIONS[i % len(INSTRUCTIONS)].format(p) for i, p in enumerate(paragraphs)]
-    # More prompts than paragraphs: every paragraph again under the next instruction.
-    while len(texts) < num_prompts:
-        shift = len(texts) // len(paragraphs)
+    # Each paragraph under one instruction, then (more prompts wanted) under the next, and so on:
+    # at most every pairing once, since a greedy continuation of the same prompt teaches nothing new.
+    texts: list[str] = []
+    for shift in range(len(INSTRUCTIONS)):
         texts += [INSTRUCTIONS[(i + shift) % len(INSTRUCTIONS)].format(p) for i, p in enumerate(paragraphs)]
     return texts[:num_prompts], (
         f"instructions ({len(INSTRUCTIONS)} kinds) over {len(paragraphs)} paragraphs of splitserve/data/{DEFAULT_TEXT}"
