@@ -71,7 +71,8 @@ class TensorParallelGroup:
             self._shared = SharedMemoryCollectives.join(group_store, rank, world_size, self._barrier, timeout_s)
 
     def watch_peers(self, peers_alive: Callable[[], bool]) -> None:
-        """Rank 0: how a collective waiting in shared memory learns a worker has died."""
+        """How a collective waiting in shared memory learns to give up: on rank 0, that a worker
+        has died; on a worker, that rank 0 says stop or is gone."""
         if self._shared is not None:
             self._shared.peers_alive = peers_alive
 

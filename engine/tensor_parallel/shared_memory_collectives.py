@@ -19,8 +19,9 @@ gives. A tensor larger than a slot returns False / None and the caller uses gloo
 the choice depends on the shape alone, which every rank shares.
 
 A wait gives up after the collective timeout, at once when rank 0 raises the abort word
-(closing), and on rank 0 as soon as ``peers_alive`` says a worker has died, so a dead rank
-fails the step instead of hanging it.
+(closing), and as soon as ``peers_alive`` says so (rank 0: a worker has died; a worker: rank 0
+has sent something, which mid-collective can only be a stop, or is gone), so a dead rank fails
+the step instead of hanging it.
 """
 
 from __future__ import annotations
@@ -169,8 +170,10 @@ class SharedMemoryCollectives:
                 return
             if outcome == 1:
                 raise RuntimeError("the tensor-parallel group is closing: collective abandoned")
-            if not self.peers_alive():
-                raise RuntimeError("a tensor-parallel rank died: collective abandoned")
+            # The peers may all have arrived while this rank was descheduled after its slice, and
+            # rank 0 sent the next step since: a last look at the flags before giving up.
+            if not self.peers_alive() and self._wait(self._base, _FLAG_LINE // 8, self.world_size, count, abort, 0):
+                raise RuntimeError("a tensor-parallel rank died, or rank 0 stopped: collective abandoned")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"a tensor-parallel collective waited {self._timeout_s:.0f} s for a peer: giving up")
 
