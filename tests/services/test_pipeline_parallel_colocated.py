@@ -1,10 +1,11 @@
 """A real colocated instance at ``--pipeline-parallel-size 2`` (issue 41): its Generate streams
 give the offline engine's greedy tokens, no block is left in use, a prefill or decode instance at
-PP 2 is refused at start with the way out, and stopping the instance leaves none of its stage
-processes behind."""
+PP 2 is refused at start with the way out, and stopping the instance, or killing it outright,
+leaves none of its stage processes behind."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -19,12 +20,13 @@ from tests.services.processes import Service, running
 PROMPTS = random_prompts([6, 21, 40], seed=71)
 
 
-def children_of(pid: int) -> list[int]:
-    """The process's direct children (its stage workers, multiprocessing's resource tracker)."""
+def stage_workers_of(pid: int) -> list[int]:
+    """The process's children that multiprocessing spawned to run a target (its stage workers;
+    not its resource tracker)."""
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(child) for child in (task / "children").read_text().split()]
-    return children
+    return [child for child in children if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
 def exists(pid: int) -> bool:
@@ -38,8 +40,8 @@ def exists(pid: int) -> bool:
 def test_a_colocated_instance_at_pp2_streams_the_offline_tokens(model: Path, colocated: LLM) -> None:
     service = Service("colocated", model, "--dtype", "float32", "--pipeline-parallel-size", "2")
     try:
-        workers = children_of(service.process.pid)
-        assert workers  # the first stage's process, at least
+        workers = stage_workers_of(service.process.pid)
+        assert len(workers) == 1  # the first stage's (the instance's own process is the last)
         stub = generation_pb2_grpc.GenerationStub(service.channel)
         for index, prompt in enumerate(PROMPTS):
             request = generation_pb2.GenerateRequest(
@@ -53,10 +55,23 @@ def test_a_colocated_instance_at_pp2_streams_the_offline_tokens(model: Path, col
         assert report.num_free_blocks == report.num_total_blocks
     finally:
         assert service.stop() == 0
-    deadline = time.monotonic() + 30
-    while any(exists(pid) for pid in workers) and time.monotonic() < deadline:
+    assert not survivors(workers)
+
+
+def survivors(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """Those of ``pids`` still running once they have all exited or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while any(exists(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in workers if exists(pid)]
+    return [pid for pid in pids if exists(pid)]
+
+
+def test_an_instance_killed_outright_takes_its_stages_with_it(model: Path) -> None:
+    service = Service("colocated", model, "--dtype", "float32", "--pipeline-parallel-size", "2")
+    workers = stage_workers_of(service.process.pid)
+    assert len(workers) == 1
+    assert service.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert not survivors(workers)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
