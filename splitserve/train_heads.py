@@ -1,11 +1,12 @@
 """``splitserve train-heads --method medusa --output DIR``: Medusa heads for a model, trained on
 this machine from the model's own greedy continuations (engine/spec_decode/medusa_training.py).
 
-The prompts: ``--prompts-file`` (one prompt a line), or by default instructions over the
-paragraphs of the text shipped with the package (splitserve/data/README.md says which), sent
-through the model's chat template where it has one. The heads land in ``DIR`` in vLLM's Medusa
-layout over the target's own LM head (engine/spec_decode/medusa_checkpoint.py), with what they
-were trained on and their held-out accuracy in ``DIR/config.json``; serve them with
+The prompts: ``--prompts-file`` (one prompt a line), or by default everyday questions shipped
+with the package interleaved with instructions over the paragraphs of its text
+(splitserve/data/README.md says which), sent through the model's chat template where it has one.
+The heads land in ``DIR`` in vLLM's Medusa layout over the target's own LM head
+(engine/spec_decode/medusa_checkpoint.py), with what they were trained on and their held-out
+accuracy in ``DIR/config.json``; serve them with
 ``--speculative-config '{"method": "medusa", "model": "DIR"}'``. An interrupted run resumes
 from ``DIR/work`` (generated shards, the last training checkpoint), which may be deleted after.
 """
@@ -17,6 +18,8 @@ import json
 import logging
 import sys
 from collections.abc import Iterable
+from importlib import resources
+from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,7 @@ if TYPE_CHECKING:  # annotations only: importing it loads torch
 
 logger = logging.getLogger(__name__)
 
+CHAT_QUESTIONS = "chat_questions.txt"  # everyday questions, one a line (splitserve/data/README.md)
 # Instructions over the shipped text's paragraphs: chat turns of several kinds (continuing,
 # summarising, explaining, rewriting), as a chat model's users send.
 INSTRUCTIONS = (
@@ -53,14 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompts-file",
         type=Path,
         default=None,
-        help=f"prompts, one a line (default: instructions over paragraphs of splitserve/data/{DEFAULT_TEXT})",
+        help=f"prompts, one a line (default: splitserve/data/{CHAT_QUESTIONS} and instructions over paragraphs of "
+        f"splitserve/data/{DEFAULT_TEXT})",
     )
     parser.add_argument(
         "--num-prompts",
         type=int,
-        default=200,
-        help="prompts to generate from, at most; the shipped text gives one per pairing of its long paragraphs with "
-        "the instructions (default: 200, all of them)",
+        default=280,
+        help="prompts to generate from, at most (default: 280, all the shipped ones: 80 questions and 200 "
+        "instructions over the shipped text's paragraphs, interleaved)",
     )
     parser.add_argument(
         "--max-new-tokens",
@@ -149,14 +154,22 @@ def _prompt_texts(prompts_file: Path | None, num_prompts: int) -> tuple[list[str
         return lines[:num_prompts], f"{prompts_file} ({min(num_prompts, len(lines))} lines)"
     paragraphs = [" ".join(p.split()) for p in default_text().split("\n\n")]
     paragraphs = [p[:1200] for p in paragraphs if len(p) >= 200]
-    # Each paragraph under one instruction, then (more prompts wanted) under the next, and so on:
-    # at most every pairing once, since a greedy continuation of the same prompt teaches nothing new.
-    texts: list[str] = []
+    # Each paragraph under one instruction, then under the next, and so on: every pairing once,
+    # since a greedy continuation of the same prompt teaches nothing new.
+    instructed: list[str] = []
     for shift in range(len(INSTRUCTIONS)):
-        texts += [INSTRUCTIONS[(i + shift) % len(INSTRUCTIONS)].format(p) for i, p in enumerate(paragraphs)]
+        instructed += [INSTRUCTIONS[(i + shift) % len(INSTRUCTIONS)].format(p) for i, p in enumerate(paragraphs)]
+    questions = [line.strip() for line in _shipped(CHAT_QUESTIONS).splitlines() if line.strip()]
+    # Interleaved, so that fewer prompts still mix everyday chat with the longer passages.
+    texts = [text for pair in zip_longest(questions, instructed) for text in pair if text is not None]
     return texts[:num_prompts], (
-        f"instructions ({len(INSTRUCTIONS)} kinds) over {len(paragraphs)} paragraphs of splitserve/data/{DEFAULT_TEXT}"
+        f"the {len(questions)} questions of splitserve/data/{CHAT_QUESTIONS} and instructions ({len(INSTRUCTIONS)} "
+        f"kinds) over {len(paragraphs)} paragraphs of splitserve/data/{DEFAULT_TEXT}, interleaved"
     )
+
+
+def _shipped(name: str) -> str:
+    return (resources.files("splitserve") / "data" / name).read_text(encoding="utf-8")
 
 
 def _encode(llm: LLM, text: str) -> list[int]:
