@@ -209,3 +209,37 @@ def test_preemption_and_abort_leave_no_block_behind(
         core.step()
     manager = core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_total_blocks
+
+
+def test_sampled_output_with_medusa_has_the_plain_distribution(target: Path, tmp_path: Path) -> None:
+    """Many seeded samples of the first four tokens, with and without Medusa: a chi-square test
+    on the joint outcome (top-k 3 keeps the outcomes few). The heads are untrained (each guesses
+    the target's own next token again), which the target sometimes samples and sometimes not, so
+    both acceptance and rejection run."""
+    from engine.spec_decode.medusa_checkpoint import save_medusa_heads
+    from engine.spec_decode.medusa_training import HeadTraining, new_heads
+    from tests.engine.spec_decode.chi_square import two_sample
+    from tests.engine.spec_decode.test_engine_spec import NUM_SAMPLES
+
+    heads = tmp_path / "heads"
+    save_medusa_heads(new_heads(HeadTraining(num_heads=2), HIDDEN_SIZE, VOCAB_SIZE), heads, VOCAB_SIZE, {})
+    prompt = repetitive_prompts()[1]
+    samples = {}
+    for name, config in (("plain", None), ("spec", medusa(heads, 2))):
+        core = make_engine(
+            target,
+            config,
+            max_num_seqs=512,
+            max_num_batched_tokens=16384,
+            kv_cache_memory=1 << 24,
+            enable_prefix_caching=False,
+        )
+        params = [
+            SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
+            for seed in range(NUM_SAMPLES)
+        ]
+        samples[name] = [tuple(t) for t in generate(core, [prompt] * NUM_SAMPLES, params)]
+        if config is not None:
+            stats = core.scheduler.spec_stats
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert two_sample(samples["plain"], samples["spec"]) > 1e-3
