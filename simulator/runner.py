@@ -53,8 +53,10 @@ class SimulatedRunner(ModelRunner):
     :func:`simulated_runner_factory`; deliberately does not run ModelRunner's loading."""
 
     def __init__(self, config: EngineConfig, model_path: Path, profile: TimingProfile, time_scale: float) -> None:
-        if config.tensor_parallel_size != 1 or config.speculative is not None:
-            raise ValueError("a simulated instance runs at tensor parallel size 1 and without speculative decoding")
+        if config.world_size != 1 or config.speculative is not None:
+            raise ValueError(
+                "a simulated instance runs at tensor and pipeline parallel size 1 and without speculative decoding"
+            )
         if time_scale <= 0:
             raise ValueError(f"--time-scale must be > 0 (1: the profile's speed), got {time_scale}")
         self.config = config

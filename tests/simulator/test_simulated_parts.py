@@ -132,3 +132,9 @@ def test_a_peer_that_never_sends_its_line_is_cut_off(model_path: Path, monkeypat
             await decode.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_simulated_instance_refuses_to_split_the_model(model_path: Path, sizes: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="tensor and pipeline parallel size 1"):
+        EngineCore(EngineConfig(model=str(model_path), **sizes), simulated_runner_factory(PROFILE, 1.0))
