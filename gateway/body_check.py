@@ -4,9 +4,9 @@ Parsing and validating JSON holds the GIL from start to end: pydantic-core and `
 native code that never lets another thread in. A worker thread therefore frees nothing: the
 event loop waits for the GIL as long as it would have waited for the parse itself
 (docs/benchmarks.md, "Request bodies and the event loop"). What costs is the number of JSON
-values, far more than bytes (a string of a million characters parses in microseconds, a
-million small numbers or objects in a second), and a body that fails validation costs most:
-pydantic tries every member of a union on every element, and records an error for each.
+values, far more than bytes (a long string is copied once; each small number or object is a
+Python object and a validation of its own), and a body that fails validation costs most: pydantic
+records an error for each element that fails.
 
 So a body larger than :data:`INLINE_MAX_BYTES`, in call order:
 
@@ -19,7 +19,9 @@ So a body larger than :data:`INLINE_MAX_BYTES`, in call order:
    (``--max-request-json-values``, and a sixteenth of it for objects), then validate with the
    route's own model. Returns None, or the first error (a few hundred bytes back).
 4. A refused body is answered 400 here, in OpenAI's shape; an accepted one goes on to FastAPI,
-   which parses it again on the event loop, now bounded by what step 3 checked.
+   which parses it again on the event loop, now bounded by what step 3 checked. A worker that
+   died under a check (killed for memory, say) costs that body a 503, and the next gets new
+   workers (:meth:`BodyCheck._restart`).
 
 Smaller bodies go straight on: at most :data:`INLINE_MAX_BYTES` hold few values, however hostile.
 """
