@@ -133,8 +133,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             with gate_pass.timing.stage("tokenize"):
                 token_ids = await self.service.tokenizer.encode(request.text, client=client, param="text")
         else:
-            # The context's first rule before the ids become a Python list: millions of them (an
-            # 8 MiB message holds some 8 million) would take the event loop a tenth of a second.
+            # The context's first rule before the ids become a Python list on the event loop: a
+            # message of --max-request-body-bytes holds millions, a Python object each.
             try:
                 resolve_max_tokens(len(request.token_ids.ids), None, self.service.max_model_len)
             except ContextLengthExceeded as error:
