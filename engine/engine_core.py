@@ -166,12 +166,15 @@ class EngineCore:
         cache_salt: str | None = None,
         first_token_id: int | None = None,
         kv_load_failure_policy: KVLoadFailurePolicy = "recompute",
+        draft_token_ids: list[int] | None = None,
     ) -> str:
         """Queue a request; the step thread only (other threads put an ``AddRequest`` in
         :attr:`inbox`), between steps. ``first_token_id`` (decode
         role) says the prompt was prefilled elsewhere: its KV will be loaded, decoding
         continues after that token, and ``kv_load_failure_policy`` says what happens if the
-        KV cannot be loaded. Raises ValueError for input the engine cannot serve."""
+        KV cannot be loaded; ``draft_token_ids``: the drafts P's Medusa heads proposed after
+        that token (``KVHandoff.draft_token_ids``), verified at the first step here. Raises
+        ValueError for input the engine cannot serve."""
         request_id = request_id or uuid.uuid4().hex
         max_tokens = self.validate(prompt_token_ids, params, first_token_id)
         # A cache hit when the caller compiled ahead (AsyncEngine does, off this thread).
@@ -191,6 +194,8 @@ class EngineCore:
             request.append_token(first_token_id)
             request.num_external_tokens = len(prompt_token_ids)
             request.kv_load_failure_policy = kv_load_failure_policy
+            if draft_token_ids and self.speculative is not None and self.speculative.method == "medusa":
+                request.spec_token_ids = list(draft_token_ids)
         self.scheduler.add_request(request)
         return request_id
 
@@ -260,6 +265,7 @@ class EngineCore:
                         cache_salt=message.cache_salt,
                         first_token_id=message.first_token_id,
                         kv_load_failure_policy=message.kv_load_failure_policy,
+                        draft_token_ids=message.draft_token_ids,
                     )
                 except ValueError as error:  # e.g. the id is still held by a pinned prefill
                     self._outputs_between_steps.append(

@@ -39,6 +39,8 @@ class AddRequest:
     # prompt's KV is loaded here; what happens when it cannot be is ``kv_load_failure_policy``.
     first_token_id: int | None = None
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
+    # Decode role, Medusa: the drafts P's heads proposed after the first token (KVHandoff's).
+    draft_token_ids: list[int] | None = None
     # Prompt tokens this instance will prefill (net of the prefix cache, estimated at put;
     # 0 for a hand-off): what the load report counts while the add waits here.
     num_prefill_tokens: int = 0

@@ -122,8 +122,10 @@ class ModelRunner:
         spec = config.speculative
         if spec is not None and spec.method == "draft_model" and config.role != "prefill":
             self.draft_model = DraftModelProposer(spec, self)
+        # Medusa on the prefill role too: its heads draft once, after the first token, and the
+        # drafts travel with the KV hand-off (engine/spec_decode/medusa.py).
         self.medusa: MedusaProposer | None = None
-        if spec is not None and spec.method == "medusa" and config.role != "prefill":
+        if spec is not None and spec.method == "medusa":
             heads = load_medusa_heads(
                 Path(spec.model or ""), self.shape.hidden_size, self.shape.vocab_size, self.dtype, self.device
             )

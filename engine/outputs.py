@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.request_timing import RequestTiming, StepStats
 from engine.sampler import TokenLogprobs
@@ -28,6 +28,9 @@ class KVHandoff:
 
     block_ids: list[int]
     num_tokens: int  # prompt tokens whose KV the blocks hold
+    # Medusa: the heads' drafts from the prompt's last hidden state, so that the decode instance
+    # verifies drafts from its first step (it has no hidden state of its own yet).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

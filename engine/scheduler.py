@@ -441,6 +441,7 @@ class Scheduler:
         return KVHandoff(
             block_ids=list(block_ids[:num_blocks]),
             num_tokens=request.num_prompt_tokens,
+            draft_token_ids=list(request.spec_token_ids),
         )
 
     # ---------------------------------------------------------------- helpers

@@ -20,8 +20,11 @@ One step, in call order:
 3. ``Scheduler.update`` keeps them as ``request.spec_token_ids``; at the next step
    ``EngineCore._plan_drafts`` asks for as many, and the scheduler fits what it can.
 
-A request with no hidden state yet (a decode instance's first step after a hand-off: P sends
-only KV so far) decodes one plain step, which gives it one.
+On a prefill instance the heads run once, after the first token: ``Scheduler.kv_handoff`` puts
+their drafts in the ``KVHandoff``, and a decode instance given them
+(``EngineCore.add_request(draft_token_ids=...)``) verifies drafts from its first step. A request
+with neither (a hand-off through services that do not carry the drafts yet) decodes one plain
+step, which gives it a hidden state.
 
 Checkpoints: engine/spec_decode/medusa_checkpoint.py.
 """

@@ -81,32 +81,40 @@ def test_medusa_greedy_equals_transformers(target: Path, tmp_path: Path) -> None
         assert tokens == reference[0, len(prompt) :].tolist()
 
 
+@pytest.mark.parametrize("handed_drafts", [True, False], ids=["with-p-drafts", "without"])
 def test_decode_instance_speculates_with_medusa_after_a_pulled_prompt(
-    target: Path, plain_greedy: list[list[int]], tmp_path: Path
+    target: Path, plain_greedy: list[list[int]], tmp_path: Path, handed_drafts: bool
 ) -> None:
-    """P hands only KV over (no hidden state yet): D's first step is plain, which gives it the
-    hidden state its heads draft from; from then on it speculates."""
+    """P runs the heads once, on the prompt's last hidden state, and hands their drafts over
+    with the KV: D verifies drafts from its first step. Without them (a P that sent none) D's
+    first step is plain, which gives it the hidden state its heads draft from."""
     heads = make_medusa_heads(tmp_path / "heads", "vllm")
     prompts = repetitive_prompts()
     p = make_engine(target, medusa(heads), role="prefill")
     d = make_engine(target, medusa(heads), role="decode")
-    assert p.runner.medusa is None  # P samples one token, never drafts
     loader = InProcessKVLoader(p.runner.kv_cache, d.runner.kv_cache)
     d.use_kv_loader(loader)
     for index, prompt in enumerate(prompts):
         p.add_request(prompt, GREEDY, request_id="r")
         (handoff,) = [o for o in p.step() if o.request_id == "r"]
-        first = handoff.new_token_ids[0]
+        first, drafts = handoff.new_token_ids[0], handoff.kv_handoff.draft_token_ids
+        assert len(drafts) == 3  # one per head
         loader.expect("r", handoff.kv_handoff.block_ids)
-        d.add_request(prompt, GREEDY, request_id="r", first_token_id=first)
-        d.step()
+        d.add_request(
+            prompt, GREEDY, request_id="r", first_token_id=first, draft_token_ids=drafts if handed_drafts else None
+        )
+        d.step()  # the load starts (and ends: an in-process copy)
         assert p.release_kv("r")
+        drafted_before = d.scheduler.spec_stats.num_draft_tokens
         tokens = [first]
+        for output in d.step():  # D's first decode step
+            tokens.extend(output.new_token_ids)
+        assert (d.scheduler.spec_stats.num_draft_tokens > drafted_before) == handed_drafts
         while d.has_unfinished_requests():
             for output in d.step():
                 tokens.extend(output.new_token_ids)
         assert tokens == plain_greedy[index]
-    assert d.scheduler.spec_stats.num_draft_tokens > 0
+    assert p.scheduler.spec_stats.num_draft_tokens == 0  # P proposes, never verifies
     assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_total_blocks
     assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_total_blocks
 
