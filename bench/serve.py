@@ -37,6 +37,7 @@ from bench.client import (
 from bench.datasets import SampleRequest, WorkloadSpec, sample_workload
 from bench.metrics import DEFAULT_PERCENTILES, RunInfo, compute_metrics, result_json
 from bench.prompt_text import is_gguf_file, load_tokenizer
+from launcher.processes import embedded_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -90,8 +91,9 @@ def validate(config: ServeConfig) -> None:
 
 def resolve_target(config: ServeConfig) -> Target:
     """The model to ask for and the tokenizer that measures prompt lengths: ``--tokenizer``,
-    else the model id when it is a folder here, else the folder or GGUF file the server says it
-    loaded the model from (``root`` in ``/v1/models``: right when client and server share a host)."""
+    else the model id when it is a folder here, else ``root`` in ``/v1/models`` when that is a
+    folder or GGUF file here (a server older than the served-name ``root``), else the embedded
+    model's file when the server serves it under its name (``splitserve up``'s default)."""
     served = None if config.model is not None and config.tokenizer is not None else asyncio.run(_first_model(config))
     model_id = config.model or served.model_id
     if config.model is None:
@@ -103,6 +105,8 @@ def resolve_target(config: ServeConfig) -> Target:
         )
         tokenizer_id = next((c for c in candidates if (Path(c) / "tokenizer.json").is_file() or is_gguf_file(c)), None)
         if tokenizer_id is None:
+            tokenizer_id = _embedded_model_file(model_id)
+        if tokenizer_id is None:
             raise ValueError(
                 f"cannot measure prompt lengths: the server's model {model_id!r} is no folder with a tokenizer.json "
                 "or .gguf file here; "
@@ -110,6 +114,18 @@ def resolve_target(config: ServeConfig) -> Target:
             )
         logger.info("measuring prompt lengths with %s; pass --tokenizer for another", tokenizer_id)
     return Target(model_id, tokenizer_id, load_tokenizer(tokenizer_id))
+
+
+def _embedded_model_file(model_id: str) -> str | None:
+    """The embedded model's GGUF file (its tokenizer is in it) when ``model_id`` is the name it
+    is served under (``splitserve up``'s default), else None. A server names only what it serves
+    (``root`` is the served name, not the path it loaded), so a client on the same host finds the
+    embedded model the way the launcher does."""
+    try:
+        path, name = embedded_model("gguf", "auto")
+    except ValueError:
+        return None
+    return str(path) if name == model_id else None
 
 
 async def _first_model(config: ServeConfig) -> ServedModel:

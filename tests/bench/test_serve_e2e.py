@@ -334,3 +334,18 @@ def test_without_tokenizer_the_servers_model_folder_measures_prompts(
         main(["bench", "serve", "--base-url", server.base_url, "--disable-tqdm", "--num-prompts", "2"])
     error = capsys.readouterr().err
     assert "'fake-model' is no folder with a tokenizer.json or .gguf file here; pass --tokenizer PATH" in error
+
+
+def test_without_tokenizer_the_embedded_models_name_measures_prompts_with_its_file(tmp_path: Path) -> None:
+    """A server that names only what it serves (splitserve's root is the served name) under the
+    embedded model's name: its GGUF file measures the prompts, as ``splitserve up`` serves it."""
+    from engine.default_model import DEFAULT_MODEL_NAME
+
+    with FakeOpenAIServer(FakeServerConfig(model=DEFAULT_MODEL_NAME, root=DEFAULT_MODEL_NAME)) as server:
+        main(
+            ["bench", "serve", "--base-url", server.base_url, "--disable-tqdm", "--num-prompts", "2", "--input-len",
+             "12", "--output-len", "2", "--num-warmups", "0", "--save-result", "--result-dir", str(tmp_path),
+             "--result-filename", "r.json"]
+        )  # fmt: skip
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["input_lens"] == [12, 12] and result["tokenizer_id"].endswith(".gguf")
