@@ -8,7 +8,8 @@ values, far more than bytes (a long string is copied once; each small number or 
 Python object and a validation of its own), and a body that fails validation costs most: pydantic
 records an error for each element that fails.
 
-So a body larger than :data:`INLINE_MAX_BYTES`, in call order:
+So a body larger than :data:`INLINE_MAX_BYTES` that may hold more values than
+:data:`INLINE_MAX_VALUES` (:func:`needs_worker`), in call order:
 
 1. :class:`LargeBodyCheck` (ASGI, inside ``AdmissionGate``, so only after the key and a pending
    slot, and ``BodySizeLimit``, which has read the body whole) hands it to :meth:`BodyCheck.run`.
@@ -23,7 +24,7 @@ So a body larger than :data:`INLINE_MAX_BYTES`, in call order:
    died under a check (killed for memory, say) costs that body a 503, and the next gets new
    workers (:meth:`BodyCheck._restart`).
 
-Smaller bodies go straight on: at most :data:`INLINE_MAX_BYTES` hold few values, however hostile.
+Other bodies go straight on: few values, however hostile, whatever the length of their strings.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ logger = logging.getLogger(__name__)
 # Bodies up to this size are parsed on the event loop as they come: a hostile one (a union's
 # error for each of some thousands of values) holds it for some milliseconds at most.
 INLINE_MAX_BYTES = 8 << 10
+# Or bodies of any size that cannot hold more values than the largest inline one may (a value
+# and its separator take two bytes at least): a long text prompt is one string, as cheap to
+# parse on the loop as a short one, and spares the round trip to a worker process.
+INLINE_MAX_VALUES = INLINE_MAX_BYTES // 2
 NUM_WORKERS = 2  # processes, and the pool threads waiting on them: one client holds one at most
 MAX_WAITING = 64
 MAX_WAITING_PER_CLIENT = 8  # a body is at most --max-request-body-bytes: a client queues a few
@@ -197,7 +202,7 @@ class LargeBodyCheck:
             return
         message = await receive()  # the whole body: BodySizeLimit has buffered it
         body = message.get("body", b"") if message["type"] == "http.request" else b""
-        if len(body) > INLINE_MAX_BYTES:
+        if needs_worker(body):
             try:
                 refusal = await self.check.run(model, body, client_of_scope(scope))
             except APIError as error:
@@ -208,6 +213,18 @@ class LargeBodyCheck:
                 await _answer(refused, scope, receive, send)
                 return
         await self.app(scope, replay(message, receive), send)
+
+
+def max_json_values(body: bytes) -> int:
+    """At most how many JSON values (keys included) ``body`` holds, counted in C over its bytes:
+    every value but the first follows a ``[``, ``,`` or ``:``, and every key a ``{`` or ``,``.
+    Those bytes inside strings count too, so this only ever overestimates."""
+    return 1 + 2 * body.count(b",") + body.count(b":") + body.count(b"[") + body.count(b"{")
+
+
+def needs_worker(body: bytes) -> bool:
+    """Whether parsing ``body`` could hold the event loop longer than an inline body may."""
+    return len(body) > INLINE_MAX_BYTES and max_json_values(body) > INLINE_MAX_VALUES
 
 
 async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:

@@ -51,3 +51,18 @@ def test_a_dead_worker_costs_one_check_a_503_and_the_next_gets_new_workers() -> 
             check.close()
 
     asyncio.run(scenario())
+
+
+def test_only_bodies_that_may_hold_many_values_go_to_a_worker() -> None:
+    from gateway.body_check import INLINE_MAX_BYTES, INLINE_MAX_VALUES, max_json_values, needs_worker
+
+    document = {"a": [1, 2, {"b": None}], "c": "x"}
+    assert max_json_values(json.dumps(document).encode()) >= count_json(document, 100, 100)[0]
+    long_text = json.dumps({"model": "m", "prompt": "word " * INLINE_MAX_BYTES, "max_tokens": 16}).encode()
+    assert len(long_text) > INLINE_MAX_BYTES and not needs_worker(long_text)  # one long string: parsed inline
+    many_ids = json.dumps({"model": "m", "prompt": list(range(INLINE_MAX_VALUES))}).encode()
+    assert needs_worker(many_ids)
+    small = json.dumps({"prompt": [1] * 100}).encode()
+    assert not needs_worker(small)
+    # Separators inside strings count too: text full of commas goes to a worker (never the other way).
+    assert needs_worker(json.dumps({"prompt": ", " * INLINE_MAX_BYTES}).encode())
