@@ -33,6 +33,7 @@ from engine.models.llama import LlamaFamilyForCausalLM, TensorParallel
 from engine.models.ops import ModelOps
 from engine.models.quant_format import QUANT_FORMATS, QuantizedWeight
 from engine.models.quantized_model import Payload, load_quantized
+from engine.pipeline_parallel.stages import PipelineStage
 
 if TYPE_CHECKING:
     from engine.config import QuantActivations
@@ -135,9 +136,10 @@ def load_gguf(
     ops: ModelOps,
     parallel: TensorParallel | None,
     activations: QuantActivations = "float",
+    stage: PipelineStage | None = None,
 ) -> LlamaFamilyForCausalLM:
     """The model of GGUF file ``path`` (its ``config`` from engine/gguf_files.py), this rank's
-    shard of it under ``parallel``, quantized where the module docstring says."""
+    shard of it under ``parallel`` (of ``stage``'s layers), quantized where the module docstring says."""
     contents = GGUFTensors.read(path, config)
     if contents.skipped:
         logger.info("%s: tensors without a place in the model, skipped: %s", path.name, ", ".join(contents.skipped))
@@ -149,6 +151,7 @@ def load_gguf(
             dtype,
         )
     tensors = contents.tensors
+    source = path.name
     return load_quantized(
-        path.name, tensors, config, architecture, max_positions, dtype, device, backend, ops, parallel, activations
+        source, tensors, config, architecture, max_positions, dtype, device, backend, ops, parallel, activations, stage
     )

@@ -142,13 +142,6 @@ def load_model(
             f"--quantization {quantization} quantizes a float checkpoint at load; {path.name} is a GGUF file whose "
             "weights are quantized already: drop --quantization, or give a Hugging Face folder"
         )
-    if stage is not None and not stage.is_whole and (quantization is not None or is_gguf(path)):
-        raise ValueError(
-            f"pipeline parallelism loads a Hugging Face folder's float weights; {path.name} "
-            f"{'is a GGUF file' if is_gguf(path) else f'with --quantization {quantization}'} is not split into stages "
-            "yet: give a Hugging Face folder without --quantization (for the embedded model, --load-format "
-            "safetensors or a --dtype), or pipeline parallel size 1"
-        )
     config = AutoConfig.from_pretrained(str(metadata_folder(path)))
     architectures = getattr(config, "architectures", None) or []
     architecture = next((arch for arch in architectures if arch in SUPPORTED_ARCHITECTURES), None)
@@ -171,13 +164,26 @@ def load_model(
         parallel = TensorParallel(layout, group)
     ops = select_ops(device, dtype)
     if is_gguf(path):
-        model = load_gguf(path, config, architecture, supported_len, dtype, device, backend, ops, parallel, activations)
+        model = load_gguf(
+            path, config, architecture, supported_len, dtype, device, backend, ops, parallel, activations, stage
+        )
     elif quantization == "int8":
         tied = bool(getattr(config, "tie_word_embeddings", False))
         weights = int8_weights(iter_safetensors(path), tied)
         name = f"{path.name} (int8)"
         model = load_quantized(
-            name, weights, config, architecture, supported_len, dtype, device, backend, ops, parallel, activations
+            name,
+            weights,
+            config,
+            architecture,
+            supported_len,
+            dtype,
+            device,
+            backend,
+            ops,
+            parallel,
+            activations,
+            stage,
         )
     else:
         if activations != "float":

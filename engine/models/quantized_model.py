@@ -52,6 +52,7 @@ from engine.models.quantized_linear import (
     QuantizedLinear,
 )
 from engine.models.rotary import RotaryEmbedding
+from engine.pipeline_parallel.stages import PipelineStage
 
 if TYPE_CHECKING:
     from engine.config import QuantActivations
@@ -75,20 +76,24 @@ def load_quantized(
     ops: ModelOps,
     parallel: TensorParallel | None,
     activations: QuantActivations = "float",
+    stage: PipelineStage | None = None,
 ) -> LlamaFamilyForCausalLM:
     """The model of ``tensors`` (Hugging Face names, in checkpoint order), this rank's shard of it
-    under ``parallel``, quantized where the module docstring says. ``source`` names the
-    checkpoint in the log; ``activations``, how the kernels take their inputs."""
+    under ``parallel`` (of ``stage``'s layers under pipeline parallelism), quantized where the
+    module docstring says. ``source`` names the checkpoint in the log; ``activations``, how the
+    kernels take their inputs."""
     quant, reason = _quant_backend(device, dtype)
     if quant is None:
         logger.warning("%s: every weight dequantized to %s at load (%s)", source, dtype, reason)
         with torch.device(device):
-            model = LlamaFamilyForCausalLM(config, architecture, max_positions, dtype, backend, ops, parallel).to(dtype)
+            model = LlamaFamilyForCausalLM(config, architecture, max_positions, dtype, backend, ops, parallel, stage)
+            model = model.to(dtype)
         model.load_weights(_dequantized(tensors))
         return model
 
     with torch.device("meta"):
-        model = LlamaFamilyForCausalLM(config, architecture, max_positions, dtype, backend, ops, parallel).to(dtype)
+        model = LlamaFamilyForCausalLM(config, architecture, max_positions, dtype, backend, ops, parallel, stage)
+        model = model.to(dtype)
     floats = _quantize_modules(model, tensors, quant, dtype, activations)
     with torch.device(device):
         rotary = RotaryEmbedding(config, model.shape.head_dim, max_positions, dtype, ops)
@@ -148,9 +153,12 @@ def _quantize_modules(
     # module name -> [(row offset, HF name, weight)]
     groups: defaultdict[str, list[tuple[int, str, QuantizedWeight]]] = defaultdict(list)
     embedding: QuantizedWeight | None = None
+    stage = model.stage
     for name, payload in tensors:
         if name.startswith("lm_head.") and tied:
             continue  # tied: the head is the embedding
+        if not stage.holds(name) and not (tied and stage.is_last and name == "model.embed_tokens.weight"):
+            continue  # another pipeline stage's (a tied embedding is the last stage's head too)
         if isinstance(payload, QuantizedWeight):
             if not kernels.keeps(payload):  # a format these kernels lack: a float layer
                 floats.append((name, payload.dequantize()))
@@ -161,11 +169,12 @@ def _quantize_modules(
         elif name == "model.embed_tokens.weight":
             embedding = payload
         else:
-            target, offset, _ = map_name(name, fused)
+            target, offset, _ = map_name(name, fused, stage.layers.start)
             groups[target.removesuffix(".weight")].append((offset or 0, name, payload))
     if embedding is not None:
-        _replace(model, "embed_tokens", QuantizedEmbedding(embedding, kernels, dtype))
-        if tied:
+        if stage.is_first:
+            _replace(model, "embed_tokens", QuantizedEmbedding(embedding, kernels, dtype))
+        if tied and stage.is_last:
             head = embedding if model.layout is None else shard(model, "lm_head.weight", embedding)
             _replace(model, "lm_head", QuantizedLinear(head, None, kernels, activations))
     counts: Counter[str] = Counter()

@@ -164,6 +164,8 @@ class TensorParallelExecutor:
             )
         except BaseException:
             _stop(workers)
+            if inbound_link is not None:
+                inbound_link.close()
             raise
         return cls(group, workers, names, extension_channels, stages[-1], inbound_link)
 

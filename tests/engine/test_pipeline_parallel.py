@@ -20,12 +20,14 @@ import torch
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.llm import LLM
+from engine.models.quantized_linear import QuantizedLinear
 from engine.pipeline_parallel.activation_channel import ActivationReceiver, ActivationSender, StageGone
 from engine.pipeline_parallel.stages import PipelineStage, plan_stages
 from engine.sampling_params import SamplingParams
 from engine_args.config import engine_fields
 from engine_args.flags import add_device_argument, add_engine_arguments, engine_argv
 from tests.checkpoints import make_checkpoint, random_prompts
+from tests.engine.gguf_checkpoints import Q, make_gguf, uniform
 from tests.engine.test_tensor_parallel import transformers_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -254,6 +256,41 @@ def test_named_stage_sizes_give_the_same_tokens(llama_4_kv_heads: Path) -> None:
         assert [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY)] == expected_greedy(
             llama_4_kv_heads
         )
+
+
+@pytest.fixture(scope="module")
+def tied_q4_1_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's layout as a GGUF file: Q4_1 layers, a Q8_0 embedding the head is tied to (the
+    first stage looks it up, the last multiplies by its blocks)."""
+    return make_gguf(
+        tmp_path_factory.mktemp("pp-gguf"), uniform(Q.Q4_1, Q.Q8_0), tie_word_embeddings=True, num_hidden_layers=4
+    ).path
+
+
+@pytest.mark.parametrize("load", ["gguf", "int8"])
+def test_quantized_weights_split_into_stages_give_the_same_tokens(
+    request: pytest.FixtureRequest, llama_4_kv_heads: Path, load: str
+) -> None:
+    """Weights kept in their blocks, each stage its own layers': GGUF (a tied quantized head on the
+    last stage) and --quantization int8 at PP 2 equal PP 1."""
+    if load == "gguf":
+        model_path, quantization = request.getfixturevalue("tied_q4_1_gguf"), None
+    else:
+        model_path, quantization = llama_4_kv_heads, "int8"
+
+    def greedy_at(pipeline_parallel_size: int) -> list[list[int]]:
+        with LLM(
+            model=str(model_path),
+            dtype="float32",
+            quantization=quantization,
+            kv_cache_memory=1 << 22,
+            pipeline_parallel_size=pipeline_parallel_size,
+        ) as llm:
+            if pipeline_parallel_size > 1:  # this process: the last stage, its head kept quantized
+                assert isinstance(llm.engine.runner.model.lm_head, QuantizedLinear)
+            return [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY)]
+
+    assert greedy_at(2) == greedy_at(1)
 
 
 def test_a_split_the_model_cannot_take_is_refused_before_any_process_starts(llama_4_kv_heads: Path) -> None:
