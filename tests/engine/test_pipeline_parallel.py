@@ -299,31 +299,44 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_process_starts(llam
     assert not multiprocessing.active_children()
 
 
-def test_a_stage_that_dies_mid_stream_ends_the_engine_naming_it_and_leaves_nothing(llama_4_kv_heads: Path) -> None:
-    """PP 3: killing stage 0 ends stage 1 too (its link closes) and fails rank 0's step at once."""
+@pytest.mark.parametrize(
+    ("tensor_parallel_size", "pipeline_parallel_size", "victim"),
+    [(1, 3, "pipeline stage 0"), (2, 2, "pipeline stage 0 tensor-parallel rank 1")],
+)
+def test_a_stage_that_dies_mid_stream_ends_the_engine_naming_it_and_leaves_nothing(
+    llama_4_kv_heads: Path, tensor_parallel_size: int, pipeline_parallel_size: int, victim: str
+) -> None:
+    """PP 3, stage 0 killed: stage 1 ends too (its link closes) and rank 0's step fails at once.
+    TP 2 x PP 2, a rank of stage 0 killed: its stage peer, waiting in a collective, gives up when
+    rank 0 stops."""
     params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
     async def main() -> None:
-        config = EngineConfig(model=str(llama_4_kv_heads), kv_cache_memory=1 << 22, pipeline_parallel_size=3)
+        config = EngineConfig(
+            model=str(llama_4_kv_heads),
+            kv_cache_memory=1 << 22,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )
         engine = AsyncEngine(config)
         executor = engine.core.runner.tensor_parallel
         assert executor is not None
-        workers = [process for process, _ in executor._workers]
-        assert [process.name for process in workers] == ["pipeline-stage-0", "pipeline-stage-1"]
+        workers = {process.name.replace("-", " "): process for process, _ in executor._workers}
+        assert len(workers) == tensor_parallel_size * pipeline_parallel_size - 1
         await engine.start()
         try:
             stream = engine.generate(PROMPTS[0], params)
             await anext(stream)
-            os.kill(workers[0].pid, signal.SIGKILL)
+            os.kill(workers[victim.replace("-", " ")].pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
                 async for _ in stream:
                     pass
             assert not engine.is_alive
-            assert "pipeline stage 0" in str(engine.error) and "died with exit code -9" in str(engine.error)
+            assert f"{victim} (pid" in str(engine.error) and "died with exit code -9" in str(engine.error)
         finally:
             await engine.stop()
-        assert not any(process.is_alive() for process in workers)
-        assert not [path for process in workers for path in SHM.glob(f"splitserve-pp-{process.pid}-*")]
+        assert not any(process.is_alive() for process in workers.values())
+        assert not [path for process in workers.values() for path in SHM.glob(f"splitserve-pp-{process.pid}-*")]
 
     asyncio.run(main())
 
