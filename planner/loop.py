@@ -5,11 +5,12 @@
 2. bring its instances' states up to date: a starting one every gateway routes to is ready
    (scale-up counts from readiness, not from the process's start); a draining one every
    gateway shows idle is stopped (``planner/actuator.py``); one that exited by itself is gone;
-3. feed the observed request rate to the predictor and size for its forecast as far ahead as
-   an instance takes to become ready here, not for the rate just observed (one interval's
-   count is noisy: the larger of the two would follow every upward blip), at the mean prompt
-   and output lengths of recent traffic; an SLO the metrics show missed corrects what the forecast misses
-   (``planner/decision.py``);
+3. feed the observed request rate to the predictor and size for its forecast of the next
+   interval, not for the rate just observed (one interval's count is noisy: the larger of the
+   two would follow every upward blip; and a trend extrapolated over an instance's start-up,
+   tried, turned that noise into pools started and stopped again before they were ready), at
+   the mean prompt and output lengths of recent traffic; an SLO the metrics show missed
+   corrects what the forecast misses (``planner/decision.py``);
 4. price one instance of each role for that mix (``planner/capacity.py``) and decide
    (``planner/decision.py``), counting starting and ready instances as the pool so that a
    start under way is not started twice;
@@ -25,7 +26,6 @@ cooldowns.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,7 +41,6 @@ from simulator.timing_model import TimingProfile
 logger = logging.getLogger(__name__)
 
 LENGTH_WEIGHT = 0.5  # each interval's mean lengths weigh this much against those before
-STARTUPS_AVERAGED = 8  # instances whose start-up time sets how far ahead to forecast
 DRAIN_TIMEOUT_S = 600.0  # a draining instance that never shows idle is stopped after this
 
 
@@ -130,9 +129,9 @@ class Planner:
         now = time.monotonic()
         decision = decide(workload, capacity, self.config.slo, observed, self.config.bounds, self.cooldowns, now)
         for role in ROLES:
-            if decision.of(role).desired != pool[role]:
+            # The cooldown runs from a change made, not from one deferred (a drain waits for starts).
+            if decision.of(role).desired != pool[role] and self._resize(role, decision.of(role).desired, observation):
                 self.cooldowns.changed_at[role] = now
-                self._resize(role, decision.of(role).desired, observation)
         ready = {role: sum(1 for i in self.actuator.live(role) if i.state == "ready") for role in ROLES}
         self._report(observation, workload, capacity, decision, pool)
         return Tick(now, observation, workload, capacity, decision, ready)
@@ -159,7 +158,7 @@ class Planner:
 
     def _workload(self, observation: Observation) -> Workload:
         self._predictor.observe(observation.request_rate)
-        predicted = self._predictor.predict(self._lead_intervals())
+        predicted = self._predictor.predict()
         if observation.prompt_tokens is not None:
             self._prompt_tokens += LENGTH_WEIGHT * (observation.prompt_tokens - self._prompt_tokens)
         if observation.output_tokens is not None:
@@ -167,32 +166,24 @@ class Planner:
         rate = observation.request_rate if predicted is None else predicted
         return Workload(rate, max(1.0, self._prompt_tokens), max(1.0, self._output_tokens))
 
-    def _lead_intervals(self) -> int:
-        """How many intervals ahead to forecast: an instance started now serves once ready, so
-        the rate that matters is the one about its start-up time from now (the mean of the last
-        few instances' start-up, as this host and these instances take it)."""
-        startups = [i.ready_at - i.started_at for i in self.actuator.instances if i.ready_at is not None]
-        recent = startups[-STARTUPS_AVERAGED:]
-        if not recent:
-            return 1
-        return max(1, math.ceil(sum(recent) / len(recent) / self.config.interval_s))
-
-    def _resize(self, role: Role, desired: int, observation: Observation) -> None:
+    def _resize(self, role: Role, desired: int, observation: Observation) -> bool:
+        """Start or stop instances towards ``desired``; whether it changed anything."""
         pool = self._pool(role)
         if desired > len(pool):
             for _ in range(desired - len(pool)):
                 self.actuator.start(role)
-            return
+            return True
         excess = len(pool) - desired
         # A starting instance no gateway has listed yet holds nothing: stopping it is free.
         unseen = [i for i in pool if i.state == "starting" and i.instance_id not in observation.instances]
         for instance in unseen[::-1][:excess]:
             self.actuator.stop(instance)
             excess -= 1
+        changed = excess < len(pool) - desired
         # Never drain a ready instance while others start: the pool would dip below what it
         # serves now. Once they are ready a later interval drains the excess, if any is left.
         if excess == 0 or any(i.state == "starting" for i in self._pool(role)):
-            return
+            return changed
         ready = [i for i in pool if i.state == "ready"]
 
         def busy(instance: ManagedInstance) -> int:
@@ -202,6 +193,7 @@ class Planner:
         # The least busy first, so the drain ends soonest.
         for instance in sorted(ready, key=busy)[:excess]:
             self.actuator.drain(instance)
+        return True
 
     def _report(
         self,

@@ -4,14 +4,17 @@ grows the decode pool, counting the new instance from the moment every gateway r
 when the load ends it drains decode instances that still hold streams, and stops each only
 once its streams have run to their end (none cut); afterwards no KV block is left in use.
 
-The planner runs in this process on its own thread, as ``splitserve planner`` runs it."""
+The planner runs in this process, its ticks called by the test one interval apart as its loop
+calls them, so that it acts on the traffic the test has set up (streams on every decode
+instance before it may shrink the pool)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -20,7 +23,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from launcher.processes import splitserve_command
-from planner.actuator import LocalActuator
+from planner.actuator import LocalActuator, ManagedInstance
 from planner.capacity import Slo, scaled_profile
 from planner.decision import PlannerBounds, Role, RoleBounds
 from planner.loop import Planner, PlannerConfig
@@ -34,11 +37,13 @@ from tests.stores import free_port, start_redis, stop
 
 TIME_SCALE = 4.0  # steps of about 35 ms: streams slow enough for two cores, fast enough for a test
 # At this scale a decode step of n rows at the test's context takes about 32 + 0.7 n ms: the ITL
-# SLO holds 5 streams an instance, 1.3 requests a second of 64 tokens (planner/capacity.py).
-SLO = Slo(ttft_s=1.0, itl_s=0.036)
-NUM_LOAD_STREAMS = 6  # closed loop: about 2.5 requests a second, two decode instances' worth
+# SLO holds 11 streams an instance, 3.2 requests a second of 64 tokens (planner/capacity.py). It
+# sits on a bound of the gateway's ITL buckets (0.02, 0.04): the planner reads a p90 within it.
+SLO = Slo(ttft_s=1.0, itl_s=0.04)
+NUM_LOAD_STREAMS = 10  # closed loop: about 4 requests a second, two decode instances' worth
 LOAD_TOKENS = 64
-LONG_TOKENS = 200  # streams that outlast the drain's decision by seconds
+STREAMS_PER_INSTANCE = 2  # while the pool shrinks: steps of 33 ms, within the SLO
+LONG_TOKENS = 600  # streams of some 20 s: they outlast the down cooldown and the drain's decision
 
 
 @dataclass
@@ -50,6 +55,21 @@ class PlannedCluster:
     def ready(self, role: Role) -> list[str]:
         return [i.instance_id for i in self.actuator.live(role) if i.state == "ready"]
 
+    def tick_until(self, condition: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+        """Run the planner's ticks, one an interval as its loop does, until ``condition`` holds:
+        the test decides when the planner runs, so that it acts on the traffic the test set up."""
+        last_tick = [0.0]
+
+        def tick_then_check() -> bool:
+            if time.monotonic() - last_tick[0] >= self.planner.config.interval_s:
+                last_tick[0] = time.monotonic()
+                tick = self.planner.tick()
+                if tick is not None:
+                    self.planner.history.append(tick)
+            return condition()
+
+        wait_for(tick_then_check, what, timeout_s)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlannedCluster]:
@@ -57,8 +77,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlannedCluster
     profile_path = write_profile(folder)
     redis_process, registry_url = start_redis()
     gateway: HTTPProcess | None = None
-    stop_planner = threading.Event()
-    thread: threading.Thread | None = None
+    actuator: LocalActuator | None = None
     try:
         port = free_port()
         gateway = HTTPProcess(
@@ -107,19 +126,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlannedCluster
                 RoleBounds(1, 1), RoleBounds(1, 3), max_total=4, up_cooldown_s=0.0, down_cooldown_s=3.0
             ),
             interval_s=1.0,
-            predictor="holt",
+            predictor="moving-average",
             prompt_tokens=200,
             output_tokens=LOAD_TOKENS,
         )
         planner = Planner(config, GatewayScraper([gateway.url]), actuator, PlannerMetrics())
         planner.start_initial()
-        thread = threading.Thread(target=planner.run, args=(stop_planner,), name="planner")
-        thread.start()
         yield PlannedCluster(gateway, planner, actuator)
     finally:
-        stop_planner.set()
-        if thread is not None:
-            thread.join(timeout=120)
+        if actuator is not None:
+            actuator.stop_all()
         if gateway is not None:
             gateway.stop()
         stop(redis_process)
@@ -169,17 +185,19 @@ def failed_requests(url: str) -> float:
 def test_the_planner_scales_decode_up_from_readiness_and_down_without_cutting_a_stream(
     cluster: PlannedCluster,
 ) -> None:
-    wait_for(lambda: len(cluster.ready("prefill")) == 1 and len(cluster.ready("decode")) == 1, "one of each ready")
+    cluster.tick_until(
+        lambda: len(cluster.ready("prefill")) == 1 and len(cluster.ready("decode")) == 1, "one of each ready"
+    )
     history = cluster.planner.history
 
     # A step of load: the planner wants more decode instances, and counts one only once ready.
     load = LoadLoop(cluster.gateway.url, NUM_LOAD_STREAMS)
     try:
-        wait_for(lambda: any(t.decision.decode.desired >= 2 for t in history), "the planner to grow decode")
+        cluster.tick_until(lambda: any(t.decision.decode.desired >= 2 for t in history), "the planner to grow decode")
         first_up = next(t for t in history if t.decision.decode.desired >= 2)
         assert first_up.ready["decode"] == 1
         assert first_up.decision.decode.reason in ("load_up", "slo_miss", "max"), first_up.decision
-        wait_for(lambda: len(cluster.ready("decode")) >= 2, "a second decode instance ready", timeout_s=120)
+        cluster.tick_until(lambda: len(cluster.ready("decode")) >= 2, "a second decode instance ready")
     finally:
         results = load.stop()
     assert results and all(result == (LOAD_TOKENS, "length") for result in results), results
@@ -198,7 +216,10 @@ def test_the_planner_scales_decode_up_from_readiness_and_down_without_cutting_a_
             base_url=f"{cluster.gateway.url}/v1", api_key="unused", max_retries=0, timeout=120
         ) as client:
             return await asyncio.gather(
-                *(stream_completion(client, prompt(90_000 + i, 50), LONG_TOKENS) for i in range(3 * len(decode_ids)))
+                *(
+                    stream_completion(client, prompt(90_000 + i, 50), LONG_TOKENS)
+                    for i in range(STREAMS_PER_INSTANCE * len(decode_ids))
+                )
             )
 
     finished: list[list[tuple[int, str | None]]] = []
@@ -206,21 +227,34 @@ def test_the_planner_scales_decode_up_from_readiness_and_down_without_cutting_a_
     ticks_before = len(history)
     streams.start()
     try:
+        # The planner ticks again only once every decode instance holds streams.
         wait_for(
+            lambda: all(instance_metrics(cluster.gateway.url, "num_running").get(i, 0) >= 1 for i in decode_ids),
+            "streams running on every decode instance",
+        )
+        cluster.tick_until(
             lambda: any(i.state == "draining" for i in cluster.actuator.instances),
             "the planner to drain a decode instance",
             timeout_s=60,
         )
         drained = [i for i in cluster.actuator.instances if i.drain_started_at is not None]
-        drain_tick = next(t for t in history[ticks_before:] if t.decision.decode.desired < len(decode_ids))
-        # It drained instances holding streams, which were still running when it did.
-        assert any(drain_tick.observation.instances[i.instance_id].num_running >= 1 for i in drained)
         assert all(i.process.poll() is None for i in drained if i.state == "draining")
     finally:
         streams.join(timeout=120)
-    assert finished and finished[0] == [(LONG_TOKENS, "length")] * (3 * len(decode_ids)), finished
+
+    def running_when_drained(instance: ManagedInstance) -> int:
+        """Requests the instance held at the tick that drained it (the last one before the drain)."""
+        assert instance.drain_started_at is not None
+        tick = max((t for t in history[ticks_before:] if t.at <= instance.drain_started_at), key=lambda t: t.at)
+        return tick.observation.instances[instance.instance_id].num_running
+
+    # It drained instances holding streams, which were still running when it did.
+    assert any(running_when_drained(i) >= 1 for i in drained), [running_when_drained(i) for i in drained]
+    assert finished and finished[0] == [(LONG_TOKENS, "length")] * (STREAMS_PER_INSTANCE * len(decode_ids)), finished
     # Each drained instance stops once idle, and exits cleanly.
-    wait_for(lambda: all(i.state == "stopped" for i in drained), "the drained instances to stop", timeout_s=60)
+    cluster.tick_until(
+        lambda: all(i.state == "stopped" for i in drained), "the drained instances to stop", timeout_s=60
+    )
     assert [i.process.returncode for i in drained] == [0] * len(drained)
     assert failed_requests(cluster.gateway.url) == 0
     # No KV block left in use on the instances that remain.
