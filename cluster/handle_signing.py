@@ -34,7 +34,8 @@ from collections.abc import Iterable, Sequence
 from splitserve.v1 import disaggregation_pb2
 
 PULL_TOKEN_BYTES = 16
-_VERSION = b"splitserve KV handle v4"  # v4: the ranks' connector addresses; v3: chunk digests
+# v5: Medusa's drafts; v4: the ranks' connector addresses; v3: chunk digests
+_VERSION = b"splitserve KV handle v5"
 
 
 class HandleRejected(ValueError):
@@ -102,6 +103,7 @@ def _signed_bytes(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequenc
         handle.pull_token,
         _framed(handle.chunk_digests),
         _framed(address.encode() for address in handle.rank_connector_addresses),
+        _ints(handle.draft_token_ids),
         hashlib.sha256(_ints(prompt_token_ids)).digest(),
     ]
     return _framed(parts)

@@ -133,6 +133,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             first_token_id=None if local else request.first_token_id,
             cache_salt=request.cache_salt or None,
             kv_load_failure_policy=policy,
+            draft_token_ids=None if local else list(handle.draft_token_ids),
         )
         first = True
         num_output_tokens, finish_reason, failure = 0, "", None

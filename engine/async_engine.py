@@ -123,12 +123,14 @@ class AsyncEngine:
         first_token_id: int | None = None,
         cache_salt: str | None = None,
         kv_load_failure_policy: KVLoadFailurePolicy = "recompute",
+        draft_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Stream a request's outputs as the engine produces them, until it finishes.
 
         ``first_token_id`` (decode role): the prompt was prefilled elsewhere and its KV is
         loaded here; ``kv_load_failure_policy`` says what happens if it cannot be (``fail``:
-        the stream ends with finish reason "error"). Raises ValueError (before anything
+        the stream ends with finish reason "error"); ``draft_token_ids``: the prefill
+        instance's Medusa drafts after that token, verified at the first step here. Raises ValueError (before anything
         streams) for input the engine refuses. If the consumer stops iterating early — a
         client disconnected — the request is aborted and its blocks freed."""
         request_id = request_id or uuid.uuid4().hex
@@ -170,6 +172,7 @@ class AsyncEngine:
                 first_token_id=first_token_id,
                 kv_load_failure_policy=kv_load_failure_policy,
                 num_prefill_tokens=num_prefill_tokens,
+                draft_token_ids=draft_token_ids,
             )
         )
         try:

@@ -217,8 +217,10 @@ def _start_instances(
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for index in range(count):
             port = free_port()
-            # Only decode instances speculate; prefill ones sample one token per request.
-            spec = speculative_argv(args) if role == "decode" else []
+            # Decode instances verify drafts. Prefill ones sample one token per request and never
+            # verify, but with Medusa heads they draft once, for the hand-off: they take the
+            # flags too (other methods ignore them there).
+            spec = speculative_argv(args)
             tensor_parallel_size = getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size
             argv = splitserve_command(
                 "--log-level",

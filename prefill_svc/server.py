@@ -173,6 +173,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             pull_token=pull_token,
             chunk_digests=published.chunk_digests,
             rank_connector_addresses=self.instance.connector_rank_addresses,
+            draft_token_ids=handoff.draft_token_ids,
         )
         if self.instance.plane.secret is not None:
             sign_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)

@@ -21,10 +21,10 @@ One step, in call order:
    ``EngineCore._plan_drafts`` asks for as many, and the scheduler fits what it can.
 
 On a prefill instance the heads run once, after the first token: ``Scheduler.kv_handoff`` puts
-their drafts in the ``KVHandoff``, and a decode instance given them
-(``EngineCore.add_request(draft_token_ids=...)``) verifies drafts from its first step. A request
-with neither (a hand-off through services that do not carry the drafts yet) decodes one plain
-step, which gives it a hidden state.
+their drafts in the ``KVHandoff``, prefill_svc puts them in the signed KV handle, and decode_svc
+gives them to its engine (``EngineCore.add_request(draft_token_ids=...)``), which verifies drafts
+from its first step. A request with neither (a P without heads) decodes one plain step, which
+gives it a hidden state.
 
 Checkpoints: engine/spec_decode/medusa_checkpoint.py.
 """

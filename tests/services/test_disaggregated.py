@@ -304,3 +304,29 @@ def test_a_speculating_decode_instance_equals_colocated(model: Path, prefill: Se
         counters = decode.load().counters
         assert counters.num_spec_draft_tokens > 0
         assert counters.num_spec_accepted_tokens == counters.num_spec_draft_tokens
+
+
+def test_medusa_drafts_cross_the_hand_off_in_the_signed_handle(model: Path, colocated: LLM, tmp_path: Path) -> None:
+    """P and D with the same Medusa heads: P's heads draft once after the first token and the
+    drafts travel in the KV handle; D verifies them at its first step. Tokens as colocated."""
+    from tests.engine.spec_decode.medusa_heads import make_medusa_heads
+
+    heads = make_medusa_heads(tmp_path / "heads", "vllm")
+    config = json.dumps({"method": "medusa", "model": str(heads)})
+    with (
+        running("prefill", model, "--speculative-config", config) as p,
+        running("decode", model, "--speculative-config", config) as d,
+    ):
+        prompt = random_prompts([21], seed=29)[0]
+        prefilled = run_prefill(p, "medusa-0", prompt)
+        assert len(prefilled.kv.draft_token_ids) == 3  # one per head
+        tokens, _ = run_decode(d, "medusa-0", prompt, prefilled)
+        assert tokens == expected_tokens(colocated, prompt)
+        # Three tokens in all: D's first step may verify one draft (max_tokens leaves room for no
+        # more), its second none. So exactly one draft verified iff P's drafts came across.
+        drafted = d.load().counters.num_spec_draft_tokens
+        short = generation_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        prefilled = run_prefill(p, "medusa-1", prompt, short)
+        run_decode(d, "medusa-1", prompt, prefilled, sampling=short)
+        assert d.load().counters.num_spec_draft_tokens == drafted + 1
+        assert_all_free(p, d)
