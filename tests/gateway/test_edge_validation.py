@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 import pytest
 
+from gateway.chat_template import RenderStopped
 from gateway.dispatch_request import DispatchRequest, TokenEvent
 from gateway.limits import RequestLimits
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -147,12 +150,31 @@ def test_thousands_of_hostile_requests_get_400_and_give_their_slots_back(
 
 
 def test_a_hundred_thousand_prompts_is_a_400(model: Path, instances: tuple[Service, Service]) -> None:
+    """Refused before any work: no prompt is tokenized, nothing dispatched."""
+
     async def scenario(gateway: InProcessGateway) -> None:
-        started = time.monotonic()
+        service = gateway.service
+        tokenized: list[str] = []
+        dispatched: list[DispatchRequest] = []
+        encode, generate = service.tokenizer.encode, service.dispatcher.generate
+
+        async def counted_encode(text: str, **options: Any) -> list[int]:
+            tokenized.append(text)
+            return await encode(text, **options)
+
+        def counted_generate(request: DispatchRequest) -> AsyncIterator[TokenEvent]:
+            dispatched.append(request)
+            return generate(request)
+
+        service.tokenizer.encode = counted_encode  # type: ignore[method-assign]
+        service.dispatcher.generate = counted_generate  # type: ignore[method-assign]
         response = await post(gateway, "/v1/completions", {**GOOD, "prompt": ["a"] * 100_000})
         error = assert_error(response, 400, "prompt")
         assert error["code"] == "too_many_prompts" and "--max-prompts-per-request" in str(error["message"])
-        assert time.monotonic() - started < 5.0
+        assert tokenized == [] and dispatched == []
+        # The counters see a request that gets through.
+        assert (await post(gateway, "/v1/completions", {**GOOD, "prompt": ["a", "b"]})).status_code == 200
+        assert tokenized == ["a", "b"] and len(dispatched) == 2
 
     # The default body limit (8 MiB) lets the 500 KB body through to the prompt limit.
     run_inprocess(instances, model, scenario, RequestLimits(max_prompts=LIMITS.max_prompts))
@@ -251,23 +273,52 @@ def test_chat_template_kwargs(model: Path, instances: tuple[Service, Service]) -
     run_inprocess(instances, model, scenario, LIMITS)
 
 
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+    """Wait for ``condition``; ``timeout_s`` is only a safety net against a hang, far past the wait."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what} after {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
 def test_a_slow_chat_template_times_out_off_the_event_loop(model: Path, instances: tuple[Service, Service]) -> None:
     async def scenario(gateway: InProcessGateway) -> None:
-        body = {
-            "messages": CHAT,
-            "chat_template_kwargs": {"slow_loops": 20_000},
-        }  # 20 million Jinja loop turns: about 3 s
-        started = time.monotonic()
+        chat_template = gateway.service.tokenizer.chat_template
+        render = chat_template._render
+        loop_thread = threading.get_ident()
+        render_threads: list[int] = []
+        outcomes: list[BaseException | str] = []
+        rendered = threading.Event()
+
+        def observed_render(conversation: list[dict[str, Any]], kwargs: dict[str, Any], stop: threading.Event) -> str:
+            render_threads.append(threading.get_ident())
+            try:
+                text = render(conversation, kwargs, stop)
+            except BaseException as error:
+                outcomes.append(error)
+                raise
+            else:
+                outcomes.append(text)
+                return text
+            finally:
+                rendered.set()
+
+        chat_template._render = observed_render  # type: ignore[method-assign]
+        # 100 million Jinja loop turns (the sandbox's largest range, a thousand times over): many seconds
+        # on any machine against a limit of half a second, so only the time limit can end this render.
+        body = {"messages": CHAT, "chat_template_kwargs": {"slow_loops": 100_000}}
         slow = asyncio.create_task(post(gateway, "/v1/chat/completions", body))
-        await asyncio.sleep(0.1)
-        # The loop is free while the template renders in a worker thread.
-        asked = time.monotonic()
+        await until(lambda: bool(render_threads), "the render to start")
+        # The loop is free while the template renders: it answers, and the render is on another thread.
         assert (await gateway.client.get("/health")).status_code == 200
-        assert time.monotonic() - asked < 1.0
         response = await slow
         error = assert_error(response, 400, "messages")
         assert "--chat-template-timeout" in str(error["message"])
-        assert time.monotonic() - started < LIMITS.chat_template_timeout_s + 1.0
+        assert render_threads and loop_thread not in render_threads, (render_threads, loop_thread)
+        # The render stopped at the time limit rather than running its loops out, freeing its worker.
+        await until(rendered.is_set, "the render to return")
+        assert len(outcomes) == 1 and isinstance(outcomes[0], RenderStopped), outcomes
+        await until(lambda: gateway.service.tokenizer.pool.num_running == 0, "the render's worker to be free")
 
     run_inprocess(instances, model, scenario, LIMITS)
 
