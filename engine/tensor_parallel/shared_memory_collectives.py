@@ -100,9 +100,11 @@ class SharedMemoryCollectives:
         if path:
             with open(path, "r+b") as file:
                 segment = mmap.mmap(file.fileno(), 0)
-        barrier()
-        if rank == 0 and path:
-            os.unlink(path)
+        try:
+            barrier()
+        finally:  # also when a rank never comes: no segment outlives the group's start
+            if rank == 0 and path:
+                os.unlink(path)
         if segment is None or kernels is None:
             return None
         return cls(rank, world_size, segment, slot_bytes, kernels, timeout_s)
