@@ -119,7 +119,8 @@ class Service:
             disaggregation_pb2.LoadReportRequest(), timeout=5.0
         )
 
-    def wait_all_free(self, timeout_s: float = 3.0) -> disaggregation_pb2.LoadReport:
+    def wait_all_free(self, timeout_s: float = 120.0) -> disaggregation_pb2.LoadReport:
+        """The load report once every block is free, or at ``timeout_s`` (a safety net, far past the wait)."""
         deadline = time.monotonic() + timeout_s
         while True:
             report = self.load()
