@@ -5,7 +5,7 @@ error), and afterwards the gateway holds no pending slot and both instances have
 every KV block free.
 
 Bounded: a fixed number of examples per operation (derandomized, so a run is
-repeatable), well under 90 s on two cores."""
+repeatable, and as thorough on a slow machine as on a fast one)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from hypothesis import strategies as st  # noqa: E402
 NUM_BODY_EXAMPLES = 60
 NUM_GET_EXAMPLES = 3
 MAX_MODEL_LEN = 48  # keeps each generation the fuzzer gets through short
-TIME_BUDGET_S = 80.0
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +53,11 @@ def pending_requests(url: str) -> float:
     return float(re.search(r"^splitserve_num_pending_requests (\S+)$", metrics, re.M).group(1))  # type: ignore[union-attr]
 
 
+# Every example runs, however long a loaded machine takes: the limit only stops a hang.
+@pytest.mark.timeout(1800)
 def test_fuzzed_requests_get_no_5xx_and_leak_nothing(stack: tuple[HTTPProcess, Service, Service]) -> None:
     gateway, prefill, decode = stack
     schema = schemathesis.openapi.from_url(f"{gateway.url}/openapi.json")
-    started = time.monotonic()
     num_calls = 0
     failures: list[str] = []
     for result in schema.get_all_operations():
@@ -77,8 +77,6 @@ def test_fuzzed_requests_get_no_5xx_and_leak_nothing(stack: tuple[HTTPProcess, S
         @given(case=strategy)
         def call(case: schemathesis.Case) -> None:
             nonlocal num_calls
-            if time.monotonic() - started > TIME_BUDGET_S:
-                return
             num_calls += 1
             response = case.call(base_url=gateway.url, timeout=60)
             if response.status_code >= 500 or '"internal_error"' in response.text:
@@ -86,9 +84,9 @@ def test_fuzzed_requests_get_no_5xx_and_leak_nothing(stack: tuple[HTTPProcess, S
 
         call()
     assert not failures, f"{len(failures)} of {num_calls} fuzzed requests failed:\n" + "\n".join(failures[:10])
-    assert num_calls >= 300, f"only {num_calls} requests in {TIME_BUDGET_S} s"
+    assert num_calls >= 300, f"only {num_calls} requests: the fuzzer ran out of examples"
     # Background aborts and releases land within moments.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 120  # a safety net
     while pending_requests(gateway.url) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pending_requests(gateway.url) == 0
