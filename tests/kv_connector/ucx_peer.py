@@ -11,10 +11,9 @@ request (``unpublished``); ``state`` prints the state as at exit; ``held`` answe
 ``holding`` once the message ``--hold`` names is held back; ``release`` lets it go, and
 answers once its send is over (``released sent`` or ``released failed``).
 
-``--stall-at-send K --stall-seconds S`` holds back the K-th message the peer sends
-(counting from 1 over the peer's life) for S seconds, without blocking its event loop:
-the other messages of that pull go out, that one does not. ``--hold NAME:K`` holds back
-message K (from 0) of the first pull of request NAME until the ``release`` command.
+``--hold NAME:K`` holds back message K (from 0) of the first pull of request NAME until
+the ``release`` command, without blocking the peer's event loop: the other messages of that
+pull go out, that one does not.
 """
 
 from __future__ import annotations
@@ -68,13 +67,11 @@ _SENDING = contextvars.ContextVar("request id of the pull whose messages this ta
 
 
 class StallingConnector(UCXConnector):
-    """Counts the messages it sends, and holds back the ``stall_at``-th for ``stall_s`` seconds,
-    or message ``hold_index`` of the first pull of ``hold_request`` until :attr:`release` is set."""
+    """Counts the messages it sends, and holds back message ``hold_index`` of the first pull of
+    ``hold_request`` until :attr:`release` is set."""
 
-    def __init__(self, *args, stall_at: int, stall_s: float, hold: str, **kwargs) -> None:
+    def __init__(self, *args, hold: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._stall_at = stall_at
-        self._stall_s = stall_s
         self._hold_request, _, hold_index = hold.partition(":")
         self._hold_index = int(hold_index or -1)
         self.release = asyncio.Event()
@@ -98,14 +95,7 @@ class StallingConnector(UCXConnector):
             self.held = asyncio.ensure_future(held())
             self.holding.set()
             return self.held
-        if self.num_sends != self._stall_at:
-            return super()._send(endpoint, blocks, tag)
-
-        async def stalled() -> None:
-            await asyncio.sleep(self._stall_s)
-            await super(StallingConnector, self)._send(endpoint, blocks, tag)
-
-        return asyncio.ensure_future(stalled())
+        return super()._send(endpoint, blocks, tag)
 
     def state(self) -> PeerState:
         return PeerState(self.num_transfers_in_flight, self.num_connections, self.num_sends, self.num_refused)
@@ -121,8 +111,6 @@ async def serve(args: argparse.Namespace) -> None:
     connector = StallingConnector(
         cache,
         fingerprint(args.model),
-        stall_at=args.stall_at_send,
-        stall_s=args.stall_seconds,
         hold=args.hold,
         idle_timeout_s=args.idle_timeout,
         max_connections=args.max_connections,
@@ -169,8 +157,6 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="tiny-0123")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--stall-at-send", type=int, default=0, help="0: never stall")
-    parser.add_argument("--stall-seconds", type=float, default=0.0)
     parser.add_argument("--hold", default="", metavar="NAME:K", help="hold message K of NAME's first pull")
     parser.add_argument("--max-connections", type=int, default=1024)
     parser.add_argument("--first-frame-timeout", type=float, default=10.0)
