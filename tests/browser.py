@@ -40,8 +40,8 @@ class Browser:
         """The value of ``script`` (a function body: ``return ...``) run in the page."""
         return self._call("POST", "/execute/sync", {"script": script, "args": list(args)})
 
-    def wait_for(self, script: str, timeout_s: float = 30.0) -> Any:
-        """Run ``script`` until it returns something truthy; that value."""
+    def wait_for(self, script: str, timeout_s: float = 120.0) -> Any:
+        """Run ``script`` until it returns something truthy; that value (``timeout_s``: a safety net)."""
         deadline = time.monotonic() + timeout_s
         while True:
             value = self.run(script)

@@ -87,7 +87,7 @@ def test_a_prompt_mostly_cached_on_the_decode_instance_stays_there(model: Path, 
     shared = _prompt(2, 320)  # 20 blocks
     with running_gateway(model, *flags, "--disagg-min-prompt-tokens", "64") as gateway:
         _complete(gateway, shared + _prompt(3, 8))  # through P; D caches the pulled blocks
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 120  # a safety net
         while not _decode_blocks_indexed(gateway) and time.monotonic() < deadline:
             time.sleep(0.1)  # a KV event poll
         answer = _complete(gateway, shared + _prompt(4, 40))  # 360 tokens, 40 of them new to D

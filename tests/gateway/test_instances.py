@@ -116,7 +116,7 @@ def test_an_instance_restarted_at_its_address_is_routed_to_only_once_its_channel
                 with pytest.raises(grpc.aio.AioRpcError):
                     await stub.Check(check, timeout=1)
             server = await serve()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 120  # a safety net
             while True:
                 pool.record_report(address, report("decode"), serving=True)  # its new registration
                 if pool.healthy("decode"):

@@ -79,7 +79,7 @@ def test_kv_lost_on_prefill_is_prefilled_again_and_the_stream_is_unchanged(
         # at its next lease renewal and hands the request back; the gateway prefills it again.
         stub = disaggregation_pb2_grpc.PrefillStub(prefill.channel)
         assert stub.ReleaseKV(disaggregation_pb2.RequestRef(request_id=request_id)).released
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a safety net
         while metric(gateway.url, "splitserve_kv_reprefills_total") < 1:
             assert time.monotonic() < deadline, "the lost KV was never prefilled again"
             time.sleep(0.1)
@@ -105,7 +105,7 @@ def test_max_queue_delay_refuses_at_once_with_retry_after(long_model: Path, pref
         assert (
             httpx.post(f"{gateway.url}/v1/completions", json=completion(prompts[0], 1), timeout=120).status_code == 200
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a safety net
         while (
             metric(gateway.url, "splitserve_instance_pending_prefill_tokens") > 0
         ):  # a report taken mid-prefill says so

@@ -68,7 +68,7 @@ def redis_url() -> Iterator[str]:
         stop(process)
 
 
-async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
     """Poll a condition the code under test must bring about; bounded so that a bug fails rather than hangs."""
     deadline = time.monotonic() + timeout_s
     while not condition():

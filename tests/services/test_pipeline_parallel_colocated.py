@@ -58,7 +58,7 @@ def test_a_colocated_instance_at_pp2_streams_the_offline_tokens(model: Path, col
     assert not survivors(workers)
 
 
-def survivors(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+def survivors(pids: list[int], timeout_s: float = 120.0) -> list[int]:
     """Those of ``pids`` still running once they have all exited or ``timeout_s`` has passed."""
     deadline = time.monotonic() + timeout_s
     while any(exists(pid) for pid in pids) and time.monotonic() < deadline:
