@@ -6,7 +6,6 @@ the running streams. Free blocks are back to total on both sides after each."""
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -63,7 +62,7 @@ def decode_call(
     )
 
 
-def wait_until(condition, timeout_s: float = 30.0) -> None:
+def wait_until(condition, timeout_s: float = 120.0) -> None:  # a safety net
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -86,32 +85,18 @@ def test_control_calls_answer_while_prefill_is_inside_a_long_step(prefill: Servi
         # the engine is computing the next while the calls below come in.
         wait_until(lambda: prefill.load().num_pending_prefill_tokens >= LONG_PROMPT_TOKENS)
         wait_until(lambda: prefill.load().counters.num_steps > steps_before)
-        latencies: dict[str, float] = {}
-
-        def timed(name: str, call):
-            started = time.perf_counter()
-            result = call()
-            latencies[name] = time.perf_counter() - started
-            return result
-
-        report = timed("Load", prefill.load)
-        renewed = timed(
-            "RenewKV",
-            lambda: stub.RenewKV(disaggregation_pb2.RenewKVRequest(request_ids=["ctl-pinned", "nobody"]), timeout=5),
-        )
-        released = timed(
-            "ReleaseKV", lambda: stub.ReleaseKV(disaggregation_pb2.RequestRef(request_id="ctl-pinned"), timeout=5)
-        )
-        health = timed(
-            "Health",
-            lambda: health_pb2_grpc.HealthStub(prefill.channel).Check(health_pb2.HealthCheckRequest(), timeout=5),
-        )
-        aborted = timed("Abort", lambda: stub.Abort(disaggregation_pb2.RequestRef(request_id="ctl-long"), timeout=5))
-        # Every answer came while the long prefill was still computing: nothing waited for the step.
-        assert not long_prefill.done(), f"the prefill step ended before the control calls were answered: {latencies}"
-        # Milliseconds on a quiet machine (bench.control_plane: p99 under 10 ms); a loaded CI host
-        # may delay one answer past 100 ms, never by a step.
-        assert statistics.median(latencies.values()) < 0.1 and max(latencies.values()) < 0.5, latencies
+        report = prefill.load()
+        renewed = stub.RenewKV(disaggregation_pb2.RenewKVRequest(request_ids=["ctl-pinned", "nobody"]), timeout=5)
+        released = stub.ReleaseKV(disaggregation_pb2.RequestRef(request_id="ctl-pinned"), timeout=5)
+        health = health_pb2_grpc.HealthStub(prefill.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        aborted = stub.Abort(disaggregation_pb2.RequestRef(request_id="ctl-long"), timeout=5)
+        # Every answer came while the long prefill was still computing, and none waited for a step
+        # to end: four calls that each did would span four step ends after the report's (the abort
+        # stops the steps), where four answered at once span one at most unless each took about a
+        # step (chunks of "auto" size take about half a second).
+        assert not long_prefill.done(), "the prefill ended before the control calls were answered"
+        num_steps = prefill.load().counters.num_steps - report.counters.num_steps
+        assert num_steps < 4, f"{num_steps} steps ended while four control calls were answered"
         # The report shows the long prompt's work still to do (how many of its chunks are done
         # depends on the machine's speed).
         assert 0 < report.num_pending_prefill_tokens <= LONG_PROMPT_TOKENS
