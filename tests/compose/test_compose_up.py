@@ -115,6 +115,19 @@ class Stack:
         logger.warning("compose test: %s took %.1f s", phase, self.timings[phase])
 
 
+def assert_every_container_stops_on_sigterm(stack: Stack) -> None:
+    """``stop`` every container: podman sends SIGTERM, and SIGKILL (exit code 137) to one still
+    running at its stop timeout, so an exit code other than 137 says it ended on SIGTERM."""
+    running = stack.container_ids(all_states=False)
+    started = time.monotonic()
+    stack.compose("stop", timeout_s=300)
+    stack.timed("stop", started)
+    states = {stack.inspect(cid)["Name"]: stack.inspect(cid)["State"] for cid in running}
+    killed = {name: state["ExitCode"] for name, state in states.items() if state["ExitCode"] == 137}
+    assert running and not killed, f"ignored SIGTERM until killed: {killed}"
+    assert not any(state["Running"] for state in states.values()), states
+
+
 def wait_until_ready(stack: Stack, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     body: dict | str = "no answer"
@@ -252,7 +265,7 @@ def test_chat_and_streaming_run_through_prefill_and_decode_containers(stack: Sta
     assert addresses == {"prefill": "prefill:50061", "decode": "decode:50071"}, addresses
     assert samples[("splitserve_kv_transfer_bytes_total", frozenset())] > 0, "no KV moved from P to D"
     # D's own count, as the gateway last heard it (a heartbeat a second).
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a safety net
     while not all(instance_samples(scrape(stack), "splitserve_instance_kv_transfer_bytes_total", "decode").values()):
         assert time.monotonic() < deadline, "the decode container's load reports never counted a pull"
         time.sleep(0.5)
@@ -340,7 +353,7 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
     chat_and_stream(stack)
     samples = scrape(stack)
     assert samples[("splitserve_kv_transfer_bytes_total", frozenset())] > transferred
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a safety net
     while True:
         pulled = {
             i: v
@@ -354,8 +367,8 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
 
 
 def test_down_leaves_no_container(stack: Stack) -> None:
+    assert_every_container_stops_on_sigterm(stack)
     started = time.monotonic()
     stack.compose("down", "-v", timeout_s=300)
     stack.timed("down", started)
     assert stack.container_ids() == []
-    assert stack.timings["down"] < 30, f"down took {stack.timings['down']:.0f} s: a container ignored SIGTERM"
