@@ -33,8 +33,8 @@ from engine.kv_cache_utils import cdiv
 def borrowed_block_rows(engine: EngineCore, num_rows: int, num_tokens: int) -> Iterator[list[list[int]]]:
     """``num_rows`` rows of blocks, each enough for ``num_tokens`` tokens, taken from the engine's
     pool (evicting cached blocks as any allocation does) and freed on leaving."""
-    if engine.config.tensor_parallel_size > 1:
-        raise ValueError("teacher-forced logits run in one process; use tensor parallel size 1")
+    if engine.config.world_size > 1:
+        raise ValueError("teacher-forced logits run in one process; use tensor and pipeline parallel size 1")
     if engine.has_unfinished_requests():
         raise ValueError("teacher-forced logits need an idle engine: its requests hold blocks the pool would reuse")
     pool = engine.kv_cache_manager.block_pool
