@@ -139,15 +139,17 @@ class BodyCheck:
             raise ValueError(f"--max-request-json-values must be >= 1, got {max_values}")
         self.max_values = max_values
         self.pool = WorkPool("body_check", NUM_WORKERS, MAX_WAITING, MAX_WAITING_PER_CLIENT)
-        self._processes = _worker_processes()
-        self._restart_lock = threading.Lock()  # the pool's threads may find it broken at once
+        # Made on the first large body: even before its workers start, a process pool's queues
+        # start multiprocessing's resource tracker, a process of its own beside every gateway.
+        self._processes: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()  # the pool's threads may make it, or find it broken, at once
 
     async def run(self, model: type[BaseModel], body: bytes, client: str) -> BodyRefusal | None:
         """:func:`check_body` in a worker process. Raises APIError 429 when the client's share
         of the queue is full, 400 when the check runs past :data:`CHECK_TIMEOUT_S`."""
 
         def in_process(_stop: object) -> BodyRefusal | None:
-            processes = self._processes
+            processes = self._current()
             try:
                 return processes.submit(check_body, model, body, self.max_values).result()
             except BrokenProcessPool:
@@ -171,16 +173,26 @@ class BodyCheck:
                 retry_after_s=1.0,
             ) from None
 
+    def _current(self) -> ProcessPoolExecutor:
+        """Worker thread: the process pool, made on the first call."""
+        with self._lock:
+            if self._processes is None:
+                self._processes = _worker_processes()
+            return self._processes
+
     def _restart(self, broken: ProcessPoolExecutor) -> None:
-        """Worker thread: replace a broken process pool, once however many threads found it broken."""
-        with self._restart_lock:
+        """Worker thread: drop a broken process pool (the next call makes a new one), once
+        however many threads found it broken."""
+        with self._lock:
             if self._processes is broken:
                 broken.shutdown(wait=False, cancel_futures=True)
-                self._processes = _worker_processes()
+                self._processes = None
 
     def close(self) -> None:
         self.pool.close()
-        self._processes.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if self._processes is not None:
+                self._processes.shutdown(wait=False, cancel_futures=True)
 
 
 def _worker_processes() -> ProcessPoolExecutor:

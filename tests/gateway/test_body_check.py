@@ -66,3 +66,21 @@ def test_only_bodies_that_may_hold_many_values_go_to_a_worker() -> None:
     assert not needs_worker(small)
     # Separators inside strings count too: text full of commas goes to a worker (never the other way).
     assert needs_worker(json.dumps({"prompt": ", " * INLINE_MAX_BYTES}).encode())
+
+
+def test_no_process_starts_before_the_first_large_body() -> None:
+    """A gateway that never sees a large body runs no worker, nor multiprocessing's resource
+    tracker (which a process pool's queues start at once). In a fresh interpreter: another
+    test's pool may have started this one's tracker already."""
+    import subprocess
+    import sys
+
+    script = (
+        "import psutil\n"
+        "from gateway.body_check import BodyCheck\n"
+        "check = BodyCheck(max_values=1000)\n"
+        "print(len(psutil.Process().children(recursive=True)))\n"
+        "check.close()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "0", result.stderr
