@@ -197,7 +197,16 @@ def test_the_planner_scales_decode_up_from_readiness_and_down_without_cutting_a_
         first_up = next(t for t in history if t.decision.decode.desired >= 2)
         assert first_up.ready["decode"] == 1
         assert first_up.decision.decode.reason in ("load_up", "slo_miss", "max"), first_up.decision
-        cluster.tick_until(lambda: len(cluster.ready("decode")) >= 2, "a second decode instance ready")
+        # Every decode instance it started ready while the load runs (it may have started a third on
+        # an SLO miss): one still starting when the load ends would come up idle, and be the one
+        # the planner drains first, before any holding streams.
+        cluster.tick_until(
+            lambda: (
+                len(cluster.ready("decode")) >= 2
+                and not any(i.state == "starting" for i in cluster.actuator.live("decode"))
+            ),
+            "every decode instance started ready, at least two",
+        )
     finally:
         results = load.stop()
     assert results and all(result == (LOAD_TOKENS, "length") for result in results), results
