@@ -618,15 +618,20 @@ class RefusedPort:
         self._socket.close()
 
 
-async def unreachable_first(pool: InstancePool, fakes: Sequence[FakeInstance], address: str) -> list[grpc.aio.Channel]:
-    """Point the first ``fakes`` of the pool at ``address`` through real gRPC channels: what a
-    dead host's instances look like to the gateway."""
-    channels = []
-    for fake in fakes:
-        channel = grpc.aio.insecure_channel(address)
-        pool.instances[fake.address].channel = channel
-        channels.append(channel)
-    return channels
+async def collect_with_unreachable(
+    pool: InstancePool, dead: Sequence[FakeInstance]
+) -> tuple[list[int], APIError | None]:
+    """Dispatch a request with ``dead`` reached through real gRPC channels to a refused port:
+    what a dead host's instances look like to the gateway."""
+    with RefusedPort() as address:
+        channels = [grpc.aio.insecure_channel(address) for _ in dead]
+        for fake, channel in zip(dead, channels, strict=True):
+            pool.instances[fake.address].channel = channel
+        try:
+            return await collect(Dispatcher(pool))
+        finally:
+            for channel in channels:
+                await channel.close()
 
 
 @in_loop
@@ -638,13 +643,7 @@ async def test_unreachable_decode_instances_do_not_use_up_the_attempts() -> None
     dead = [FakeDecode() for _ in range(MAX_ATTEMPTS + 1)]
     live = FakeDecode()
     pool = make_pool(prefill=[prefill], decode=[*dead, live])
-    with RefusedPort() as address:
-        channels = await unreachable_first(pool, dead, address)
-        try:
-            token_ids, error = await collect(Dispatcher(pool))
-        finally:
-            for channel in channels:
-                await channel.close()
+    token_ids, error = await collect_with_unreachable(pool, dead)
     assert error is None and token_ids == [FIRST, *DECODED]
     assert len(live.requests) == 1 and prefill.released == []  # D took the KV over
     assert not any(is_healthy(pool, fake) for fake in dead) and is_healthy(pool, live)
@@ -656,13 +655,7 @@ async def test_unreachable_prefill_instances_do_not_use_up_the_attempts() -> Non
     live = FakePrefill()
     decode = FakeDecode()
     pool = make_pool(prefill=[*dead, live], decode=[decode])
-    with RefusedPort() as address:
-        channels = await unreachable_first(pool, dead, address)
-        try:
-            token_ids, error = await collect(Dispatcher(pool))
-        finally:
-            for channel in channels:
-                await channel.close()
+    token_ids, error = await collect_with_unreachable(pool, dead)
     assert error is None and token_ids == [FIRST, *DECODED]
     assert len(live.requests) == 1 and not any(is_healthy(pool, fake) for fake in dead)
 
