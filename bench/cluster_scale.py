@@ -46,7 +46,6 @@ import logging
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.error
@@ -69,6 +68,7 @@ from bench.simulated_cluster import (
     split,
     start_gateways,
     start_instances,
+    start_redis,
     wait_until,
 )
 from bench.socket_bytes import SocketBytes, SocketKey, bytes_by_peer, established_sockets
@@ -322,23 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(redis_port=redis_port, log_path=log_path)
     with log_path.open("w") as log:
         try:
-            cluster.processes["redis"] = [
-                subprocess.Popen(
-                    [
-                        "redis-server",
-                        "--bind",
-                        "127.0.0.1",
-                        "--port",
-                        str(redis_port),
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            ]
+            start_redis(cluster, log)
             result = measure(args, cluster, env, log)
         finally:
             cluster.stop()

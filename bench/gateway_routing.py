@@ -30,7 +30,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -51,6 +50,7 @@ from bench.simulated_cluster import (
     split,
     start_gateways,
     start_instances,
+    start_redis,
     wait_until,
 )
 from launcher.processes import free_port
@@ -258,23 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RoundResult] = []
     with log_path.open("w") as log:
         try:
-            cluster.processes["redis"] = [
-                subprocess.Popen(
-                    [
-                        "redis-server",
-                        "--bind",
-                        "127.0.0.1",
-                        "--port",
-                        str(cluster.redis_port),
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )  # fmt: skip
-            ]
+            start_redis(cluster, log)
             model = start(args, cluster, env, log)
             for round_index in range(args.rounds + 1):
                 for mode in MODES if round_index % 2 == 0 else reversed(MODES):

@@ -137,6 +137,13 @@ def wait_until(cluster: Cluster, condition: Callable[[], bool], what: str) -> No
         time.sleep(0.5)
 
 
+def start_redis(cluster: Cluster, log: IO[bytes]) -> None:
+    """The registry on the cluster's port, with nothing saved to disk."""
+    command = ["redis-server", "--bind", "127.0.0.1", "--port", str(cluster.redis_port), "--save", "",
+               "--appendonly", "no"]  # fmt: skip
+    cluster.processes["redis"] = [subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)]
+
+
 def start_gateways(cluster: Cluster, args: argparse.Namespace, env: dict[str, str], log: IO[bytes]) -> None:
     for index in range(args.num_gateways):
         port = free_port()
