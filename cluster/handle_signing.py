@@ -34,8 +34,8 @@ from collections.abc import Iterable, Sequence
 from splitserve.v1 import disaggregation_pb2
 
 PULL_TOKEN_BYTES = 16
-# v5: Medusa's drafts; v4: the ranks' connector addresses; v3: chunk digests
-_VERSION = b"splitserve KV handle v5"
+# v6: the fingerprint's pipeline stages; v5: Medusa's drafts; v4: the ranks' connector addresses; v3: chunk digests
+_VERSION = b"splitserve KV handle v6"
 
 
 class HandleRejected(ValueError):
@@ -97,6 +97,7 @@ def _signed_bytes(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequenc
                         fingerprint.tensor_parallel_size,
                     ]
                 ),
+                _ints(fingerprint.stage_first_layers),
             ]
         ),
         struct.pack("<d", handle.lease_s),

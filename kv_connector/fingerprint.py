@@ -14,6 +14,7 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 from engine.gguf_files import gguf_digest, is_gguf
+from kv_connector.layer_plan import KVLayout
 
 # Bytes of each weights file folded into the model identity: enough to tell two
 # fine-tunes of one architecture apart without reading gigabytes.
@@ -23,7 +24,7 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_o
 
 
 # Fields that say how an instance splits its KV, not what the KV is.
-LAYOUT_FIELDS = frozenset({"tensor_parallel_size"})
+LAYOUT_FIELDS = frozenset({"tensor_parallel_size", "stage_first_layers"})
 
 
 class FingerprintMismatchError(ValueError):
@@ -41,18 +42,38 @@ class Fingerprint:
     num_kv_heads: int
     head_dim: int
     tensor_parallel_size: int = 1
+    # Each pipeline stage's first layer (engine/pipeline_parallel/stages.py); (0,): one stage.
+    stage_first_layers: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        # A fingerprint read back from JSON carries a list: kept as a tuple, so that equal ones compare equal.
+        object.__setattr__(self, "stage_first_layers", tuple(self.stage_first_layers))
+
+    @property
+    def layout(self) -> KVLayout:
+        """How this instance splits a block's KV between its ranks."""
+        return KVLayout(self.num_layers, self.tensor_parallel_size, self.stage_first_layers)
 
     def check_compatible(self, other: Fingerprint, this_side: str = "this instance", other_side: str = "peer") -> None:
-        """Raise :class:`FingerprintMismatchError` naming every field that differs, with both values.
-        The tensor-parallel size may differ: each side splits the same KV heads its own way, and
-        a pull maps one layout onto the other head by head (kv_connector/head_plan.py)."""
+        """Raise :class:`FingerprintMismatchError` naming every field that differs, with both values,
+        and both sides' shapes (TP x PP). The shapes may differ: each side splits the same KV its own
+        way, and a pull maps one split onto the other, (layer range, head span) by span
+        (kv_connector/layer_plan.py); a split that is no split of the model's layers is refused."""
         differences = [
             f"{field.name}: {this_side} has {mine!r}, {other_side} has {theirs!r}"
             for field, mine, theirs in zip(fields(self), astuple(self), astuple(other), strict=True)
             if mine != theirs and field.name not in LAYOUT_FIELDS
         ]
+        differences += [
+            f"{side}'s split is no split of its model: {error}"
+            for side, fingerprint in ((this_side, self), (other_side, other))
+            if (error := fingerprint.layout.error()) is not None
+        ]
         if differences:
-            raise FingerprintMismatchError("KV caches are incompatible, refusing to pair: " + "; ".join(differences))
+            raise FingerprintMismatchError(
+                f"KV caches are incompatible, refusing to pair {this_side} at {self.layout.describe()} with "
+                f"{other_side} at {other.layout.describe()}: " + "; ".join(differences)
+            )
 
 
 def model_identity(model_path: Path) -> str:

@@ -151,6 +151,8 @@ def decode_pull_body(credentials: PullCredentials, data: bytes | memoryview) -> 
         _require(getattr(parsed_fingerprint, name), kind, f"fingerprint.{name}")
     for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size"):
         _require(getattr(parsed_fingerprint, name), int, f"fingerprint.{name}")
+    if not all(_is_int(first) for first in parsed_fingerprint.stage_first_layers):
+        raise WireError("fingerprint.stage_first_layers must be integers")
     block_ids = _require(body.get("block_ids"), list, "block_ids")
     if not all(_is_int(b) and b >= 0 for b in block_ids):
         raise WireError("block_ids must be non-negative integers")

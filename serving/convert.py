@@ -48,6 +48,7 @@ def fingerprint_to_proto(fingerprint: Fingerprint) -> disaggregation_pb2.Fingerp
         num_kv_heads=fingerprint.num_kv_heads,
         head_dim=fingerprint.head_dim,
         tensor_parallel_size=fingerprint.tensor_parallel_size,
+        stage_first_layers=fingerprint.stage_first_layers,
     )
 
 
@@ -60,6 +61,7 @@ def fingerprint_from_proto(message: disaggregation_pb2.Fingerprint) -> Fingerpri
         num_kv_heads=message.num_kv_heads,
         head_dim=message.head_dim,
         tensor_parallel_size=message.tensor_parallel_size,
+        stage_first_layers=tuple(message.stage_first_layers) or (0,),
     )
 
 

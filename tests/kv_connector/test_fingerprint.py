@@ -40,6 +40,36 @@ def test_tensor_parallel_sizes_may_differ() -> None:
     wide.check_compatible(BASE)
 
 
+def test_pipeline_shapes_may_differ() -> None:
+    """P and D may split the layers into different stages (and heads over different TP sizes):
+    a pull maps one split onto the other span by span (kv_connector/layer_plan.py)."""
+    fields = {f: getattr(BASE, f) for f in BASE.__slots__}
+    shapes = [
+        Fingerprint(**{**fields, "stage_first_layers": (0, 15)}),
+        Fingerprint(**{**fields, "stage_first_layers": [0, 10, 20], "tensor_parallel_size": 3}),  # as JSON has it
+        BASE,
+    ]
+    for mine in shapes:
+        for theirs in shapes:
+            mine.check_compatible(theirs)
+
+
+def test_a_split_that_is_no_split_of_the_model_is_refused_naming_both_shapes() -> None:
+    fields = {f: getattr(BASE, f) for f in BASE.__slots__}
+    beyond = Fingerprint(**{**fields, "stage_first_layers": (0, 30), "tensor_parallel_size": 3})
+    with pytest.raises(FingerprintMismatchError) as refused:
+        BASE.check_compatible(beyond, this_side="decode", other_side="prefill")
+    assert str(refused.value) == (
+        "KV caches are incompatible, refusing to pair decode at TP 1 x PP 1 (stages from layers 0) with prefill at "
+        "TP 3 x PP 2 (stages from layers 0, 30): prefill's split is no split of its model: stages from layers "
+        "[0, 30]: each must hold at least one of the 30 layers"
+    )
+    # Another difference is named with both shapes too.
+    other = Fingerprint(**{**fields, "block_size": 32, "stage_first_layers": (0, 15)})
+    with pytest.raises(FingerprintMismatchError, match=r"TP 1 x PP 1 .* TP 1 x PP 2 \(stages from layers 0, 15\)"):
+        BASE.check_compatible(other)
+
+
 def test_model_identity_tells_weights_and_configs_apart(tmp_path: Path) -> None:
     a = make_checkpoint(tmp_path / "same", seed=0)
     b = make_checkpoint(tmp_path / "other" / "same", seed=1)  # same name and config, other weights
