@@ -466,8 +466,8 @@ def _routing_rates(candidates: list[InstanceState], now: float) -> dict[int, flo
 
 def kv_compatible(a: disaggregation_pb2.Fingerprint, b: disaggregation_pb2.Fingerprint) -> bool:
     """One instance's KV means the same in the other's cache: every fingerprint field equal but
-    the tensor-parallel size, since a pull maps one split of the KV heads onto another (the
-    instances' own check: kv_connector/fingerprint.py)."""
+    the tensor-parallel size and the pipeline stages, since a pull maps one split of the KV heads
+    and layers onto another (the instances' own check: kv_connector/fingerprint.py)."""
     return _kv_identity(a) == _kv_identity(b)
 
 
@@ -475,4 +475,5 @@ def _kv_identity(fingerprint: disaggregation_pb2.Fingerprint) -> disaggregation_
     identity = disaggregation_pb2.Fingerprint()
     identity.CopyFrom(fingerprint)
     identity.ClearField("tensor_parallel_size")
+    identity.ClearField("stage_first_layers")
     return identity
