@@ -55,13 +55,18 @@ into a staging buffer and sends that, and D receives it straight into its blocks
 span is all of its own heads, or into a staging buffer it scatters into its heads otherwise.
 Without a span (same layout on both sides) nothing is staged.
 
+Pipeline parallelism: each rank's cache holds its stage's layers alone, so a pull may also name
+a range of P's layers (``PullRequest.layers``); the layer plan (kv_connector/layer_plan.py) gives
+each D rank its (layer range, head span) pulls, each from the P rank holding it, and P copies
+that range of those heads out of each message's blocks as it copies a head span.
+
 Who may pull: P serves a pull only for a request it published, only of that request's
 blocks, and, when it published with a pull token (the prefill service always does; the
 token travels in the signed KV handle), only to a pull presenting that token, compared in
 constant time before anything past the request's fixed frame is parsed
 (:func:`~kv_connector.wire.read_pull_credentials`), and only once: a handle is good for
-one pull of each span of heads the head plan gives this rank for the pulling instance's
-layout (one span, without tensor parallelism). ucxx 0.52's listener binds every address
+one pull of each (layer range, head span) the layer plan gives this rank for the pulling
+instance's layout (one, when both are one rank). ucxx 0.52's listener binds every address
 (it takes none); on a loopback host the connector limits UCX's data lanes to ``lo``
 (:mod:`kv_connector.ucx_context`), elsewhere firewall the KV port (docs/security.md).
 Whoever reaches the port gets little before proving anything: at most ``max_connections``
@@ -103,7 +108,7 @@ from kv_connector.base import (
     combined_stats,
 )
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
-from kv_connector.head_plan import plan_head_pulls
+from kv_connector.layer_plan import KVSpan, plan_kv_pulls
 from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop
 from kv_connector.ucx_messages import (
     Endpoint,
@@ -167,9 +172,9 @@ class _Published:
 
     block_ids: frozenset[int]
     pull_token: bytes | None
-    # With a token: the head spans (first, count) the pulling instance's ranks may still pull,
-    # from the head plan for its layout, set by its first pull; each is good once.
-    spans_left: Counter[tuple[int, int]] | None = None
+    # With a token: the spans (layer first, count, head first, count) the pulling instance's ranks
+    # may still pull, from the layer plan for its layout, set by its first pull; each is good once.
+    spans_left: Counter[_SpanKey] | None = None
 
 
 class _StaleConnection(Exception):
@@ -188,15 +193,19 @@ class UCXConnector(KVConnector):
         max_connections: int = MAX_CONNECTIONS,
         first_frame_timeout_s: float = FIRST_FRAME_TIMEOUT_S,
         tensor_parallel_rank: int = 0,
+        pipeline_stage: int = 0,
     ) -> None:
         """``max_message_blocks``: the most blocks D puts in one message (default: ``MAX_MESSAGE_BYTES``
         worth, at least one). Only the pulling side's value matters: it names the messages.
         ``idle_timeout_s``: P closes a connection that has carried no pull for this long;
         ``max_connections``: P serves at most this many at once; ``first_frame_timeout_s``: P
         closes a connection whose first header has not come after this long;
-        ``tensor_parallel_rank``: the rank whose cache this is (its KV heads are that rank's)."""
+        ``tensor_parallel_rank``, ``pipeline_stage``: the rank whose cache this is (its KV heads
+        of its stage's layers are that rank's)."""
         super().__init__(kv_cache, fingerprint)
         self.tensor_parallel_rank = tensor_parallel_rank
+        # This rank's place in its instance's stage-major order (kv_connector/layer_plan.py).
+        self.rank = pipeline_stage * fingerprint.tensor_parallel_size + tensor_parallel_rank
         if max_message_blocks is not None and max_message_blocks < 1:
             raise ValueError(f"max_message_blocks must be >= 1, got {max_message_blocks}")
         for name, seconds in (("idle_timeout_s", idle_timeout_s), ("first_frame_timeout_s", first_frame_timeout_s)):
@@ -350,16 +359,18 @@ class UCXConnector(KVConnector):
         self._num_transfers += 1
         reply_sent = send_header(endpoint, reply)
         sends: deque[asyncio.Future] = deque()
-        heads = self._head_span(request)
+        span = self._span(request)
         try:
             await asyncio.sleep(0)  # post the reply now, ahead of the first message
             for index, (first, count) in enumerate(message_spans(request.block_ids, request.message_blocks)):
                 if len(sends) >= WINDOW:
                     await sends.popleft()
-                if heads is None:
+                if span is None:
                     payload = self._blocks(first, count)
-                else:  # a span of this rank's heads: copied out, and kept alive by the send's closure
-                    payload = wire_buffer(self.kv_cache[first : first + count, :, :, :, heads[0] : sum(heads)].clone())
+                else:  # a span of this rank's layers and heads: copied out, and kept alive by the send's closure
+                    layer, num_layers, head, num_heads = span
+                    blocks = self.kv_cache[first : first + count, layer : layer + num_layers]
+                    payload = wire_buffer(blocks[:, :, :, :, head : head + num_heads].clone())
                 sends.append(self._send(endpoint, payload, message_tag(pull_number, index)))
             await asyncio.gather(reply_sent, *sends)
         except BaseException:
@@ -375,11 +386,19 @@ class UCXConnector(KVConnector):
     def num_local_heads(self) -> int:
         return self.kv_cache.shape[4]
 
-    def _head_span(self, request: PullRequest) -> tuple[int, int] | None:
-        """The (first, count) of this rank's heads a pull sends; None: all of them, unstaged."""
-        if request.heads is None or request.heads == [0, self.num_local_heads]:
-            return None
-        return request.heads[0], request.heads[1]
+    @property
+    def num_local_layers(self) -> int:
+        return self.kv_cache.shape[1]
+
+    @property
+    def _whole(self) -> _SpanKey:
+        return (0, self.num_local_layers, 0, self.num_local_heads)
+
+    def _span(self, request: PullRequest) -> _SpanKey | None:
+        """The (layer first, count, head first, count) of this rank's cache a pull sends; None:
+        all of it, unstaged."""
+        span = _span_key(request, self._whole)
+        return None if span == self._whole else span
 
     def _forget_reader(self, request_id: str, task: asyncio.Task) -> None:
         readers = self._readers.get(request_id)
@@ -403,19 +422,17 @@ class UCXConnector(KVConnector):
         else:
             published = self._published[request.request_id]
             if published.spans_left is not None:
-                published.spans_left[_span_key(request, self.num_local_heads)] -= 1  # spent: good once
+                published.spans_left[_span_key(request, self._whole)] -= 1  # spent: good once
         return reply, request
 
-    def _spans_allowed(self, fingerprint: Fingerprint) -> Counter[tuple[int, int]]:
-        """The head spans of this rank that the ranks of an instance of ``fingerprint``'s layout pull."""
-        plans = plan_head_pulls(
-            self.fingerprint.num_kv_heads, self.fingerprint.tensor_parallel_size, fingerprint.tensor_parallel_size
-        )
+    def _spans_allowed(self, fingerprint: Fingerprint) -> Counter[_SpanKey]:
+        """The spans of this rank that the ranks of an instance of ``fingerprint``'s layout pull."""
+        plans = plan_kv_pulls(self.fingerprint.num_kv_heads, self.fingerprint.layout, fingerprint.layout)
         return Counter(
-            (span.source_start, span.num_heads)
+            (span.source_layer_start, span.num_layers, span.source_head_start, span.num_heads)
             for spans in plans
             for span in spans
-            if span.source_rank == self.tensor_parallel_rank
+            if span.source_rank == self.rank
         )
 
     def _check(self, data: bytes) -> tuple[PullReply, PullRequest | None]:
@@ -442,10 +459,14 @@ class UCXConnector(KVConnector):
             self.fingerprint.check_compatible(request.fingerprint, "prefill", "decode")
         except FingerprintMismatchError as error:
             return PullReply(ok=False, error=str(error)), None
-        span = _span_key(request, self.num_local_heads)
-        if span[0] + span[1] > self.num_local_heads:
+        span = _span_key(request, self._whole)
+        if span[2] + span[3] > self.num_local_heads:
             return PullReply(
                 ok=False, error=f"heads {request.heads} outside this rank's {self.num_local_heads} KV heads"
+            ), None
+        if span[0] + span[1] > self.num_local_layers:
+            return PullReply(
+                ok=False, error=f"layers {request.layers} outside this rank's {self.num_local_layers} layers"
             ), None
         if published.pull_token is not None:
             if published.spans_left is None:
@@ -454,7 +475,7 @@ class UCXConnector(KVConnector):
                 return PullReply(
                     ok=False,
                     error=f"the pull token for request {request.request_id!r} was spent: a KV handle serves one pull "
-                    "of each head span",
+                    "of each (layer range, head span)",
                 ), None
         if not published.block_ids.issuperset(request.block_ids):
             return PullReply(
@@ -467,52 +488,67 @@ class UCXConnector(KVConnector):
         self.check_block_ids(request.block_ids)  # published by the engine: in range unless there is a bug
         reply = PullReply(
             ok=True,
-            num_bytes=len(request.block_ids) * self._bytes_per_block_of(span[1]),
-            shape=self._block_shape(span[1]),
+            num_bytes=len(request.block_ids) * self._bytes_per_block_of(span[3], span[1]),
+            shape=self._block_shape(span[3], span[1]),
             dtype=str(self.kv_cache.dtype).removeprefix("torch."),
         )
         return reply, request
 
-    def _block_shape(self, num_heads: int | None = None) -> list[int]:
-        """One block's shape on the wire: all of this rank's heads, or ``num_heads`` of them."""
+    def _block_shape(self, num_heads: int, num_layers: int) -> list[int]:
+        """One block's shape on the wire: ``num_heads`` of this rank's heads of ``num_layers`` of its layers."""
         shape = list(self.kv_cache.shape[1:])
-        if num_heads is not None:
-            shape[3] = num_heads
+        shape[0], shape[3] = num_layers, num_heads
         return shape
 
-    def _bytes_per_block_of(self, num_heads: int) -> int:
-        return self.bytes_per_block // self.num_local_heads * num_heads
+    def _bytes_per_block_of(self, num_heads: int, num_layers: int) -> int:
+        return self.bytes_per_block // (self.num_local_heads * self.num_local_layers) * num_heads * num_layers
 
     # ------------------------------------------------------------- D: pulling
 
     async def pull(
         self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
     ) -> TransferStats:
-        """This rank's share: its KV heads, each from the P rank the head plan names
-        (kv_connector/head_plan.py; one whole-block pull from P when both are one rank)."""
+        """This rank's share: its KV heads of its layers, each (layer range, head span) from the P
+        rank the layer plan names (kv_connector/layer_plan.py; one whole-block pull from P when
+        both are one rank)."""
         self.check_source(source)
         addresses = source.rank_addresses or (source.address,)
-        if len(addresses) != source.fingerprint.tensor_parallel_size:
+        source_layout = source.fingerprint.layout
+        if len(addresses) != source_layout.num_ranks:
             raise KVTransferError(
                 f"the KV handle names {len(addresses)} rank addresses for a prefill instance of "
-                f"{source.fingerprint.tensor_parallel_size} ranks"
+                f"{source_layout.num_ranks} ranks ({source_layout.describe()})"
             )
-        plan = plan_head_pulls(self.fingerprint.num_kv_heads, len(addresses), self.fingerprint.tensor_parallel_size)
+        plan = plan_kv_pulls(self.fingerprint.num_kv_heads, source_layout, self.fingerprint.layout)
         stats = await asyncio.gather(
             *(
-                self.pull_heads(
-                    source,
-                    addresses[span.source_rank],
-                    block_ids,
-                    num_local_hit_blocks,
-                    timeout_s,
-                    source_heads=(span.source_start, span.num_heads),
-                    target_start=span.target_start,
-                )
-                for span in plan[self.tensor_parallel_rank]
+                self.pull_span(source, addresses[span.source_rank], block_ids, num_local_hit_blocks, timeout_s, span)
+                for span in plan[self.rank]
             )
         )
         return combined_stats(stats)
+
+    async def pull_span(
+        self,
+        source: KVSource,
+        address: str,
+        block_ids: list[int],
+        num_local_hit_blocks: int,
+        timeout_s: float,
+        span: KVSpan,
+    ) -> TransferStats:
+        """:meth:`pull_heads` of one span of the layer plan."""
+        return await self.pull_heads(
+            source,
+            address,
+            block_ids,
+            num_local_hit_blocks,
+            timeout_s,
+            source_heads=(span.source_head_start, span.num_heads),
+            target_start=span.target_head_start,
+            source_layers=(span.source_layer_start, span.num_layers),
+            target_layer_start=span.target_layer_start,
+        )
 
     async def pull_heads(
         self,
@@ -523,13 +559,21 @@ class UCXConnector(KVConnector):
         timeout_s: float,
         source_heads: tuple[int, int] | None = None,
         target_start: int = 0,
+        source_layers: tuple[int, int] | None = None,
+        target_layer_start: int = 0,
     ) -> TransferStats:
         """:meth:`pull` from the rank at ``address``, of the span ``source_heads`` (first, count)
         of its heads (None: all of them, which must be all of this rank's) into this rank's
-        heads from ``target_start`` on (kv_connector/head_plan.py says which)."""
+        heads from ``target_start`` on, and likewise of the range ``source_layers`` of its layers
+        into this rank's from ``target_layer_start`` on (kv_connector/layer_plan.py says which)."""
         num_heads = source_heads[1] if source_heads is not None else self.num_local_heads
+        num_layers = source_layers[1] if source_layers is not None else self.num_local_layers
         if target_start + num_heads > self.num_local_heads:
             raise KVTransferError(f"heads {target_start}..{target_start + num_heads} outside this rank's (bug)")
+        if target_layer_start + num_layers > self.num_local_layers:
+            raise KVTransferError(
+                f"layers {target_layer_start}..{target_layer_start + num_layers} outside this rank's (bug)"
+            )
         remote_blocks = list(source.block_ids[num_local_hit_blocks:])
         local_blocks = block_ids[num_local_hit_blocks:]
         if len(remote_blocks) != len(local_blocks):
@@ -540,7 +584,14 @@ class UCXConnector(KVConnector):
         self.check_block_ids(local_blocks)
         start = time.perf_counter()
         message_blocks = plan_messages(remote_blocks, local_blocks, self.max_message_blocks)
-        heads = _HeadTransfer(list(source_heads) if source_heads is not None else None, target_start, num_heads)
+        heads = _HeadTransfer(
+            list(source_heads) if source_heads is not None else None,
+            target_start,
+            num_heads,
+            list(source_layers) if source_layers is not None else None,
+            target_layer_start,
+            num_layers,
+        )
         await bounded_transfer(
             self._pull(source, address, remote_blocks, local_blocks, message_blocks, heads),
             timeout_s,
@@ -548,7 +599,7 @@ class UCXConnector(KVConnector):
         )
         return TransferStats(
             num_blocks=len(local_blocks),
-            num_bytes=len(local_blocks) * self._bytes_per_block_of(num_heads),
+            num_bytes=len(local_blocks) * self._bytes_per_block_of(num_heads, num_layers),
             seconds=time.perf_counter() - start,
             num_messages=len(message_blocks),
         )
@@ -610,16 +661,17 @@ class UCXConnector(KVConnector):
         reply_task: asyncio.Future | None = None
         refused = False  # P said no: it sends nothing, so nothing it started can still land
 
-        staged = heads.num_heads != self.num_local_heads
+        staged = heads.num_heads != self.num_local_heads or heads.num_layers != self.num_local_layers
 
         def post_receive() -> None:
             nonlocal num_posted
             first, count = spans[num_posted]
             tag = message_tag(pull_number, num_posted)
-            if staged:  # a span of this rank's heads: received whole, then put in place
-                staging = self.kv_cache.new_empty((count, *self._block_shape(heads.num_heads)))
+            if staged:  # a span of this rank's layers and heads: received whole, then put in place
+                staging = self.kv_cache.new_empty((count, *self._block_shape(heads.num_heads, heads.num_layers)))
                 receive = endpoint.recv(wire_buffer(staging), tag=tag)
-                target = self.kv_cache[first : first + count, :, :, :, heads.target_start : heads.target_stop]
+                layers = self.kv_cache[first : first + count, heads.target_layer_start : heads.target_layer_stop]
+                target = layers[:, :, :, :, heads.target_start : heads.target_stop]
                 receives.append(asyncio.ensure_future(_then_copy(receive, staging, target)))
             else:
                 receives.append(asyncio.ensure_future(endpoint.recv(self._blocks(first, count), tag=tag)))
@@ -632,6 +684,7 @@ class UCXConnector(KVConnector):
             message_blocks,
             source.pull_token,
             heads=heads.source,
+            layers=heads.source_layers,
         )
         try:
             try:
@@ -650,7 +703,7 @@ class UCXConnector(KVConnector):
                 raise
             reply = self._decode_reply(address, data)
             refused = not reply.ok
-            self._check_reply(address, reply, len(remote_blocks), heads.num_heads)
+            self._check_reply(address, reply, len(remote_blocks), heads.num_heads, heads.num_layers)
             while receives:
                 await receives.popleft()
                 if num_posted < len(spans):
@@ -670,11 +723,11 @@ class UCXConnector(KVConnector):
         except WireError as error:
             raise KVTransferError(f"prefill instance {address} sent {error}") from None
 
-    def _check_reply(self, address: str, reply: PullReply, num_blocks: int, num_heads: int) -> None:
+    def _check_reply(self, address: str, reply: PullReply, num_blocks: int, num_heads: int, num_layers: int) -> None:
         if not reply.ok:
             raise KVTransferError(f"prefill instance {address} refused the pull: {reply.error}")
-        expected_shape = self._block_shape(num_heads)
-        expected_bytes = num_blocks * self._bytes_per_block_of(num_heads)
+        expected_shape = self._block_shape(num_heads, num_layers)
+        expected_bytes = num_blocks * self._bytes_per_block_of(num_heads, num_layers)
         expected_dtype = str(self.kv_cache.dtype).removeprefix("torch.")
         if reply.shape != expected_shape or reply.num_bytes != expected_bytes or reply.dtype != expected_dtype:
             raise KVTransferError(
@@ -714,19 +767,33 @@ class UCXConnector(KVConnector):
 
 @dataclass(frozen=True, slots=True)
 class _HeadTransfer:
-    """D: which of P's heads a pull asks for (None: all) and where they land in this rank's."""
+    """D: which of P's heads and layers a pull asks for (None: all) and where they land in this rank's."""
 
     source: list[int] | None  # [first, count] of P's heads
     target_start: int
     num_heads: int
+    source_layers: list[int] | None = None  # [first, count] of P's layers
+    target_layer_start: int = 0
+    num_layers: int = 0
 
     @property
     def target_stop(self) -> int:
         return self.target_start + self.num_heads
 
+    @property
+    def target_layer_stop(self) -> int:
+        return self.target_layer_start + self.num_layers
 
-def _span_key(request: PullRequest, num_local_heads: int) -> tuple[int, int]:
-    return (request.heads[0], request.heads[1]) if request.heads is not None else (0, num_local_heads)
+
+# (layer first, layer count, head first, head count) of a rank's own layers and heads.
+_SpanKey = tuple[int, int, int, int]
+
+
+def _span_key(request: PullRequest, whole: _SpanKey) -> _SpanKey:
+    """What a pull asks for of the serving rank's cache, whose all is ``whole``."""
+    layers = (request.layers[0], request.layers[1]) if request.layers is not None else whole[:2]
+    heads = (request.heads[0], request.heads[1]) if request.heads is not None else whole[2:]
+    return (*layers, *heads)
 
 
 async def _then_copy(receive: Awaitable[object], staging: torch.Tensor, target: torch.Tensor) -> None:

@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 from kv_connector.fingerprint import Fingerprint
 
+# 6: a pull may name a range of P's layers (pipeline stages of different splits);
 # 5: a pull request's request id and token come first, in a fixed frame read before its JSON;
 # 4: a pull may name a span of P's KV heads (tensor parallelism of different sizes); 3: pulls
 # present P's pull token; 2: zero-copy messages of whole blocks; 1 sent gathered chunks.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_ID_BYTES = 1024  # the gateway's ids are a few dozen characters
 MAX_PULL_TOKEN_BYTES = 64  # P makes 16 (cluster/handle_signing.py)
@@ -52,6 +53,8 @@ class PullRequest:
     pull_token: bytes = field(default=b"", repr=False)
     # [first, count] of P's own KV heads to send (the KV head plan's span), or None: all of them.
     heads: list[int] | None = None
+    # [first, count] of P's own layers to send (the layer plan's range), or None: all of them.
+    layers: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,7 @@ def encode(message: PullRequest | PullReply) -> bytes:
         "fingerprint": asdict(message.fingerprint),
         "message_blocks": message.message_blocks,
         "heads": message.heads,
+        "layers": message.layers,
     }
     return frame + request_id + message.pull_token + _json(body)
 
@@ -138,7 +142,7 @@ def decode_pull_request(data: bytes) -> PullRequest:
 
 
 def decode_pull_body(credentials: PullCredentials, data: bytes | memoryview) -> PullRequest:
-    """The JSON after a pull request's frame: its fingerprint, block ids, message plan and heads."""
+    """The JSON after a pull request's frame: its fingerprint, block ids, message plan, heads and layers."""
     body = _object(data, versioned=False)
     fingerprint = body.get("fingerprint")
     if not isinstance(fingerprint, dict):
@@ -159,11 +163,7 @@ def decode_pull_body(credentials: PullCredentials, data: bytes | memoryview) -> 
     message_blocks = _require(body.get("message_blocks"), list, "message_blocks")
     if not all(_is_int(n) and n > 0 for n in message_blocks):
         raise WireError("message_blocks must be positive integers")
-    heads = body.get("heads")
-    if heads is not None and not (
-        isinstance(heads, list) and len(heads) == 2 and all(_is_int(n) for n in heads) and heads[0] >= 0 < heads[1]
-    ):
-        raise WireError("heads must be [first, count] with first >= 0 and count > 0")
+    heads, layers = _span(body, "heads"), _span(body, "layers")
     return PullRequest(
         request_id=credentials.request_id,
         block_ids=block_ids,
@@ -171,7 +171,18 @@ def decode_pull_body(credentials: PullCredentials, data: bytes | memoryview) -> 
         message_blocks=message_blocks,
         pull_token=credentials.pull_token,
         heads=heads,
+        layers=layers,
     )
+
+
+def _span(body: dict[str, object], name: str) -> list[int] | None:
+    """A pull request's ``[first, count]`` of P's heads or layers (None: all of them)."""
+    span = body.get(name)
+    if span is None:
+        return None
+    if not (isinstance(span, list) and len(span) == 2 and all(_is_int(n) for n in span) and span[0] >= 0 < span[1]):
+        raise WireError(f"{name} must be [first, count] with first >= 0 and count > 0")
+    return span
 
 
 def decode_pull_reply(data: bytes) -> PullReply:
