@@ -15,6 +15,11 @@ sequence number it saw, in the log's epoch:
 
 The log keeps at most ``max_events`` events and a mirror of the cached hashes (at most the
 pool's block count), so its memory is bounded whatever the readers do.
+
+Readers that follow the log as it changes (``serving/kv_event_stream.py``, which pushes the
+changes to subscribed gateways) add a listener: the step thread calls :meth:`KVEventLog.end_step`
+after every step, which calls each listener once if that step logged anything. A step's
+changes then travel as one batch, never a block at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv_cache_utils import BlockHash
@@ -48,6 +54,29 @@ class KVEventLog:
         self._events: deque[tuple[int, BlockHash]] = deque(maxlen=max_events)  # (seq, hash)
         self._last_seq = 0
         self._cached: set[BlockHash] = set()
+        self._listeners: list[Callable[[], None]] = []
+        self._notified_seq = 0  # the newest event listeners were told of (step thread only)
+
+    @property
+    def last_seq(self) -> int:
+        with self._lock:
+            return self._last_seq
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """``listener()`` is called on the step thread at the end of each step that logged an
+        event; it must return at once (post to its own loop, never read or wait there)."""
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+
+    def end_step(self) -> None:
+        """Called by the step thread after each step: tells the listeners once if it logged anything."""
+        with self._lock:
+            if self._last_seq == self._notified_seq:
+                return
+            self._notified_seq = self._last_seq
+            listeners = self._listeners
+        for listener in listeners:
+            listener()
 
     def stored(self, block_hash: BlockHash) -> None:
         with self._lock:
