@@ -238,6 +238,7 @@ class AsyncEngine:
                 stepped = self.core.has_unfinished_requests()
                 if stepped:
                     outputs = self.core.step()
+                    self.core.kv_events.end_step()  # the step's prefix-cache changes, as one batch
                     if outputs and self._loop is not None:  # set by start(), before this thread runs
                         self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 if not stepped or self.core.last_step_was_idle:
