@@ -1,12 +1,27 @@
-"""Keeping the prefix index (``gateway/prefix_index.py``) current: every ``interval_s``,
-ask each known prefill, decode and colocated instance for its prefix-cache events after the
-index's cursor (``Load.GetKVEvents``, over the internal plane like every call), and apply
-them. One batch per instance per poll; a gap or a restart comes back as a snapshot, which
-comes in pages when it is large (``serving/kv_event_pages.py``): each poll follows the pages
-to the last, then applies the snapshot whole.
+"""Keeping the prefix index (``gateway/prefix_index.py``) current: a subscription per known
+prefill, decode and colocated instance (``Load.WatchKVEvents``, over the internal plane like
+every call), which the instance pushes its prefix-cache changes down, one batch per engine
+step that changed its cache (``serving/kv_event_stream.py``). Nothing travels while nothing
+changes: the traffic follows the caches' changes, not gateways x instances x a poll rate.
+
+One follower task per instance, in call order:
+
+1. Subscribe from the index's cursor. The instance first sends what changed after it, then
+   each step's batch; the follower applies each as it comes.
+2. A resync marker (the cursor needs a snapshot: first contact, a restart, a gap; or this
+   gateway read slower than the instance's queue for it allows): read the events with the
+   paged poll (``Load.GetKVEvents``): changes after the cursor, or a snapshot that comes in
+   pages when it is large (``serving/kv_event_pages.py``), followed to the last and applied
+   whole; then subscribe again (1).
+3. The stream ends OK (its lifetime on the instance): subscribe again from the cursor (1).
+4. It fails (the instance is gone or slow): the follower ends. Every ``interval_s`` the
+   supervisor starts one for each serving instance that has none, so a subscription comes
+   back when its instance does, and stops the follower of one that stopped serving.
+5. An instance that refuses the subscription (one older than this gateway, or at its cap of
+   subscribers): the follower polls it every ``interval_s`` instead, and tries again.
 
 A call the instance refuses for any reason but being unreachable or slow (which health and
-load polling handle) is logged as an error, once per instance and kind until a poll
+load polling handle) is logged as an error, once per instance and kind until a call
 succeeds: without its events, kv routing sees nothing cached there.
 
 Runs beside instance discovery, whichever kind (static list or Redis): it follows the
@@ -18,10 +33,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from typing import Literal
 
 import grpc
 
-from gateway.instances import InstancePool
+from gateway.instances import InstancePool, InstanceState
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
@@ -30,6 +46,8 @@ logger = logging.getLogger(__name__)
 PAGE_HASHES = 65_536  # asked per call: about 1.2 MB of hashes, under gRPC's 4 MiB default
 # What health and load polling already report; anything else the index would hide.
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+# An instance older than this gateway, or one serving as many subscriptions as it takes.
+_NO_SUBSCRIPTION = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 class KVEventsSync:
@@ -38,34 +56,84 @@ class KVEventsSync:
         self.index = index
         self.interval_s = interval_s
         self._refusals: dict[str, grpc.StatusCode] = {}  # address -> the refusal logged last
+        self._unsubscribable: set[str] = set()  # addresses whose refusal to subscribe was said
 
     async def run(self) -> None:
-        # A poll per instance at most in flight, never awaited by the others': an instance that
-        # stopped answering must not hold up the index of every other one.
-        inflight: dict[str, asyncio.Task[None]] = {}
+        # A follower per instance, never awaited by the others': an instance that stopped
+        # answering must not hold up the index of every other one.
+        followers: dict[str, asyncio.Task[None]] = {}
         try:
             while True:
-                for address in list(self.pool.instances):
-                    if address not in inflight:
-                        task = inflight[address] = asyncio.create_task(self._poll(address))
-                        task.add_done_callback(functools.partial(_forget, inflight, address))
+                for address, state in list(self.pool.instances.items()):
+                    if state.serving and address not in followers:
+                        task = followers[address] = asyncio.create_task(self._follow(address))
+                        task.add_done_callback(functools.partial(_forget, followers, address))
+                for address, task in list(followers.items()):
+                    followed = self.pool.instances.get(address)
+                    if followed is None or not followed.serving:
+                        task.cancel()  # the pool forgot it, or it is down or draining: no routing there
                 await asyncio.sleep(self.interval_s)
         finally:
-            for task in list(inflight.values()):
+            for task in list(followers.values()):
                 task.cancel()
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(address) for address in list(self.pool.instances)))
 
-    async def _poll(self, address: str) -> None:
+    async def _follow(self, address: str) -> None:
+        """Subscribe, and resynchronise by the paged poll when told to (see the module docstring)."""
+        while True:
+            outcome = await self._watch(address)
+            if outcome == "failed":
+                return
+            if outcome == "refused":
+                await self._poll(address)
+                await asyncio.sleep(self.interval_s)
+            elif outcome == "resync" and not await self._poll(address):
+                return
+
+    async def _watch(self, address: str) -> Literal["resync", "ended", "refused", "failed"]:
         state = self.pool.instances.get(address)
         if state is None or not state.serving:
-            return
-        max_blocks = (
-            state.report.num_total_blocks
-            if state.report is not None and state.report.num_total_blocks
-            else DEFAULT_MAX_BLOCKS
-        )
+            return "failed"
+        epoch, after_seq = self.index.cursor(address)
+        request = disaggregation_pb2.KVEventsRequest(epoch=epoch, after_seq=after_seq, max_hashes=PAGE_HASHES)
+        call = disaggregation_pb2_grpc.LoadStub(state.channel).WatchKVEvents(request)
+        try:
+            async for events in call:
+                if address not in self.pool.instances:  # removed while subscribed
+                    return "failed"
+                if events.resync:
+                    return "resync"
+                self._read_again(address)
+                self.index.apply(address, events, _max_blocks(state))
+                if self.index.cursor(address) == (0, 0):  # the index went out of step: a snapshot
+                    return "resync"
+        except grpc.aio.AioRpcError as error:
+            if error.code() in _NO_SUBSCRIPTION:
+                if address not in self._unsubscribable:
+                    self._unsubscribable.add(address)
+                    logger.info(
+                        "instance %s pushes no KV events to this gateway (%s: %s); polling it every %.1f s",
+                        address,
+                        error.code().name,
+                        error.details(),
+                        self.interval_s,
+                    )
+                return "refused"
+            self._refused(address, error)
+            return "failed"
+        finally:
+            call.cancel()
+        self._unsubscribable.discard(address)
+        return "ended"
+
+    async def _poll(self, address: str) -> bool:
+        """One read of the instance's events, a paged snapshot followed to its end; True once applied."""
+        state = self.pool.instances.get(address)
+        if state is None or not state.serving:
+            return False
+        max_blocks = _max_blocks(state)
         epoch, after_seq = self.index.cursor(address)
         request = disaggregation_pb2.KVEventsRequest(epoch=epoch, after_seq=after_seq, max_hashes=PAGE_HASHES)
         stub = disaggregation_pb2_grpc.LoadStub(state.channel)
@@ -76,9 +144,9 @@ class KVEventsSync:
                 events = await stub.GetKVEvents(request, timeout=self.pool.stale_after_s)
             except grpc.aio.AioRpcError as error:
                 self._refused(address, error)
-                return
+                return False
             if address not in self.pool.instances:  # removed while the call ran
-                return
+                return False
             if not events.more and not pages:
                 break
             if events.snapshot_offset == 0:  # a (new) snapshot starts
@@ -95,10 +163,14 @@ class KVEventsSync:
             )
         else:
             logger.error("instance %s kept starting its KV event snapshot over; trying again at the next poll", address)
-            return
+            return False
+        self._read_again(address)
+        self.index.apply(address, events, max_blocks)
+        return True
+
+    def _read_again(self, address: str) -> None:
         if self._refusals.pop(address, None) is not None:
             logger.info("KV events of instance %s are read again", address)
-        self.index.apply(address, events, max_blocks)
 
     def _refused(self, address: str, error: grpc.aio.AioRpcError) -> None:
         code = error.code()
@@ -130,6 +202,13 @@ def _whole(pages: list[disaggregation_pb2.KVEvents]) -> disaggregation_pb2.KVEve
     return whole
 
 
+def _max_blocks(state: InstanceState) -> int:
+    """The instance's block count, which bounds what the index keeps of it."""
+    if state.report is not None and state.report.num_total_blocks:
+        return state.report.num_total_blocks
+    return DEFAULT_MAX_BLOCKS
+
+
 async def run_kv_events(sync: KVEventsSync) -> None:
     """The sync loop as a task body that logs, rather than hides, an unexpected end."""
     try:
@@ -137,7 +216,7 @@ async def run_kv_events(sync: KVEventsSync) -> None:
     except asyncio.CancelledError:
         raise
     except Exception:
-        logger.exception("KV event polling stopped: cache-aware routing now works from stale prefix data")
+        logger.exception("KV event following stopped: cache-aware routing now works from stale prefix data")
         raise
 
 

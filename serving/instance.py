@@ -35,6 +35,8 @@ from cluster.tracing import Tracer, add_tracing_arguments, start_tracing
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, EngineRole
 from engine.engine_core import EngineCore
+from engine.kv_cache_utils import BlockHash
+from engine.kv_events import KVEventBatch
 from engine.kv_loader import KVLoader
 from engine_args.config import engine_config_from_args
 from engine_args.flags import add_device_argument, add_engine_arguments
@@ -43,6 +45,7 @@ from kv_connector.fingerprint import Fingerprint, model_identity
 from kv_connector.registry import add_kv_connector_arguments, make_connector
 from serving.convert import fingerprint_to_proto
 from serving.kv_event_pages import KVEventPages
+from serving.kv_event_stream import KVEventStreamLimits, KVEventStreams
 from serving.metrics import MetricsServer, PhaseMetrics
 from serving.ranked_connector import RankedConnector, serve_rank_connector
 from serving.warmup import warm_up
@@ -256,9 +259,11 @@ class Instance:
 
 
 class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
-    def __init__(self, instance: Instance) -> None:
+    def __init__(self, instance: Instance, stream_limits: KVEventStreamLimits | None = None) -> None:
         self.instance = instance
         self._kv_event_pages: KVEventPages | None = None  # on the first call: the engine's log exists by then
+        self.kv_event_streams: KVEventStreams | None = None  # on the first subscription, on the server's loop
+        self._kv_event_stream_limits = stream_limits or KVEventStreamLimits()
 
     async def GetLoadReport(self, request, context):  # noqa: N802 - gRPC signature
         return self.instance.load_report()
@@ -270,16 +275,51 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
         if self._kv_event_pages is None:
             self._kv_event_pages = KVEventPages(self.instance.engine.core.kv_events)
         page = self._kv_event_pages.read(request.epoch, request.after_seq, request.snapshot_offset, request.max_hashes)
+        message = self._kv_events_message(page.epoch, page.last_seq, page.snapshot, page.stored, page.removed)
+        message.snapshot_offset, message.more = page.snapshot_offset, page.more
+        return message
+
+    async def WatchKVEvents(self, request, context):  # noqa: N802 - gRPC signature
+        """Prefix-cache changes after the caller's cursor, then as engine steps make them
+        (serving/kv_event_stream.py), until a resync marker or the stream's lifetime."""
+        if self.kv_event_streams is None:
+            self.kv_event_streams = KVEventStreams(
+                self.instance.engine.core.kv_events, self._batch_message, self._kv_event_stream_limits
+            )
+        streams = self.kv_event_streams
+        subscriber = streams.subscribe(request.epoch, request.after_seq, request.max_hashes)
+        if subscriber is None:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this instance serves {streams.limits.max_subscribers} KV event subscriptions at once; poll instead",
+            )
+            return  # abort raises: never reached
+        try:
+            async with asyncio.timeout(streams.limits.lifetime_s):
+                while True:
+                    events = await subscriber.get()
+                    await context.write(events)
+                    if events.resync:
+                        return
+        except TimeoutError:
+            return  # the stream's lifetime: it ends OK, and the gateway subscribes again from its cursor
+        finally:
+            streams.unsubscribe(subscriber)
+
+    def _batch_message(self, batch: KVEventBatch) -> disaggregation_pb2.KVEvents:
+        return self._kv_events_message(batch.epoch, batch.last_seq, batch.snapshot, batch.stored, batch.removed)
+
+    def _kv_events_message(
+        self, epoch: int, last_seq: int, snapshot: bool, stored: list[BlockHash], removed: list[BlockHash]
+    ) -> disaggregation_pb2.KVEvents:
         return disaggregation_pb2.KVEvents(
-            epoch=page.epoch,
-            last_seq=page.last_seq,
-            snapshot=page.snapshot,
-            stored=[h.to_bytes(16, "little") for h in page.stored],
-            removed=[h.to_bytes(16, "little") for h in page.removed],
+            epoch=epoch,
+            last_seq=last_seq,
+            snapshot=snapshot,
+            stored=[h.to_bytes(16, "little") for h in stored],
+            removed=[h.to_bytes(16, "little") for h in removed],
             block_size=self.instance.fingerprint.block_size,
             block_hash=self.instance.engine.core.kv_cache_manager.block_hasher.name,
-            snapshot_offset=page.snapshot_offset,
-            more=page.more,
         )
 
 

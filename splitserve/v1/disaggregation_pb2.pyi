@@ -266,7 +266,7 @@ class KVEventsRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ..., max_hashes: _Optional[int] = ..., snapshot_offset: _Optional[int] = ...) -> None: ...
 
 class KVEvents(_message.Message):
-    __slots__ = ("epoch", "last_seq", "snapshot", "stored", "removed", "block_size", "block_hash", "snapshot_offset", "more")
+    __slots__ = ("epoch", "last_seq", "snapshot", "stored", "removed", "block_size", "block_hash", "snapshot_offset", "more", "resync")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,7 @@ class KVEvents(_message.Message):
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     last_seq: int
     snapshot: bool
@@ -285,7 +286,8 @@ class KVEvents(_message.Message):
     block_hash: str
     snapshot_offset: int
     more: bool
-    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., snapshot: bool = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., block_hash: _Optional[str] = ..., snapshot_offset: _Optional[int] = ..., more: bool = ...) -> None: ...
+    resync: bool
+    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., snapshot: bool = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., block_hash: _Optional[str] = ..., snapshot_offset: _Optional[int] = ..., more: bool = ..., resync: bool = ...) -> None: ...
 
 class Registration(_message.Message):
     __slots__ = ("grpc_address", "report", "unix_s", "serving", "signature")

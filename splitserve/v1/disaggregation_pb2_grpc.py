@@ -370,6 +370,11 @@ class LoadStub(object):
                 request_serializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.FromString,
                 _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/splitserve.v1.Load/WatchKVEvents',
+                request_serializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.FromString,
+                _registered_method=True)
 
 
 class LoadServicer(object):
@@ -383,7 +388,19 @@ class LoadServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def GetKVEvents(self, request, context):
-        """Prefix-cache changes since a cursor, for cache-aware routing; batched per poll.
+        """Prefix-cache changes since a cursor, for cache-aware routing; batched per poll. A
+        subscriber's resync path (and an older instance's only one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchKVEvents(self, request, context):
+        """The same changes pushed: first those after the cursor, then one batch per engine step
+        that changed the prefix cache (serving/kv_event_stream.py). Never a snapshot: a cursor
+        that needs one, or a subscriber that lags past its queue, gets a KVEvents with resync set.
+        Streams are capped in number (RESOURCE_EXHAUSTED past it) and in lifetime (they end OK;
+        subscribe again from the cursor).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -399,6 +416,11 @@ def add_LoadServicer_to_server(servicer, server):
             ),
             'GetKVEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.GetKVEvents,
+                    request_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.SerializeToString,
+            ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
                     request_deserializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.SerializeToString,
             ),
@@ -456,6 +478,33 @@ class Load(object):
             request,
             target,
             '/splitserve.v1.Load/GetKVEvents',
+            splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.SerializeToString,
+            splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.v1.Load/WatchKVEvents',
             splitserve_dot_v1_dot_disaggregation__pb2.KVEventsRequest.SerializeToString,
             splitserve_dot_v1_dot_disaggregation__pb2.KVEvents.FromString,
             options,

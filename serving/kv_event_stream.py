@@ -1,0 +1,174 @@
+"""An instance's prefix-cache events pushed to subscribed gateways (``Load.WatchKVEvents``),
+so that KV-event traffic follows the cache's changes instead of gateways x instances x a
+poll rate. ``GetKVEvents`` (``serving/kv_event_pages.py``) stays the way to read a snapshot:
+a subscriber that cannot be served from the log's recent events resynchronises through it.
+
+In call order:
+
+1. ``subscribe`` (the gRPC handler, event loop): the subscriber's first batch is what changed
+   after its cursor, read from the log (``KVEventLog.read``) and queued at once; a cursor
+   that needs a snapshot (another epoch, a gap the log no longer holds, more changes than
+   the subscriber's page) queues a resync marker instead. Past ``max_subscribers`` the call
+   is refused, as health ``Watch`` streams are (``cluster/health_watch.py``).
+2. The step thread, at the end of a step that logged events, calls :meth:`KVEventStreams.notify`
+   (a ``KVEventLog`` listener): it posts one :meth:`KVEventStreams.publish` to the event loop,
+   none while one is still pending.
+3. ``publish`` (event loop): one log read since the last one, built into one message and
+   offered to every subscriber; a subscriber skips what its first batch already covered
+   (the log reports each hash with its state now, so a batch that overlaps one already
+   applied changes nothing).
+4. The handler writes its subscriber's queue out. A subscriber whose queue would pass
+   ``max_queued_hashes`` (its client reads slower than the cache changes, or not at all)
+   has the queue dropped for a resync marker, and is offered nothing more: its memory stays
+   one message; the stream ends after the marker, and at ``lifetime_s`` in any case.
+
+Event-loop only but ``notify``: no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.kv_events import KVEventBatch, KVEventLog
+from serving.kv_event_pages import DEFAULT_PAGE_HASHES
+from splitserve.v1 import disaggregation_pb2
+
+DEFAULT_MAX_SUBSCRIBERS = 64  # a subscription per gateway process: a few gateways of a few processes each
+DEFAULT_MAX_QUEUED_HASHES = DEFAULT_PAGE_HASHES  # about a page (1.2 MB) per subscriber at most
+DEFAULT_LIFETIME_S = 300.0  # as health Watch streams: the gateway subscribes again from its cursor
+
+ToMessage = Callable[[KVEventBatch], disaggregation_pb2.KVEvents]
+
+
+class KVEventSubscriber:
+    """One stream's queue: batches after ``cursor``, or a resync marker."""
+
+    def __init__(self, cursor: int, page_hashes: int, max_queued_hashes: int) -> None:
+        self.cursor = cursor  # the newest event queued for this subscriber
+        self.page_hashes = page_hashes
+        self.max_queued_hashes = max_queued_hashes
+        self.lagged = False  # a resync marker is queued; nothing more will be
+        self.num_queued_hashes = 0
+        self._queue: deque[tuple[disaggregation_pb2.KVEvents, int]] = deque()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def first(self, message: disaggregation_pb2.KVEvents, num_hashes: int) -> None:
+        """The changes after the subscriber's own cursor, up to ``cursor``."""
+        if num_hashes > self.page_hashes:
+            self.resync(message.epoch)
+        else:
+            self._put(message, num_hashes)
+
+    def offer(self, message: disaggregation_pb2.KVEvents, num_hashes: int) -> None:
+        """A published batch; skipped when the subscriber's queue already covers it."""
+        if self.lagged or message.last_seq <= self.cursor:
+            return
+        if num_hashes > self.page_hashes or self.num_queued_hashes + num_hashes > self.max_queued_hashes:
+            self.resync(message.epoch)
+            return
+        self.cursor = message.last_seq
+        self._put(message, num_hashes)
+
+    def _put(self, message: disaggregation_pb2.KVEvents, num_hashes: int) -> None:
+        self._queue.append((message, num_hashes))
+        self.num_queued_hashes += num_hashes
+        self._ready.set()
+
+    def resync(self, epoch: int) -> None:
+        """Drop what is queued for one marker: the subscriber reads a snapshot instead."""
+        self._queue.clear()
+        self.num_queued_hashes = 0
+        self.lagged = True
+        self._queue.append((disaggregation_pb2.KVEvents(epoch=epoch, resync=True), 0))
+        self._ready.set()
+
+    async def get(self) -> disaggregation_pb2.KVEvents:
+        while not self._queue:
+            self._ready.clear()
+            await self._ready.wait()
+        message, num_hashes = self._queue.popleft()
+        self.num_queued_hashes -= num_hashes
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventStreamLimits:
+    page_hashes: int = DEFAULT_PAGE_HASHES  # the most hashes in one message
+    max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
+    max_queued_hashes: int = DEFAULT_MAX_QUEUED_HASHES  # per subscriber, unsent
+    lifetime_s: float = DEFAULT_LIFETIME_S
+
+    def __post_init__(self) -> None:
+        if self.page_hashes < 1 or self.max_queued_hashes < self.page_hashes:
+            raise ValueError(
+                f"a subscriber's queue must hold at least a page of hashes, got {self.max_queued_hashes} "
+                f"for pages of {self.page_hashes}"
+            )
+
+
+class KVEventStreams:
+    def __init__(self, log: KVEventLog, to_message: ToMessage, limits: KVEventStreamLimits) -> None:
+        """Built on the event loop it serves from; listens to ``log`` from then on."""
+        self.log = log
+        self.to_message = to_message
+        self.limits = limits
+        self.subscribers: set[KVEventSubscriber] = set()
+        self.num_published = 0  # batches built (one per step that changed the cache, while subscribed)
+        self._loop = asyncio.get_running_loop()
+        self._cursor = log.last_seq  # published up to here
+        self._pending = False  # a publish is posted and has not run yet
+        log.add_listener(self.notify)
+
+    def subscribe(self, epoch: int, after_seq: int, max_hashes: int = 0) -> KVEventSubscriber | None:
+        """A subscriber after the cursor, its first batch (or a resync marker) queued; None
+        past ``max_subscribers``."""
+        limits = self.limits
+        if len(self.subscribers) >= limits.max_subscribers:
+            return None
+        page_hashes = min(max_hashes, limits.page_hashes) if max_hashes > 0 else limits.page_hashes
+        batch = self.log.read(epoch, after_seq)
+        subscriber = KVEventSubscriber(batch.last_seq, page_hashes, limits.max_queued_hashes)
+        if batch.snapshot:
+            subscriber.resync(batch.epoch)
+        elif batch.stored or batch.removed:
+            subscriber.first(self.to_message(batch), len(batch.stored) + len(batch.removed))
+        self.subscribers.add(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: KVEventSubscriber) -> None:
+        self.subscribers.discard(subscriber)
+
+    def notify(self) -> None:
+        """The step thread: the log changed during a step (a ``KVEventLog`` listener)."""
+        if not self._pending:
+            self._pending = True
+            # RuntimeError: the loop has closed (the server is gone): nobody to push to.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self.publish)
+
+    def publish(self) -> None:
+        """What the log gained since the last publish, as one batch to every subscriber."""
+        self._pending = False  # before the read: a step ending from now on posts another
+        if not self.subscribers:
+            self._cursor = self.log.last_seq
+            return
+        batch = self.log.read(self.log.epoch, self._cursor)
+        self._cursor = batch.last_seq
+        if batch.snapshot:  # the log dropped events never published: nobody can follow from here
+            for subscriber in self.subscribers:
+                subscriber.resync(batch.epoch)
+            return
+        if not batch.stored and not batch.removed:
+            return
+        message = self.to_message(batch)
+        self.num_published += 1
+        num_hashes = len(batch.stored) + len(batch.removed)
+        for subscriber in self.subscribers:
+            subscriber.offer(message, num_hashes)

@@ -1,0 +1,254 @@
+"""Prefix-cache events pushed to gateways (serving/kv_event_stream.py, gateway/kv_events.py):
+one batch per engine step, bounded per subscriber, a resync marker for one that lags, the
+paged poll as the resync path, and a subscription that comes back with its instance.
+
+The streams alone, then a real gRPC server (the instance's own ``LoadServicer`` over an event
+log filled here; ``KVEventLog.end_step`` is what the engine's step thread calls after each
+step) followed by the gateway's ``KVEventsSync``, the calls counted where they land
+(cluster/call_counts.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from cluster.call_counts import CallCounts
+from engine.kv_cache_utils import BlockHash
+from engine.kv_events import KVEventLog
+from gateway.kv_events import KVEventsSync
+from serving.instance import LoadServicer
+from serving.kv_event_stream import KVEventStreamLimits, KVEventStreams
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
+from tests.serving.test_kv_event_pages import fake_instance, indexed, polled_pool
+
+WATCH = "/splitserve.v1.Load/WatchKVEvents"
+POLL = "/splitserve.v1.Load/GetKVEvents"
+
+
+def new_hashes(rng: random.Random, num: int) -> list[BlockHash]:
+    return [BlockHash(rng.getrandbits(128)) for _ in range(num)]
+
+
+def step(log: KVEventLog, stored: list[BlockHash], removed: list[BlockHash] = ()) -> None:  # type: ignore[assignment]
+    """What one engine step does to the log: its blocks registered and evicted, then end_step."""
+    for block_hash in stored:
+        log.stored(block_hash)
+    for block_hash in removed:
+        log.removed(block_hash)
+    log.end_step()
+
+
+def cached(log: KVEventLog) -> set[BlockHash]:
+    return set(log.snapshot().stored)
+
+
+def as_message(batch) -> disaggregation_pb2.KVEvents:  # type: ignore[no-untyped-def]
+    return disaggregation_pb2.KVEvents(
+        epoch=batch.epoch, last_seq=batch.last_seq, stored=[h.to_bytes(16, "little") for h in batch.stored]
+    )
+
+
+async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+    """Poll a condition the code under test must bring about; bounded so that a bug fails rather than hangs."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.02)
+
+
+# ------------------------------------------------------------------------------ the streams
+
+
+def test_each_step_is_one_batch_and_a_subscriber_that_never_reads_holds_one_marker() -> None:
+    rng = random.Random(0)
+    log = KVEventLog(max_events=4096)
+    step(log, new_hashes(rng, 3))  # before anyone subscribed
+
+    async def scenario() -> None:
+        streams = KVEventStreams(log, as_message, KVEventStreamLimits(page_hashes=8, max_queued_hashes=16))
+        reader = streams.subscribe(log.epoch, log.last_seq)
+        idle = streams.subscribe(log.epoch, log.last_seq)
+        assert reader is not None and idle is not None and len(reader) == len(idle) == 0
+        steps = [new_hashes(rng, 5) for _ in range(3)]
+        for blocks in steps:
+            step(log, blocks)
+            await asyncio.sleep(0)  # the loop runs the publish the step posted
+            batch = await reader.get()
+            assert [BlockHash(int.from_bytes(h, "little")) for h in batch.stored] == blocks
+        assert streams.num_published == len(steps)
+        # 15 hashes queued for the idle one: the fourth step's 5 would pass its 16.
+        assert (len(idle), idle.num_queued_hashes, idle.lagged) == (3, 15, False)
+        step(log, new_hashes(rng, 5))
+        await asyncio.sleep(0)
+        assert (len(idle), idle.num_queued_hashes, idle.lagged) == (1, 0, True)
+        await reader.get()
+        for _ in range(20):
+            step(log, new_hashes(rng, 5))
+            await asyncio.sleep(0)
+            assert len((await reader.get()).stored) == 5  # the reader keeps up, and gets every step
+        assert (len(idle), idle.num_queued_hashes) == (1, 0)  # whatever happens meanwhile
+        marker = await idle.get()
+        assert marker.resync and not marker.stored
+        assert not reader.lagged and streams.num_published == len(steps) + 21
+
+    asyncio.run(scenario())
+
+
+def test_a_cursor_the_log_cannot_follow_gets_a_resync_marker_and_subscribers_are_capped() -> None:
+    log = KVEventLog(max_events=4)
+    step(log, new_hashes(random.Random(1), 6))  # events 1 and 2 are gone from the log
+
+    async def scenario() -> None:
+        streams = KVEventStreams(log, as_message, KVEventStreamLimits(page_hashes=8, max_subscribers=2))
+        for epoch, after_seq in ((log.epoch, 1), (log.epoch + 1, 6)):  # a gap; another epoch (a restart)
+            subscriber = streams.subscribe(epoch, after_seq)
+            assert subscriber is not None and (await subscriber.get()).resync
+        assert streams.subscribe(log.epoch, 6) is None  # the cap
+        streams.unsubscribe(next(iter(streams.subscribers)))
+        follower = streams.subscribe(log.epoch, 3)  # events 4-6 still held: they come first
+        assert follower is not None
+        first = await follower.get()
+        assert (first.resync, first.last_seq, len(first.stored)) == (False, 6, 3)
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------- through gRPC, to the index
+
+
+async def serving(
+    log: KVEventLog, limits: KVEventStreamLimits | None = None, port: int = 0
+) -> tuple[grpc.aio.Server, LoadServicer, CallCounts, str]:
+    counts = CallCounts()
+    server = grpc.aio.server(interceptors=[counts])
+    servicer = LoadServicer(fake_instance(log), limits)  # type: ignore[arg-type]
+    disaggregation_pb2_grpc.add_LoadServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, servicer, counts, f"127.0.0.1:{port}"
+
+
+def calls(counts: CallCounts) -> tuple[int, int]:
+    """(subscriptions, polls) the instance received."""
+    snapshot = counts.snapshot()
+    return snapshot.get(WATCH, 0), snapshot.get(POLL, 0)
+
+
+def test_the_index_follows_pushed_events_without_a_poll_and_a_lagging_gateway_resyncs() -> None:
+    rng = random.Random(2)
+    log = KVEventLog(max_events=4096)
+    step(log, new_hashes(rng, 10))
+
+    async def scenario() -> None:
+        limits = KVEventStreamLimits(page_hashes=8, max_queued_hashes=8)
+        server, servicer, counts, address = await serving(log, limits)
+        pool = polled_pool(address, num_total_blocks=1024)
+        sync = KVEventsSync(pool, pool.index, interval_s=0.05)
+        task = asyncio.create_task(sync.run())
+        try:
+            # First contact: the stream says resync (a snapshot is needed), the poll reads it, and the
+            # gateway subscribes again from the snapshot's cursor.
+            await wait_until(lambda: calls(counts) == (2, 1), "a resync, a poll and a second subscription")
+            await wait_until(lambda: indexed(pool, address) == cached(log), "the snapshot indexed")
+            streams = servicer.kv_event_streams
+            assert streams is not None
+            await wait_until(lambda: len(streams.subscribers) == 1, "the second subscription registered")
+            for _ in range(5):
+                gone = list(cached(log))[:2]
+                step(log, new_hashes(rng, 3), gone)  # 5 changes a step: within a page
+                await wait_until(lambda: indexed(pool, address) == cached(log), "the step's changes indexed")
+            assert streams.num_published == 5
+            assert calls(counts) == (2, 1)  # pushed: not one call more
+            assert pool.index.cursor(address) == (log.epoch, log.last_seq)
+
+            # The gateway lags: three steps' batches reach its queue before its stream writes one
+            # (the loop runs three publishes in a row); 9 hashes pass the queue's 8.
+            for _ in range(3):
+                step(log, new_hashes(rng, 3))
+                streams.publish()
+            await wait_until(lambda: calls(counts) == (3, 2), "a resync: one poll and a new subscription")
+            await wait_until(lambda: indexed(pool, address) == cached(log), "the index correct after the resync")
+            step(log, new_hashes(rng, 2))  # and the new subscription follows
+            await wait_until(lambda: indexed(pool, address) == cached(log), "pushed again")
+            assert calls(counts) == (3, 2)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pool.close()
+            await server.stop(grace=None)
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_instances_subscription_ends_and_comes_back_with_it() -> None:
+    rng = random.Random(3)
+    log = KVEventLog(max_events=4096)
+    step(log, new_hashes(rng, 4))
+
+    async def scenario() -> None:
+        server, servicer, counts, address = await serving(log)
+        pool = polled_pool(address, num_total_blocks=1024)
+        sync = KVEventsSync(pool, pool.index, interval_s=0.05)
+        task = asyncio.create_task(sync.run())
+        restarted = None
+        try:
+            await wait_until(lambda: indexed(pool, address) == cached(log), "the first instance indexed")
+            streams = servicer.kv_event_streams
+            assert streams is not None
+            await wait_until(lambda: len(streams.subscribers) == 1, "subscribed")
+            await server.stop(grace=None)
+            await wait_until(lambda: not streams.subscribers, "its stream ended with the server")
+            # The instance comes back on its address, restarted: a new epoch, another cache.
+            new_log = KVEventLog(max_events=4096)
+            step(new_log, new_hashes(rng, 6))
+            restarted, new_servicer, new_counts, _ = await serving(new_log, port=int(address.rsplit(":", 1)[1]))
+            await wait_until(lambda: indexed(pool, address) == cached(new_log), "the restarted instance indexed")
+            assert pool.index.cursor(address)[0] == new_log.epoch
+            new_streams = new_servicer.kv_event_streams
+            assert new_streams is not None
+            await wait_until(lambda: len(new_streams.subscribers) == 1, "subscribed to the restarted instance")
+            step(new_log, new_hashes(rng, 2))
+            await wait_until(lambda: indexed(pool, address) == cached(new_log), "its steps pushed")
+            assert calls(new_counts)[1] == 1  # one poll: the snapshot of its new epoch
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pool.close()
+            await server.stop(grace=None)
+            if restarted is not None:
+                await restarted.stop(grace=None)
+
+    asyncio.run(scenario())
+
+
+def test_an_instance_past_its_subscription_cap_is_polled(caplog: pytest.LogCaptureFixture) -> None:
+    rng = random.Random(4)
+    log = KVEventLog(max_events=4096)
+
+    async def scenario() -> None:
+        server, servicer, counts, address = await serving(log, KVEventStreamLimits(max_subscribers=0))
+        pool = polled_pool(address, num_total_blocks=1024)
+        sync = KVEventsSync(pool, pool.index, interval_s=0.05)
+        task = asyncio.create_task(sync.run())
+        caplog.set_level(logging.INFO, logger="gateway.kv_events")
+        try:
+            step(log, new_hashes(rng, 3))
+            await wait_until(lambda: indexed(pool, address) == cached(log), "polled")
+            step(log, new_hashes(rng, 3))
+            await wait_until(lambda: indexed(pool, address) == cached(log), "polled again")
+            assert calls(counts)[1] >= 2
+            assert sum("pushes no KV events" in r.getMessage() for r in caplog.records) == 1
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pool.close()
+            await server.stop(grace=None)
+
+    asyncio.run(scenario())
