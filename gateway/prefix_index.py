@@ -1,7 +1,7 @@
 """The gateway's view of every instance's prefix cache: which full-block hashes each one
 holds, so routing can send a request where the longest prefix of its prompt already is.
 
-Fed by the instances' KV events (``gateway/kv_events.py`` polls ``GetKVEvents``; the
+Fed by the instances' KV events (``gateway/kv_events.py`` follows ``WatchKVEvents``; the
 engine side is ``engine/kv_events.py``): incremental changes after a cursor, or a snapshot
 after a restart or a gap. A request's chain is computed here with the engine's own hashing
 (``engine.kv_cache_utils``: chained over each full block's token ids, the cache salt mixed into
@@ -10,7 +10,7 @@ HMAC-SHA256 under the key both derive from the cluster secret (``cluster/derived
 gateway that cannot compute an instance's hash (keyed, and this gateway has no secret) says so
 once and routes there as if nothing were cached.
 
-Between a dispatch and the events that confirm it (a poll interval or more later), the
+Between a dispatch and the events that confirm it (the request's prefill steps later), the
 blocks the request will leave behind are *predicted* on the instance it went to, for
 ``PREDICTION_TTL_S`` or until events confirm them: without that, a burst of requests sharing a new prefix would spread
 over every instance before the first one's blocks were reported.
