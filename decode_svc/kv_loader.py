@@ -7,8 +7,8 @@ One hand-off, in call order (the engine's steps in brackets):
 1. ``expect`` (event loop, the Decode call, before the engine has the request): hold the
    handle; :class:`~decode_svc.leases.LeaseKeeper` renews P's lease from now on (each
    renewal an event of the call's span, with tracing on).
-2. [The scheduler admits the request at a step boundary and calls ``start_load`` on the
-   engine's step thread.] ``start_load`` hands the load to the event loop; there ``_start``
+2. [The scheduler admits the request, while a step computes or at a step boundary, and calls
+   ``start_load`` on the engine's step thread.] ``start_load`` hands the load to the event loop; there ``_start``
    begins ``_pull``, or reports a failure at once when P no longer holds the KV.
 3. ``_pull`` (event loop): ``connector.pull(source, block_ids, num_local_hit_blocks, timeout_s)``
    copies P's blocks ``num_local_hit_blocks:`` into the request's; then ``report`` (which posts

@@ -13,7 +13,10 @@ One step, in call order (:meth:`EngineCore.step`):
 
 Only the thread that steps the engine changes its state (engine/step_thread.py): an
 :class:`~engine.async_engine.AsyncEngine` claims it for its step thread, and everything else
-reaches the engine through :attr:`EngineCore.inbox`. No tokenizer lives here (prefill and
+reaches the engine through :attr:`EngineCore.inbox`. A decode engine computes phase 4 on a
+model thread of its own while the step thread waits for it: a hand-off that arrives meanwhile
+is added and its KV load started then (``_admit_arriving_handoffs``), so the load runs beside
+this step rather than the next; every other message waits for the boundary. No tokenizer lives here (prefill and
 decode services speak token ids); the offline :class:`engine.llm.LLM` and the gateway add
 text on top.
 """
@@ -21,9 +24,11 @@ text on top.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -47,6 +52,10 @@ from engine.spec_decode.ngram import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# The step thread, waiting for its model thread, looks at the inbox at least this often even if
+# nothing wakes it (the model's end and every message wake it at once).
+MODEL_WAIT_S = 0.5
 
 
 def resolve_model_path(
@@ -120,6 +129,10 @@ class EngineCore:
         self.step_seconds = 0.0  # their model time, since start (mean step time = this / num_steps)
         self.last_step_was_idle = False  # the last step had nothing to run (e.g. only loads in flight)
         self.inbox = EngineInbox()  # what other threads send the step thread (engine/inbox.py)
+        # Messages taken while a step computed that wait for its boundary, in arrival order.
+        self._held_messages: list[EngineMessage] = []
+        # Decode role, once it has a KV loader: the thread the model computes on (module docstring).
+        self._model_thread: ThreadPoolExecutor | None = None
         # Outputs of requests that ended between steps (aborted, refused, a failed load): the
         # next step returns them first.
         self._outputs_between_steps: list[EngineCoreOutput] = []
@@ -149,6 +162,9 @@ class EngineCore:
             raise RuntimeError("bug: the engine already has a KV loader")
         kv_loader.bind(lambda result: self.inbox.put(KVLoadFinished(result)))
         self.scheduler.kv_loader = kv_loader
+        # One thread for the engine's life: its OpenMP team is then the process's only one, as
+        # the step thread's was (engine/openmp_threads.py); the step thread runs no torch.
+        self._model_thread = ThreadPoolExecutor(1, "engine-model", initializer=_adopt_torch_thread_count)
 
     def claim_step_thread(self) -> None:
         """Called by the thread that will step this engine, before its first step: from then on
@@ -222,7 +238,12 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Anything for a step to do: requests in the scheduler, messages, outputs to hand back."""
-        return self.scheduler.has_unfinished_requests() or bool(self.inbox) or bool(self._outputs_between_steps)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.inbox)
+            or bool(self._held_messages)
+            or bool(self._outputs_between_steps)
+        )
 
     def step(self) -> list[EngineCoreOutput]:
         """Apply what arrived, schedule, run the model once, and report every request that
@@ -242,7 +263,7 @@ class EngineCore:
     def _apply_messages(self) -> int:
         """Step phase 1: every message in the inbox, in arrival order; the load report is
         published before their adds stop counting as queued. Returns how many KV loads finished."""
-        messages = self.inbox.take()
+        messages, self._held_messages = self._held_messages + self.inbox.take(), []
         if not messages:
             return 0
         num_loads_finished = 0
@@ -291,7 +312,7 @@ class EngineCore:
     def _execute(self, scheduler_output: SchedulerOutput, num_loads_finished: int) -> tuple[ModelOutput, StepStats]:
         """Step phase 4: run the model on the scheduled batch; the step's statistics."""
         started = time.monotonic()  # the requests' timings use this clock (engine/request_timing.py)
-        model_output = self.runner.execute(scheduler_output, self.eos_token_ids)
+        model_output = self._compute(scheduler_output)
         ended = time.monotonic()
         seconds = ended - started
         num_prefill_tokens = (
@@ -316,6 +337,49 @@ class EngineCore:
             num_loads_finished=num_loads_finished,
         )
         return model_output, step
+
+    def _compute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """The model's pass over the batch. A decode engine runs it on its model thread and
+        admits the hand-offs that arrive until it ends."""
+        if self._model_thread is None:
+            return self.runner.execute(scheduler_output, self.eos_token_ids)
+        computing = self._model_thread.submit(self.runner.execute, scheduler_output, self.eos_token_ids)
+        computing.add_done_callback(lambda _: self.inbox.wake())
+        while True:
+            self.inbox.clear_wakeup()  # before looking: a message or the model's end from now on wakes the wait
+            if computing.done():
+                return computing.result()
+            self._admit_arriving_handoffs()
+            self.inbox.wait(MODEL_WAIT_S)
+
+    def _admit_arriving_handoffs(self) -> None:
+        """While the model computes: add the hand-offs that arrived and start the loads of those
+        the scheduler admits now (engine/scheduler.py ``admit_handoffs``). The running batch is
+        not touched: a hand-off takes free blocks only, and its request joins the running ones
+        at a boundary, when its load has finished. Every other message, and a hand-off named by
+        one held before it (an abort that came first), waits for the boundary in arrival order."""
+        messages = self.inbox.take()
+        if not messages:
+            return
+        added: list[EngineMessage] = []
+        held_ids = {request_id for held in self._held_messages for request_id in _request_ids(held)}
+        for message in messages:
+            if (
+                isinstance(message, AddRequest)
+                and message.first_token_id is not None
+                # Compiled grammars are shared with the model thread's bitmask filling.
+                and message.params.structured is None
+                and message.request_id not in held_ids
+            ):
+                self._apply(message)
+                added.append(message)
+            else:
+                self._held_messages.append(message)
+                held_ids.update(_request_ids(message))
+        if added:
+            self.scheduler.admit_handoffs()
+            self.publish_load_report()
+            self.inbox.applied(added)
 
     def _update(
         self, scheduler_output: SchedulerOutput, model_output: ModelOutput, step: StepStats
@@ -350,8 +414,8 @@ class EngineCore:
             elif self.ngram is not None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids)
                 request.num_spec_tokens = len(request.spec_token_ids)
-            elif self.speculative is not None and self.speculative.method == "medusa":
-                # Proposed by the heads after the request's last step (engine/spec_decode/medusa.py).
+            elif self.speculative is not None and self.speculative.method in ("medusa", "eagle"):
+                # Proposed after the request's last step (engine/spec_decode/medusa.py, eagle.py).
                 request.num_spec_tokens = len(request.spec_token_ids)
             else:
                 request.num_spec_tokens = num_speculative_tokens
@@ -396,7 +460,9 @@ class EngineCore:
 
     def close(self) -> None:
         """Release what outlives a process's garbage collection: the tensor-parallel worker
-        processes, if any. The engine takes no step after it."""
+        processes, if any, and the model thread. The engine takes no step after it."""
+        if self._model_thread is not None:
+            self._model_thread.shutdown()
         self.runner.close()
 
     # ------------------------------------------------------------ observation
@@ -421,6 +487,24 @@ class EngineCore:
             num_spec_draft_tokens=self.scheduler.spec_stats.num_draft_tokens,
             num_spec_accepted_tokens=self.scheduler.spec_stats.num_accepted_tokens,
         )
+
+
+def _request_ids(message: EngineMessage) -> tuple[str, ...]:
+    match message:
+        case AbortRequests():
+            return message.request_ids
+        case KVLoadFinished():
+            return (message.result.request_id,)
+        case _:
+            return (message.request_id,)
+
+
+def _adopt_torch_thread_count() -> None:
+    """On a new thread that will run the model: torch's first use on a thread sets its OpenMP
+    thread count to the process's (``torch.set_num_threads``); done here so that native kernels
+    running before any torch op get the same count. A simulated engine runs no torch."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].get_num_threads()
 
 
 def _eos_token_ids(hf_config: object, model_path: Path) -> frozenset[int]:

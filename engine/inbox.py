@@ -9,7 +9,9 @@ Messages (frozen: they cross threads and are never changed after :meth:`EngineIn
 - :class:`KVLoadFinished`: decode role, the KV loader finished (or failed) a hand-off's load.
 
 Any thread puts; only the step thread takes (:meth:`EngineInbox.take`). A put also wakes a
-step thread that idles with nothing to step.
+step thread that idles with nothing to step, or waits for a decode engine's model thread: a
+hand-off's add is applied then, while the step computes (engine/engine_core.py), and the
+other messages wait for the boundary.
 
 The inbox also counts what the adds queued in it will cost, for the load report: a prefill
 step can take seconds, and a request waiting here behind it is work the instance has, which

@@ -5,8 +5,10 @@ The engine decides *when* a load happens and what it may write; a :class:`KVLoad
 *how* (the decode service pulls through a KV connector; tests copy between two engines). The
 engine imports no connector: this module is the whole contract. One hand-off, in call order:
 
-1. Scheduler, when it admits the hand-off (on the engine's step thread, at a step boundary):
-   allocates its blocks, reusing local prefix-cache hits, and calls :meth:`KVLoader.start_load`.
+1. Scheduler, when it admits the hand-off (on the engine's step thread, at a step boundary,
+   or while a step computes if it arrived then and its blocks fit beside the running
+   requests'): allocates its blocks, reusing local prefix-cache hits, and calls
+   :meth:`KVLoader.start_load`.
    The request now waits for its KV (``WAITING_FOR_REMOTE_KV``).
 2. Loader, wherever it does the copy: writes ``load.block_ids[load.num_local_hit_blocks:]``, then
    :meth:`KVLoader.report` hands over the outcome, which posts it to the engine's inbox

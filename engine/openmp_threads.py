@@ -1,5 +1,5 @@
-"""Which threads own OpenMP thread teams, and why the engine's step thread should be the
-only one.
+"""Which threads own OpenMP thread teams, and why the thread that runs the engine's model
+(the step thread, or a decode engine's model thread) should be the only one.
 
 libgomp (the OpenMP runtime torch and the native kernels share) gives each thread that runs
 a parallel region a team of worker threads of its own, kept for as long as that thread

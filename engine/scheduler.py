@@ -31,6 +31,8 @@ the prefill instance").
 Decode role: a hand-off (a prompt prefilled elsewhere) is admitted without token budget: its
 blocks are allocated and its :class:`~engine.kv_loader.KVLoader` asked to fill them; the
 loader's results reach the scheduler at a step boundary (:meth:`Scheduler.kv_load_finished`).
+A hand-off that arrives while a step computes is admitted then (:meth:`admit_handoffs`), when
+its blocks leave the running requests what their next step may take.
 
 Only the engine's step thread calls the methods that change the scheduler (they check it:
 engine/step_thread.py); everything from other threads reaches it through the engine's inbox.
@@ -307,6 +309,36 @@ class Scheduler:
             if _num_prefill_tokens_left(request)
             for block_hash in self.kv_cache_manager.blocks_still_to_cache(request)
         }
+
+    def admit_handoffs(self) -> int:
+        """Decode role, while a step computes: admit the hand-offs at the head of the queue as
+        the next ``schedule()`` would, so that their loads start now. Only while the blocks they
+        may take leave every running request the blocks its next step may need: admitted now, a
+        hand-off must never cause a preemption that admitting it at the boundary (after the
+        running requests' blocks) would not have. Returns how many were admitted."""
+        self.owner.check()
+        kv = self.kv_cache_manager
+        num_admitted = 0
+        while self.waiting and self.waiting[0].num_external_tokens:
+            request = self.waiting[0]
+            if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+                break
+            # At most all of its blocks: the local prefix cache's hits only lower it.
+            if kv.num_free_blocks - cdiv(request.num_tokens, kv.block_size) < self._next_step_blocks():
+                break
+            if not self._admit_handoff(request):
+                break
+            num_admitted += 1
+        return num_admitted
+
+    def _next_step_blocks(self) -> int:
+        """The most new blocks the running requests may take at the next step: a block for each
+        one's next token, and the blocks of the prompt chunks still to compute."""
+        block_size = self.kv_cache_manager.block_size
+        return len(self.running) + sum(
+            cdiv(min(_num_prefill_tokens_left(request), self.max_num_prefill_tokens), block_size)
+            for request in self.running
+        )
 
     def _admit_handoff(self, request: Request) -> bool:
         """Blocks for the head of the queue, a hand-off, and the load that fills the ones the

@@ -29,7 +29,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def config(model_path: Path, **overrides: object) -> EngineConfig:
-    return EngineConfig(model=str(model_path), kv_cache_memory=1 << 22, **overrides)  # type: ignore[arg-type]
+    return EngineConfig(**{"model": str(model_path), "kv_cache_memory": 1 << 22, **overrides})  # type: ignore[arg-type]
 
 
 async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
@@ -256,10 +256,12 @@ class _HeldSteps:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.scheduled: list[list[str]] = []
+        self.threads: list[str] = []  # the thread each step's model ran on, by name
         engine.core.runner.execute = self  # type: ignore[method-assign]
 
     def __call__(self, output: SchedulerOutput, eos_token_ids: frozenset[int]) -> ModelOutput:
         self.scheduled.append([s.request.request_id for s in output.scheduled])
+        self.threads.append(threading.current_thread().name)
         if self.hold.is_set():
             self.hold.clear()
             self.entered.set()
@@ -300,14 +302,13 @@ async def wait_for_load(loader: ManualKVLoader) -> None:
     loader.load_started.clear()
 
 
-def test_a_handoff_arriving_mid_step_waits_for_the_boundary_and_only_the_step_thread_admits_it(
+def test_a_handoff_arriving_mid_step_is_admitted_by_the_step_thread_while_the_model_computes(
     model_path: Path,
 ) -> None:
-    """One writer: a hand-off that arrives while a step's model computes changes nothing then
-    (no blocks, no load; the load report counts it as queued); the step thread admits it at the
-    boundary and starts its load, which runs during the next step; it decodes once its result
-    has reached a boundary. Any change to the scheduler from this (the event loop's) thread
-    meanwhile raises."""
+    """One writer, and no step lost: a hand-off that arrives while a step's model computes (on
+    the decode engine's model thread) is added and its load started then, by the step thread,
+    not at the boundary; its load's result waits for the boundary, and it decodes in the very
+    next step. Any change to the scheduler from this (the event loop's) thread meanwhile raises."""
     running_prompt, handoff_prompt = random_prompts([20, 40], seed=16)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
@@ -319,24 +320,109 @@ def test_a_handoff_arriving_mid_step_waits_for_the_boundary_and_only_the_step_th
             await anext(running)
             steps.hold.set()
             assert await asyncio.to_thread(steps.entered.wait, 60)  # a step is now inside its model
+            held = len(steps.scheduled)
             num_free = engine.core.kv_cache_manager.num_free_blocks
             handoff = engine.generate(handoff_prompt, params, request_id="handoff", first_token_id=7)
             first = asyncio.ensure_future(anext(handoff))
-            report = await report_when(engine, lambda report: report.num_waiting == 1)  # queued in the inbox
-            assert loader.started == [] and engine.core.kv_cache_manager.num_free_blocks == num_free
+            await wait_for_load(loader)  # the held step has not ended
+            assert loader.started_on == ["engine-step-loop"] and steps.threads[-1].startswith("engine-model")
+            num_blocks = cdiv(40, config(model_path).block_size)
+            assert len(loader.load("handoff").block_ids) == num_blocks
+            assert engine.core.kv_cache_manager.num_free_blocks == num_free - num_blocks
             with pytest.raises(RuntimeError, match="step thread"):
                 engine.core.scheduler.finish_requests(["running"], RequestStatus.FINISHED_ABORTED)
-            assert report.num_running == 1 and engine.core.scheduler.requests["running"].status is RequestStatus.RUNNING
-            held = len(steps.scheduled)
+            assert engine.core.scheduler.requests["running"].status is RequestStatus.RUNNING
+            loader.finish("handoff")  # before the boundary: it joins the running ones there
             steps.release.set()
-            await wait_for_load(loader)  # started at the boundary, by the step thread
-            assert loader.started_on == ["engine-step-loop"]
-            assert len(loader.load("handoff").block_ids) == cdiv(40, config(model_path).block_size)
-            loader.finish("handoff")
             output = await asyncio.wait_for(first, 60)
             assert output.new_token_ids
-            assert "handoff" not in steps.scheduled[held]  # the step after the boundary only loaded it
+            assert len(steps.scheduled) == held + 1 and "handoff" in steps.scheduled[held]
             await handoff.aclose()
+            await running.aclose()
+            await report_when(engine, all_free)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def test_a_handoff_that_would_take_the_running_requests_next_blocks_waits_for_the_boundary(
+    model_path: Path,
+) -> None:
+    """Admitted while a step computes, a hand-off takes its blocks before the running requests
+    take theirs for the next step; where that could leave one of them short (and so preempt
+    it), the hand-off waits for the boundary, where the running requests come first."""
+    small = config(model_path, role="decode", kv_cache_memory=1 << 17)
+    running_prompt, other_prompt = random_prompts([20, 8], seed=22)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    async def main() -> None:
+        engine = AsyncEngine(small)
+        loader = ManualKVLoader()
+        await engine.start(loader)
+        try:
+            steps = _HeldSteps(engine)
+            running = engine.generate(running_prompt, params, request_id="running")
+            await anext(running)
+            steps.hold.set()
+            assert await asyncio.to_thread(steps.entered.wait, 60)
+            num_free = engine.core.kv_cache_manager.num_free_blocks
+            # Its prompt fills every free block: it fits, but leaves none for the running request.
+            handoff_prompt = random_prompts([num_free * small.block_size - 1], seed=23)[0]
+            handoff = engine.generate(handoff_prompt, GREEDY, request_id="handoff", first_token_id=7)
+            first = asyncio.ensure_future(anext(handoff))
+            # A hand-off behind it shows the step thread has looked at the inbox meanwhile.
+            other = engine.generate(other_prompt, GREEDY, request_id="other", first_token_id=7)
+            other_first = asyncio.ensure_future(anext(other))
+            await report_when(engine, lambda report: report.num_waiting == 2)
+            assert loader.started == []  # neither: "other" queues behind "handoff"
+            steps.release.set()
+            await running.aclose()  # its blocks come back at the boundary
+            await wait_for_load(loader)
+            loader.finish("handoff")
+            assert (await asyncio.wait_for(first, 60)).new_token_ids
+            await handoff.aclose()
+            await report_when(engine, lambda _: [load.request_id for load in loader.started] == ["handoff", "other"])
+            loader.finish("other")
+            assert (await asyncio.wait_for(other_first, 60)).new_token_ids
+            await other.aclose()
+            await report_when(engine, all_free)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def test_an_abort_that_arrived_before_a_handoff_of_its_id_keeps_its_place(model_path: Path) -> None:
+    """Messages apply in arrival order even when some apply mid-step: an abort held for the
+    boundary is applied before the hand-off of that id that came after it (which then runs),
+    while a hand-off of another id that came later still starts its load at once."""
+    first_prompt, second_prompt, running_prompt = random_prompts([24, 24, 20], seed=24)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        engine, loader = await started_decode_engine(model_path)
+        try:
+            steps = _HeldSteps(engine)
+            running = engine.generate(running_prompt, params, request_id="running")
+            await anext(running)
+            steps.hold.set()
+            assert await asyncio.to_thread(steps.entered.wait, 60)
+            engine.abort("first")  # an id nobody holds yet: nothing to end
+            first = engine.generate(first_prompt, GREEDY, request_id="first", first_token_id=7)
+            first_output = asyncio.ensure_future(anext(first))
+            second = engine.generate(second_prompt, GREEDY, request_id="second", first_token_id=7)
+            second_output = asyncio.ensure_future(anext(second))
+            await wait_for_load(loader)
+            assert [load.request_id for load in loader.started] == ["second"]  # "first" waits behind the abort
+            steps.release.set()
+            await wait_for_load(loader)
+            assert [load.request_id for load in loader.started] == ["second", "first"]
+            loader.finish("first")
+            loader.finish("second")
+            for stream, output in ((first, first_output), (second, second_output)):
+                assert (await asyncio.wait_for(output, 60)).new_token_ids
+                await stream.aclose()
             await running.aclose()
             await report_when(engine, all_free)
         finally:
