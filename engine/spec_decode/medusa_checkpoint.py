@@ -167,18 +167,23 @@ def _read_weights(folder: Path, config: MedusaCheckpointConfig) -> dict[str, tor
         for path in present:
             weights.update(load_file(str(path)))
         return weights
+    refuse_pickles(folder, "Medusa heads", MEDUSA_1_WEIGHTS if config.layout == "medusa-1" else "model.safetensors")
+    expected = MEDUSA_1_WEIGHTS if config.layout == "medusa-1" else "*.safetensors"
+    raise ValueError(f"the Medusa heads in {folder} have no weights: expected {expected}")
+
+
+def refuse_pickles(folder: Path, what: str, safetensors_name: str) -> None:
+    """ValueError naming the offline conversion when ``folder`` holds its weights as a pickle
+    only (called once no safetensors file was found); ``what``: the checkpoint, for the message."""
     pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in folder.glob(pattern))
     if pickles:
         name = pickles[0]
-        target = MEDUSA_1_WEIGHTS if config.layout == "medusa-1" else "model.safetensors"
         raise ValueError(
-            f"the Medusa heads in {folder} are a pickle ({name}), which is never loaded here: unpickling a downloaded "
+            f"the {what} in {folder} are a pickle ({name}), which is never loaded here: unpickling a downloaded "
             "file can run any code. Convert it once, offline, where you trust the file, with torch's weights-only "
             'loader: python -c "import torch; from safetensors.torch import save_file; '
-            f"save_file(torch.load('{name}', weights_only=True, map_location='cpu'), '{target}')\""
+            f"save_file(torch.load('{name}', weights_only=True, map_location='cpu'), '{safetensors_name}')\""
         )
-    expected = MEDUSA_1_WEIGHTS if config.layout == "medusa-1" else "*.safetensors"
-    raise ValueError(f"the Medusa heads in {folder} have no weights: expected {expected}")
 
 
 def _renamed(weights: dict[str, torch.Tensor], config: MedusaCheckpointConfig) -> dict[str, torch.Tensor]:

@@ -109,7 +109,7 @@ def _shard(llm: LLM, prompts: list[list[int]], settings: HeadTraining) -> Traini
         positions = np.arange(len(prompt) - 1, len(sequence) - 2)
         if positions.size == 0:
             continue
-        hidden.append(_final_hidden(llm, sequence, positions))
+        hidden.append(final_hidden(llm, sequence, positions))
         rows = []
         for i in positions:
             row = sequence[i + 2 : i + 2 + settings.num_heads]
@@ -118,7 +118,7 @@ def _shard(llm: LLM, prompts: list[list[int]], settings: HeadTraining) -> Traini
     return TrainingData(torch.cat(hidden), torch.cat(targets))
 
 
-def _final_hidden(llm: LLM, sequence: list[int], positions: np.ndarray) -> torch.Tensor:
+def final_hidden(llm: LLM, sequence: list[int], positions: np.ndarray) -> torch.Tensor:
     """The final hidden states [len(positions), hidden_size] of ``sequence`` at ``positions``."""
     engine = llm.engine
     runner = engine.runner

@@ -1,0 +1,121 @@
+"""An EAGLE draft for a checkpoint nobody publishes one for, by self-distillation on this machine.
+
+The data are Medusa training's (engine/spec_decode/medusa_training.py): the target's own greedy
+continuations, run back through the engine's forward pass for the feature of every position
+(:func:`sequence_features`). The draft then learns, at each position ``i``, from
+``(t_{i + 1}, f_i)``, to output the next feature ``f_{i + 1}`` (smooth L1, EAGLE's regression)
+and through the target's frozen LM head the token ``t_{i + 2}`` (cross-entropy), over whole
+sequences at a time so its attention sees the context it will see when serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, PretrainedConfig
+
+from engine.llm import LLM
+from engine.spec_decode.eagle import EagleDraft, EagleDraftShape, new_draft_kv
+from engine.spec_decode.medusa_training import final_hidden
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DraftTraining:
+    num_layers: int = 1
+    num_steps: int = 200
+    sequences_per_step: int = 4
+    learning_rate: float = 3e-3
+    feature_loss_weight: float = 1.0  # the regression's weight beside the token loss
+    seed: int = 0
+
+
+def new_draft(target_config: PretrainedConfig, num_layers: int, max_positions: int, seed: int = 0) -> EagleDraft:
+    """A float32 draft shaped like the target's layers (EAGLE-1's: fc with a bias, the target's
+    embedding and LM head), small random weights."""
+    layer_config = LlamaConfig(
+        **{
+            key: value
+            for key, value in target_config.to_dict().items()
+            if key not in ("architectures", "model_type", "num_hidden_layers")
+        },
+        num_hidden_layers=num_layers,
+    )
+    shape = EagleDraftShape.from_layer_config(
+        layer_config, num_layers, fc_bias=True, layernorms=False, own_embedding=False, own_lm_head=False
+    )
+    generator = torch.Generator().manual_seed(seed)
+    draft = EagleDraft(shape, max_positions, layer_config, torch.float32)
+    with torch.no_grad():
+        for name, parameter in draft.named_parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, parameter.shape[1] ** -0.5, generator=generator)
+            elif not name.endswith("layernorm.weight"):
+                parameter.zero_()
+    return draft
+
+
+def sequence_features(llm: LLM, sequence: list[int]) -> torch.Tensor:
+    """The target's feature (final normed hidden state) at every position of ``sequence``,
+    [len(sequence), hidden_size] float32, as the engine serves it."""
+    return final_hidden(llm, sequence, np.arange(len(sequence)))
+
+
+def train_draft(
+    draft: EagleDraft,
+    sequences: list[list[int]],
+    features: list[torch.Tensor],
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    settings: DraftTraining,
+) -> float:
+    """Train ``draft`` in place on ``sequences`` and their ``features`` (each [len, hidden]) with
+    the target's frozen ``embed_weight`` and ``lm_head_weight``; returns the last step's loss."""
+    usable = [i for i, sequence in enumerate(sequences) if len(sequence) >= 3]
+    if not usable:
+        raise ValueError("EAGLE training needs sequences of three tokens or more")
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    sampler = torch.Generator().manual_seed(settings.seed)
+    draft.train()
+    loss = torch.zeros(())
+    for _ in range(settings.num_steps):
+        picks = torch.randint(len(usable), (settings.sequences_per_step,), generator=sampler).tolist()
+        loss = torch.stack(
+            [
+                _loss(draft, sequences[usable[p]], features[usable[p]], embed_weight, lm_head_weight, settings)
+                for p in picks
+            ]
+        ).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    draft.eval()
+    return float(loss.detach())
+
+
+def _loss(
+    draft: EagleDraft,
+    sequence: list[int],
+    features: torch.Tensor,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    settings: DraftTraining,
+) -> torch.Tensor:
+    """Entries 0 .. L-2 of one sequence: token i + 1 with feature i."""
+    token_ids = torch.tensor(sequence)
+    num_entries = len(sequence) - 1
+    outputs = draft(
+        F.embedding(token_ids[1:], embed_weight),
+        features[:num_entries],
+        torch.arange(num_entries),
+        new_draft_kv(draft, 0, num_entries),
+    )
+    logits = draft.logits(outputs[:-1], lambda x: x @ lm_head_weight.T)  # entry i guesses token i + 2
+    token_loss = F.cross_entropy(logits, token_ids[2:])
+    feature_loss = F.smooth_l1_loss(outputs[:-1], features[1:num_entries])
+    return token_loss + settings.feature_loss_weight * feature_loss
