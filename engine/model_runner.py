@@ -24,6 +24,8 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, SchedulerOutput
 from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.eagle import EagleProposer
+from engine.spec_decode.eagle_checkpoint import load_eagle_draft
 from engine.spec_decode.medusa import MedusaProposer
 from engine.spec_decode.medusa_checkpoint import load_medusa_heads
 from engine.spec_decode.rejection_sampler import RejectionSampler
@@ -130,6 +132,18 @@ class ModelRunner:
                 Path(spec.model or ""), self.shape.hidden_size, self.shape.vocab_size, self.dtype, self.device
             )
             self.medusa = MedusaProposer(heads, spec.num_speculative_tokens, self.model.lm_head)
+        # EAGLE drafts from the features of every token this engine computes (engine/spec_decode/eagle.py).
+        self.eagle: EagleProposer | None = None
+        if spec is not None and spec.method == "eagle" and config.role != "prefill":
+            draft = load_eagle_draft(
+                Path(spec.model or ""),
+                self.shape.hidden_size,
+                self.shape.vocab_size,
+                self.max_model_len + spec.num_speculative_tokens,  # a chain runs past the last token
+                self.dtype,
+                self.device,
+            )
+            self.eagle = EagleProposer(draft, spec.num_speculative_tokens, self.model)
 
     # ------------------------------------------------------------------ sizing
 
@@ -219,12 +233,19 @@ class ModelRunner:
             hidden = torch.empty(
                 len(batch.logits_indices), self.shape.hidden_size, dtype=self.dtype, device=self.device
             )
-        logits = self._forward(batch, hidden)
+        if self.eagle is not None:
+            logits, hidden = self.eagle.target_forward(batch, self._forward, self.layer_caches)
+        else:
+            logits = self._forward(batch, hidden)
         if not sampling:
+            if self.eagle is not None and hidden is not None:
+                self.eagle.propose(output, None, hidden)  # prompt chunks: the draft's KV grows
             return ModelOutput(sampled_token_ids=[], logprobs=[])
         model_output = self._sample(output, logits, sampling, eos_token_ids, draft_probs, bitmask)
         if self.medusa is not None and hidden is not None:
             model_output.draft_token_ids = self.medusa.propose(output, model_output, hidden)
+        if self.eagle is not None and hidden is not None:
+            model_output.draft_token_ids = self.eagle.propose(output, model_output, hidden)
         return model_output
 
     def _sample(
