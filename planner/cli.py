@@ -1,6 +1,7 @@
 """``splitserve planner``: size the prefill and decode pools behind running gateways to the
 TTFT and ITL SLOs, starting and stopping simulated instances on this host (one process each,
-``planner/actuator.py``), which register in the gateways' Redis registry.
+``planner/actuator.py``), which register in the gateways' Redis registry; or, with
+``--actuator metrics``, only publishing the counts it wants for KEDA or an HPA to act on.
 
 In call order: parse; start the initial instances; every ``--plan-interval`` run one tick of
 ``planner/loop.py``; on SIGTERM or SIGINT stop every instance it started (each drains as on any
@@ -22,6 +23,7 @@ from prometheus_client import start_http_server
 from launcher.processes import splitserve_command
 from planner.actuator import LocalActuator
 from planner.capacity import scaled_profile
+from planner.capacity_profile import check_slo, load_capacity_profile
 from planner.decision import Role
 from planner.flags import add_planner_arguments, bounds_of, slo_of
 from planner.loop import Planner, PlannerConfig
@@ -39,7 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="a gateway whose /metrics the planner reads (repeat for several gateways)",
     )
-    parser.add_argument("--registry-url", required=True, help="redis://HOST:PORT the instances register in")
+    parser.add_argument(
+        "--actuator",
+        choices=["local", "metrics"],
+        default="local",
+        help="local: start and stop simulated instances here, one process each; metrics: only publish the desired "
+        "counts (splitserve_planner_desired_instances) for KEDA or an HPA to scale Deployments by "
+        "(deploy/kubernetes-autoscaling/); it needs --metrics-port",
+    )
+    parser.add_argument("--registry-url", help="--actuator local: redis://HOST:PORT the instances register in")
     parser.add_argument(
         "--simulate-profile",
         default=DEFAULT_PROFILE,
@@ -47,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the simulated instances' timing profile, which also prices their capacity (docs/simulator.md)",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="the simulated instances' --time-scale")
+    parser.add_argument(
+        "--capacity-profile",
+        default=None,
+        metavar="FILE",
+        help="what `splitserve profile` measured one instance of each role to sustain at these SLOs: it corrects "
+        "the timing profile's capacity (docs/planner.md)",
+    )
     parser.add_argument("--model", default=None, help="the model folder the instances read config and tokenizer from")
     parser.add_argument("--heartbeat-seconds", type=float, default=1.0, help="the instances' registry heartbeat")
     parser.add_argument("--initial-prefill", type=int, default=1, help="prefill instances to start with")
@@ -88,6 +105,14 @@ def simulated_instance_command(args: argparse.Namespace) -> Callable[[Role, str]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.actuator == "local" and not args.registry_url:
+        raise ValueError("--actuator local starts instances that register in a registry: pass --registry-url")
+    if args.actuator == "metrics" and args.metrics_port is None:
+        raise ValueError("--actuator metrics publishes the desired counts on its metrics port: pass --metrics-port")
+    measured = None
+    if args.capacity_profile is not None:
+        measured = load_capacity_profile(args.capacity_profile)
+        check_slo(measured, slo_of(args))
     config = PlannerConfig(
         profile=scaled_profile(load_profile(args.simulate_profile), args.time_scale),
         slo=slo_of(args),
@@ -97,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
         initial_instances={"prefill": args.initial_prefill, "decode": args.initial_decode},
         prompt_tokens=args.plan_prompt_tokens,
         output_tokens=args.plan_output_tokens,
+        measured=measured,
     )
-    log_dir = Path(args.instance_log_dir or tempfile.mkdtemp(prefix="splitserve-planner-"))
     metrics = PlannerMetrics()
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, args.metrics_host, registry=metrics.registry)
@@ -106,8 +131,12 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     scraper = GatewayScraper(args.gateway_url)
-    planner = Planner(config, scraper, LocalActuator(simulated_instance_command(args), log_dir), metrics)
-    logger.info("planner: instances' logs in %s", log_dir)
+    actuator = None
+    if args.actuator == "local":
+        log_dir = Path(args.instance_log_dir or tempfile.mkdtemp(prefix="splitserve-planner-"))
+        actuator = LocalActuator(simulated_instance_command(args), log_dir)
+        logger.info("planner: instances' logs in %s", log_dir)
+    planner = Planner(config, scraper, actuator, metrics)
     try:
         planner.start_initial()
         planner.run(stop)

@@ -6,17 +6,25 @@ from __future__ import annotations
 import argparse
 
 from planner.capacity import Slo
-from planner.decision import PlannerBounds, RoleBounds
+from planner.decision import ROLES, PlannerBounds, RoleBounds
 from planner.predictors import PREDICTORS
 
-_FLAGS = (
-    # (flag, type, default, help)
+Flag = tuple[str, type, object, str]  # (flag, type, default, help)
+
+# The SLOs, which ``splitserve profile`` measures capacity at as well (planner/profile_cli.py).
+SLO_FLAGS: tuple[Flag, ...] = (
     ("--ttft-slo", float, 1.0, "the TTFT p90 to hold, seconds"),
     ("--itl-slo", float, 0.05, "the ITL p90 to hold, seconds"),
-    ("--min-prefill", int, 1, "prefill instances at least"),
-    ("--max-prefill", int, 8, "prefill instances at most"),
-    ("--min-decode", int, 1, "decode instances at least"),
-    ("--max-decode", int, 8, "decode instances at most"),
+)
+ROLE_BOUNDS = {"min": ("at least", 1), "max": ("at most", 8)}  # per role: --min-ROLE, --max-ROLE
+
+_FLAGS: tuple[Flag, ...] = (
+    *SLO_FLAGS,
+    *(
+        (f"--{bound}-{role}", int, default, f"{role} instances {words}")
+        for role in ROLES
+        for bound, (words, default) in ROLE_BOUNDS.items()
+    ),
     ("--max-instances", int, 16, "instances of both roles together at most (the budget)"),
     ("--plan-interval", float, 5.0, "seconds between decisions"),
     ("--up-cooldown", float, 10.0, "seconds after a role's pool changed before it grows again"),
@@ -27,9 +35,13 @@ _FLAGS = (
 )
 
 
-def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, kind, default, help_text in _FLAGS:
+def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...]) -> None:
+    for flag, kind, default, help_text in flags:
         parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
+
+
+def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, _FLAGS)
     parser.add_argument(
         "--predictor",
         choices=list(PREDICTORS),
@@ -51,9 +63,10 @@ def slo_of(args: argparse.Namespace) -> Slo:
 
 
 def bounds_of(args: argparse.Namespace) -> PlannerBounds:
+    prefill, decode = (RoleBounds(getattr(args, f"min_{role}"), getattr(args, f"max_{role}")) for role in ROLES)
     return PlannerBounds(
-        RoleBounds(args.min_prefill, args.max_prefill),
-        RoleBounds(args.min_decode, args.max_decode),
+        prefill,
+        decode,
         args.max_instances,
         up_cooldown_s=args.up_cooldown,
         down_cooldown_s=args.down_cooldown,

@@ -11,7 +11,8 @@
    tried, turned that noise into pools started and stopped again before they were ready), at
    the mean prompt and output lengths of recent traffic; an SLO the metrics show missed
    corrects what the forecast misses (``planner/decision.py``);
-4. price one instance of each role for that mix (``planner/capacity.py``) and decide
+4. price one instance of each role for that mix (``planner/capacity.py``, corrected by a
+   measured profile if it has one, ``planner/capacity_profile.py``) and decide
    (``planner/decision.py``), counting starting and ready instances as the pool so that a
    start under way is not started twice;
 5. act: start instances; or, to shrink, stop starting instances no gateway lists yet (they
@@ -31,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 
 from planner.actuator import LocalActuator, ManagedInstance
-from planner.capacity import InstanceCapacity, Slo, Workload, instance_capacity
+from planner.capacity import InstanceCapacity, Slo, Workload
+from planner.capacity_profile import CapacityProfile, calibrated_capacity
 from planner.decision import ROLES, Cooldowns, Decision, Observed, PlannerBounds, Role, decide
 from planner.metrics import PlannerMetrics
 from planner.observations import GatewayScraper, Observation, Scrape, observe
@@ -54,6 +56,8 @@ class PlannerConfig:
     initial_instances: dict[Role, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     prompt_tokens: float = 512.0  # the mix assumed before traffic says otherwise
     output_tokens: float = 128.0
+    # A measured profile that corrects the timing model's capacity (planner/capacity_profile.py).
+    measured: CapacityProfile | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +73,18 @@ class Tick:
 
 
 class Planner:
+    """``actuator`` None: publish only (``--actuator metrics``). The desired counts go out as
+    metrics for KEDA or an HPA to scale Deployments by, and each role's pool is what was last
+    published: an instance asked for counts from then on, as a started one does here, so that
+    the count asked for never falls back while its pods start (a scale-down asked of Kubernetes
+    is carried out by its pods' preStop drain, deploy/kubernetes-autoscaling/)."""
+
     def __init__(
-        self, config: PlannerConfig, scraper: GatewayScraper, actuator: LocalActuator, metrics: PlannerMetrics
+        self,
+        config: PlannerConfig,
+        scraper: GatewayScraper,
+        actuator: LocalActuator | None,
+        metrics: PlannerMetrics,
     ) -> None:
         self.config = config
         self.scraper = scraper
@@ -81,11 +95,14 @@ class Planner:
         self._prompt_tokens = config.prompt_tokens
         self._output_tokens = config.output_tokens
         self._last_scrape: Scrape | None = None
+        self._published: dict[Role, int] = {}  # publish only: the desired counts last published
         # Every tick's decision, appended by the loop's thread; others only read it (a list's
         # append is atomic), as the benchmark and the tests do.
         self.history: list[Tick] = []
 
     def start_initial(self) -> None:
+        if self.actuator is None:
+            return  # the Deployments' own replicas are the initial pools
         for role in ROLES:
             bounds = self.config.bounds.of(role)
             wanted = min(max(self.config.initial_instances.get(role, 1), bounds.min_instances), bounds.max_instances)
@@ -105,7 +122,8 @@ class Planner:
                     logger.warning("planner: a gateway's metrics could not be read (%s); trying next interval", error)
                 stop.wait(max(0.0, self.config.interval_s - (time.monotonic() - started)))
         finally:
-            self.actuator.stop_all()
+            if self.actuator is not None:
+                self.actuator.stop_all()
 
     def tick(self) -> Tick | None:
         """One interval (module docstring); None for the first scrape, which has no interval."""
@@ -116,9 +134,12 @@ class Planner:
         observation = observe(last, scrape)
         self._update_instances(observation)
         workload = self._workload(observation)
-        capacity = instance_capacity(self.config.profile, workload, self.config.slo)
-        pool = {role: len(self._pool(role)) for role in ROLES}
-        starting = {role: any(i.state == "starting" for i in self.actuator.live(role)) for role in ROLES}
+        capacity = calibrated_capacity(self.config.profile, workload, self.config.slo, self.config.measured)
+        ready = {role: self._ready(role, observation) for role in ROLES}
+        pool = {role: self._pool_size(role, ready[role]) for role in ROLES}
+        starting = {role: ready[role] < pool[role] for role in ROLES}
+        if self.actuator is not None:
+            starting = {role: any(i.state == "starting" for i in self.actuator.live(role)) for role in ROLES}
         # An SLO missed while the role's new instance starts is that start's to fix, not one more's.
         observed = Observed(
             pool["prefill"],
@@ -130,16 +151,38 @@ class Planner:
         decision = decide(workload, capacity, self.config.slo, observed, self.config.bounds, self.cooldowns, now)
         for role in ROLES:
             # The cooldown runs from a change made, not from one deferred (a drain waits for starts).
-            if decision.of(role).desired != pool[role] and self._resize(role, decision.of(role).desired, observation):
+            desired = decision.of(role).desired
+            if self.actuator is None:
+                self._published[role] = desired
+                if desired != pool[role]:
+                    self.cooldowns.changed_at[role] = now
+            elif desired != pool[role] and self._resize(role, desired, observation):
                 self.cooldowns.changed_at[role] = now
-        ready = {role: sum(1 for i in self.actuator.live(role) if i.state == "ready") for role in ROLES}
-        self._report(observation, workload, capacity, decision, pool)
+        ready = {role: self._ready(role, observation) for role in ROLES}
+        self._report(observation, workload, capacity, decision, pool, ready)
         return Tick(now, observation, workload, capacity, decision, ready)
 
     def _pool(self, role: Role) -> list[ManagedInstance]:
+        if self.actuator is None:
+            return []
         return [i for i in self.actuator.live(role) if i.state in ("starting", "ready")]
 
+    def _ready(self, role: Role, observation: Observation) -> int:
+        """Ready instances of ``role``: those started here that every gateway routes to; when
+        publishing only, every instance of the role that every gateway routes to."""
+        if self.actuator is not None:
+            return sum(1 for i in self.actuator.live(role) if i.state == "ready")
+        return sum(1 for view in observation.instances.values() if view.role == role and view.healthy)
+
+    def _pool_size(self, role: Role, ready: int) -> int:
+        if self.actuator is not None:
+            return len(self._pool(role))
+        # Before its first decision, the pool the Deployment runs now (its minimum while none is up).
+        return self._published.get(role, max(ready, self.config.bounds.of(role).min_instances))
+
     def _update_instances(self, observation: Observation) -> None:
+        if self.actuator is None:
+            return
         self.actuator.reap_exited()
         now = time.monotonic()
         for instance in self.actuator.live():
@@ -168,6 +211,8 @@ class Planner:
 
     def _resize(self, role: Role, desired: int, observation: Observation) -> bool:
         """Start or stop instances towards ``desired``; whether it changed anything."""
+        if self.actuator is None:
+            raise RuntimeError("bug: resizing with no actuator; publishing only never resizes")
         pool = self._pool(role)
         if desired > len(pool):
             for _ in range(desired - len(pool)):
@@ -202,9 +247,14 @@ class Planner:
         capacity: InstanceCapacity,
         decision: Decision,
         pool: dict[Role, int],
+        ready: dict[Role, int],
     ) -> None:
         states: dict[tuple[str, str], int] = {}
-        for instance in self.actuator.live():
+        if self.actuator is None:
+            for role in ROLES:
+                states[(role, "ready")] = ready[role]
+                states[(role, "starting")] = max(0, self._published[role] - ready[role])
+        for instance in self.actuator.live() if self.actuator is not None else []:
             states[(instance.role, instance.state)] = states.get((instance.role, instance.state), 0) + 1
         self.metrics.record(
             decision,

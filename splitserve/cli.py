@@ -25,6 +25,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "planner.cli",
         "size the prefill and decode pools to the TTFT and ITL SLOs, starting and stopping instances",
     ),
+    "profile": (
+        "planner.profile_cli",
+        "measure what one prefill and one decode instance sustain within the SLOs, for the planner",
+    ),
     "bench": ("bench.cli", "benchmark an OpenAI-compatible server (serve, sweep, plot)"),
 }
 
