@@ -1,6 +1,8 @@
 """How many gRPC calls an instance's server received, by method: the polls gateways make
-(``Load/GetLoadReport``, ``Load/GetKVEvents``, ``grpc.health.v1.Health/Check``), the requests
-they send (``Prefill``, ``Decode``) and the calls between instances (leases, releases).
+(``Load/GetLoadReport``, ``grpc.health.v1.Health/Check``; ``Load/GetKVEvents`` when a KV-event
+subscription resynchronises), their subscriptions (``Load/WatchKVEvents``, one call per stream
+however many batches it carries), the requests they send (``Prefill``, ``Decode``) and the
+calls between instances (leases, releases).
 A cluster's own traffic is counted where it lands, not inferred from its senders' intervals.
 
 In call order: :meth:`cluster.internal_grpc.InternalPlane.server` puts the plane's
