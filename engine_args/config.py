@@ -133,7 +133,7 @@ def speculative_config_from_json(text: str) -> SpeculativeConfig:
         )
     if "method" not in given:
         raise ValueError(
-            '--speculative-config needs a "method": ngram, draft_model or medusa (eagle and eagle3 are not built yet)'
+            '--speculative-config needs a "method": ngram, draft_model, medusa or eagle (eagle3 is not built yet)'
         )
     for key, value in given.items():
         wanted = str if key in ("method", "model") else int

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SpecMethod = Literal["ngram", "draft_model", "medusa"]
+SpecMethod = Literal["ngram", "draft_model", "medusa", "eagle"]
 # Methods vLLM's --speculative-config names that this engine does not build yet (issue 40).
-PLANNED_METHODS = ("eagle", "eagle3")
+PLANNED_METHODS = ("eagle3",)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
@@ -18,23 +18,25 @@ class SpeculativeConfig:
     that followed its latest earlier occurrence are proposed. ``method="draft_model"`` runs
     ``model`` (a local Hugging Face folder with the target's vocabulary) autoregressively.
     ``method="medusa"`` reads ``model``'s Medusa heads, which draft from the target's last
-    hidden state (engine/spec_decode/medusa.py). Either way at most ``num_speculative_tokens``
-    drafts are verified per step."""
+    hidden state (engine/spec_decode/medusa.py). ``method="eagle"`` reads ``model``'s EAGLE
+    draft, a decoder layer over the target's features (engine/spec_decode/eagle.py). Either way at
+    most ``num_speculative_tokens`` drafts are verified per step."""
 
     method: SpecMethod = "ngram"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     ngram_min: int = 2
     ngram_max: int = 4
-    model: str | None = None  # draft_model: the draft checkpoint's folder; medusa: the heads' folder
+    model: str | None = None  # draft_model, eagle: the draft checkpoint's folder; medusa: the heads' folder
 
     def __post_init__(self) -> None:
         if self.method in PLANNED_METHODS:
             raise ValueError(
-                f"speculative method {self.method!r} is not built yet (issue 40); use medusa, ngram or draft_model"
+                f"speculative method {self.method!r} is not built yet (issue 40); use eagle, medusa, ngram or "
+                "draft_model"
             )
-        if self.method not in ("ngram", "draft_model", "medusa"):
+        if self.method not in ("ngram", "draft_model", "medusa", "eagle"):
             raise ValueError(
-                f"speculative method must be one of ngram, draft_model, medusa (eagle and eagle3 are not built yet); "
+                f"speculative method must be one of ngram, draft_model, medusa, eagle (eagle3 is not built yet); "
                 f"got {self.method!r}"
             )
         if self.num_speculative_tokens < 1:
@@ -50,6 +52,11 @@ class SpeculativeConfig:
             raise ValueError(
                 'Medusa speculation needs the heads\' folder: --speculative-config \'{"method": "medusa", "model": '
                 '"<folder>"}\' (splitserve train-heads makes one)'
+            )
+        if self.method == "eagle" and not self.model:
+            raise ValueError(
+                'EAGLE speculation needs the draft\'s folder: --speculative-config \'{"method": "eagle", "model": '
+                "\"<folder>\"}' (EAGLE's reference layout or the speculators package's)"
             )
         if self.method == "ngram" and self.model:
             raise ValueError("--speculative-model makes a draft model speculate; drop the n-gram method (or the model)")

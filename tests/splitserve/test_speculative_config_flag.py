@@ -51,6 +51,9 @@ def test_every_command_reads_the_json_as_the_engines_config(command: str, tmp_pa
     assert _config(command, "--speculative-config", _given(method="medusa", model=heads, num_speculative_tokens=2)) == (
         SpeculativeConfig(method="medusa", model=heads, num_speculative_tokens=2)
     )
+    assert _config(command, "--speculative-config", _given(method="eagle", model="/e", num_speculative_tokens=5)) == (
+        SpeculativeConfig(method="eagle", model="/e", num_speculative_tokens=5)
+    )
     # Without a count, Medusa drafts one token per head, as vLLM does.
     assert _config(command, "--speculative-config", _given(method="medusa", model=heads)) == SpeculativeConfig(
         method="medusa", model=heads, num_speculative_tokens=3
@@ -60,7 +63,7 @@ def test_every_command_reads_the_json_as_the_engines_config(command: str, tmp_pa
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        (_given(method="eagle", model="/e"), "'eagle' is not built yet"),
+        (_given(method="eagle"), "EAGLE speculation needs the draft's folder"),
         (_given(method="eagle3", model="/e"), "'eagle3' is not built yet"),
         (_given(method="lookahead"), "must be one of ngram, draft_model, medusa"),
         (_given(model="/m"), 'needs a "method"'),

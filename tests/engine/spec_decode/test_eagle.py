@@ -1,0 +1,248 @@
+"""EAGLE drafts end to end on tiny checkpoints: greedy output equals the output without
+speculation and transformers' own, token for token, for several draft lengths; a draft trained on
+the target is accepted where an untrained one is not; the draft's KV, cut back after rejections,
+is the KV of the tokens kept; both checkpoint layouts load the same draft; pickles are refused;
+preemption and abort leave no block (and no draft KV) behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.eagle import EagleProposer, _Held, new_draft_kv
+from engine.spec_decode.eagle_checkpoint import load_eagle_draft, read_eagle_config
+from tests.checkpoints import VOCAB_SIZE, make_checkpoint
+from tests.engine.spec_decode.eagle_drafts import MAX_POSITIONS, make_cycle_drafts, make_eagle_draft
+from tests.engine.spec_decode.medusa_heads import HIDDEN_SIZE, cycle_snippet
+from tests.engine.spec_decode.test_engine_spec import (
+    GREEDY,
+    GREEDY_PROCESSED,
+    generate,
+    make_engine,
+    repetitive_prompts,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def cycle_drafts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], Path, Path]:
+    return make_cycle_drafts(tmp_path_factory.mktemp("cycle"))
+
+
+def cycle_prompts(cycle: list[int]) -> list[list[int]]:
+    """On the cycle, off it (the target's own continuation), and short."""
+    return [
+        cycle_snippet(cycle, 5, 8),
+        [7, 9, 11, 13, 15, 17],
+        cycle_snippet(cycle, 11, 4),
+        cycle_snippet(cycle, 2, 30),
+    ]
+
+
+def eagle(draft: Path, num_speculative_tokens: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(method="eagle", model=str(draft), num_speculative_tokens=num_speculative_tokens)
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [1, 3, 5])
+def test_eagle_greedy_equals_plain_greedy(
+    cycle_drafts: tuple[Path, list[int], Path, Path], num_speculative_tokens: int
+) -> None:
+    """The trained draft is accepted often but not always, so accepted, rejected and cut-back
+    drafts all happen."""
+    target, cycle, trained, _ = cycle_drafts
+    prompts = cycle_prompts(cycle)
+    expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
+    spec = make_engine(target, eagle(trained, num_speculative_tokens))
+    assert generate(spec, prompts, [GREEDY] * len(prompts)) == expected  # and every block came back
+    stats = spec.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_eagle_with_penalties_and_logprobs_equals_plain(cycle_drafts: tuple[Path, list[int], Path, Path]) -> None:
+    target, cycle, trained, _ = cycle_drafts
+    prompts = cycle_prompts(cycle)
+    expected = generate(make_engine(target), prompts, [GREEDY_PROCESSED] * len(prompts))
+    assert generate(make_engine(target, eagle(trained, 2)), prompts, [GREEDY_PROCESSED] * len(prompts)) == expected
+
+
+def test_eagle_greedy_equals_transformers(target: Path, tmp_path: Path) -> None:
+    draft = make_eagle_draft(tmp_path / "draft", "eagle")
+    prompts = repetitive_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    core = make_engine(target, eagle(draft, 4))
+    ours = generate(core, prompts, [params] * len(prompts))
+    assert core.scheduler.spec_stats.num_draft_tokens > 0
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            reference = model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
+            )
+        assert tokens == reference[0, len(prompt) :].tolist()
+
+
+def test_a_trained_draft_is_accepted_more_than_an_untrained_one(
+    cycle_drafts: tuple[Path, list[int], Path, Path],
+) -> None:
+    target, cycle, trained, untrained = cycle_drafts
+    prompts = [cycle_snippet(cycle, start, 6) for start in (1, 8, 15)]  # on the cycle, as trained
+    rates = {}
+    for name, draft in (("trained", trained), ("untrained", untrained)):
+        core = make_engine(target, eagle(draft, 3))
+        generate(core, prompts, [GREEDY] * len(prompts))
+        stats = core.scheduler.spec_stats
+        rates[name] = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert rates["trained"] > 0.5 and rates["trained"] > 2 * rates["untrained"], rates
+
+
+def test_the_draft_kv_after_rejections_is_the_kv_of_the_tokens_kept(
+    cycle_drafts: tuple[Path, list[int], Path, Path],
+) -> None:
+    """Before each chain, the draft's KV and last output equal a fresh run of the draft over the
+    request's kept entries (every (token i + 1, feature i) it was given, later ones in place of
+    earlier at the same position), and the chain from that fresh run drafts the same tokens."""
+    target, cycle, trained, _ = cycle_drafts
+    core = make_engine(target, eagle(trained, 4), long_prefill_token_threshold=16)
+    proposer = core.runner.eagle
+    assert proposer is not None
+    entries: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
+    extend, chain = proposer._extend, proposer._chain
+    num_checked = [0]
+
+    def recording_extend(request: Request, start: int, known: list[int], features: torch.Tensor) -> _Held | None:
+        given = entries.setdefault(request.request_id, {})
+        for j in range(features.shape[0]):
+            given[start + j] = (known[start + j + 1], features[j].clone())
+        return extend(request, start, known, features)
+
+    def checked_chain(held: _Held) -> list[int]:
+        kv = held.kv
+        given = entries[held.request.request_id]
+        token_ids = torch.tensor([given[i][0] for i in range(kv.start, kv.end)])
+        features = torch.stack([given[i][1] for i in range(kv.start, kv.end)])
+        fresh = new_draft_kv(proposer.draft, kv.start)
+        outputs = proposer.draft(proposer.embed(token_ids), features, torch.arange(kv.start, kv.end), fresh)
+        assert fresh.length == kv.length
+        torch.testing.assert_close(fresh.keys[0][: kv.length], kv.keys[0][: kv.length], atol=1e-5, rtol=1e-5)
+        assert held.last_output is not None
+        torch.testing.assert_close(outputs[-1:], held.last_output, atol=1e-5, rtol=1e-5)
+        drafts = chain(held)
+        assert chain(_Held(held.request, fresh, outputs[-1:])) == drafts
+        num_checked[0] += 1
+        return drafts
+
+    proposer._extend = recording_extend  # type: ignore[method-assign]
+    proposer._chain = checked_chain  # type: ignore[method-assign]
+    prompts = cycle_prompts(cycle)
+    with torch.inference_mode():
+        generate(core, prompts, [GREEDY] * len(prompts))
+    stats = core.scheduler.spec_stats
+    assert num_checked[0] > len(prompts) and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"own_embedding": True, "own_lm_head": True, "fc_bias": False}, {"layernorms": True, "own_lm_head": True}],
+    ids=["eagle-1", "own-embedding-and-head", "hass-layernorms"],
+)
+def test_both_layouts_load_the_same_draft(target: Path, tmp_path: Path, options: dict[str, bool]) -> None:
+    """The same random draft written in EAGLE's reference layout and the speculators package's
+    loads to the same tensors, and drafts the same tokens in the engine."""
+    layouts = ["speculators"] if options.get("layernorms") else ["eagle", "speculators"]
+    folders = [make_eagle_draft(tmp_path / layout, layout, **options) for layout in layouts]  # type: ignore[arg-type]
+    drafts = [load_eagle_draft(f, HIDDEN_SIZE, VOCAB_SIZE, MAX_POSITIONS, torch.float32, CPU) for f in folders]
+    assert [read_eagle_config(f).layout for f in folders] == layouts
+    for draft in drafts[1:]:
+        assert draft.shape == drafts[0].shape
+        assert draft.state_dict().keys() == drafts[0].state_dict().keys()
+        for name, tensor in drafts[0].state_dict().items():
+            assert torch.equal(tensor, draft.state_dict()[name]), name
+    prompts = repetitive_prompts()
+    drafted = []
+    for folder in folders:
+        core = make_engine(target, eagle(folder, 3))
+        assert core.runner.eagle is not None
+        proposals = recorded_chains(core.runner.eagle)
+        generate(core, prompts, [GREEDY] * len(prompts))
+        drafted.append(proposals)
+    assert drafted[0] and all(d == drafted[0] for d in drafted)
+
+
+def recorded_chains(proposer: EagleProposer) -> list[list[int]]:
+    """Every chain ``proposer`` drafts from now on, in order."""
+    proposals: list[list[int]] = []
+    chain = proposer._chain
+
+    def recording(held: _Held) -> list[int]:
+        proposals.append(chain(held))
+        return proposals[-1]
+
+    proposer._chain = recording  # type: ignore[method-assign]
+    return proposals
+
+
+def test_a_pickle_is_refused_with_the_way_to_convert_it(tmp_path: Path) -> None:
+    draft = make_eagle_draft(tmp_path / "draft", "eagle")
+    (draft / "model.safetensors").rename(draft / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pickle \(pytorch_model\.bin\).*weights_only=True"):
+        load_eagle_draft(draft, HIDDEN_SIZE, VOCAB_SIZE, MAX_POSITIONS, torch.float32, CPU)
+
+
+def test_a_draft_for_another_model_is_refused(tmp_path: Path) -> None:
+    draft = make_eagle_draft(tmp_path / "draft", "speculators")
+    with pytest.raises(ValueError, match="features of 64, the target's hidden states are 32"):
+        load_eagle_draft(draft, 32, VOCAB_SIZE, MAX_POSITIONS, torch.float32, CPU)
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens, the target's has 1000"):
+        load_eagle_draft(draft, HIDDEN_SIZE, 1000, MAX_POSITIONS, torch.float32, CPU)
+
+
+def test_eagle3_is_still_refused_and_eagle_needs_a_folder() -> None:
+    with pytest.raises(ValueError, match="'eagle3' is not built yet"):
+        SpeculativeConfig(method="eagle3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="EAGLE speculation needs the draft's folder"):
+        SpeculativeConfig(method="eagle")
+
+
+def test_preemption_and_abort_leave_no_block_or_draft_kv_behind(
+    cycle_drafts: tuple[Path, list[int], Path, Path],
+) -> None:
+    """A KV cache too small for every request at once: requests are preempted and recomputed
+    (their draft KV dropped and rebuilt), and their output is still the plain one; an aborted
+    request gives its blocks back, and no finished request's draft KV outlives the next step."""
+    target, cycle, trained, _ = cycle_drafts
+    prompts = cycle_prompts(cycle)
+    expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
+    small = make_engine(target, eagle(trained), kv_cache_memory=12 * 8192)  # 12 blocks of the tiny model
+    assert small.kv_cache_manager.num_total_blocks == 12
+    assert generate(small, prompts, [GREEDY] * len(prompts)) == expected  # and every block came back
+    assert small.scheduler.num_preemptions > 0 and small.scheduler.spec_stats.num_accepted_tokens > 0
+
+    core = make_engine(target, eagle(trained))
+    proposer = core.runner.eagle
+    assert proposer is not None
+    for index, prompt in enumerate(prompts):
+        core.add_request(prompt, GREEDY, request_id=f"r{index}")
+    for _ in range(4):
+        core.step()
+    assert core.scheduler.spec_stats.num_draft_tokens > 0 and {"r0", "r2"} <= set(proposer.held)
+    core.abort(["r0", "r2"])
+    while core.has_unfinished_requests():
+        core.step()
+    manager = core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_total_blocks
+    core.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), request_id="last")
+    while core.has_unfinished_requests():
+        core.step()
+    assert set(proposer.held) == {"last"}  # every earlier request's draft KV dropped
