@@ -42,6 +42,7 @@ def format_result(result: dict[str, Any]) -> str:
             row(_line(f"{stat} {short} (ms):", result[key]))
     lines += _token_gaps(result)
     lines += _server_phases(result)
+    lines += _spec_decode(result)
     lines += _per_workload(result)
     if result["failed"]:
         first = next(error for error in result["errors"] if error)
@@ -94,6 +95,23 @@ def _per_workload(result: dict[str, Any]) -> list[str]:
             f" | ITL p50 {_num(itl.median)} p99 {_num(itl.percentiles[99.0])} ms"
         )
     return lines
+
+
+def _spec_decode(result: dict[str, Any]) -> list[str]:
+    """The server's speculative decoding over the run (bench/spec_decode_metrics.py)."""
+    spec: dict[str, Any] | None = result.get("spec_decode")
+    if not spec:
+        return []
+    rates = " ".join("-" if rate is None else f"{rate:.2f}" for rate in spec["acceptance_rate_per_position"])
+    return [
+        " Speculative Decoding (server) ".center(_WIDTH, "-"),
+        _line("Draft tokens verified:", spec["num_draft_tokens"]),
+        _line("Draft tokens accepted:", spec["num_accepted_tokens"]),
+        _line("Acceptance rate:", spec["acceptance_rate"]),
+        _line("Mean accepted length:", spec["mean_accepted_length"]),
+        f"acceptance by position: {rates}",
+        f"verifications by drafts accepted (0, 1, ...): {spec['verifications_by_accepted']}",
+    ]
 
 
 def _token_gaps(result: dict[str, Any]) -> list[str]:

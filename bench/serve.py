@@ -37,6 +37,7 @@ from bench.client import (
 from bench.datasets import SampleRequest, WorkloadSpec, sample_workload
 from bench.metrics import DEFAULT_PERCENTILES, RunInfo, compute_metrics, result_json
 from bench.prompt_text import is_gguf_file, load_tokenizer
+from bench.spec_decode_metrics import over_run, scrape
 from launcher.processes import embedded_model
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ def benchmark(config: ServeConfig, target: Target | None = None) -> dict[str, An
     warmups, requests = sample_workload(
         config.workload, target.tokenizer, config.num_prompts, config.num_warmups, config.seed
     )
-    records, duration_s = asyncio.run(run_requests(config, target.model_id, warmups, requests))
+    records, duration_s, spec_decode = asyncio.run(run_requests(config, target.model_id, warmups, requests))
     _count_missing_usage(records, target.tokenizer)
     _check_output_lengths(config, records)
     metrics = compute_metrics(records, duration_s, config.percentiles, config.goodput_slos_ms)
@@ -161,13 +162,17 @@ def benchmark(config: ServeConfig, target: Target | None = None) -> dict[str, An
         num_warmups=config.num_warmups,
         goodput_slos_ms=config.goodput_slos_ms or {},
     )
-    return result_json(info, records, metrics, duration_s)
+    result = result_json(info, records, metrics, duration_s)
+    result["spec_decode"] = spec_decode
+    return result
 
 
 async def run_requests(
     config: ServeConfig, model_id: str, warmups: list[SampleRequest], requests: list[SampleRequest]
-) -> tuple[list[RequestRecord], float]:
-    """Send the warm-ups, then the measured requests on schedule; (records in send order, seconds)."""
+) -> tuple[list[RequestRecord], float, dict[str, Any] | None]:
+    """Send the warm-ups, then the measured requests on schedule; (records in send order,
+    seconds, the server's speculative decoding over the measured requests if it reports any:
+    bench/spec_decode_metrics.py)."""
     url = config.base_url.rstrip("/") + config.endpoint
     headers = request_headers(config.api_key)
     # aiohttp's default pool caps connections at 100, which would silently throttle a
@@ -197,6 +202,8 @@ async def run_requests(
             if failed:
                 logger.warning("a warm-up request failed: %s", failed[0].error)
 
+        base_url = config.base_url.rstrip("/")
+        spec_before = await scrape(session, base_url, auth_headers(config.api_key))
         offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
         with tqdm(total=len(requests), desc="bench serve", unit="req", disable=not config.show_progress) as bar:
 
@@ -208,7 +215,8 @@ async def run_requests(
             started = time.perf_counter()
             records = await asyncio.gather(*(timed(r, offset, started) for r, offset in zip(requests, offsets)))
             duration_s = time.perf_counter() - started
-    return list(records), duration_s
+        spec_after = await scrape(session, base_url, auth_headers(config.api_key))
+    return list(records), duration_s, over_run(spec_before, spec_after)
 
 
 def _count_missing_usage(records: list[RequestRecord], tokenizer: PreTrainedTokenizerFast) -> None:

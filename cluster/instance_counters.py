@@ -18,7 +18,9 @@ Each place that lists instance counters derives from ``INSTANCE_COUNTERS``:
 
 The .proto is static, so ``tests/cluster/test_instance_counters.py`` keeps it and the table
 in line: every entry has its field and every load field has its entry. Derived entries (KV
-use, acceptance rate, up) are computed here once, from the message's other fields.
+use, acceptance rate, up) are computed here once, from the message's other fields. An entry
+``per`` an index (a repeated field: speculative decoding by draft position) is one series per
+index, labelled with it; :func:`values` reads any entry's series.
 """
 
 from __future__ import annotations
@@ -67,12 +69,15 @@ class InstanceCounter:
     source: tuple[Source, str] | None = None  # (source, attribute) Instance.load_report reads
     derive: Callable[[LoadReport], float] | None = None
     status_label: str | None = None  # the status page's column header; None: not on the page
+    per: str | None = None  # a repeated field: one series per index, this label naming it
 
     def __post_init__(self) -> None:
         reported = self.field is not None and self.source is not None and self.derive is None
         derived = self.field is None and self.source is None and self.derive is not None
         if not (reported or derived):
             raise RuntimeError(f"instance counter {self.name}: give field and source, or derive (a bug in the table)")
+        if self.per is not None and (self.derive is not None or self.status_label is not None):
+            raise RuntimeError(f"instance counter {self.name}: a series per index is reported, off the page (a bug)")
 
 
 def kv_usage(report: LoadReport) -> float:
@@ -95,8 +100,10 @@ def _gauge(
     return InstanceCounter(name, "gauge", unit, help, field=field, source=source, status_label=status_label)
 
 
-def _counter(name: str, unit: Unit, help: str, field: str, source: tuple[Source, str]) -> InstanceCounter:
-    return InstanceCounter(name, "counter", unit, help, field=field, source=source)
+def _counter(
+    name: str, unit: Unit, help: str, field: str, source: tuple[Source, str], per: str | None = None
+) -> InstanceCounter:
+    return InstanceCounter(name, "counter", unit, help, field=field, source=source, per=per)
 
 
 def _derived(
@@ -166,6 +173,17 @@ INSTANCE_COUNTERS: tuple[InstanceCounter, ...] = (
              "counters.num_spec_accepted_tokens", ("engine", "num_spec_accepted_tokens")),
     _derived("spec_acceptance_rate", "ratio", "Speculative decoding: accepted over verified draft tokens since start",
              spec_acceptance_rate),
+    _counter("spec_draft_tokens_per_pos", "tokens",
+             "Speculative decoding: draft tokens verified at each position of their chain (0: the first draft)",
+             "counters.num_spec_draft_tokens_per_pos", ("engine", "num_spec_draft_tokens_per_pos"), per="position"),
+    _counter("spec_accepted_tokens_per_pos", "tokens",
+             "Speculative decoding: draft tokens accepted at each position (accepted only if all before it were)",
+             "counters.num_spec_accepted_tokens_per_pos", ("engine", "num_spec_accepted_tokens_per_pos"),
+             per="position"),
+    _counter("spec_verifications_by_accepted", "calls",
+             "Speculative decoding: verifications (one request's drafts in one step) that accepted exactly n drafts",
+             "counters.num_spec_verifications_by_accepted", ("engine", "num_spec_verifications_by_accepted"),
+             per="accepted"),
 )
 # fmt: on
 
@@ -180,13 +198,22 @@ def _message_and_name(report: LoadReport, field: str) -> tuple[LoadReport | disa
 
 
 def read(counter: InstanceCounter, report: LoadReport) -> float:
-    """The counter's value in a load report."""
+    """The counter's value in a load report (one series: not an entry ``per`` an index)."""
     if counter.derive is not None:
         return counter.derive(report)
-    if counter.field is None:
-        raise RuntimeError(f"instance counter {counter.name} has neither field nor derive (a bug in the table)")
+    if counter.field is None or counter.per is not None:
+        raise RuntimeError(f"instance counter {counter.name} has no single value (a bug in the caller)")
     message, name = _message_and_name(report, counter.field)
     return float(getattr(message, name))
+
+
+def values(counter: InstanceCounter, report: LoadReport) -> list[tuple[list[str], float]]:
+    """The counter's series in a load report: (label values beyond the instance's, value) each;
+    one series with no label of its own, or one per index labelled with it."""
+    if counter.per is None or counter.field is None:
+        return [([], read(counter, report))]
+    message, name = _message_and_name(report, counter.field)
+    return [([str(index)], float(value)) for index, value in enumerate(getattr(message, name))]
 
 
 def fill_load_report(report: LoadReport, sources: Mapping[Source, object | None]) -> None:
@@ -198,10 +225,14 @@ def fill_load_report(report: LoadReport, sources: Mapping[Source, object | None]
         source, attribute = counter.source
         holder = sources[source]
         message, name = _message_and_name(report, counter.field)
-        setattr(message, name, getattr(holder, attribute) if holder is not None else 0)
+        if counter.per is not None:
+            getattr(message, name).extend(getattr(holder, attribute) if holder is not None else ())
+        else:
+            setattr(message, name, getattr(holder, attribute) if holder is not None else 0)
 
 
 def metric_family(counter: InstanceCounter, prefix: str, labels: list[str]) -> CounterMetricFamily | GaugeMetricFamily:
-    """An empty Prometheus family for the counter, named ``<prefix><name>``."""
+    """An empty Prometheus family for the counter, named ``<prefix><name>``, labelled by
+    ``labels`` and, for an entry per index, that index's label."""
     family = CounterMetricFamily if counter.kind == "counter" else GaugeMetricFamily
-    return family(f"{prefix}{counter.name}", counter.help, labels=labels)
+    return family(f"{prefix}{counter.name}", counter.help, labels=[*labels, *([counter.per] if counter.per else [])])

@@ -168,6 +168,16 @@ class InternalPlane:
             )
         return port
 
+    def credential_check_counts(self) -> tuple[int, int] | None:
+        """Over this plane's servers' credential checks: calls refused since start, and nonces
+        of accepted calls remembered now (a replay cache bounded by the calls of one window,
+        which a flood of valid calls fills first); None without a cluster secret (nothing is
+        checked). Read by the instance's Prometheus endpoint, from its thread."""
+        if self.secret is None:
+            return None
+        checks = list(self._call_checks.values())
+        return sum(check.num_refused for check in checks), sum(check.num_remembered for check in checks)
+
     def warn_if_open(self, who: str) -> None:
         """Say loudly, at start, what an unsecured plane lets others do."""
         if self.secret is None:

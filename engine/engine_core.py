@@ -486,6 +486,9 @@ class EngineCore:
             step_seconds=self.step_seconds,
             num_spec_draft_tokens=self.scheduler.spec_stats.num_draft_tokens,
             num_spec_accepted_tokens=self.scheduler.spec_stats.num_accepted_tokens,
+            num_spec_draft_tokens_per_pos=tuple(self.scheduler.spec_stats.num_drafts_at),
+            num_spec_accepted_tokens_per_pos=tuple(self.scheduler.spec_stats.num_accepted_at),
+            num_spec_verifications_by_accepted=tuple(self.scheduler.spec_stats.accepted_length_counts),
         )
 
 

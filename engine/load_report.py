@@ -20,9 +20,14 @@ class EngineLoad:
     num_preemptions: int = 0  # since start
     num_steps: int = 0  # steps that ran the model, since start
     step_seconds: float = 0.0  # their model time, since start
-    # Speculative decoding, since start: drafts verified, and those the target accepted.
+    # Speculative decoding, since start: drafts verified, and those the target accepted; the
+    # same by draft position; verifications by how many drafts they accepted
+    # (engine/spec_decode/stats.py).
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_spec_draft_tokens_per_pos: tuple[int, ...] = ()
+    num_spec_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_spec_verifications_by_accepted: tuple[int, ...] = ()
 
 
 class PrefillRate:

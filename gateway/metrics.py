@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, read
+from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, values
 from cluster.registry_record import REFUSAL_REASONS
 from cluster.request_phases import HANDOFF_PHASES, PHASE_BUCKETS, TTFT_PHASES, add_handoff, phase_seconds, ttft_phases
 from gateway.instances import ROLES, InstancePool
@@ -277,16 +277,17 @@ class _InstanceCollector(Collector):
         reported = [(counter, metric_family(counter, "splitserve_instance_", labels)) for counter in INSTANCE_COUNTERS]
         healthy = {id(s) for role in ROLES for s in self.pool.healthy(role)}
         for state in list(self.pool.instances.values()):
-            values = [state.instance_id, state.role, state.address]
-            healthy_gauge.add_metric(values, 1.0 if id(state) in healthy else 0.0)
-            inflight.add_metric(values, state.num_inflight)
-            picked.add_metric(values, state.num_picked)
-            indexed.add_metric(values, self.pool.index.num_cached_blocks(state.address))
+            instance = [state.instance_id, state.role, state.address]
+            healthy_gauge.add_metric(instance, 1.0 if id(state) in healthy else 0.0)
+            inflight.add_metric(instance, state.num_inflight)
+            picked.add_metric(instance, state.num_picked)
+            indexed.add_metric(instance, self.pool.index.num_cached_blocks(state.address))
             report = state.report
             if report is None:
                 continue
             for counter, family in reported:
-                family.add_metric(values, read(counter, report))
+                for label_values, value in values(counter, report):
+                    family.add_metric([*instance, *label_values], value)
         yield from (healthy_gauge, inflight, indexed, picked)
         yield from (family for _, family in reported)
 

@@ -38,6 +38,7 @@ from engine.engine_core import EngineCore
 from engine.kv_cache_utils import BlockHash
 from engine.kv_events import KVEventBatch
 from engine.kv_loader import KVLoader
+from engine.pipeline_parallel.stages import plan_stages
 from engine_args.config import engine_config_from_args
 from engine_args.flags import add_device_argument, add_engine_arguments
 from kv_connector.base import KVConnector, TransferStats
@@ -111,6 +112,7 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
 
 def fingerprint_of(core: EngineCore) -> Fingerprint:
     shape = core.runner.shape
+    stages = plan_stages(shape.num_layers, core.config.pipeline_parallel_size, core.config.pipeline_stage_layers)
     return Fingerprint(
         # Weights quantized at load are another model's: their KV is not the float checkpoint's.
         model=model_identity(core.model_path) + (f"+{core.config.quantization}" if core.config.quantization else ""),
@@ -120,6 +122,7 @@ def fingerprint_of(core: EngineCore) -> Fingerprint:
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         tensor_parallel_size=core.config.tensor_parallel_size,
+        stage_first_layers=tuple(stage.layers.start for stage in stages),
     )
 
 
@@ -182,9 +185,16 @@ class Instance:
         Raises ValueError for a bad cluster secret or TLS flag before loading anything."""
         plane = InternalPlane.from_args(args, args.host)
         config = config or engine_config(args, role)
-        ranked = role != "colocated" and config.tensor_parallel_size > 1
+        if role != "colocated" and config.pipeline_parallel_size > 1 and args.kv_connector == "lmcache":
+            raise ValueError(
+                f"a {role} instance at --pipeline-parallel-size {config.pipeline_parallel_size} moves its KV with "
+                "--kv-connector ucx only so far (LMCache stores each chunk whole across layers); use ucx, or pipeline "
+                "parallel size 1"
+            )
+        ranked = role != "colocated" and config.world_size > 1
         if ranked:
-            # Each rank holds its own heads' KV and moves them itself (serving/ranked_connector.py).
+            # Each rank holds its own KV (its heads of its stage's layers) and moves it itself
+            # (serving/ranked_connector.py).
             config = dataclasses.replace(config, worker_extension=serve_rank_connector)
         engine = AsyncEngine(config)
         fingerprint = fingerprint_of(engine.core)
@@ -193,7 +203,9 @@ class Instance:
             # lmcache: its store keys are tagged under a key derived from the cluster secret (cluster/derived_keys.py).
             lmcache_options = {"remote_url": args.lmcache_url, "store_key": kv_store_key(plane.secret)}
             options: dict[str, Any] = lmcache_options if args.kv_connector == "lmcache" else {}
-            connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint, options)
+            # Rank 0's cache holds the last stage's layers.
+            stage = {"pipeline_stage": config.pipeline_parallel_size - 1} if config.pipeline_parallel_size > 1 else {}
+            connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint, options | stage)
             executor = engine.core.runner.tensor_parallel
             if ranked and executor is not None:
                 connector = RankedConnector(connector, executor.extension_channels, args.kv_connector, options)
@@ -398,7 +410,7 @@ async def serve(
             args.host,
             args.metrics_port,
             instance.phase_metrics.registry,
-            instance.plane.call_counts,
+            instance.plane,
         )
         if args.metrics_port is not None
         else None

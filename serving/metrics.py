@@ -3,7 +3,8 @@ KV transfers and event counters, one series ``splitserve_engine_<name>`` for eac
 ``cluster/instance_counters.py``, read at scrape time from the instance's load report, so a
 scrape never waits for an engine step; and the phases of the requests it served
 (``splitserve_engine_phase_seconds``, :class:`PhaseMetrics`); and the gRPC calls its server
-received, by method (``splitserve_engine_grpc_calls_total``, ``cluster/call_counts.py``).
+received, by method (``splitserve_engine_grpc_calls_total``, ``cluster/call_counts.py``), with
+what its cluster-secret check refused and remembers (``cluster/auth.py``).
 
 The gateway's ``/metrics`` shows the same load report as it last polled it
 (``splitserve_instance_<name>``, the same table); this endpoint is the instance's word, scraped
@@ -25,8 +26,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cluster.call_counts import CallCounts
-from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, read
+from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, values
+from cluster.internal_grpc import InternalPlane
 from cluster.request_phases import PHASE_BUCKETS, Phase, phase_seconds
 from serving.metrics_http import BoundedWSGIServer, start_metrics_http_server
 from splitserve.v1 import disaggregation_pb2
@@ -46,26 +47,46 @@ class InstanceCollector(Collector):
         labels = {"instance": report.instance_id, "role": report.role}
         for counter in INSTANCE_COUNTERS:
             family = metric_family(counter, "splitserve_engine_", list(labels))
-            family.add_metric(list(labels.values()), read(counter, report))
+            for label_values, value in values(counter, report):
+                family.add_metric([*labels.values(), *label_values], value)
             yield family
 
 
 class CallCountCollector(Collector):
-    """The calls an instance's gRPC server received, one series per method."""
+    """The calls an instance's gRPC server received, one series per method; with a cluster
+    secret, the calls its check refused and the nonces it remembers against replays."""
 
-    def __init__(self, call_counts: CallCounts, instance_id: str, role: str) -> None:
-        self.call_counts = call_counts
+    def __init__(self, plane: InternalPlane, instance_id: str, role: str) -> None:
+        self.plane = plane
         self._labels = [instance_id, role]
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        labels = ["instance", "role"]
         family = CounterMetricFamily(
             "splitserve_engine_grpc_calls",
             "gRPC calls this instance's server received since start, by method (refused ones too)",
-            labels=["instance", "role", "method"],
+            labels=[*labels, "method"],
         )
-        for method, num_calls in sorted(self.call_counts.snapshot().items()):
+        for method, num_calls in sorted(self.plane.call_counts.snapshot().items()):
             family.add_metric([*self._labels, method], num_calls)
         yield family
+        if (checks := self.plane.credential_check_counts()) is None:
+            return
+        num_refused, num_remembered = checks
+        refused = CounterMetricFamily(
+            "splitserve_engine_grpc_calls_refused",
+            "Calls refused since start for a missing, stale, replayed or foreign cluster credential",
+            labels=labels,
+        )
+        refused.add_metric(self._labels, num_refused)
+        yield refused
+        remembered = GaugeMetricFamily(
+            "splitserve_engine_call_nonces_remembered",
+            "Nonces of accepted calls remembered to refuse replays (those of the last window, at most the cap)",
+            labels=labels,
+        )
+        remembered.add_metric(self._labels, num_remembered)
+        yield remembered
 
 
 class PhaseMetrics:
@@ -100,16 +121,16 @@ class MetricsServer:
         host: str,
         port: int,
         registry: CollectorRegistry | None = None,
-        call_counts: CallCounts | None = None,
+        plane: InternalPlane | None = None,
     ) -> None:
         """``load_report``: the instance's (read at each scrape); ``name``: how the log names it;
-        ``registry``: what else the endpoint serves (``PhaseMetrics.registry``); ``call_counts``:
-        its gRPC server's (``InternalPlane.call_counts``), exported when given."""
+        ``registry``: what else the endpoint serves (``PhaseMetrics.registry``); ``plane``: its
+        gRPC server's, whose call counts and credential check are exported when given."""
         registry = registry or CollectorRegistry()
         registry.register(InstanceCollector(load_report))
-        if call_counts is not None:
+        if plane is not None:
             report = load_report()
-            registry.register(CallCountCollector(call_counts, report.instance_id, report.role))
+            registry.register(CallCountCollector(plane, report.instance_id, report.role))
         self._server: BoundedWSGIServer
         self._thread: threading.Thread
         # Connections capped and given a deadline (serving/metrics_http.py): the port is open to all.

@@ -224,7 +224,7 @@ class LoadReport(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., counters: _Optional[_Union[InstanceCounters, _Mapping]] = ..., engine_error: _Optional[str] = ..., num_kv_transfers_in_flight: _Optional[int] = ..., num_kv_connections: _Optional[int] = ...) -> None: ...
 
 class InstanceCounters(_message.Message):
-    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks", "num_kv_handles_refused", "num_local_prefills", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_steps", "step_seconds")
+    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks", "num_kv_handles_refused", "num_local_prefills", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_steps", "step_seconds", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_spec_verifications_by_accepted")
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_RENEWALS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,9 @@ class InstanceCounters(_message.Message):
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_VERIFICATIONS_BY_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     num_preemptions: int
     num_lease_renewals: int
     num_lease_expiries: int
@@ -251,7 +254,10 @@ class InstanceCounters(_message.Message):
     num_spec_accepted_tokens: int
     num_steps: int
     step_seconds: float
-    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    num_spec_draft_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    num_spec_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    num_spec_verifications_by_accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_verifications_by_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("epoch", "after_seq", "max_hashes", "snapshot_offset")

@@ -8,7 +8,8 @@ Per request: wait ``ttft_s``, then stream ``max_tokens`` one-word chunks
 prompt, which with the tests' tokenizer is the token count) and ``data: [DONE]``.
 Chat answers start with a role-only delta sent at once, which a correct client must
 not take for the first token. Requests can be made to fail by arrival index, or their
-connection closed unanswered.
+connection closed unanswered. ``GET /metrics`` answers what ``metrics`` renders for the
+number of generation requests received so far (404 without it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,8 @@ class FakeServerConfig:
     stream_error_at: set[int] = field(default_factory=set)  # arrival indices that break after one chunk
     # Arrival indices whose connection is closed unanswered, as a server closing a kept-alive one.
     disconnect_at: set[int] = field(default_factory=set)
+    # Prometheus text for GET /metrics, given how many generation requests arrived so far.
+    metrics: Callable[[int], Awaitable[str]] | None = None
 
 
 class FakeOpenAIServer:
@@ -66,6 +70,7 @@ class FakeOpenAIServer:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         self._runner = web.AppRunner(app, access_log=None)
@@ -79,6 +84,11 @@ class FakeOpenAIServer:
             error = {"error": {"message": "bad api key", "type": "authentication_error", "param": None, "code": 401}}
             return web.json_response(error, status=401)
         return None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.config.metrics is None:
+            raise web.HTTPNotFound()
+        return web.Response(text=await self.config.metrics(len(self.bodies)), content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         if denied := self._unauthorized(request):

@@ -20,7 +20,7 @@ import torch
 from google.protobuf.descriptor import FieldDescriptor
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cluster.instance_counters import INSTANCE_COUNTERS, STATUS_PAGE_COUNTERS, InstanceCounter, read
+from cluster.instance_counters import INSTANCE_COUNTERS, STATUS_PAGE_COUNTERS, InstanceCounter, values
 from engine.load_report import EngineLoad
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
@@ -52,15 +52,18 @@ def make_connector() -> KVConnector:
     return connector_class(torch.zeros(4, 1, 2, 16, 1, 8), FINGERPRINT)
 
 
-def make_instance() -> tuple[Instance, dict[str, float]]:
-    """An instance over a stand-in engine, every source attribute a distinct value; and the value
-    each counter must show, by name."""
+def make_instance() -> tuple[Instance, dict[str, list[float]]]:
+    """An instance over a stand-in engine, every source attribute a distinct value; and the
+    values each counter must show, by name: one, or one per index for an entry per index."""
     fields = dataclasses.fields(EngineLoad)
-    engine_values: dict[str, int | float] = {
-        f.name: index + 1 + (0.5 if f.type == "float" else 0) for index, f in enumerate(fields)
+    engine_values: dict[str, int | float | tuple[int, ...]] = {
+        f.name: (1000 + 10 * index, 1001 + 10 * index, 1002 + 10 * index)
+        if f.type.startswith("tuple")
+        else index + 1 + (0.5 if f.type == "float" else 0)
+        for index, f in enumerate(fields)
     }
     engine_values |= {"num_free_blocks": 30, "num_total_blocks": 40}  # a quarter of the cache in use
-    engine_report = EngineLoad(**engine_values)
+    engine_report = EngineLoad(**engine_values)  # type: ignore[arg-type]
     engine = SimpleNamespace(
         latest_load_report=lambda: engine_report, is_alive=True, error=None, core=SimpleNamespace(max_model_len=2048)
     )
@@ -77,31 +80,47 @@ def make_instance() -> tuple[Instance, dict[str, float]]:
     }
     assert {c.name for c in INSTANCE_COUNTERS if c.derive is not None} == set(derived), "a derived counter to check"
     expected = {
-        c.name: float(getattr(holders[c.source[0]], c.source[1])) if c.source is not None else derived[c.name]
+        c.name: [float(v) for v in _as_list(getattr(holders[c.source[0]], c.source[1]))]
+        if c.source is not None
+        else [derived[c.name]]
         for c in INSTANCE_COUNTERS
     }
-    assert len(set(expected.values())) >= len(expected) - 2, "sources' values are distinct (up and a ratio aside)"
+    every_value = [v for vs in expected.values() for v in vs]
+    assert len(set(every_value)) >= len(every_value) - 2, "sources' values are distinct (up and a ratio aside)"
     return instance, expected
 
 
-def samples(text: str, prefix: str) -> dict[str, tuple[str, str, float]]:
-    """{counter name: (type, help, value)} of the single-instance series ``<prefix><name>``
-    (a counter's series, its help and type lines end in ``_total``)."""
+def _as_list(value: object) -> list[float]:
+    return list(value) if isinstance(value, tuple) else [value]  # type: ignore[list-item]
+
+
+def samples(text: str, prefix: str) -> dict[str, tuple[str, str, list[str], list[float]]]:
+    """{counter name: (type, help, label sets, values)} of the single-instance series
+    ``<prefix><name>``, in the order written (a counter's series, its help and type lines end
+    in ``_total``; an entry per index writes one series per index)."""
     types = dict(re.findall(rf"^# TYPE {prefix}(\w+) (\w+)$", text, re.MULTILINE))
     helps = dict(re.findall(rf"^# HELP {prefix}(\w+) (.*)$", text, re.MULTILINE))
-    found = {}
-    for name, value in re.findall(rf"^{prefix}(\w+)\{{[^}}]*\}} (\S+)$", text, re.MULTILINE):
+    found: dict[str, tuple[str, str, list[str], list[float]]] = {}
+    for name, labels, value in re.findall(rf"^{prefix}(\w+)\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
         kind = types[name]
-        found[name.removesuffix("_total") if kind == "counter" else name] = (kind, helps[name], float(value))
+        entry = found.setdefault(
+            name.removesuffix("_total") if kind == "counter" else name, (kind, helps[name], [], [])
+        )
+        entry[2].append(labels)
+        entry[3].append(float(value))
     return found
 
 
-def check_series(found: dict[str, tuple[str, str, float]], expected: dict[str, float], where: str) -> None:
+def check_series(
+    found: dict[str, tuple[str, str, list[str], list[float]]], expected: dict[str, list[float]], where: str
+) -> None:
     for counter in INSTANCE_COUNTERS:
         assert counter.name in found, f"{counter.name} is missing from {where}"
-        kind, help_text, value = found[counter.name]
+        kind, help_text, label_sets, found_values = found[counter.name]
         assert (kind, help_text) == (counter.kind, counter.help), counter.name
-        assert value == pytest.approx(expected[counter.name]), counter.name
+        assert found_values == pytest.approx(expected[counter.name]), counter.name
+        if counter.per is not None:  # one series per index, labelled with it
+            assert [f'{counter.per}="{i}"' in labels for i, labels in enumerate(label_sets)] == [True] * len(label_sets)
 
 
 def test_every_load_report_field_has_its_counter_and_every_counter_its_field() -> None:
@@ -140,6 +159,8 @@ def test_names_are_unique_and_units_fit_their_kinds() -> None:
 
 
 def test_a_counter_is_either_reported_or_derived() -> None:
+    with pytest.raises(RuntimeError, match="a bug"):
+        InstanceCounter("x", "gauge", "ratio", "help", derive=lambda report: 0.0, per="position")
     with pytest.raises(RuntimeError, match="a bug in the table"):
         InstanceCounter("x", "gauge", "ratio", "help", field="num_waiting", derive=lambda report: 0.0)
     with pytest.raises(RuntimeError, match="a bug in the table"):
@@ -151,7 +172,7 @@ def test_every_counter_reaches_the_load_report_both_metrics_endpoints_and_the_st
 
     report = instance.load_report()
     for counter in INSTANCE_COUNTERS:
-        assert read(counter, report) == pytest.approx(expected[counter.name]), counter.name
+        assert [value for _, value in values(counter, report)] == pytest.approx(expected[counter.name]), counter.name
     assert disaggregation_pb2.LoadReport.FromString(report.SerializeToString()) == report
 
     registry = CollectorRegistry()
@@ -178,4 +199,4 @@ def test_every_counter_reaches_the_load_report_both_metrics_endpoints_and_the_st
         (c.name, c.status_label, c.unit, c.help) for c in STATUS_PAGE_COUNTERS
     ]
     (shown,) = status.instances
-    assert shown.counters == pytest.approx({c.name: expected[c.name] for c in STATUS_PAGE_COUNTERS})
+    assert shown.counters == pytest.approx({c.name: expected[c.name][0] for c in STATUS_PAGE_COUNTERS})

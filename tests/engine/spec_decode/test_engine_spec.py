@@ -81,6 +81,12 @@ def test_ngram_greedy_equals_plain_greedy(target: Path, params: SamplingParams) 
         stats.num_draft_tokens,
         stats.num_accepted_tokens,
     )
+    # By position and by accepted length, adding up to the totals.
+    assert sum(report.num_spec_draft_tokens_per_pos) == stats.num_draft_tokens
+    assert sum(report.num_spec_accepted_tokens_per_pos) == stats.num_accepted_tokens
+    by_length = report.num_spec_verifications_by_accepted
+    assert sum(n * count for n, count in enumerate(by_length)) == stats.num_accepted_tokens
+    assert len(by_length) == len(report.num_spec_draft_tokens_per_pos) + 1 > 1
 
 
 def test_ngram_logprobs_equal_plain_logprobs(target: Path) -> None:
