@@ -153,19 +153,11 @@ class EngineConfig:
             )
         if size == 1:
             return
-        if self.role != "colocated":
-            raise ValueError(
-                f"a {self.role} instance at --pipeline-parallel-size {size} is not supported yet: its KV connector "
-                "would move the last stage's layers alone; run it at pipeline parallel size 1 (tensor parallelism "
-                "works), or serve colocated"
-            )
         if self.speculative is not None and self.speculative.method != "ngram":
             raise ValueError(
                 f"{self.speculative.method} speculation is not supported with --pipeline-parallel-size above 1 yet; "
                 "use n-gram drafts (--num-speculative-tokens alone), or pipeline parallel size 1"
             )
-        if self.worker_extension is not None:
-            raise ValueError("a worker extension is not supported with --pipeline-parallel-size above 1 yet")
 
     @property
     def block_hasher(self) -> BlockHasher:

@@ -1,22 +1,22 @@
-"""KV hand-offs between tensor-parallel instances: every rank moves its own KV heads, rank to
-rank, and nothing is gathered on one rank.
+"""KV hand-offs between tensor- or pipeline-parallel instances: every rank moves its own KV (its
+heads of its stage's layers), rank to rank, and nothing is gathered on one rank.
 
-Each rank's process runs a connector over its own cache: rank 0's is the instance's (in its
-event loop), ranks 1..N-1 run one each in a :func:`serve_rank_connector` agent, the engine's
-worker extension (engine/tensor_parallel/rank_context.py), driven over the worker extension's
-channel. :class:`RankedConnector` is rank 0's face of them all: the servicers use it as any
-connector. In call order:
+Each rank's process runs a connector over its own cache: rank 0's (the last stage's first) is
+the instance's (in its event loop), every other rank runs one in a :func:`serve_rank_connector`
+agent, the engine's worker extension (engine/tensor_parallel/rank_context.py), driven over the
+worker extension's channel. :class:`RankedConnector` is rank 0's face of them all: the servicers
+use it as any connector. In call order:
 
 1. ``start`` (instance start-up): rank 0's connector listens, each agent starts its rank's
-   connector (listening too) and answers its address; ``rank_addresses`` lists them, in rank
-   order, and P's KV handles carry them.
+   connector (listening too) and answers its address and place; ``rank_addresses`` lists them
+   in the instance's stage-major order (kv_connector/layer_plan.py), and P's KV handles carry them.
 2. ``publish`` / ``unpublish`` (P): every rank publishes (or unpublishes) the request's blocks,
    its own heads of them, under the same pull token. A store connector's digests of what each
    rank stored are joined in rank order, which is head order (kv_connector/lmcache_connector.py).
 3. ``pull`` (D's KV loader): every rank pulls its share at once, straight into its own cache:
-   a UCX connector follows the head plan (kv_connector/head_plan.py: which P rank holds which
-   of its heads), an LMCache connector fetches its heads from the store; the pull ends when
-   every rank's has, and fails if any failed.
+   a UCX connector follows the layer plan (kv_connector/layer_plan.py: which P rank holds which
+   of its (layer range, head span)s), an LMCache connector fetches its heads from the store; the
+   pull ends when every rank's has, and fails if any failed.
 
 Messages on a channel are JSON objects, each with an ``id`` its answer repeats; nothing is
 unpickled. The channel is a pipe between processes of one instance on one host.
@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 class RankedConnector(KVConnector):
-    """Rank 0's connector and the other ranks' agents, as one connector."""
+    """Rank 0's connector and the other ranks' agents, as one connector; ``local`` holds the
+    last stage's layers (its tensor-parallel rank 0), as rank 0's cache does."""
 
     def __init__(self, local: KVConnector, channels: list[Connection], backend: str, options: dict[str, Any]) -> None:
         super().__init__(local.kv_cache, local.fingerprint)
@@ -64,14 +65,20 @@ class RankedConnector(KVConnector):
                 rank.call(
                     "start",
                     backend=self.backend,
-                    options=_options_to_json({**self.options, "tensor_parallel_rank": rank.rank}),
+                    options=_options_to_json(self.options),
                     fingerprint=fingerprint,
                     host=host,
                 )
                 for rank in self._ranks
             )
         )
-        self.rank_addresses = [address, *(answer["address"] for answer in answers)]
+        # Stage-major, as the layer plan numbers ranks: rank 0 is the last stage's first.
+        size = self.fingerprint.tensor_parallel_size
+        places = {(len(self.fingerprint.stage_first_layers) - 1) * size: address}
+        places.update({answer["stage"] * size + answer["rank"]: answer["address"] for answer in answers})
+        if sorted(places) != list(range(len(self._ranks) + 1)):
+            raise RuntimeError(f"bug: the ranks' connectors answered places {sorted(places)}")
+        self.rank_addresses = [places[place] for place in sorted(places)]
         logger.info("KV connector of each rank: %s", ", ".join(self.rank_addresses))
         return address
 
@@ -253,10 +260,13 @@ class _RankAgent:
         op = call["op"]
         if op == "start":
             fingerprint = Fingerprint(**call["fingerprint"])
-            options = _options_from_json(call["options"])
+            options = {**_options_from_json(call["options"]), "tensor_parallel_rank": self.context.rank}
+            if len(fingerprint.stage_first_layers) > 1:
+                options["pipeline_stage"] = self.context.pipeline_stage
             self.connector = make_connector(call["backend"], self.context.kv_cache, fingerprint, options)
             # Any free port: --kv-port is rank 0's (a firewall between P and D must let the rest through).
-            return {"address": await self.connector.start(call["host"], 0)}
+            address = await self.connector.start(call["host"], 0)
+            return {"address": address, "rank": self.context.rank, "stage": self.context.pipeline_stage}
         connector = self.connector
         if connector is None:
             raise RuntimeError(f"bug: {op} before start")

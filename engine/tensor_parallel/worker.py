@@ -159,8 +159,11 @@ def _serve(
         config.kv_cache_dtype,
     )
     layer_caches = layer_views(kv_cache, config.kv_cache_dtype)
-    if config.worker_extension is not None and extension_channel is not None and model.layout is not None:
-        config.worker_extension(RankContext(spec.rank, world_size, kv_cache, model.layout.kv_heads, extension_channel))
+    if config.worker_extension is not None and extension_channel is not None:
+        # A stage of one rank holds every KV head (of its layers).
+        kv_heads = model.layout.kv_heads if model.layout is not None else range(shape.num_kv_heads)
+        context = RankContext(spec.rank, world_size, kv_cache, kv_heads, extension_channel, stage.index)
+        config.worker_extension(context)
     outbound = inbound = None
     try:
         if outbound_link is not None:

@@ -110,8 +110,8 @@ def test_stage_layers_that_are_not_counts_are_refused(text: str, capsys: pytest.
 
 
 def test_what_pipeline_parallelism_does_not_take_yet_is_refused_with_the_way_out() -> None:
-    with pytest.raises(ValueError, match="decode instance at --pipeline-parallel-size 2 is not supported yet"):
-        EngineConfig(role="decode", pipeline_parallel_size=2)
+    # Prefill and decode engines take stages now (their KV crosses stages: kv_connector/layer_plan.py).
+    assert EngineConfig(role="decode", pipeline_parallel_size=2).world_size == 2
     with pytest.raises(ValueError, match="names 3 stages"):
         EngineConfig(pipeline_parallel_size=2, pipeline_stage_layers=(1, 1, 1))
     assert EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=3).world_size == 6
