@@ -21,7 +21,7 @@ from engine.openmp_threads import serial_openmp
 from engine.request_timing import RequestTiming
 from serving.convert import output_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
-from serving.request_timing import CallSpans, local_phases
+from serving.request_timing import CallSpans, local_phases, spec_decode_attributes
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 DEFAULT_PORT = 50081
@@ -52,9 +52,11 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
             cache_salt=request.cache_salt or None,
         )
         spans: CallSpans | None = None
+        spec_counts = (0, 0)  # the request's drafts verified and accepted, as of its latest output
         try:
             async for output in stream:
                 num_completion += len(output.new_token_ids)
+                spec_counts = (output.num_spec_draft_tokens, output.num_spec_accepted_tokens)
                 response = output_to_proto(output, generation_pb2.GenerateResponse)
                 first = first_token_at is None and bool(output.new_token_ids)
                 if first:
@@ -83,7 +85,10 @@ class ColocatedServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             await stream.aclose()  # a client that left aborts the request and frees its blocks now
             if spans is not None:
-                spans.end(time.monotonic(), {"gen_ai.usage.output_tokens": num_completion})
+                spans.end(
+                    time.monotonic(),
+                    {"gen_ai.usage.output_tokens": num_completion, **spec_decode_attributes(*spec_counts)},
+                )
 
     def _account(self, arrival: float, timing: RequestTiming, response: generation_pb2.GenerateResponse) -> None:
         """The call's phases into its first response with tokens and this instance's histograms."""

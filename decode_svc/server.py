@@ -65,7 +65,7 @@ from kv_connector.base import KVSource, block_count_error
 from kv_connector.fingerprint import FingerprintMismatchError
 from serving.convert import kv_source_from_proto, output_to_proto
 from serving.instance import Instance, add_instance_arguments, engine_config, serve
-from serving.request_timing import CallSpans, handoff_phases, local_phases
+from serving.request_timing import CallSpans, handoff_phases, local_phases, spec_decode_attributes
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
         )
         first = True
         num_output_tokens, finish_reason, failure = 0, "", None
+        spec_counts = (0, 0)  # the request's drafts verified and accepted, as of its latest output
         try:
             async for output in stream:
                 if output.finish_reason == "error":
@@ -156,6 +157,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
                         self._account(request, received_at, output.timing, response)
                 num_output_tokens += len(output.new_token_ids)
                 finish_reason = output.finish_reason or ""
+                spec_counts = (output.num_spec_draft_tokens, output.num_spec_accepted_tokens)
                 yield response
                 # Spans after the response has gone: off the path to its token.
                 if first and output.timing is not None and spans is not None:
@@ -172,7 +174,11 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             if spans is not None:
                 spans.end(
                     time.monotonic(),
-                    {"gen_ai.usage.output_tokens": num_output_tokens, "splitserve.finish_reason": finish_reason},
+                    {
+                        "gen_ai.usage.output_tokens": num_output_tokens,
+                        "splitserve.finish_reason": finish_reason,
+                        **spec_decode_attributes(*spec_counts),
+                    },
                     error=None if finish_reason else failure or "the call ended before the request finished",
                 )
 

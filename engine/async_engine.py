@@ -285,4 +285,6 @@ def merge_outputs(earlier: EngineCoreOutput, later: EngineCoreOutput) -> EngineC
         error=later.error,
         timing=later.timing or earlier.timing,
         step=later.step or earlier.step,
+        num_spec_draft_tokens=later.num_spec_draft_tokens,
+        num_spec_accepted_tokens=later.num_spec_accepted_tokens,
     )

@@ -435,6 +435,8 @@ class EngineCore:
             error=request.error,
             timing=request.timing,
             step=step,
+            num_spec_draft_tokens=request.num_spec_draft_tokens,
+            num_spec_accepted_tokens=request.num_spec_accepted_tokens,
         )
 
     # -------------------------------------------------------- ending requests

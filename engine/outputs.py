@@ -62,6 +62,9 @@ class EngineCoreOutput:
     # record, shared by every output of the request, not a copy.
     timing: RequestTiming | None = None
     step: StepStats | None = None  # the step that produced it; None for an output between steps (an abort)
+    # Speculative decoding: the request's drafts verified so far, and those accepted.
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

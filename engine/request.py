@@ -79,6 +79,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Draft model: leading tokens whose KV the draft model holds (it computes its own, prompt included).
     num_draft_computed_tokens: int = 0
+    # Drafts verified for it so far, and those accepted (its trace shows them).
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     # When things happened to it here (engine/request_timing.py), for its phases and trace spans.
     timing: RequestTiming = field(default_factory=lambda: RequestTiming(added_at=time.monotonic()))
 

@@ -416,6 +416,8 @@ class Scheduler:
         # KV written for rejected drafts is simply not counted: the next step overwrites those slots.
         request.num_computed_tokens -= num_drafts - len(accepted)
         self.spec_stats.add(num_drafts, len(accepted))
+        request.num_spec_draft_tokens += num_drafts
+        request.num_spec_accepted_tokens += len(accepted)
         token_ids = [*accepted, model_output.sampled_token_ids[index]]
         logprobs = [*model_output.accepted_logprobs[index], model_output.logprobs[index]]
         num_added = 0

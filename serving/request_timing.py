@@ -232,11 +232,23 @@ class CallSpans:
             )
 
     def end(self, ended_at: float, attributes: Attributes | None = None, error: str | None = None) -> None:
+        """The call ended: its attributes (with :func:`spec_decode_attributes`) and outcome."""
         if attributes:
             self.server.set_attributes(attributes)
         if error is not None:
             _set_error(self.server, error)
         self.server.end(end_time=wall_ns(ended_at))
+
+
+def spec_decode_attributes(num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, int]:
+    """A call's speculative decoding, for its span: drafts verified for the request and those
+    the target accepted (nothing for a request that drafted nothing)."""
+    if not num_draft_tokens:
+        return {}
+    return {
+        "splitserve.spec.num_draft_tokens": num_draft_tokens,
+        "splitserve.spec.num_accepted_tokens": num_accepted_tokens,
+    }
 
 
 def _set_error(span: Span, description: str) -> None:
