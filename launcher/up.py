@@ -78,6 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="N",
             help=f"{role} instances' tensor parallel size (default: --tensor-parallel-size)",
         )
+        parser.add_argument(
+            f"--{role}-pipeline-parallel-size",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"{role} instances' pipeline parallel size, its layers split as equally as they allow (default: "
+            "--pipeline-parallel-size); P and D may differ, each decode rank pulling its layers from the prefill "
+            "ranks that hold them",
+        )
     parser.add_argument(
         "--simulate",
         action="store_true",
@@ -112,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prefill and --num-decode must be at least 1")
     if args.planner and not args.simulate:
         raise ValueError("--planner starts simulated instances for now: add --simulate")
+    for role in ("prefill", "decode"):
+        size = getattr(args, f"{role}_pipeline_parallel_size")
+        if size is not None and size != args.pipeline_parallel_size and args.pipeline_stage_layers:
+            raise ValueError(
+                f"--pipeline-stage-layers {args.pipeline_stage_layers} names the stages of --pipeline-parallel-size "
+                f"{args.pipeline_parallel_size}, not of --{role}-pipeline-parallel-size {size}: drop one of them"
+            )
     cpus = instance_cpus(args)
     # The embedded model is converted (once) before anything starts, so instances never race to.
     model, name = (Path(args.model), None) if args.model else embedded_model(args.load_format, args.dtype)
@@ -222,6 +238,7 @@ def _start_instances(
             # flags too (other methods ignore them there).
             spec = speculative_argv(args)
             tensor_parallel_size = getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size
+            pipeline_parallel_size = getattr(args, f"{role}_pipeline_parallel_size") or args.pipeline_parallel_size
             argv = splitserve_command(
                 "--log-level",
                 args.log_level,
@@ -229,6 +246,8 @@ def _start_instances(
                 *common,
                 "--tensor-parallel-size",  # the role's own, after the common one: the last one counts
                 str(tensor_parallel_size),
+                "--pipeline-parallel-size",
+                str(pipeline_parallel_size),
                 *connector,
                 *spec,
                 "--port",
@@ -238,12 +257,11 @@ def _start_instances(
             )
             child_env = dict(env)
             if gpus:
-                # GPUs of their own per instance, round robin: one per rank.
-                first = next_gpu
-                next_gpu += tensor_parallel_size
-                child_env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                    gpus[i % len(gpus)] for i in range(first, first + tensor_parallel_size)
-                )
+                # GPUs of their own per instance, round robin: one per rank of every stage.
+                first, num_ranks = next_gpu, tensor_parallel_size * pipeline_parallel_size
+                next_gpu += num_ranks
+                ranks = range(first, first + num_ranks)
+                child_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i % len(gpus)] for i in ranks)
             children.append(Child(f"{role}-{index}", argv, env=child_env, cpus=cpus[role][index]))
             routes += [f"--{role}", f"127.0.0.1:{port}"]
     return routes
