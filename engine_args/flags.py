@@ -169,8 +169,8 @@ def add_pipeline_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="stages the model's layers are split into, one process each (per tensor-parallel rank): contiguous "
-        "layers, the first stage embedding the tokens, the last computing the logits; colocated and offline "
-        "engines only, so far (default: 1)",
+        "layers, the first stage embedding the tokens, the last computing the logits; prefill and decode "
+        "instances move their KV with --kv-connector ucx only, so far (default: 1)",
     )
     parser.add_argument(
         "--pipeline-stage-layers",
