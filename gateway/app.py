@@ -24,7 +24,7 @@ from gateway.errors import APIError, internal_error, validation_error
 from gateway.gate import AdmissionGate
 from gateway.generation import GenerationService
 from gateway.limits import BodySizeLimit
-from gateway.status import status_page
+from gateway.status import PlannerReader, status_page
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ def create_app(
     model_name: str,
     api_key: str | None,
     discovery_alive: Callable[[], bool] = lambda: True,
+    planner_url: str | None = None,
 ) -> FastAPI:
     """``discovery_alive``: whether the loop that keeps the instance pool current still runs;
     without it the gateway routes on reports that only age, so ``/health`` answers 503."""
@@ -44,6 +45,7 @@ def create_app(
         api_key=api_key,
         discovery_alive=discovery_alive,
         status_page=status_page(),  # read once: a missing file fails at start, not at the first visit
+        planner=PlannerReader(planner_url) if planner_url else None,
     )
     # Added last, so outermost: the key and a slot before the body is read (gateway/gate.py),
     # then its size, then a large body's values counted off the event loop (gateway/body_check.py).

@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 
 from gateway.errors import unknown_model
 from gateway.generation import GenerationService
+from gateway.status import PlannerReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,7 @@ class ServedState:
     # routes on reports that only age, so /health answers 503.
     discovery_alive: Callable[[], bool]
     status_page: str  # the status page's HTML, read once at start
+    planner: PlannerReader | None = None  # --planner-url: the planner's decisions on the status page
 
     def check_model(self, model: str | None) -> None:
         """Raises APIError (404) for a model other than the served one; None: the served one."""

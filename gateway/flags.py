@@ -162,6 +162,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an idle HTTP connection stays open (as nginx's keepalive_timeout)",
     )
     parser.add_argument(
+        "--planner-url",
+        default=None,
+        help="a planner's metrics endpoint (splitserve planner --metrics-port): the status page shows its decisions",
+    )
+    parser.add_argument(
         "--loop",
         default="auto",
         choices=LOOPS,

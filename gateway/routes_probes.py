@@ -55,7 +55,8 @@ async def status_json(request: Request, served: Served) -> Response | StatusResp
     if refused is not None:
         return refused
     service = served.service
-    return status_snapshot(service.pool, service.metrics.recent, served.model_name, served.is_ready())
+    planner = await served.planner.read() if served.planner is not None else None
+    return status_snapshot(service.pool, service.metrics.recent, served.model_name, served.is_ready(), planner)
 
 
 def _status_refused(request: Request, served: ServedState) -> JSONResponse | None:

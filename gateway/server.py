@@ -153,7 +153,13 @@ async def serve(args: argparse.Namespace) -> None:
             service, model_name, args.api_key, args.host, args.grpc_port, max_connections, args.grpc_tls
         )
         logger.info("gRPC Generation API on %s:%d%s", args.host, grpc_port, " (TLS)" if args.grpc_tls else "")
-    app = create_app(service, model_name, args.api_key, discovery_alive=lambda: discovery_loop.alive)
+    app = create_app(
+        service,
+        model_name,
+        args.api_key,
+        discovery_alive=lambda: discovery_loop.alive,
+        planner_url=args.planner_url,
+    )
     config = uvicorn.Config(
         # A backstop beneath the gate's 429s (gateway/gate.py) that spares the probes, in place of
         # uvicorn's limit_concurrency, which answers them 503 too.

@@ -8,6 +8,11 @@ Recent latencies are kept here, apart from the Prometheus histograms, because a 
 points in time and a histogram keeps only counts: each request adds its TTFT when its first
 token goes out and its mean inter-token gap when it finishes (``gateway.metrics.RequestTimer``).
 
+With ``--planner-url`` the page also shows the planner's latest decision and its reasons
+(:class:`PlannerReader`): the gateway reads the planner's own metrics endpoint, at most once a
+second whoever asks, off the event loop; a planner that does not answer shows as such, and the
+rest of the page is unaffected.
+
 Both show internal addresses and engine errors, so with ``--api-key`` they need the key
 (:func:`status_authorized`): as a bearer token like the API, or as the password of HTTP
 Basic authentication (any user name), which a browser asks for itself when the page answers
@@ -16,25 +21,31 @@ Basic authentication (any user name), which a browser asks for itself when the p
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
 import time
+import urllib.request
 from collections import deque
 from importlib import resources
 from typing import Literal
 
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from cluster.instance_counters import STATUS_PAGE_COUNTERS, read
 from cluster.request_phases import TTFT_PHASES, phase_seconds
 from gateway.errors import bearer_matches
 from gateway.instances import ROLES, InstancePool
+from planner import metrics as planner_series
 from splitserve.v1 import disaggregation_pb2
 from splitserve.v1.generation_pb2 import RequestPhases
 
 RECENT_POINTS = 300  # per series: a few minutes of traffic on a small deployment
 STATUS_PATHS = frozenset({"/status", "/status.json"})
+PLANNER_READ_TIMEOUT_S = 2.0
+PLANNER_MAX_AGE_S = 1.0  # the page polls every second: one read a second serves every viewer
 STATUS_AUTH_CHALLENGE = {"WWW-Authenticate": 'Basic realm="splitserve status", charset="UTF-8"'}
 
 
@@ -132,6 +143,116 @@ class RegistryStatus(BaseModel):
     records_refused: int  # records the latest scan ignored (unsigned, stale, ...: see /metrics)
 
 
+class PlannerRole(BaseModel):
+    """One role as the planner last decided it."""
+
+    role: str
+    desired: int | None  # instances it wants
+    needed: int | None  # what the predicted rate needs, before bounds, cooldowns and the budget
+    reason: str | None  # why desired is what it is (planner/decision.py's reasons)
+    capacity_rps: float | None  # requests a second one instance sustains within the SLOs
+    instances: dict[str, int]  # by state: starting, ready, draining
+
+
+class PlannerStatus(BaseModel):
+    """The planner's latest decision, from its metrics (planner/metrics.py); ``reachable`` false
+    with ``error`` when it did not answer."""
+
+    url: str
+    reachable: bool
+    error: str = ""
+    observed_rps: float | None = None
+    predicted_rps: float | None = None
+    mean_tokens: dict[str, float] = {}  # prompt, output
+    slo_s: dict[str, float] = {}  # ttft, itl: the p90s it holds
+    observed_p90_s: dict[str, float] = {}  # ttft, itl: last interval's
+    slo_headroom: dict[str, float] = {}  # 1 - observed / SLO: above 0 within it, below 0 missed
+    roles: list[PlannerRole] = []
+
+
+def planner_status(url: str, metrics_text: str) -> PlannerStatus:
+    """The figures of the planner's ``/metrics`` text."""
+    series: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            series.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+
+    def by(name: str, label: str) -> dict[str, float]:
+        return {dict(labels)[label]: value for labels, value in series.get(name, {}).items() if label in dict(labels)}
+
+    def one(name: str) -> float | None:
+        return series.get(name, {}).get(())
+
+    def whole(value: float | None) -> int | None:
+        return None if value is None else round(value)
+
+    desired, needed = by(planner_series.DESIRED, "role"), by(planner_series.NEEDED, "role")
+    capacity = by(planner_series.CAPACITY, "role")
+    roles = []
+    for role in ("prefill", "decode"):
+        states = {
+            dict(labels)["state"]: round(value)
+            for labels, value in series.get(planner_series.INSTANCES, {}).items()
+            if dict(labels).get("role") == role
+        }
+        reasons = [
+            dict(labels)["reason"]
+            for labels, value in series.get(planner_series.REASON, {}).items()
+            if dict(labels).get("role") == role and value == 1
+        ]
+        roles.append(
+            PlannerRole(
+                role=role,
+                desired=whole(desired.get(role)),
+                needed=whole(needed.get(role)),
+                reason=reasons[0] if reasons else None,
+                capacity_rps=capacity.get(role),
+                instances={state: states.get(state, 0) for state in planner_series.STATES},
+            )
+        )
+    slo, observed = by(planner_series.SLO_SECONDS, "metric"), by(planner_series.OBSERVED_P90, "metric")
+    return PlannerStatus(
+        url=url,
+        reachable=True,
+        observed_rps=one(planner_series.OBSERVED_RATE),
+        predicted_rps=one(planner_series.PREDICTED_RATE),
+        mean_tokens=by(planner_series.MEAN_TOKENS, "kind"),
+        slo_s=slo,
+        observed_p90_s=observed,
+        slo_headroom={metric: 1 - observed[metric] / slo[metric] for metric in observed if slo.get(metric)},
+        roles=roles,
+    )
+
+
+class PlannerReader:
+    """Reads the planner's metrics for the status page: at most once a ``max_age_s``, in a
+    thread (urllib blocks), with the latest answer kept for the requests in between."""
+
+    def __init__(
+        self, url: str, timeout_s: float = PLANNER_READ_TIMEOUT_S, max_age_s: float = PLANNER_MAX_AGE_S
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_age_s = max_age_s
+        self._latest: PlannerStatus | None = None
+        self._read_at = -float("inf")
+
+    async def read(self) -> PlannerStatus:
+        if self._latest is not None and time.monotonic() - self._read_at < self.max_age_s:
+            return self._latest
+        self._read_at = time.monotonic()
+        try:
+            text = await asyncio.to_thread(self._fetch)
+            self._latest = planner_status(self.url, text)
+        except (OSError, ValueError) as error:  # urllib's errors are OSErrors; a body that is no metrics text
+            self._latest = PlannerStatus(url=self.url, reachable=False, error=str(error))
+        return self._latest
+
+    def _fetch(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=self.timeout_s) as response:
+            return response.read().decode()
+
+
 class StatusResponse(BaseModel):
     object: Literal["status"] = "status"
     model: str
@@ -143,6 +264,7 @@ class StatusResponse(BaseModel):
     ttft: list[tuple[float, float]]  # (unix seconds, seconds)
     itl: list[tuple[float, float]]
     ttft_phases: PhaseBreakdown | None  # None before the first request
+    planner: PlannerStatus | None = None  # None without --planner-url
 
 
 def describe_fingerprint(fingerprint: disaggregation_pb2.Fingerprint) -> str:
@@ -152,7 +274,13 @@ def describe_fingerprint(fingerprint: disaggregation_pb2.Fingerprint) -> str:
     )
 
 
-def status_snapshot(pool: InstancePool, recent: RecentLatencies, model_name: str, ready: bool) -> StatusResponse:
+def status_snapshot(
+    pool: InstancePool,
+    recent: RecentLatencies,
+    model_name: str,
+    ready: bool,
+    planner: PlannerStatus | None = None,
+) -> StatusResponse:
     now = time.monotonic()
     healthy = {id(state) for role in ROLES for state in pool.healthy(role)}
     instances = []
@@ -196,6 +324,7 @@ def status_snapshot(pool: InstancePool, recent: RecentLatencies, model_name: str
         ttft=list(recent.ttft),
         itl=list(recent.itl),
         ttft_phases=recent.phase_breakdown(),
+        planner=planner,
     )
 
 

@@ -264,6 +264,7 @@ class Planner:
             states,
             observation.ttft_p90_s,
             observation.itl_p90_s,
+            self.config.slo,
         )
         logger.info(
             "planner: %.2f req/s observed, sizing for %.2f (prompt %.0f, output %.0f tokens); one instance takes "

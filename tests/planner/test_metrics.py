@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from planner.capacity import InstanceCapacity, Workload
+from planner.capacity import InstanceCapacity, Slo, Workload
 from planner.decision import Decision, RoleDecision
 from planner.metrics import PlannerMetrics
 
@@ -32,6 +32,7 @@ def test_a_decision_is_recorded_with_its_reasons_and_the_load_it_was_made_for() 
             states,
             ttft_p90_s=0.4,
             itl_p90_s=None,
+            slo=Slo(ttft_s=1.0, itl_s=0.05),
         )
     values = samples(metrics)
     assert values[("splitserve_planner_desired_instances", (("role", "decode"),))] == 3
@@ -43,3 +44,7 @@ def test_a_decision_is_recorded_with_its_reasons_and_the_load_it_was_made_for() 
     assert values[("splitserve_planner_observed_p90_seconds", (("metric", "ttft"),))] == 0.4
     assert ("splitserve_planner_observed_p90_seconds", (("metric", "itl"),)) not in values
     assert values[("splitserve_planner_decisions_total", (("reason", "max"), ("role", "decode")))] == 2
+    assert values[("splitserve_planner_slo_seconds", (("metric", "itl"),))] == 0.05
+    assert values[("splitserve_planner_reason", (("reason", "max"), ("role", "decode")))] == 1
+    assert values[("splitserve_planner_reason", (("reason", "load_up"), ("role", "decode")))] == 0
+    assert values[("splitserve_planner_reason", (("reason", "load_up"), ("role", "prefill")))] == 1
