@@ -37,7 +37,7 @@ Checkpoints: engine/spec_decode/eagle_checkpoint.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -144,6 +144,16 @@ class DraftKV:
 
 
 @dataclass(slots=True)
+class _Extension:
+    """A request's entries of one step: tokens ``start + 1 ..`` with features of ``start ..``."""
+
+    held: _Held
+    start: int
+    token_ids: list[int]
+    features: torch.Tensor  # [len(token_ids), hidden_size]
+
+
+@dataclass(slots=True)
 class _Held:
     request: Request
     kv: DraftKV
@@ -174,8 +184,11 @@ class EagleLayer(nn.Module):
         self.mlp.down_proj = nn.Linear(shape.intermediate_size, hidden, bias=shape.mlp_bias)
         self.rotary = [rotary]  # shared by the layers; a list keeps it out of the state dict
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv: DraftKV) -> torch.Tensor:
-        """hidden: [T, hidden_size], the entries at ``positions`` (the T after ``kv``'s)."""
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, kvs: Sequence[DraftKV], counts: Sequence[int]
+    ) -> torch.Tensor:
+        """hidden: [T, hidden_size], the entries at ``positions``: ``counts[r]`` of them (in order)
+        after ``kvs[r]``'s, for each request ``r``."""
         num_tokens = hidden.shape[0]
         attn_in = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
         attn = self.self_attn
@@ -185,18 +198,31 @@ class EagleLayer(nn.Module):
         rotary = self.rotary[0]
         cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)  # [T, 1, D/2]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        keys, values = kv.append(self.index, k, v)  # [L, H_kv, D], the new entries last
-        # Causal over the cache: new entry j sees every earlier entry and itself.
-        num_keys = keys.shape[0]
-        visible = torch.arange(num_keys, device=hidden.device)[None, :] <= (
-            torch.arange(num_tokens, device=hidden.device)[:, None] + num_keys - num_tokens
-        )
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, enable_gqa=True
-        )  # [H, T, D]
-        hidden = hidden + attn.o_proj(out.transpose(0, 1).reshape(num_tokens, -1))
+        # Each request attends over its own cache: one small attention per request.
+        outs = []
+        first = 0
+        for kv, count in zip(kvs, counts):
+            rows = slice(first, first + count)
+            keys, values = kv.append(self.index, k[rows], v[rows])  # [L, H_kv, D], the new entries last
+            outs.append(_causal_attention(q[rows], keys, values))
+            first += count
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        hidden = hidden + attn.o_proj(out.reshape(num_tokens, -1))
         mlp_in = self.post_attention_layernorm(hidden)
         return hidden + self.mlp.down_proj(F.silu(self.mlp.gate_proj(mlp_in)) * self.mlp.up_proj(mlp_in))
+
+
+def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q: [T, H, D], the last T of the L entries of keys, values: [L, H_kv, D]; each new entry
+    sees every earlier entry and itself. Returns [T, H, D]."""
+    num_tokens, num_keys = q.shape[0], keys.shape[0]
+    visible = torch.arange(num_keys, device=q.device)[None, :] <= (
+        torch.arange(num_tokens, device=q.device)[:, None] + num_keys - num_tokens
+    )
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, enable_gqa=True
+    )  # [H, T, D]
+    return out.transpose(0, 1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -229,16 +255,19 @@ class EagleDraft(nn.Module):
         embeds: torch.Tensor,
         features: torch.Tensor,
         positions: torch.Tensor,
-        kv: DraftKV,
+        kvs: Sequence[DraftKV],
+        counts: Sequence[int],
     ) -> torch.Tensor:
-        """embeds, features: [T, hidden_size] (token ``i + 1``'s embedding, the feature of ``i``);
-        stores their entries after ``kv``'s. Returns the outputs [T, hidden_size]."""
+        """embeds, features: [T, hidden_size] (token ``i + 1``'s embedding, the feature of ``i``),
+        ``counts[r]`` rows for request ``r`` in order; stores their entries after ``kvs[r]``'s.
+        Returns the outputs [T, hidden_size]."""
         if self.post_embedding_layernorm is not None:
             embeds = self.post_embedding_layernorm(embeds)
         hidden = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         for layer in self.layers:
-            hidden = layer(hidden, positions, kv)
-        kv.length += hidden.shape[0]
+            hidden = layer(hidden, positions, kvs, counts)
+        for kv, count in zip(kvs, counts):
+            kv.length += count
         return hidden
 
     def logits(self, outputs: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -301,7 +330,8 @@ class EagleProposer:
         """Extend each scheduled request's draft KV over this step's tokens; returns the drafts of
         every sampling request, in schedule order (none for one that may not speculate)."""
         self._drop_finished(output)
-        drafts: list[list[int]] = []
+        extensions: list[_Extension] = []
+        sampled: list[_Held | None] = []  # per sampling request: the one to chain from, if any
         row = 0
         sample_index = 0
         for item in output.scheduled:
@@ -317,16 +347,19 @@ class EagleProposer:
                 num_valid = num_rows
             # Entries need the next token: every position of the step but a sampled one's last.
             num_entries = min(num_valid, len(known) - 1 - start)
-            held = self._extend(request, start, known, features[row : row + num_entries])
+            held = self._cut_back(request, start, num_entries)
+            if held is not None and num_entries:
+                token_ids = known[start + 1 : start + 1 + num_entries]
+                extensions.append(_Extension(held, start, token_ids, features[row : row + num_entries]))
             row += num_rows
-            if not item.samples:
-                continue
-            sample_index += 1
-            if held is None or not request.sampling_params.can_speculate:
-                drafts.append([])
-                continue
-            drafts.append(self._chain(held))
-        return drafts
+            if item.samples:
+                sample_index += 1
+                sampled.append(held if num_entries and request.sampling_params.can_speculate else None)
+        if extensions:
+            self._extend(extensions)
+        chained = [held for held in sampled if held is not None]
+        chains = iter(self._chains(chained) if chained else [])
+        return [next(chains) if held is not None else [] for held in sampled]
 
     def _drop_finished(self, output: SchedulerOutput) -> None:
         for request_id in output.preempted_request_ids:
@@ -334,43 +367,54 @@ class EagleProposer:
         for request_id in [r for r, held in self.held.items() if held.request.status.is_finished]:
             del self.held[request_id]
 
-    def _extend(self, request: Request, start: int, known: list[int], features: torch.Tensor) -> _Held | None:
-        """Cut the request's draft KV back to ``start`` and add the entries of ``features``
-        (positions ``start ..``); None when it holds no entry at all."""
+    def _cut_back(self, request: Request, start: int, num_entries: int) -> _Held | None:
+        """The request's draft KV cut back to ``start`` (a new one there when it holds none that
+        reaches it); None when it would hold no entry at all."""
         held = self.held.get(request.request_id)
         if held is None or not held.kv.start <= start <= held.kv.end:
             # New, recomputed after a preemption, or after positions this engine did not compute.
-            if not features.shape[0]:
+            if not num_entries:
                 self.held.pop(request.request_id, None)
                 return None
             held = _Held(request, new_draft_kv(self.draft, start))
             self.held[request.request_id] = held
         held.kv.length = start - held.kv.start
         held.request = request
-        num_entries = features.shape[0]
-        if num_entries:
-            token_ids = torch.tensor(known[start + 1 : start + 1 + num_entries], device=features.device)
-            positions = torch.arange(start, start + num_entries, device=features.device)
-            outputs = self.draft(self.embed(token_ids), features, positions, held.kv)
-            held.last_output = outputs[-1:]
-        else:
-            held.last_output = None  # the entry before ``start`` made no output kept here
-        return held if held.last_output is not None else None
+        held.last_output = None  # until the entries of this step are in
+        return held
 
-    def _chain(self, held: _Held) -> list[int]:
-        """``num_speculative_tokens`` top-1 drafts after the request's last entry; their entries
-        stay in its draft KV until the next step cuts them off."""
-        output = held.last_output
-        if output is None:
+    def _extend(self, extensions: list[_Extension]) -> None:
+        """One draft pass over every request's new entries; each keeps its last entry's output."""
+        device = extensions[0].features.device
+        token_ids = torch.tensor([t for e in extensions for t in e.token_ids], device=device)
+        positions = torch.tensor(
+            [p for e in extensions for p in range(e.start, e.start + len(e.token_ids))], device=device
+        )
+        features = torch.cat([e.features for e in extensions])
+        counts = [len(e.token_ids) for e in extensions]
+        outputs = self.draft(self.embed(token_ids), features, positions, [e.held.kv for e in extensions], counts)
+        end = 0
+        for extension, count in zip(extensions, counts):
+            end += count
+            extension.held.last_output = outputs[end - 1 : end]
+
+    def _chains(self, helds: list[_Held]) -> list[list[int]]:
+        """``num_speculative_tokens`` top-1 drafts after each request's last entry, the requests
+        side by side; the chains' entries stay in their draft KV until the next step cuts them off."""
+        last = [held.last_output for held in helds]
+        if any(output is None for output in last):
             raise RuntimeError("bug: an EAGLE chain without an entry to start from")
-        drafts: list[int] = []
-        device = output.device
+        outputs = torch.cat(last)  # type: ignore[arg-type]
+        drafts: list[list[int]] = [[] for _ in helds]
+        kvs = [held.kv for held in helds]
+        ones = [1] * len(helds)
         for j in range(self.num_speculative_tokens):
-            token_id = self.draft.logits(output, self.target.lm_head).argmax(-1)  # [1]
-            drafts.append(int(token_id))
+            token_ids = self.draft.logits(outputs, self.target.lm_head).argmax(-1)  # [R]
+            for chain, token_id in zip(drafts, token_ids.tolist()):
+                chain.append(token_id)
             if j + 1 < self.num_speculative_tokens:
-                position = torch.tensor([held.kv.end], device=device)
-                output = self.draft(self.embed(token_id), output, position, held.kv)
+                positions = torch.tensor([kv.end for kv in kvs], device=outputs.device)
+                outputs = self.draft(self.embed(token_ids), outputs, positions, kvs, ones)
         return drafts
 
     @property

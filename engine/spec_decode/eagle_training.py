@@ -113,7 +113,8 @@ def _loss(
         F.embedding(token_ids[1:], embed_weight),
         features[:num_entries],
         torch.arange(num_entries),
-        new_draft_kv(draft, 0, num_entries),
+        [new_draft_kv(draft, 0, num_entries)],
+        [num_entries],
     )
     logits = draft.logits(outputs[:-1], lambda x: x @ lm_head_weight.T)  # entry i guesses token i + 2
     token_loss = F.cross_entropy(logits, token_ids[2:])

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.eagle import EagleProposer, _Held, new_draft_kv
+from engine.spec_decode.eagle import EagleProposer, _Extension, _Held, new_draft_kv
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft, read_eagle_config
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint
+from tests.engine.kv_loaders import InProcessKVLoader
 from tests.engine.spec_decode.eagle_drafts import MAX_POSITIONS, make_cycle_drafts, make_eagle_draft
 from tests.engine.spec_decode.medusa_heads import HIDDEN_SIZE, cycle_snippet
 from tests.engine.spec_decode.test_engine_spec import (
@@ -118,33 +118,38 @@ def test_the_draft_kv_after_rejections_is_the_kv_of_the_tokens_kept(
     proposer = core.runner.eagle
     assert proposer is not None
     entries: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
-    extend, chain = proposer._extend, proposer._chain
+    extend, chains = proposer._extend, proposer._chains
     num_checked = [0]
 
-    def recording_extend(request: Request, start: int, known: list[int], features: torch.Tensor) -> _Held | None:
-        given = entries.setdefault(request.request_id, {})
-        for j in range(features.shape[0]):
-            given[start + j] = (known[start + j + 1], features[j].clone())
-        return extend(request, start, known, features)
+    def recording_extend(extensions: list[_Extension]) -> None:
+        for extension in extensions:
+            given = entries.setdefault(extension.held.request.request_id, {})
+            for j, token_id in enumerate(extension.token_ids):
+                given[extension.start + j] = (token_id, extension.features[j].clone())
+        extend(extensions)
 
-    def checked_chain(held: _Held) -> list[int]:
-        kv = held.kv
-        given = entries[held.request.request_id]
-        token_ids = torch.tensor([given[i][0] for i in range(kv.start, kv.end)])
-        features = torch.stack([given[i][1] for i in range(kv.start, kv.end)])
-        fresh = new_draft_kv(proposer.draft, kv.start)
-        outputs = proposer.draft(proposer.embed(token_ids), features, torch.arange(kv.start, kv.end), fresh)
-        assert fresh.length == kv.length
-        torch.testing.assert_close(fresh.keys[0][: kv.length], kv.keys[0][: kv.length], atol=1e-5, rtol=1e-5)
-        assert held.last_output is not None
-        torch.testing.assert_close(outputs[-1:], held.last_output, atol=1e-5, rtol=1e-5)
-        drafts = chain(held)
-        assert chain(_Held(held.request, fresh, outputs[-1:])) == drafts
-        num_checked[0] += 1
+    def checked_chains(helds: list[_Held]) -> list[list[int]]:
+        fresh_helds = []
+        for held in helds:
+            kv = held.kv
+            given = entries[held.request.request_id]
+            token_ids = torch.tensor([given[i][0] for i in range(kv.start, kv.end)])
+            features = torch.stack([given[i][1] for i in range(kv.start, kv.end)])
+            fresh = new_draft_kv(proposer.draft, kv.start)
+            positions = torch.arange(kv.start, kv.end)
+            outputs = proposer.draft(proposer.embed(token_ids), features, positions, [fresh], [kv.length])
+            assert fresh.length == kv.length
+            torch.testing.assert_close(fresh.keys[0][: kv.length], kv.keys[0][: kv.length], atol=1e-5, rtol=1e-5)
+            assert held.last_output is not None
+            torch.testing.assert_close(outputs[-1:], held.last_output, atol=1e-5, rtol=1e-5)
+            fresh_helds.append(_Held(held.request, fresh, outputs[-1:]))
+        drafts = chains(helds)
+        assert chains(fresh_helds) == drafts
+        num_checked[0] += len(helds)
         return drafts
 
     proposer._extend = recording_extend  # type: ignore[method-assign]
-    proposer._chain = checked_chain  # type: ignore[method-assign]
+    proposer._chains = checked_chains  # type: ignore[method-assign]
     prompts = cycle_prompts(cycle)
     with torch.inference_mode():
         generate(core, prompts, [GREEDY] * len(prompts))
@@ -183,13 +188,14 @@ def test_both_layouts_load_the_same_draft(target: Path, tmp_path: Path, options:
 def recorded_chains(proposer: EagleProposer) -> list[list[int]]:
     """Every chain ``proposer`` drafts from now on, in order."""
     proposals: list[list[int]] = []
-    chain = proposer._chain
+    chains = proposer._chains
 
-    def recording(held: _Held) -> list[int]:
-        proposals.append(chain(held))
-        return proposals[-1]
+    def recording(helds: list[_Held]) -> list[list[int]]:
+        drafted = chains(helds)
+        proposals.extend(drafted)
+        return drafted
 
-    proposer._chain = recording  # type: ignore[method-assign]
+    proposer._chains = recording  # type: ignore[method-assign]
     return proposals
 
 
@@ -246,3 +252,66 @@ def test_preemption_and_abort_leave_no_block_or_draft_kv_behind(
     while core.has_unfinished_requests():
         core.step()
     assert set(proposer.held) == {"last"}  # every earlier request's draft KV dropped
+
+
+def test_decode_instance_speculates_with_eagle_after_a_pulled_prompt(
+    cycle_drafts: tuple[Path, list[int], Path, Path],
+) -> None:
+    """P computes the prompt and never drafts; D has no feature of the prompt, so its first step
+    is plain, and its draft attends from that step's position on; the output is still the plain
+    one and D's drafts are accepted."""
+    target, cycle, trained, _ = cycle_drafts
+    prompts = cycle_prompts(cycle)
+    expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
+    p = make_engine(target, eagle(trained), role="prefill")
+    d = make_engine(target, eagle(trained), role="decode")
+    assert p.runner.eagle is None and d.runner.eagle is not None
+    loader = InProcessKVLoader(p.runner.kv_cache, d.runner.kv_cache)
+    d.use_kv_loader(loader)
+    for index, prompt in enumerate(prompts):
+        p.add_request(prompt, GREEDY, request_id="r")
+        (handoff,) = [o for o in p.step() if o.request_id == "r"]
+        loader.expect("r", handoff.kv_handoff.block_ids)
+        first = handoff.new_token_ids[0]
+        d.add_request(prompt, GREEDY, request_id="r", first_token_id=first)
+        d.step()  # the load starts (and ends: an in-process copy)
+        assert p.release_kv("r")
+        tokens = [first]
+        while d.has_unfinished_requests():
+            for output in d.step():
+                tokens.extend(output.new_token_ids)
+        assert tokens == expected[index]
+    assert d.scheduler.spec_stats.num_accepted_tokens > 0
+    assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_total_blocks
+    assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_total_blocks
+
+
+def test_sampled_output_with_eagle_has_the_plain_distribution(cycle_drafts: tuple[Path, list[int], Path, Path]) -> None:
+    """Many seeded samples of the first four tokens, with and without EAGLE: a chi-square test on
+    the joint outcome (top-k 3 keeps the outcomes few). The trained draft guesses the target's
+    likeliest token, which a temperature-1 sample sometimes is and sometimes not, so both
+    acceptance and rejection run."""
+    from tests.engine.spec_decode.chi_square import two_sample
+    from tests.engine.spec_decode.test_engine_spec import NUM_SAMPLES
+
+    target, cycle, trained, _ = cycle_drafts
+    prompt = cycle_snippet(cycle, 3, 6)
+    samples = {}
+    for name, config in (("plain", None), ("spec", eagle(trained, 2))):
+        core = make_engine(
+            target,
+            config,
+            max_num_seqs=512,
+            max_num_batched_tokens=16384,
+            kv_cache_memory=1 << 24,
+            enable_prefix_caching=False,
+        )
+        params = [
+            SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
+            for seed in range(NUM_SAMPLES)
+        ]
+        samples[name] = [tuple(t) for t in generate(core, [prompt] * NUM_SAMPLES, params)]
+        if config is not None:
+            stats = core.scheduler.spec_stats
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert two_sample(samples["plain"], samples["spec"]) > 1e-3
