@@ -2,7 +2,7 @@
 every decode rank pulls its (layer range, head span)s from the prefill ranks that hold them
 (kv_connector/layer_plan.py), the tokens equal the colocated engine's, the bytes of a pull are
 the missing blocks' KV once whatever the pair, D's prefix-cache hits still skip their pulls,
-and no block is left in use after a finish."""
+and no block is left in use after a finish or an abort."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from splitserve.v1 import disaggregation_pb2
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.checkpoints import make_checkpoint, random_prompts
-from tests.services.client import assert_all_free, expected_tokens, run_decode, run_prefill
+from tests.services.client import GREEDY, assert_all_free, decode_request, expected_tokens, run_decode, run_prefill
 from tests.services.processes import Service, running
 
 pytest.importorskip("ucxx")
@@ -115,3 +115,15 @@ def test_tokens_equal_colocated_and_every_layer_and_head_moves_once(
         assert transfer.num_pulled_blocks == num_blocks - transfer.num_local_hit_blocks
         assert transfer.num_bytes == transfer.num_pulled_blocks * BLOCK_BYTES
     assert_all_free(prefill, decode)
+
+
+def test_an_abort_during_the_hand_off_frees_every_block(prefill_pp2: Service, decode_pp2: Service) -> None:
+    prompt = random_prompts([40], seed=89)[0]
+    prefilled = run_prefill(prefill_pp2, "abort-pp", prompt)
+    stub = disaggregation_pb2_grpc.DecodeStub(decode_pp2.channel)
+    sampling = GREEDY.__class__(temperature=0.0, max_tokens=500, ignore_eos=True)
+    call = stub.Decode(decode_request("abort-pp", prompt, prefilled, sampling=sampling), timeout=60)
+    next(call)  # decoding: the KV has arrived
+    stub.Abort(disaggregation_pb2.RequestRef(request_id="abort-pp"), timeout=5)
+    assert [response for response in call][-1].finish_reason == "abort"
+    assert_all_free(prefill_pp2, decode_pp2)
