@@ -3,6 +3,9 @@
 - ``config.py``: what to speculate with (n-gram prompt lookup or a draft model) and how far.
 - ``ngram.py``: drafts copied from earlier context (prompt lookup).
 - ``draft_model.py``: drafts from a smaller checkpoint of the same vocabulary.
+- ``medusa.py``, ``eagle.py``: drafts from the target's own hidden states, proposed after each
+  step (Medusa's heads; EAGLE's one-layer decoder over the target's features, with a draft KV
+  of its own); their checkpoints in ``medusa_checkpoint.py`` and ``eagle_checkpoint.py``.
 - ``rejection_sampler.py``: accepts a prefix of the drafts and adds one token, so the output
   distribution is the target's (greedy: token for token the non-speculative output).
 - ``stats.py``: draft and accepted token counts, for the load report and metrics.
@@ -10,7 +13,8 @@
 One step of a speculating request, in call order:
 
 1. ``EngineCore.step`` (before scheduling): the proposer sets ``request.num_spec_tokens``
-   (and, for n-gram, ``request.spec_token_ids``) on each running request that decodes.
+   (and, for n-gram, ``request.spec_token_ids``; Medusa and EAGLE proposed theirs after the
+   request's last step) on each running request that decodes.
 2. ``Scheduler.schedule``: schedules ``1 + num_draft_tokens`` tokens for it (slots allocated,
    inside the step's token budget; the drafts are dropped first when blocks run short).
 3. ``ModelRunner.execute``: the draft model, if any, fills ``spec_token_ids`` for its

@@ -24,13 +24,16 @@ One step, in call order:
    the step samples or verifies as usual.
 2. :meth:`EagleProposer.propose`: per scheduled request, its draft KV is cut back to the step's
    first position, then extended over the step's tokens whose feature and next token are known
-   (a verifying request: its last known token and the drafts accepted); each sampling request
-   that may speculate then runs its chain, whose drafts go back in ``ModelOutput.draft_token_ids``.
+   (a verifying request: its last known token and the drafts accepted); the sampling requests
+   that may speculate then run their chains, whose drafts go back in
+   ``ModelOutput.draft_token_ids``.
 3. ``Scheduler.update`` keeps them as ``request.spec_token_ids``; at the next step
    ``EngineCore._plan_drafts`` asks for as many, and the scheduler fits what it can.
 
-A finished or aborted request's draft KV is dropped at the next step (the runner learns of it
-from the request's status); a preempted one's at once. The draft runs one request at a time.
+The draft runs a step's requests in one pass per chain depth (and one over all new entries
+before), with attention alone run request by request over each one's own draft KV. A finished or
+aborted request's draft KV is dropped at the next step (the runner learns of it from the
+request's status); a preempted one's at once.
 
 Checkpoints: engine/spec_decode/eagle_checkpoint.py.
 """
