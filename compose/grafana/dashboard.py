@@ -9,7 +9,8 @@ tests/compose/test_observability.py checks that the committed JSON is what this 
 Panels: gateway-side TTFT, ITL and E2E percentiles, where TTFT went phase by phase (stacked)
 and the hand-off after it, and request outcomes; each instance's
 queue and running requests, KV use and step time (its own /metrics); KV transfer bytes and
-time; the failure counters.
+time; the planner's pools, load, capacity, SLO headroom and decisions (its --metrics-port);
+the failure counters.
 """
 
 from __future__ import annotations
@@ -242,6 +243,60 @@ def build() -> dashboard.Dashboard:
                     'rate(splitserve_engine_lease_expiries_total{role="prefill"}[$__rate_interval])',
                     "expiries {{instance}}",
                     "B",
+                ),
+            )
+        )
+        .with_row(dashboard.Row("Planner"))
+        .with_panel(
+            panel(
+                "Pools: wanted and ready",
+                "short",
+                "Instances the planner wants per role, what the predicted rate needs before its bounds and "
+                "cooldowns, and those ready (every gateway routes to them); its own metrics (docs/planner.md)",
+                query("splitserve_planner_desired_instances", "{{role}} desired", "A"),
+                query("splitserve_planner_needed_instances", "{{role}} needed", "B"),
+                query('splitserve_planner_instances{state="ready"}', "{{role}} ready", "C"),
+            )
+        )
+        .with_panel(
+            panel(
+                "Load and capacity",
+                "reqps",
+                "Requests a second observed and the forecast the planner sizes for, beside what one instance of "
+                "each role sustains within the SLOs and what the wanted pool does",
+                query("splitserve_planner_observed_request_rate", "observed", "A"),
+                query("splitserve_planner_predicted_request_rate", "predicted", "B"),
+                query("splitserve_planner_capacity_requests_per_second", "{{role}}, one instance", "C"),
+                query(
+                    "splitserve_planner_capacity_requests_per_second * on (role) splitserve_planner_desired_instances",
+                    "{{role}}, wanted pool",
+                    "D",
+                ),
+            )
+        )
+        .with_panel(
+            panel(
+                "SLO headroom",
+                "percentunit",
+                "1 - observed p90 / SLO for TTFT and ITL, from the gateways' histograms each interval: above 0 "
+                "within the SLO, below 0 missed (the planner then adds an instance)",
+                query(
+                    "1 - splitserve_planner_observed_p90_seconds / on (metric) splitserve_planner_slo_seconds",
+                    "{{metric}}",
+                    "A",
+                ),
+            )
+        )
+        .with_panel(
+            panel(
+                "Planner decisions",
+                "short",
+                "Decisions per role and reason over the interval: steady, load up or down, an SLO missed, or held "
+                "by a cooldown, a bound or the budget",
+                query(
+                    "sum by (role, reason) (increase(splitserve_planner_decisions_total[$__rate_interval]))",
+                    "{{role}} {{reason}}",
+                    "A",
                 ),
             )
         )

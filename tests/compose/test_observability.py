@@ -181,10 +181,11 @@ def test_dashboard_loads_into_the_sdk_model() -> None:
 
 
 def exported_names() -> set[str]:
-    """Every series name splitserve exports: the gateway's registry and an instance's collector
-    (over an empty load report)."""
+    """Every series name splitserve exports: the gateway's registry, an instance's collector
+    (over an empty load report) and the planner's registry."""
     from gateway.instances import InstancePool
     from gateway.metrics import GatewayMetrics
+    from planner.metrics import PlannerMetrics
     from serving.metrics import InstanceCollector, PhaseMetrics
     from splitserve.v1 import disaggregation_pb2
 
@@ -193,6 +194,7 @@ def exported_names() -> set[str]:
         *GatewayMetrics(InstancePool(stale_after_s=1.0)).registry.collect(),
         *InstanceCollector(lambda: report).collect(),
         *PhaseMetrics("prefill-1", "prefill").registry.collect(),
+        *PlannerMetrics().registry.collect(),
     ]
     names = set()
     for family in families:
