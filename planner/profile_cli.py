@@ -90,26 +90,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ready(base_url: str) -> dict[str, int]:
-    """Healthy instances per role, as the gateway's /ready says ({} while it does not answer)."""
+def _ready(base_url: str) -> tuple[bool, dict[str, int]]:
+    """Whether the gateway's /ready says it serves (a compatible prefill and decode pair is
+    healthy), and its healthy instances per role; (False, {}) while it does not answer."""
     try:
         with urllib.request.urlopen(f"{base_url}/ready", timeout=5) as response:
-            return dict(json.load(response)["instances"])
+            body = json.load(response)
     except urllib.error.HTTPError as error:  # 503 while not ready, still with the counts
         try:
-            return dict(json.load(error)["instances"])
-        except (ValueError, KeyError):
-            return {}
-    except (OSError, ValueError, KeyError):
-        return {}
+            body = json.load(error)
+        except ValueError:
+            return False, {}
+    except (OSError, ValueError):
+        return False, {}
+    return bool(body.get("ready")), dict(body.get("instances", {}))
 
 
 def _check_one_of_each(base_url: str) -> None:
-    counts = _ready(base_url)
-    if counts.get("prefill") != 1 or counts.get("decode") != 1:
+    ready, counts = _ready(base_url)
+    if not ready or counts.get("prefill") != 1 or counts.get("decode") != 1:
         raise ValueError(
-            f"the gateway at {base_url} routes to {counts or 'no'} instances: the profile measures one instance of "
-            "each role, so point it at a gateway with one prefill and one decode instance"
+            f"the gateway at {base_url} is {'ready' if ready else 'not ready'}, with {counts or 'no'} healthy "
+            "instances: the profile measures one instance of each role, so point it at a ready gateway with one "
+            "prefill and one decode instance"
         )
 
 
@@ -133,7 +136,7 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         try:
             logger.info("profile: starting simulated instances (log: %s)", log_path)
             deadline = time.monotonic() + START_TIMEOUT_S
-            while _ready(base_url).get("decode", 0) < 1 or _ready(base_url).get("prefill", 0) < 1:
+            while not _ready(base_url)[0]:
                 if up.poll() is not None:
                     raise RuntimeError(f"splitserve up exited with {up.returncode} before it was ready; see {log_path}")
                 if time.monotonic() > deadline:
