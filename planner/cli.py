@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a gateway whose /metrics the planner reads (repeat for several gateways)",
     )
     parser.add_argument(
+        "--gateway-every-address",
+        action="store_true",
+        help="each --gateway-url's host resolves to every gateway (a headless Service): read each address, "
+        "resolved again every interval",
+    )
+    parser.add_argument(
         "--actuator",
         choices=["local", "metrics"],
         default="local",
@@ -130,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    scraper = GatewayScraper(args.gateway_url)
+    scraper = GatewayScraper(args.gateway_url, every_address=args.gateway_every_address)
     actuator = None
     if args.actuator == "local":
         log_dir = Path(args.instance_log_dir or tempfile.mkdtemp(prefix="splitserve-planner-"))

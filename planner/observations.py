@@ -13,7 +13,9 @@ percentiles are read from the histograms' buckets as Prometheus's ``histogram_qu
 from __future__ import annotations
 
 import math
+import socket
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -211,17 +213,39 @@ def _p90(before: Scrape, after: Scrape, name: str) -> float | None:
 
 class GatewayScraper:
     """Reads the gateways' ``/metrics`` over HTTP, blocking (the planner's loop is a thread of
-    its own). A gateway that does not answer raises OSError (urllib's URLError is one)."""
+    its own). A gateway that does not answer raises OSError (urllib's URLError is one).
 
-    def __init__(self, gateway_urls: Sequence[str], timeout_s: float = 5.0) -> None:
+    ``every_address``: each URL's host names every gateway (a Kubernetes headless Service, one
+    address per ready pod), resolved again at each scrape so that replicas come and go; each
+    address is read. A Service with one address would show one replica's counters at a time."""
+
+    def __init__(self, gateway_urls: Sequence[str], timeout_s: float = 5.0, every_address: bool = False) -> None:
         if not gateway_urls:
             raise ValueError("the planner needs at least one --gateway-url to read metrics from")
         self.gateway_urls = [url.rstrip("/") for url in gateway_urls]
         self.timeout_s = timeout_s
+        self.every_address = every_address
+
+    def urls(self) -> list[str]:
+        """The gateways to read now."""
+        if not self.every_address:
+            return self.gateway_urls
+        urls = []
+        for url in self.gateway_urls:
+            parts = urllib.parse.urlsplit(url)
+            if parts.hostname is None:
+                raise ValueError(f"--gateway-url {url} names no host")
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+            addresses = sorted({str(info[4][0]) for info in infos})
+            for address in addresses:
+                host = f"[{address}]" if ":" in address else address
+                urls.append(urllib.parse.urlunsplit(parts._replace(netloc=f"{host}:{port}")))
+        return urls
 
     def scrape(self) -> Scrape:
         texts = []
-        for url in self.gateway_urls:
+        for url in self.urls():
             with urllib.request.urlopen(f"{url}/metrics", timeout=self.timeout_s) as response:
                 texts.append(response.read().decode())
         return parse_metrics(texts, time.monotonic())

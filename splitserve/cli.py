@@ -29,6 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "planner.profile_cli",
         "measure what one prefill and one decode instance sustain within the SLOs, for the planner",
     ),
+    "drain": (
+        "planner.drain",
+        "a pod's preStop hook: stop an instance taking requests and wait until it holds none",
+    ),
     "bench": ("bench.cli", "benchmark an OpenAI-compatible server (serve, sweep, plot)"),
 }
 

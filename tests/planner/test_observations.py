@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.observations import histogram_quantile, observe, parse_metrics
+from planner.observations import GatewayScraper, histogram_quantile, observe, parse_metrics
 
 
 def gateway_text(
@@ -98,3 +98,11 @@ def test_an_instance_is_idle_only_when_no_gateway_routes_or_calls_and_it_holds_n
     assert not idle({}, {"healthy": 1.0})  # one gateway still routes to it
     assert not idle({}, {"inflight": 1.0})  # one gateway still has a call on it
     assert not idle({"running": 1.0})
+
+
+def test_every_address_of_a_gateway_host_is_read_and_resolved_again() -> None:
+    # localhost names this host's loopback address(es): a headless Service names each gateway pod.
+    scraper = GatewayScraper(["http://localhost:8000/"], every_address=True)
+    urls = scraper.urls()
+    assert "http://127.0.0.1:8000" in urls and all(url.endswith(":8000") for url in urls)
+    assert GatewayScraper(["http://localhost:8000/"]).urls() == ["http://localhost:8000"]
