@@ -276,8 +276,11 @@ def _start_simulated_instances(
         children, "--simulate registers its instances in a local Redis: install redis-server to have one started here"
     )
     if args.planner:
-        children.append(Child("planner", planner_command(args, common, registry_url), env=cluster_env))
-        return ["--registry-url", registry_url]
+        # Its metrics on a port of its own, which the gateway's status page reads.
+        metrics_port = free_port()
+        argv = [*planner_command(args, common, registry_url), "--metrics-port", str(metrics_port)]
+        children.append(Child("planner", argv, env=cluster_env))
+        return ["--registry-url", registry_url, "--planner-url", f"http://127.0.0.1:{metrics_port}"]
     counts = {"colocated": 1} if args.colocated else {"prefill": args.num_prefill, "decode": args.num_decode}
     profile = ["--profile", args.simulate_profile] if args.simulate_profile else []
     for role, count in counts.items():

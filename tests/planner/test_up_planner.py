@@ -1,12 +1,14 @@
 """``splitserve up --simulate --planner``: the planner, a child of ``up``, starts the instances
 (one process each) and the gateway routes to them; with no traffic it shrinks the decode pool
-to its minimum; Ctrl-C (SIGINT) stops everything, the planner's instances included."""
+to its minimum; the gateway's status page shows the planner's decisions; Ctrl-C (SIGINT) stops everything, the
+planner's instances included."""
 
 from __future__ import annotations
 
 import signal
 from pathlib import Path
 
+import httpx
 import openai
 
 from tests.gateway.processes import HTTPProcess
@@ -45,6 +47,10 @@ def test_up_with_a_planner_starts_the_pools_and_shrinks_an_idle_one(tmp_path: Pa
         wait_for(lambda: "decode 2 -> 1 (load_down" in up.log_text(), "the planner to shrink decode to one")
         wait_for(lambda: "stopped decode instance planned-decode-" in up.log_text(), "a decode instance stopped")
         wait_for(lambda: ready_counts(up.url) == {"prefill": 1, "decode": 1, "colocated": 0}, "one of each role")
+        # up gives the planner a metrics port and the gateway's status page its address.
+        planner = httpx.get(f"{up.url}/status.json", timeout=10).json()["planner"]
+        assert planner["reachable"], planner
+        assert {role["role"]: role["desired"] for role in planner["roles"]} == {"prefill": 1, "decode": 1}
     finally:
         below = below or descendants(up.process.pid)
         up.process.send_signal(signal.SIGINT)
