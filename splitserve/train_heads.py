@@ -1,5 +1,6 @@
-"""``splitserve train-heads --method medusa --output DIR``: Medusa heads for a model, trained on
-this machine from the model's own greedy continuations (engine/spec_decode/medusa_training.py).
+"""``splitserve train-heads --method medusa|eagle --output DIR``: Medusa heads or an EAGLE draft
+for a model, trained on this machine from the model's own greedy continuations
+(engine/spec_decode/medusa_training.py, eagle_training.py).
 
 The prompts: ``--prompts-file`` (one prompt a line), or by default everyday questions shipped
 with the package interleaved with instructions over the paragraphs of its text
@@ -9,6 +10,9 @@ The heads land in ``DIR`` in vLLM's Medusa layout over the target's own LM head
 accuracy in ``DIR/config.json``; serve them with
 ``--speculative-config '{"method": "medusa", "model": "DIR"}'``. An interrupted run resumes
 from ``DIR/work`` (generated shards, the last training checkpoint), which may be deleted after.
+An EAGLE draft lands in ``DIR`` in the speculators package's layout (engine/spec_decode/eagle_checkpoint.py),
+served with ``--speculative-config '{"method": "eagle", "model": "DIR"}'``; its run does not
+resume yet (it generates and trains in one go).
 """
 
 from __future__ import annotations
@@ -44,11 +48,15 @@ INSTRUCTIONS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.spec_decode.eagle_training import DraftTraining
     from engine.spec_decode.medusa_training import HeadTraining
 
     defaults = HeadTraining()
     parser.add_argument(
-        "--method", required=True, choices=["medusa"], help="which heads to train (EAGLE is not built yet)"
+        "--method",
+        required=True,
+        choices=["medusa", "eagle"],
+        help="medusa: heads on the last hidden state; eagle: a one-layer EAGLE draft over the model's features",
     )
     add_numerics_arguments(parser)
     add_device_argument(parser)
@@ -73,16 +81,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_new_tokens,
         help=f"tokens of each greedy continuation (default: {defaults.max_new_tokens})",
     )
-    parser.add_argument("--num-heads", type=int, default=defaults.num_heads, help=f"(default: {defaults.num_heads})")
+    parser.add_argument(
+        "--num-heads", type=int, default=defaults.num_heads, help=f"medusa (default: {defaults.num_heads})"
+    )
     parser.add_argument(
         "--num-layers",
         type=int,
         default=defaults.num_layers,
-        help=f"residual blocks per head (default: {defaults.num_layers})",
+        help=f"medusa: residual blocks per head; eagle: decoder layers of the draft (default: {defaults.num_layers})",
     )
     parser.add_argument("--steps", type=int, default=defaults.num_steps, help=f"(default: {defaults.num_steps})")
     parser.add_argument(
-        "--batch-size", type=int, default=defaults.batch_size, help=f"positions a step (default: {defaults.batch_size})"
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"medusa: positions a step (default: {defaults.batch_size}); eagle: whole sequences a step (default: "
+        f"{DraftTraining().sequences_per_step})",
     )
     parser.add_argument(
         "--learning-rate", type=float, default=defaults.learning_rate, help=f"(default: {defaults.learning_rate})"
@@ -92,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.llm import LLM
+
+    llm = LLM(**numerics_fields(args))
+    texts, source = _prompt_texts(args.prompts_file, args.num_prompts)
+    prompts = [_encode(llm, text) for text in texts]
+    if args.method == "eagle":
+        return _run_eagle(args, llm, prompts, source)
     from engine.spec_decode.medusa_checkpoint import save_medusa_heads
     from engine.spec_decode.medusa_training import (
         HeadTraining,
@@ -105,14 +125,11 @@ def run(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         max_new_tokens=args.max_new_tokens,
         num_steps=args.steps,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or HeadTraining().batch_size,
         learning_rate=args.learning_rate,
         seed=args.seed,
     )
     work = args.output / "work"
-    llm = LLM(**numerics_fields(args))
-    texts, source = _prompt_texts(args.prompts_file, args.num_prompts)
-    prompts = [_encode(llm, text) for text in texts]
     data = make_training_data(llm, prompts, settings, work, _progress)
     heads, heldout = train_heads(data, served_lm_head_weight(llm), settings, work, _progress)
     extra = {
@@ -140,6 +157,51 @@ def run(args: argparse.Namespace) -> int:
         args.output,
         extra["heldout"]["top1_accuracy"],  # type: ignore[index]
         heldout.mean_accepted_drafts,
+    )
+    sys.stdout.write(json.dumps(extra["heldout"]) + "\n")
+    return 0
+
+
+def _run_eagle(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], source: str) -> int:
+    from engine.spec_decode.eagle_checkpoint import save_eagle_draft
+    from engine.spec_decode.eagle_training import DraftTraining, train_eagle
+
+    settings = DraftTraining(
+        num_layers=args.num_layers,
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.steps,
+        sequences_per_step=args.batch_size or DraftTraining().sequences_per_step,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+    )
+    trained = train_eagle(llm, prompts, settings)
+    extra = {
+        "base_model": str(llm.engine.model_path),
+        "training": {
+            "method": "self-distillation: the base model's greedy continuations and its features along them",
+            "prompts": source,
+            "num_prompts": len(prompts),
+            "max_new_tokens": settings.max_new_tokens,
+            "num_sequences": trained.num_sequences,
+            "num_positions": trained.num_positions,
+            "num_steps": settings.num_steps,
+            "sequences_per_step": settings.sequences_per_step,
+            "learning_rate": settings.learning_rate,
+            "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        },
+        "heldout": {
+            "num_positions": trained.num_heldout_positions,
+            "top1_accuracy": round(trained.heldout_top1_accuracy, 4),
+        },
+    }
+    # The speculators package's layout, which vLLM reads too; it holds one-layer drafts only.
+    layout = "speculators" if settings.num_layers == 1 else "eagle"
+    save_eagle_draft(trained.draft, args.output, layout, extra)
+    logger.info(
+        "EAGLE draft in %s (%s layout): held-out top-1 accuracy of the first draft %.3f",
+        args.output,
+        layout,
+        trained.heldout_top1_accuracy,
     )
     sys.stdout.write(json.dumps(extra["heldout"]) + "\n")
     return 0

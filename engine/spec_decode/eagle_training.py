@@ -20,7 +20,7 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from engine.llm import LLM
 from engine.spec_decode.eagle import EagleDraft, EagleDraftShape, new_draft_kv
-from engine.spec_decode.medusa_training import final_hidden
+from engine.spec_decode.medusa_training import final_hidden, greedy_sequences, served_lm_head_weight
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +28,84 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class DraftTraining:
     num_layers: int = 1
+    max_new_tokens: int = 128  # each prompt's greedy continuation
     num_steps: int = 200
     sequences_per_step: int = 4
     learning_rate: float = 3e-3
     feature_loss_weight: float = 1.0  # the regression's weight beside the token loss
+    heldout_fraction: float = 0.05
     seed: int = 0
+
+
+@dataclass(slots=True)
+class TrainedDraft:
+    draft: EagleDraft
+    num_sequences: int
+    num_positions: int  # entries trained on
+    heldout_top1_accuracy: float  # the first draft's, on sequences never trained on
+    num_heldout_positions: int
+
+
+def train_eagle(llm: LLM, prompts: list[list[int]], settings: DraftTraining) -> TrainedDraft:
+    """A draft for ``llm``'s model from its greedy continuations of ``prompts`` (module docstring);
+    a fraction of the sequences is held out and scored."""
+    sequences = [s for s in greedy_sequences(llm, prompts, settings.max_new_tokens) if len(s) >= 3]
+    if len(sequences) < 2:
+        raise ValueError("EAGLE training needs at least two prompts whose continuations reach three tokens")
+    features = [sequence_features(llm, sequence) for sequence in sequences]
+    num_heldout = min(len(sequences) - 1, max(1, round(len(sequences) * settings.heldout_fraction)))
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(settings.seed)).tolist()
+    heldout, train = order[:num_heldout], order[num_heldout:]
+    runner = llm.engine.runner
+    draft = new_draft(runner.hf_config, settings.num_layers, llm.engine.max_model_len, settings.seed)
+    embed_weight, lm_head_weight = served_embedding_weight(llm), served_lm_head_weight(llm)
+    train_draft(
+        draft,
+        [sequences[i] for i in train],
+        [features[i] for i in train],
+        embed_weight,
+        lm_head_weight,
+        settings,
+    )
+    accuracy, num_scored = evaluate_draft(
+        draft, [sequences[i] for i in heldout], [features[i] for i in heldout], embed_weight, lm_head_weight
+    )
+    return TrainedDraft(
+        draft,
+        num_sequences=len(train),
+        num_positions=sum(len(sequences[i]) - 1 for i in train),
+        heldout_top1_accuracy=accuracy,
+        num_heldout_positions=num_scored,
+    )
+
+
+def served_embedding_weight(llm: LLM) -> torch.Tensor:
+    """The target's embedding as served, [vocab, hidden_size] float32 (the module applied to
+    every token id, whatever its storage)."""
+    runner = llm.engine.runner
+    with torch.inference_mode():
+        rows = runner.model.embed_tokens(torch.arange(runner.shape.vocab_size, device=runner.device)).float()
+    return rows.clone().cpu()  # a plain tensor (not an inference one): autograd may save it
+
+
+@torch.no_grad()
+def evaluate_draft(
+    draft: EagleDraft,
+    sequences: list[list[int]],
+    features: list[torch.Tensor],
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+) -> tuple[float, int]:
+    """The first draft's top-1 accuracy over ``sequences`` (every entry with a token two ahead),
+    and how many entries were scored."""
+    num_right = num_scored = 0
+    for sequence, sequence_features_ in zip(sequences, features):
+        if len(sequence) < 3:
+            continue
+        logits = _entry_logits(draft, sequence, sequence_features_, embed_weight, lm_head_weight)[0]
+        num_right += int((logits.argmax(-1) == torch.tensor(sequence[2:])).sum())
+        num_scored += len(sequence) - 2
+    return (num_right / num_scored if num_scored else 0.0), num_scored
 
 
 def new_draft(target_config: PretrainedConfig, num_layers: int, max_positions: int, seed: int = 0) -> EagleDraft:
@@ -106,7 +179,21 @@ def _loss(
     lm_head_weight: torch.Tensor,
     settings: DraftTraining,
 ) -> torch.Tensor:
-    """Entries 0 .. L-2 of one sequence: token i + 1 with feature i."""
+    logits, outputs = _entry_logits(draft, sequence, features, embed_weight, lm_head_weight)
+    token_loss = F.cross_entropy(logits, torch.tensor(sequence[2:]))
+    feature_loss = F.smooth_l1_loss(outputs, features[1 : len(sequence) - 1])
+    return token_loss + settings.feature_loss_weight * feature_loss
+
+
+def _entry_logits(
+    draft: EagleDraft,
+    sequence: list[int],
+    features: torch.Tensor,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries 0 .. L-2 of one sequence (token i + 1 with feature i) in one pass; the logits and
+    outputs of those with a token two ahead to guess, [L - 2, vocab] and [L - 2, hidden_size]."""
     token_ids = torch.tensor(sequence)
     num_entries = len(sequence) - 1
     outputs = draft(
@@ -115,8 +202,5 @@ def _loss(
         torch.arange(num_entries),
         [new_draft_kv(draft, 0, num_entries)],
         [num_entries],
-    )
-    logits = draft.logits(outputs[:-1], lambda x: x @ lm_head_weight.T)  # entry i guesses token i + 2
-    token_loss = F.cross_entropy(logits, token_ids[2:])
-    feature_loss = F.smooth_l1_loss(outputs[:-1], features[1:num_entries])
-    return token_loss + settings.feature_loss_weight * feature_loss
+    )[:-1]
+    return draft.logits(outputs, lambda x: x @ lm_head_weight.T), outputs

@@ -98,12 +98,15 @@ def make_training_data(
     return TrainingData(torch.cat(hidden), torch.cat(targets))
 
 
+def greedy_sequences(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Each prompt followed by the target's greedy continuation: what the drafters learn from."""
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
+    return [prompt + list(output.outputs[0].token_ids) for prompt, output in zip(prompts, outputs)]
+
+
 def _shard(llm: LLM, prompts: list[list[int]], settings: HeadTraining) -> TrainingData:
-    params = SamplingParams(temperature=0.0, max_tokens=settings.max_new_tokens)
-    outputs = llm.generate(prompts, params)
     hidden, targets = [], []
-    for prompt, output in zip(prompts, outputs):
-        sequence = prompt + list(output.outputs[0].token_ids)
+    for prompt, sequence in zip(prompts, greedy_sequences(llm, prompts, settings.max_new_tokens)):
         # From the prompt's last token (its hidden state sampled the first output token) to the
         # last position whose first head has a token to guess.
         positions = np.arange(len(prompt) - 1, len(sequence) - 2)

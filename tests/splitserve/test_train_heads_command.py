@@ -29,3 +29,27 @@ def test_train_heads_writes_heads_the_engine_loads(tmp_path: Path, capsys: pytes
     heads = load_medusa_heads(output, 64, VOCAB_SIZE, torch.float32, torch.device("cpu"))
     assert heads.num_heads == 2 and len(heads.lm_heads) == 0  # the target's own LM head
     assert (output / "work" / "train_state.pt").is_file()  # a rerun resumes from here
+
+
+def test_train_heads_eagle_writes_a_draft_the_engine_serves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.spec_decode.config import SpeculativeConfig
+    from engine.spec_decode.eagle_checkpoint import load_eagle_draft, read_eagle_config
+    from tests.engine.spec_decode.test_engine_spec import GREEDY, generate, make_engine
+
+    model = make_checkpoint(tmp_path / "model")
+    output = tmp_path / "draft"
+    argv = ["train-heads", "--method", "eagle", "--model", str(model), "--dtype", "float32", "--output", str(output)]
+    argv += ["--num-prompts", "4", "--max-new-tokens", "6", "--steps", "3", "--batch-size", "2"]
+    assert main(argv) == 0
+    config = json.loads((output / "config.json").read_text())
+    assert (config["speculators_model_type"], config["base_model"]) == ("eagle", str(model))
+    assert read_eagle_config(output).layout == "speculators"
+    assert config["training"]["num_prompts"] == 4 and config["training"]["num_sequences"] == 3  # one held out
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == config["heldout"]
+    assert config["heldout"]["num_positions"] > 0
+    draft = load_eagle_draft(output, 64, VOCAB_SIZE, 1024, torch.float32, torch.device("cpu"))
+    assert draft.embed_tokens is None and draft.lm_head is None  # the target's own
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    expected = generate(make_engine(model), prompts, [GREEDY] * 2)
+    spec = SpeculativeConfig(method="eagle", model=str(output), num_speculative_tokens=2)
+    assert generate(make_engine(model, spec), prompts, [GREEDY] * 2) == expected

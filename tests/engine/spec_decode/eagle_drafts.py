@@ -9,11 +9,16 @@ from pathlib import Path
 import torch
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from engine.spec_decode.eagle import EagleDraft, EagleDraftShape
 from engine.spec_decode.eagle_checkpoint import EagleLayout, save_eagle_draft
-from engine.spec_decode.eagle_training import DraftTraining, new_draft, sequence_features, train_draft
-from engine.spec_decode.medusa_training import served_lm_head_weight
+from engine.spec_decode.eagle_training import (
+    DraftTraining,
+    new_draft,
+    sequence_features,
+    served_embedding_weight,
+    train_draft,
+)
+from engine.spec_decode.medusa_training import greedy_sequences, served_lm_head_weight
 from tests.checkpoints import tiny_config
 from tests.engine.spec_decode.medusa_heads import cycle_snippet, make_cycling_checkpoint
 
@@ -53,14 +58,13 @@ def make_cycle_drafts(directory: Path, num_steps: int = 60) -> tuple[Path, list[
     target, cycle = make_cycling_checkpoint(directory / "target")
     llm = LLM(model=str(target), dtype="float32", kv_cache_memory=1 << 22)
     prompts = [cycle_snippet(cycle, start, 6) for start in range(0, len(cycle), 3)]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    sequences = [prompt + list(output.outputs[0].token_ids) for prompt, output in zip(prompts, outputs)]
+    sequences = greedy_sequences(llm, prompts, 40)
     features = [sequence_features(llm, sequence) for sequence in sequences]
     runner = llm.engine.runner
     draft = new_draft(runner.hf_config, 1, MAX_POSITIONS)
     untrained, trained = directory / "untrained", directory / "trained"
     save_eagle_draft(draft, untrained, "eagle", {})
-    embed_weight = runner.model.embed_tokens.weight.detach().float().clone()
+    embed_weight = served_embedding_weight(llm)
     train_draft(
         draft, sequences, features, embed_weight, served_lm_head_weight(llm), DraftTraining(num_steps=num_steps)
     )
