@@ -24,6 +24,7 @@ from engine.models.quantized_linear import QuantizedLinear
 from engine.pipeline_parallel.activation_channel import ActivationReceiver, ActivationSender, StageGone
 from engine.pipeline_parallel.stages import PipelineStage, plan_stages
 from engine.sampling_params import SamplingParams
+from engine.tensor_parallel.rank_context import RankContext
 from engine_args.config import engine_fields
 from engine_args.flags import add_device_argument, add_engine_arguments, engine_argv
 from tests.checkpoints import make_checkpoint, random_prompts
@@ -291,6 +292,35 @@ def test_quantized_weights_split_into_stages_give_the_same_tokens(
             return [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY)]
 
     assert greedy_at(2) == greedy_at(1)
+
+
+def report_place(context: RankContext) -> None:
+    """A worker extension: says which stage and rank it runs as and what its cache holds."""
+    shape = ",".join(str(n) for n in context.kv_cache.shape)
+    place = f"stage {context.pipeline_stage} rank {context.rank}"
+    context.channel.send_bytes(f"{place} {list(context.kv_heads)} {shape}".encode())
+
+
+def test_a_worker_extension_runs_in_every_rank_of_every_stage_beside_its_layers(llama_4_kv_heads: Path) -> None:
+    """Prefill and decode instances run a KV connector in each rank this way (serving/ranked_connector.py)."""
+    with LLM(
+        model=str(llama_4_kv_heads),
+        kv_cache_memory=1 << 22,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        pipeline_stage_layers=(1, NUM_LAYERS - 1),
+        worker_extension=report_place,
+    ) as llm:
+        executor = llm.engine.runner.tensor_parallel
+        assert executor is not None
+        num_blocks = llm.engine.runner.num_blocks
+        said = sorted(channel.recv_bytes().decode() for channel in executor.extension_channels)
+    # Every rank but rank 0 (stage 1's rank 0): its heads of its stage's layers, block size 16, head dim 8.
+    assert said == [
+        f"stage 0 rank 0 [0, 1] {num_blocks},1,2,16,2,8",
+        f"stage 0 rank 1 [2, 3] {num_blocks},1,2,16,2,8",
+        f"stage 1 rank 1 [2, 3] {num_blocks},{NUM_LAYERS - 1},2,16,2,8",
+    ]
 
 
 def test_a_split_the_model_cannot_take_is_refused_before_any_process_starts(llama_4_kv_heads: Path) -> None:
