@@ -317,7 +317,7 @@ class EagleProposer:
         num_tokens = batch.input_ids.shape[0]
         target = self.target
         if batch.logits_indices.shape[0] == num_tokens:
-            weight = target.embed_tokens.weight
+            weight = self.draft.fc.weight  # the runner's dtype and device (the embedding may be quantized)
             hidden = torch.empty(num_tokens, target.shape.hidden_size, dtype=weight.dtype, device=weight.device)
             return forward(batch, hidden), hidden
         hidden, residual = target.run_layers(

@@ -93,6 +93,16 @@ def test_eagle_greedy_equals_transformers(target: Path, tmp_path: Path) -> None:
         assert tokens == reference[0, len(prompt) :].tolist()
 
 
+def test_eagle_over_an_int8_target_equals_its_plain_greedy(target: Path, tmp_path: Path) -> None:
+    """Quantized weights (the embedding and LM head included) serve the draft as they serve the target."""
+    draft = make_eagle_draft(tmp_path / "draft", "speculators")
+    prompts = repetitive_prompts()
+    expected = generate(make_engine(target, quantization="int8"), prompts, [GREEDY] * len(prompts))
+    core = make_engine(target, eagle(draft), quantization="int8")
+    assert generate(core, prompts, [GREEDY] * len(prompts)) == expected
+    assert core.scheduler.spec_stats.num_draft_tokens > 0
+
+
 def test_a_trained_draft_is_accepted_more_than_an_untrained_one(
     cycle_drafts: tuple[Path, list[int], Path, Path],
 ) -> None:
