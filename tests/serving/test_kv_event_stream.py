@@ -252,3 +252,28 @@ def test_an_instance_past_its_subscription_cap_is_polled(caplog: pytest.LogCaptu
             await server.stop(grace=None)
 
     asyncio.run(scenario())
+
+
+def test_a_stream_at_its_lifetime_ends_and_the_gateway_subscribes_again_without_a_poll() -> None:
+    rng = random.Random(5)
+    log = KVEventLog(max_events=4096)
+
+    async def scenario() -> None:
+        server, servicer, counts, address = await serving(log, KVEventStreamLimits(lifetime_s=0.05))
+        pool = polled_pool(address, num_total_blocks=1024)
+        sync = KVEventsSync(pool, pool.index, interval_s=0.05)
+        task = asyncio.create_task(sync.run())
+        try:
+            await wait_until(lambda: calls(counts)[0] >= 5, "streams ended at their lifetime, and subscribed again")
+            assert calls(counts)[1] == 1  # the first contact's only: each new stream starts from the cursor
+            step(log, new_hashes(rng, 4))
+            await wait_until(lambda: indexed(pool, address) == cached(log), "followed across the streams")
+            streams = servicer.kv_event_streams
+            assert streams is not None and len(streams.subscribers) <= 1
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pool.close()
+            await server.stop(grace=None)
+
+    asyncio.run(scenario())
