@@ -26,6 +26,7 @@ from planner.capacity import scaled_profile
 from planner.capacity_profile import check_slo, load_capacity_profile
 from planner.decision import Role
 from planner.flags import add_planner_arguments, bounds_of, slo_of
+from planner.kubernetes_scaler import KubernetesScaler
 from planner.loop import Planner, PlannerConfig
 from planner.metrics import PlannerMetrics
 from planner.observations import GatewayScraper
@@ -49,12 +50,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--actuator",
-        choices=["local", "metrics"],
+        choices=["local", "metrics", "kubernetes"],
         default="local",
         help="local: start and stop simulated instances here, one process each; metrics: only publish the desired "
         "counts (splitserve_planner_desired_instances) for KEDA or an HPA to scale Deployments by "
-        "(deploy/kubernetes-autoscaling/); it needs --metrics-port",
+        "(deploy/kubernetes-autoscaling/), with --metrics-port; kubernetes: set the Deployments' replicas through "
+        "the API's scale subresource (docs/planner.md)",
     )
+    parser.add_argument("--kubernetes-api-url", help="--actuator kubernetes: the API server (default: in-cluster)")
+    parser.add_argument(
+        "--kubernetes-namespace", help="--actuator kubernetes: the Deployments' namespace (default: the pod's)"
+    )
+    parser.add_argument(
+        "--kubernetes-token-file", help="--actuator kubernetes: a bearer token's file (default: the pod's)"
+    )
+    parser.add_argument("--prefill-deployment", default="prefill", help="--actuator kubernetes: P's Deployment")
+    parser.add_argument("--decode-deployment", default="decode", help="--actuator kubernetes: D's Deployment")
     parser.add_argument("--registry-url", help="--actuator local: redis://HOST:PORT the instances register in")
     parser.add_argument(
         "--simulate-profile",
@@ -142,7 +153,15 @@ def run(args: argparse.Namespace) -> int:
         log_dir = Path(args.instance_log_dir or tempfile.mkdtemp(prefix="splitserve-planner-"))
         actuator = LocalActuator(simulated_instance_command(args), log_dir)
         logger.info("planner: instances' logs in %s", log_dir)
-    planner = Planner(config, scraper, actuator, metrics)
+    scaler = None
+    if args.actuator == "kubernetes":
+        scaler = KubernetesScaler.from_environment(
+            {"prefill": args.prefill_deployment, "decode": args.decode_deployment},
+            args.kubernetes_api_url,
+            args.kubernetes_namespace,
+            args.kubernetes_token_file,
+        )
+    planner = Planner(config, scraper, actuator, metrics, scaler)
     try:
         planner.start_initial()
         planner.run(stop)

@@ -35,6 +35,7 @@ from planner.actuator import LocalActuator, ManagedInstance
 from planner.capacity import InstanceCapacity, Slo, Workload
 from planner.capacity_profile import CapacityProfile, calibrated_capacity
 from planner.decision import ROLES, Cooldowns, Decision, Observed, PlannerBounds, Role, decide
+from planner.kubernetes_scaler import KubernetesScaler
 from planner.metrics import PlannerMetrics
 from planner.observations import GatewayScraper, Observation, Scrape, observe
 from planner.predictors import make_predictor
@@ -77,7 +78,10 @@ class Planner:
     metrics for KEDA or an HPA to scale Deployments by, and each role's pool is what was last
     published: an instance asked for counts from then on, as a started one does here, so that
     the count asked for never falls back while its pods start (a scale-down asked of Kubernetes
-    is carried out by its pods' preStop drain, deploy/kubernetes-autoscaling/)."""
+    is carried out by its pods' preStop drain, deploy/kubernetes-autoscaling/). With a
+    ``scaler`` too (``--actuator kubernetes``) the planner sets the Deployments' replicas
+    itself, each time a role's count changes; the pool before its first decision is then the
+    Deployment's replicas."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class Planner:
         scraper: GatewayScraper,
         actuator: LocalActuator | None,
         metrics: PlannerMetrics,
+        scaler: KubernetesScaler | None = None,
     ) -> None:
         self.config = config
         self.scraper = scraper
@@ -96,6 +101,8 @@ class Planner:
         self._output_tokens = config.output_tokens
         self._last_scrape: Scrape | None = None
         self._published: dict[Role, int] = {}  # publish only: the desired counts last published
+        self.scaler = scaler
+        self._scaled: dict[Role, int] = {}  # with a scaler: the replicas it last set
         # Every tick's decision, appended by the loop's thread; others only read it (a list's
         # append is atomic), as the benchmark and the tests do.
         self.history: list[Tick] = []
@@ -153,6 +160,11 @@ class Planner:
             # The cooldown runs from a change made, not from one deferred (a drain waits for starts).
             desired = decision.of(role).desired
             if self.actuator is None:
+                if self.scaler is not None and self._scaled.get(role) != desired:
+                    # An API error raises OSError: the loop logs it and the next interval tries again.
+                    self.scaler.scale(role, desired)
+                    self._scaled[role] = desired
+                    logger.info("planner: %s Deployment scaled to %d", role, desired)
                 self._published[role] = desired
                 if desired != pool[role]:
                     self.cooldowns.changed_at[role] = now
@@ -177,6 +189,8 @@ class Planner:
     def _pool_size(self, role: Role, ready: int) -> int:
         if self.actuator is not None:
             return len(self._pool(role))
+        if role not in self._published and self.scaler is not None:
+            self._published[role] = self._scaled[role] = self.scaler.replicas(role)
         # Before its first decision, the pool the Deployment runs now (its minimum while none is up).
         return self._published.get(role, max(ready, self.config.bounds.of(role).min_instances))
 

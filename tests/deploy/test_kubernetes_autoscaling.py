@@ -5,7 +5,9 @@ CRD is not installed on this host). What it promises: KEDA scales each role's De
 exactly the series the planner exports for that role, within the planner's own bounds; the
 planner only publishes (no API rights, no token) and reads every gateway pod; P and D drain in
 a preStop hook that reads each instance's own metrics endpoint, inside a grace period longer
-than the longest stream the gateway lets run."""
+than the longest stream the gateway lets run. Its ``direct-api`` component (the planner scaling
+through the API instead) replaces KEDA with a Role that may get and patch the scale of the two
+Deployments and nothing else."""
 
 from __future__ import annotations
 
@@ -120,20 +122,30 @@ SCALED_OBJECT_SCHEMA: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def render(scratch: Path, components: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` of a copy of the overlay (the secret files made), with ``components``
+    added to its kustomization."""
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed: kustomize's output was not checked")
-    scratch = tmp_path_factory.mktemp("kustomize")
     for source in (KUBERNETES_DIR, AUTOSCALING_DIR):
         shutil.copytree(source, scratch / source.name)
     for name in SECRET_FILES:
         (scratch / KUBERNETES_DIR.name / name).write_text(f"test-{name}\n")
+    kustomization = scratch / AUTOSCALING_DIR.name / "kustomization.yaml"
+    config = yaml.safe_load(kustomization.read_text())
+    if components:
+        config["components"] = list(components)
+    kustomization.write_text(yaml.safe_dump(config))
     result = subprocess.run(
         ["kubectl", "kustomize", str(scratch / AUTOSCALING_DIR.name)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     return [document for document in yaml.safe_load_all(result.stdout) if document]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return render(tmp_path_factory.mktemp("kustomize"))
 
 
 def named(documents: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -151,6 +163,8 @@ def flag(args: list[Any], name: str) -> str:
 
 def test_every_resource_is_valid(rendered: list[dict[str, Any]]) -> None:
     validate([d for d in rendered if d["kind"] != "ScaledObject"])
+    namespaced = [d for d in rendered if d["kind"] != "Namespace"]
+    assert {d["metadata"].get("namespace") for d in namespaced} == {"splitserve"}, "the overlay's own resources too"
     scaled_objects = named(rendered, "ScaledObject")
     assert set(scaled_objects) == set(ROLES)
     for scaled_object in scaled_objects.values():
@@ -199,6 +213,9 @@ def test_the_planner_only_publishes_reads_every_gateway_and_is_scraped(rendered:
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert named(rendered, "ServiceAccount")["planner"]["automountServiceAccountToken"] is False
     assert not [d for d in rendered if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
+    assert "direct-api" not in yaml.safe_load((AUTOSCALING_DIR / "kustomization.yaml").read_text()).get(
+        "components", []
+    ), "KEDA by default"
     # Every gateway pod: a headless Service over the gateway's pods, on its REST port.
     (gateway_url,) = args.gateway_url
     url = urlsplit(gateway_url)
@@ -235,3 +252,30 @@ def test_instances_drain_in_a_pre_stop_hook_within_their_grace(rendered: list[di
     if role == "decode":
         request_timeout_s = float(flag(only_container(deployments["gateway"])["args"], "--request-timeout"))
         assert grace_s > request_timeout_s + DRAIN_GRACE_S
+
+
+def test_the_direct_api_component_gives_the_planner_the_scale_of_its_two_deployments_only(tmp_path: Path) -> None:
+    rendered = render(tmp_path, ("direct-api",))
+    validate(rendered)
+    assert not named(rendered, "ScaledObject"), "the planner scales: KEDA must not as well"
+    deployments = named(rendered, "Deployment")
+    planner_pod = deployments["planner"]["spec"]["template"]["spec"]
+    args = parse_command([str(token) for token in only_container(deployments["planner"])["args"]])
+    assert args.actuator == "kubernetes"
+    assert planner_pod["automountServiceAccountToken"] is True, "the token the API calls carry"
+    targets = {args.prefill_deployment, args.decode_deployment}
+    assert targets == set(ROLES) and targets <= set(deployments)
+    (role,) = named(rendered, "Role").values()
+    (rule,) = role["rules"]
+    assert rule["apiGroups"] == ["apps"] and rule["resources"] == ["deployments/scale"]
+    assert set(rule["resourceNames"]) == targets and set(rule["verbs"]) == {"get", "patch"}
+    (binding,) = named(rendered, "RoleBinding").values()
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": planner_pod["serviceAccountName"], "namespace": "splitserve"}
+    ]
+    assert not named(rendered, "ClusterRole") and not named(rendered, "ClusterRoleBinding")
