@@ -358,6 +358,8 @@ class EagleProposer:
             if item.samples:
                 sample_index += 1
                 sampled.append(held if num_entries and request.sampling_params.can_speculate else None)
+        if row != features.shape[0]:
+            raise RuntimeError(f"bug: the step scheduled {row} tokens, the target gave {features.shape[0]} features")
         if extensions:
             self._extend(extensions)
         chained = [held for held in sampled if held is not None]
