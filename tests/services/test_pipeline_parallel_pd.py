@@ -127,3 +127,22 @@ def test_an_abort_during_the_hand_off_frees_every_block(prefill_pp2: Service, de
     stub.Abort(disaggregation_pb2.RequestRef(request_id="abort-pp"), timeout=5)
     assert [response for response in call][-1].finish_reason == "abort"
     assert_all_free(prefill_pp2, decode_pp2)
+
+
+@pytest.mark.slow  # four prefill ranks started for this test alone
+def test_prefill_at_tp2_x_pp2_hands_off_to_decode_at_pp2(model: Path, colocated: LLM, decode_pp2: Service) -> None:
+    """Four P ranks listed stage-major (rank 0, the instance's own, is the last stage's first);
+    each D stage pulls its layers' heads from both ranks of every P stage it overlaps."""
+    shape = ("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
+    with running("prefill", model, "--dtype", "float32", *shape) as prefill:
+        prompt = random_prompts([41], seed=91)[0]
+        prefilled = run_prefill(prefill, "tp2-pp2", prompt)
+        assert stage_firsts(prefilled.kv.fingerprint) == [0, 2]
+        assert len(prefilled.kv.rank_connector_addresses) == 4
+        assert prefilled.kv.rank_connector_addresses[2] == prefilled.kv.connector_address  # stage 1's rank 0
+        tokens, responses = run_decode(decode_pp2, "tp2-pp2", prompt, prefilled)
+        assert tokens == expected_tokens(colocated, prompt)
+        transfer = responses[0].kv_transfer
+        assert transfer.num_pulled_blocks == len(prefilled.kv.block_ids)  # a prompt D has not seen
+        assert transfer.num_bytes == transfer.num_pulled_blocks * BLOCK_BYTES
+        assert_all_free(prefill, decode_pp2)
