@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.eagle import EagleProposer, _Extension, _Held, new_draft_kv
@@ -325,3 +326,37 @@ def test_sampled_output_with_eagle_has_the_plain_distribution(cycle_drafts: tupl
             stats = core.scheduler.spec_stats
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     assert two_sample(samples["plain"], samples["spec"]) > 1e-3
+
+
+def test_a_prefix_cache_hit_starts_the_draft_kv_after_the_hit(cycle_drafts: tuple[Path, list[int], Path, Path]) -> None:
+    """The second of two requests with one prompt finds its full blocks cached: the target never
+    computes them again, so the draft's KV for it starts after them; its output is still the
+    plain one and its drafts are still accepted."""
+    target, cycle, trained, _ = cycle_drafts
+    prompt = cycle_snippet(cycle, 4, 40)  # two full blocks of 16 and some
+    expected = generate(make_engine(target), [prompt], [GREEDY])[0]
+    core = make_engine(target, eagle(trained))
+    proposer = core.runner.eagle
+    assert proposer is not None
+    starts: dict[str, int] = {}
+    cut_back = proposer._cut_back
+
+    def recording(request: Request, start: int, num_entries: int) -> _Held | None:
+        held = cut_back(request, start, num_entries)
+        if held is not None:
+            starts.setdefault(request.request_id, held.kv.start)
+        return held
+
+    proposer._cut_back = recording  # type: ignore[method-assign]
+    outputs = []
+    for request_id in ("first", "second"):
+        accepted_before = core.scheduler.spec_stats.num_accepted_tokens
+        core.add_request(prompt, GREEDY, request_id=request_id)
+        tokens: list[int] = []
+        while core.has_unfinished_requests():
+            for output in core.step():
+                tokens.extend(output.new_token_ids)
+        outputs.append(tokens)
+        assert core.scheduler.spec_stats.num_accepted_tokens > accepted_before
+    assert outputs == [expected, expected]
+    assert starts == {"first": 0, "second": 32}
