@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
@@ -225,11 +226,14 @@ def test_a_draft_for_another_model_is_refused(tmp_path: Path) -> None:
         load_eagle_draft(draft, HIDDEN_SIZE, 1000, MAX_POSITIONS, torch.float32, CPU)
 
 
-def test_eagle3_is_still_refused_and_eagle_needs_a_folder() -> None:
+def test_eagle3_is_still_refused_and_eagle_needs_a_folder_and_a_whole_model(target: Path) -> None:
     with pytest.raises(ValueError, match="'eagle3' is not built yet"):
         SpeculativeConfig(method="eagle3")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="EAGLE speculation needs the draft's folder"):
         SpeculativeConfig(method="eagle")
+    for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        with pytest.raises(ValueError, match="eagle speculation is not supported with --(tensor|pipeline)-parallel"):
+            EngineConfig(model=str(target), speculative=eagle(target), **parallel)  # type: ignore[arg-type]
 
 
 def test_preemption_and_abort_leave_no_block_or_draft_kv_behind(
