@@ -6,7 +6,8 @@ that no prefix cache serves it) and ``output_tokens`` tokens out, EOS ignored.
 
 - **Prefill**: open-loop Poisson arrivals at a rate, each request asking for one token, so the
   request ends at prefill and the decode instance is not in the measurement; its TTFT is the
-  one the gateway timed, where it sends it (:func:`gateway_ttft`). The first rate is
+  one the gateway timed, where it sends it (:func:`gateway_ttft`), over the level's requests
+  after the first :data:`WARMUP_SHARE` (sent into an empty queue). The first rate is
   half what prompts one at a time say (one over a lone prompt's TTFT); the rate doubles while
   the TTFT p90 stays within the SLO, then the last rate that met it and the first that did not
   are bisected ``refine_steps`` times. The capacity is the largest rate that met it.
@@ -41,6 +42,9 @@ from planner.capacity_profile import CapacityProfile, DecodePoint, PrefillPoint
 
 logger = logging.getLogger(__name__)
 
+# A level's first requests find the queue empty: their TTFTs are not the steady state's, and
+# counting them reads the tail low. This share of each level's requests is sent, not counted.
+WARMUP_SHARE = 0.25
 NUM_PROBES = 3  # prompts one at a time, for the first rate of the prefill sweep
 TOKEN_ID_RANGE = (1000, 20000)  # ordinary vocabulary entries of any tokenizer the model may have
 
@@ -148,9 +152,10 @@ class Profiler:
             await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
             return await self._send(session, 1)
 
-        records = await asyncio.gather(*(at(offset) for offset in offsets))
-        ttfts = [ttft for ttft in map(gateway_ttft, records) if ttft is not None]
-        num_failed = len(records) - len(ttfts)
+        records = await asyncio.gather(*(at(offset) for offset in offsets))  # in the order sent
+        all_ttfts = [gateway_ttft(record) for record in records]
+        num_failed = all_ttfts.count(None)
+        ttfts = [ttft for ttft in all_ttfts[int(WARMUP_SHARE * len(records)) :] if ttft is not None]
         if num_failed:
             logger.warning(
                 "profile: %d requests failed at %.3f req/s, the first: %s", num_failed, rate, _first_error(records)
