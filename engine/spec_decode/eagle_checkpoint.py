@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from engine.spec_decode.eagle import EagleDraft, EagleDraftShape
+from engine.spec_decode.eagle_draft import EagleDraft, EagleDraftShape
 from engine.spec_decode.medusa_checkpoint import refuse_pickles
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, PretrainedConfig
 
 from engine.llm import LLM
-from engine.spec_decode.eagle import EagleDraft, EagleDraftShape, new_draft_kv
+from engine.spec_decode.eagle_draft import EagleDraft, EagleDraftShape, new_draft_kv
 from engine.spec_decode.medusa_training import final_hidden, greedy_sequences, served_lm_head_weight
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from engine.llm import LLM
-from engine.spec_decode.eagle import EagleDraft, EagleDraftShape
 from engine.spec_decode.eagle_checkpoint import EagleLayout, save_eagle_draft
+from engine.spec_decode.eagle_draft import EagleDraft, EagleDraftShape
 from engine.spec_decode.eagle_training import (
     DraftTraining,
     new_draft,

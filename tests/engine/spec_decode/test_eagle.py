@@ -16,8 +16,9 @@ from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.eagle import EagleProposer, _Extension, _Held, new_draft_kv
+from engine.spec_decode.eagle import EagleProposer, _Extension, _Held
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft, read_eagle_config
+from engine.spec_decode.eagle_draft import new_draft_kv
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint
 from tests.engine.kv_loaders import InProcessKVLoader
 from tests.engine.spec_decode.eagle_drafts import MAX_POSITIONS, make_cycle_drafts, make_eagle_draft
@@ -93,6 +94,42 @@ def test_eagle_greedy_equals_transformers(target: Path, tmp_path: Path) -> None:
                 torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
             )
         assert tokens == reference[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("split", [12, 5, 1], ids=["one-pass", "two-passes", "one-by-one"])
+def test_the_draft_is_transformers_llama_layer_over_fc(split: int) -> None:
+    """The draft as the speculators package builds it (transformers' LlamaDecoderLayer, its
+    input norm replaced by the identity, after fc): the same outputs, whether its entries go
+    through the draft KV in one pass or in several."""
+    from torch import nn
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from tests.checkpoints import tiny_config
+    from tests.engine.spec_decode.eagle_drafts import random_draft
+
+    draft = random_draft(seed=3).eval()
+    config = tiny_config("LlamaForCausalLM", num_hidden_layers=1)
+    config._attn_implementation = "eager"
+    layer = LlamaDecoderLayer(config, layer_idx=0).eval()
+    layer.input_layernorm = nn.Identity()
+    weights = {k.removeprefix("layers.0."): v for k, v in draft.state_dict().items() if k.startswith("layers.0.")}
+    layer.load_state_dict(weights)
+    num_entries = 12
+    generator = torch.Generator().manual_seed(0)
+    embeds, features = torch.randn(2, num_entries, HIDDEN_SIZE, generator=generator)
+    with torch.no_grad():
+        fused = draft.fc(torch.cat([embeds, features], -1))[None]
+        positions = torch.arange(num_entries)[None]
+        causal = torch.full((num_entries, num_entries), float("-inf")).triu(1)[None, None]
+        position_embeddings = LlamaRotaryEmbedding(config)(fused, positions)
+        expected = layer(fused, attention_mask=causal, position_ids=positions, position_embeddings=position_embeddings)
+        kv = new_draft_kv(draft, 0)
+        chunks = [slice(i, min(i + split, num_entries)) for i in range(0, num_entries, split)]
+        ours = torch.cat(
+            [draft(embeds[c], features[c], torch.arange(c.start, c.stop), [kv], [c.stop - c.start]) for c in chunks]
+        )
+    assert kv.length == num_entries
+    torch.testing.assert_close(ours, expected[0], rtol=1e-4, atol=1e-4)
 
 
 def test_eagle_over_an_int8_target_equals_its_plain_greedy(target: Path, tmp_path: Path) -> None:
