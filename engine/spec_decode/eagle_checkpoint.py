@@ -124,6 +124,15 @@ def load_eagle_draft(
             f"the EAGLE draft in {folder} does not match its config ({config.num_layers} layer(s), {config.layout} "
             f"layout): missing {missing[:4]}, unexpected {unexpected[:4]}"
         )
+    logger.info(
+        "EAGLE draft %s (%s layout): %d layer(s), %s embedding, %s LM head%s",
+        folder,
+        config.layout,
+        config.num_layers,
+        "its own" if shape.own_embedding else "the target's",
+        "its own" if shape.own_lm_head else "the target's",
+        ", extra layernorms" if shape.layernorms else "",
+    )
     return draft.to(device=device, dtype=dtype).eval()
 
 
