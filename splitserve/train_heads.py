@@ -11,8 +11,8 @@ accuracy in ``DIR/config.json``; serve them with
 ``--speculative-config '{"method": "medusa", "model": "DIR"}'``. An interrupted run resumes
 from ``DIR/work`` (generated shards, the last training checkpoint), which may be deleted after.
 An EAGLE draft lands in ``DIR`` in the speculators package's layout (engine/spec_decode/eagle_checkpoint.py),
-served with ``--speculative-config '{"method": "eagle", "model": "DIR"}'``; its run does not
-resume yet (it generates and trains in one go).
+served with ``--speculative-config '{"method": "eagle", "model": "DIR"}'``; its run resumes
+from ``DIR/work`` as well.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _run_eagle(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], sou
         learning_rate=args.learning_rate,
         seed=args.seed,
     )
-    trained = train_eagle(llm, prompts, settings)
+    trained = train_eagle(llm, prompts, settings, args.output / "work", _progress)
     extra = {
         "base_model": str(llm.engine.model_path),
         "training": {

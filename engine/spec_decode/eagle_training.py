@@ -5,13 +5,16 @@ continuations, run back through the engine's forward pass for the feature of eve
 (:func:`sequence_features`). The draft then learns, at each position ``i``, from
 ``(t_{i + 1}, f_i)``, to output the next feature ``f_{i + 1}`` (smooth L1, EAGLE's regression)
 and through the target's frozen LM head the token ``t_{i + 2}`` (cross-entropy), over whole
-sequences at a time so its attention sees the context it will see when serving.
+sequences at a time so its attention sees the context it will see when serving. Shards of
+sequences and features, and the training state, are saved as Medusa training saves its own
+(shared helpers there), so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,7 +23,16 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from engine.llm import LLM
 from engine.spec_decode.eagle_draft import EagleDraft, EagleDraftShape, new_draft_kv
-from engine.spec_decode.medusa_training import final_hidden, greedy_sequences, served_lm_head_weight
+from engine.spec_decode.medusa_training import (
+    Progress,
+    cached_shards,
+    final_hidden,
+    greedy_sequences,
+    no_progress,
+    resume_training,
+    save_training,
+    served_lm_head_weight,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +46,8 @@ class DraftTraining:
     learning_rate: float = 3e-3
     feature_loss_weight: float = 1.0  # the regression's weight beside the token loss
     heldout_fraction: float = 0.05
+    prompts_per_shard: int = 16
+    checkpoint_every: int = 50
     seed: int = 0
 
 
@@ -46,13 +60,15 @@ class TrainedDraft:
     num_heldout_positions: int
 
 
-def train_eagle(llm: LLM, prompts: list[list[int]], settings: DraftTraining) -> TrainedDraft:
+def train_eagle(
+    llm: LLM, prompts: list[list[int]], settings: DraftTraining, work: Path, progress: Progress = no_progress
+) -> TrainedDraft:
     """A draft for ``llm``'s model from its greedy continuations of ``prompts`` (module docstring);
-    a fraction of the sequences is held out and scored."""
-    sequences = [s for s in greedy_sequences(llm, prompts, settings.max_new_tokens) if len(s) >= 3]
+    a fraction of the sequences is held out and scored. Resumable as Medusa training is: shards
+    of sequences and features, then the training state, in ``work``."""
+    sequences, features = _training_sequences(llm, prompts, settings, work, progress)
     if len(sequences) < 2:
         raise ValueError("EAGLE training needs at least two prompts whose continuations reach three tokens")
-    features = [sequence_features(llm, sequence) for sequence in sequences]
     num_heldout = min(len(sequences) - 1, max(1, round(len(sequences) * settings.heldout_fraction)))
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(settings.seed)).tolist()
     heldout, train = order[:num_heldout], order[num_heldout:]
@@ -66,6 +82,8 @@ def train_eagle(llm: LLM, prompts: list[list[int]], settings: DraftTraining) -> 
         embed_weight,
         lm_head_weight,
         settings,
+        work / "eagle_train_state.pt",
+        progress,
     )
     accuracy, num_scored = evaluate_draft(
         draft, [sequences[i] for i in heldout], [features[i] for i in heldout], embed_weight, lm_head_weight
@@ -77,6 +95,31 @@ def train_eagle(llm: LLM, prompts: list[list[int]], settings: DraftTraining) -> 
         heldout_top1_accuracy=accuracy,
         num_heldout_positions=num_scored,
     )
+
+
+def _training_sequences(
+    llm: LLM, prompts: list[list[int]], settings: DraftTraining, work: Path, progress: Progress
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The greedy sequences of three tokens or more, and their features, shard by shard."""
+
+    def make(shard_prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+        sequences = [s for s in greedy_sequences(llm, shard_prompts, settings.max_new_tokens) if len(s) >= 3]
+        hidden_size = llm.engine.runner.shape.hidden_size
+        return {
+            "token_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int64),
+            "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.int64),
+            "features": torch.cat([sequence_features(llm, s) for s in sequences])
+            if sequences
+            else torch.empty(0, hidden_size),
+        }
+
+    sequences: list[list[int]] = []
+    features: list[torch.Tensor] = []
+    for _, shard in cached_shards(work, "eagle-data", prompts, settings.prompts_per_shard, make, progress):
+        lengths = shard["lengths"].tolist()
+        sequences += [chunk.tolist() for chunk in shard["token_ids"].split(lengths)]
+        features += list(shard["features"].split(lengths))
+    return sequences, features
 
 
 def served_embedding_weight(llm: LLM) -> torch.Tensor:
@@ -146,17 +189,22 @@ def train_draft(
     embed_weight: torch.Tensor,
     lm_head_weight: torch.Tensor,
     settings: DraftTraining,
+    state_path: Path | None = None,
+    progress: Progress = no_progress,
 ) -> float:
     """Train ``draft`` in place on ``sequences`` and their ``features`` (each [len, hidden]) with
-    the target's frozen ``embed_weight`` and ``lm_head_weight``; returns the last step's loss."""
+    the target's frozen ``embed_weight`` and ``lm_head_weight``, for ``settings.num_steps`` steps
+    in all: resumed from ``state_path`` and saved there every ``checkpoint_every`` steps, if given.
+    Returns the last step's loss (0 when no step was left)."""
     usable = [i for i, sequence in enumerate(sequences) if len(sequence) >= 3]
     if not usable:
         raise ValueError("EAGLE training needs sequences of three tokens or more")
     optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     sampler = torch.Generator().manual_seed(settings.seed)
+    start = resume_training(state_path, "draft", draft, optimizer, sampler) if state_path is not None else 0
     draft.train()
     loss = torch.zeros(())
-    for _ in range(settings.num_steps):
+    for step in progress(range(start, settings.num_steps), "training", settings.num_steps - start):
         picks = torch.randint(len(usable), (settings.sequences_per_step,), generator=sampler).tolist()
         loss = torch.stack(
             [
@@ -167,6 +215,9 @@ def train_draft(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        done = step + 1
+        if state_path is not None and (done % settings.checkpoint_every == 0 or done == settings.num_steps):
+            save_training(state_path, "draft", done, draft, optimizer, sampler)
     draft.eval()
     return float(loss.detach())
 

@@ -79,23 +79,72 @@ def make_training_data(
 ) -> TrainingData:
     """Greedy continuations of ``prompts`` and the hidden states along them, shard by shard;
     shards already in ``work`` are read back, not made again."""
-    work.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import load_file, save_file
 
-    shards = [prompts[i : i + settings.prompts_per_shard] for i in range(0, len(prompts), settings.prompts_per_shard)]
+    def make(shard_prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+        shard = _shard(llm, shard_prompts, settings)
+        return {"hidden": shard.hidden, "targets": shard.targets}
+
     hidden, targets = [], []
-    for index in progress(range(len(shards)), "generating", len(shards)):
-        path = work / f"data-{index:05d}.safetensors"
-        if not path.is_file():
-            shard = _shard(llm, shards[index], settings)
-            save_file({"hidden": shard.hidden, "targets": shard.targets}, str(path.with_suffix(".tmp")))
-            path.with_suffix(".tmp").rename(path)  # a shard is there whole or not at all
-        tensors = load_file(str(path))
+    for path, tensors in cached_shards(work, "data", prompts, settings.prompts_per_shard, make, progress):
         if tensors["targets"].shape[1] != settings.num_heads:
             raise ValueError(f"{path} was made for {tensors['targets'].shape[1]} heads; use another work folder")
         hidden.append(tensors["hidden"])
         targets.append(tensors["targets"])
     return TrainingData(torch.cat(hidden), torch.cat(targets))
+
+
+def cached_shards(
+    work: Path,
+    prefix: str,
+    prompts: list[list[int]],
+    prompts_per_shard: int,
+    make: Callable[[list[list[int]]], dict[str, torch.Tensor]],
+    progress: Progress = no_progress,
+) -> list[tuple[Path, dict[str, torch.Tensor]]]:
+    """``make``'s tensors for each shard of ``prompts`` (``work/<prefix>-NNNNN.safetensors``),
+    made once: a shard saved by an earlier run is read back."""
+    from safetensors.torch import load_file, save_file
+
+    work.mkdir(parents=True, exist_ok=True)
+    shards = [prompts[i : i + prompts_per_shard] for i in range(0, len(prompts), prompts_per_shard)]
+    loaded = []
+    for index in progress(range(len(shards)), "generating", len(shards)):
+        path = work / f"{prefix}-{index:05d}.safetensors"
+        if not path.is_file():
+            save_file(make(shards[index]), str(path.with_suffix(".tmp")))
+            path.with_suffix(".tmp").rename(path)  # a shard is there whole or not at all
+        loaded.append((path, load_file(str(path))))
+    return loaded
+
+
+def resume_training(
+    state_path: Path, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: torch.Generator
+) -> int:
+    """Load the training state an earlier run saved at ``state_path`` (weights only) into
+    ``module`` (saved as ``name``), ``optimizer`` and ``sampler``; returns the steps it had done
+    (0 when there is none)."""
+    if not state_path.is_file():
+        return 0
+    state = torch.load(state_path, weights_only=True)
+    module.load_state_dict(state[name])
+    optimizer.load_state_dict(state["optimizer"])
+    sampler.set_state(state["sampler"])
+    logger.info("resuming training at step %d (%s)", int(state["step"]), state_path)
+    return int(state["step"])
+
+
+def save_training(
+    state_path: Path,
+    name: str,
+    step: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: torch.Generator,
+) -> None:
+    """What :func:`resume_training` reads back, written whole or not at all."""
+    state = {"step": step, name: module.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save({**state, "sampler": sampler.get_state()}, state_path.with_suffix(".tmp"))
+    state_path.with_suffix(".tmp").rename(state_path)
 
 
 def greedy_sequences(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -167,14 +216,7 @@ def train_heads(
     sampler = torch.Generator().manual_seed(settings.seed + 1)
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "train_state.pt"
-    start = 0
-    if state_path.is_file():
-        state = torch.load(state_path, weights_only=True)
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        sampler.set_state(state["sampler"])
-        start = int(state["step"])
-        logger.info("resuming head training at step %d of %d (%s)", start, settings.num_steps, state_path)
+    start = resume_training(state_path, "heads", heads, optimizer, sampler)
     heads.train()
     for step in progress(range(start, settings.num_steps), "training", settings.num_steps - start):
         batch = train[torch.randint(len(train), (settings.batch_size,), generator=sampler)]
@@ -184,9 +226,7 @@ def train_heads(
         optimizer.step()
         done = step + 1
         if done % settings.checkpoint_every == 0 or done == settings.num_steps:
-            state = {"step": done, "heads": heads.state_dict(), "optimizer": optimizer.state_dict()}
-            torch.save({**state, "sampler": sampler.get_state()}, state_path.with_suffix(".tmp"))
-            state_path.with_suffix(".tmp").rename(state_path)
+            save_training(state_path, "heads", done, heads, optimizer, sampler)
     heads.eval()
     return heads, evaluate(heads, TrainingData(data.hidden[heldout], data.targets[heldout]), lm_head_weight)
 

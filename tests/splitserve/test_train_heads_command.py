@@ -49,6 +49,8 @@ def test_train_heads_eagle_writes_a_draft_the_engine_serves(tmp_path: Path, caps
     assert config["heldout"]["num_positions"] > 0
     draft = load_eagle_draft(output, 64, VOCAB_SIZE, 1024, torch.float32, torch.device("cpu"))
     assert draft.embed_tokens is None and draft.lm_head is None  # the target's own
+    assert (output / "work" / "eagle_train_state.pt").is_file()  # a rerun resumes from here
+    assert sorted(p.name for p in (output / "work").glob("eagle-data-*")) == ["eagle-data-00000.safetensors"]
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     expected = generate(make_engine(model), prompts, [GREEDY] * 2)
     spec = SpeculativeConfig(method="eagle", model=str(output), num_speculative_tokens=2)

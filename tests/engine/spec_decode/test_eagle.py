@@ -401,3 +401,25 @@ def test_a_prefix_cache_hit_starts_the_draft_kv_after_the_hit(cycle_drafts: tupl
         assert core.scheduler.spec_stats.num_accepted_tokens > accepted_before
     assert outputs == [expected, expected]
     assert starts == {"first": 0, "second": 32}
+
+
+def test_an_interrupted_draft_training_resumes_to_the_same_draft(tmp_path: Path) -> None:
+    import dataclasses
+
+    from engine.spec_decode.eagle_training import DraftTraining, train_draft
+    from tests.engine.spec_decode.eagle_drafts import random_draft
+
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in (9, 14, 6)]
+    features = [torch.randn(len(s), HIDDEN_SIZE, generator=generator) for s in sequences]
+    embed, lm_head = torch.randn(2, VOCAB_SIZE, HIDDEN_SIZE, generator=generator)
+    settings = DraftTraining(num_steps=6, checkpoint_every=3, sequences_per_step=2)
+    whole, halves = random_draft(seed=1), random_draft(seed=1)
+    train_draft(whole, sequences, features, embed, lm_head, settings, tmp_path / "whole.pt")
+    first_half = dataclasses.replace(settings, num_steps=3)
+    train_draft(halves, sequences, features, embed, lm_head, first_half, tmp_path / "halves.pt")
+    resumed = random_draft(seed=1)
+    train_draft(resumed, sequences, features, embed, lm_head, settings, tmp_path / "halves.pt")
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    assert not torch.equal(whole.fc.weight, random_draft(seed=1).fc.weight)  # it trained
