@@ -6,10 +6,18 @@ One step, in call order (:meth:`EngineCore.step`):
    requests, aborts, KV releases, finished KV loads; then the load report is published.
 2. ``_plan``: drafts each decoding request wants verified (speculative decoding) and the
    prompt-chunk cap measured from the prefill rate.
-3. ``scheduler.schedule()``: which requests run, how many tokens each (engine/scheduler.py).
-4. ``_execute``: the model runs once; the step's statistics are recorded.
-5. ``_update``: the scheduler advances the requests by what was sampled; one output per
-   request that advanced or ended; the load report is published again.
+3. ``_dispatch``: ``scheduler.schedule()`` says which requests run, how many tokens each
+   (engine/scheduler.py), and the model runner starts the batch.
+4. ``_complete_oldest``: the model runner finishes the oldest batch started; the step's
+   statistics are recorded.
+5. ``_update``: the scheduler advances that batch's requests by what was sampled; one output
+   per request that advanced or ended; the load report is published again.
+
+Without pipeline parallelism a step dispatches one batch and completes it. With P pipeline
+stages up to P batches are in flight (vLLM v1's batch queue): a step dispatches a batch of
+requests that are in none of them, and completes the oldest only once P are in flight (or
+nothing more could be dispatched), so the first stages compute the next batch while this
+process computes the last stage of the one before.
 
 Only the thread that steps the engine changes its state (engine/step_thread.py): an
 :class:`~engine.async_engine.AsyncEngine` claims it for its step thread, and everything else
@@ -27,8 +35,10 @@ import logging
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -47,11 +57,14 @@ from engine.request import Request, RequestStatus
 from engine.request_timing import PromptChunk, StepStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelOutput, SchedulerOutput
+from engine.scheduler_output import ModelOutput, PendingStep, SchedulerOutput
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# How the log names what proposes drafts, by speculative method (n-gram: its own line).
+_DRAFTERS = {"medusa": "Medusa heads", "eagle": "EAGLE draft"}
 
 # The step thread, waiting for its model thread, looks at the inbox at least this often even if
 # nothing wakes it (the model's end and every message wake it at once).
@@ -82,6 +95,15 @@ def resolve_model_path(
 # Builds the runner of an engine: the real ModelRunner, or one that stands in for the model
 # (a simulated instance's, simulator/runner.py).
 RunnerFactory = Callable[[EngineConfig, Path], ModelRunner]
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchInFlight:
+    """A batch dispatched to the model runner and not yet completed."""
+
+    pending: PendingStep
+    dispatched_at: float  # time.monotonic(), the requests' timings' clock
+    num_loads_finished: int  # KV loads applied at the boundary before it
 
 
 class EngineCore:
@@ -115,6 +137,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
+            max_batches_in_flight=config.pipeline_parallel_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             role=config.role,
@@ -128,6 +151,8 @@ class EngineCore:
         self.num_steps = 0  # steps that ran the model, since start
         self.step_seconds = 0.0  # their model time, since start (mean step time = this / num_steps)
         self.last_step_was_idle = False  # the last step had nothing to run (e.g. only loads in flight)
+        # Dispatched, not yet completed, oldest first: at most one per pipeline stage.
+        self._in_flight: deque[_BatchInFlight] = deque()
         self.inbox = EngineInbox()  # what other threads send the step thread (engine/inbox.py)
         # Messages taken while a step computed that wait for its boundary, in arrival order.
         self._held_messages: list[EngineMessage] = []
@@ -147,7 +172,7 @@ class EngineCore:
             drafter = (
                 f"n-gram lookup of {spec.ngram_min}-{spec.ngram_max} tokens"
                 if self.ngram
-                else f"{'Medusa heads' if spec.method == 'medusa' else 'draft model'} {spec.model}"
+                else f"{_DRAFTERS.get(spec.method, 'draft model')} {spec.model}"
             )
             logger.info("speculative decoding: up to %d drafts per step from %s", spec.num_speculative_tokens, drafter)
         self.published_load_report = self.load_report()
@@ -243,19 +268,22 @@ class EngineCore:
             or bool(self.inbox)
             or bool(self._held_messages)
             or bool(self._outputs_between_steps)
+            or bool(self._in_flight)
         )
 
     def step(self) -> list[EngineCoreOutput]:
-        """Apply what arrived, schedule, run the model once, and report every request that
-        advanced or ended (the phases are listed in the module docstring)."""
+        """Apply what arrived, schedule and start a batch, finish the oldest one, and report
+        every request that advanced or ended (the phases are listed in the module docstring)."""
         num_loads_finished = self._apply_messages()
         outputs, self._outputs_between_steps = self._outputs_between_steps, []
         self._plan()
-        scheduler_output = self.scheduler.schedule()
-        self.last_step_was_idle = scheduler_output.is_empty
-        if not scheduler_output.is_empty:
-            model_output, step = self._execute(scheduler_output, num_loads_finished)
-            outputs.extend(self._update(scheduler_output, model_output, step))
+        dispatched = self._dispatch(num_loads_finished)
+        completes = bool(self._in_flight) and (
+            not dispatched or len(self._in_flight) == self.scheduler.max_batches_in_flight
+        )
+        if completes:
+            outputs.extend(self._complete_oldest())
+        self.last_step_was_idle = not dispatched and not completes
         # Before the outputs go out: a caller who has seen them sees a report at least as new.
         self.publish_load_report()
         return outputs
@@ -309,11 +337,28 @@ class EngineCore:
         if self.config.long_prefill_token_threshold == "auto":
             self._size_prefill_chunks()
 
-    def _execute(self, scheduler_output: SchedulerOutput, num_loads_finished: int) -> tuple[ModelOutput, StepStats]:
-        """Step phase 4: run the model on the scheduled batch; the step's statistics."""
+    def _dispatch(self, num_loads_finished: int) -> bool:
+        """Step phase 3: schedule a batch and start it, where the pipeline has room for one;
+        False when nothing was dispatched."""
+        if len(self._in_flight) == self.scheduler.max_batches_in_flight:
+            return False
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return False
         started = time.monotonic()  # the requests' timings use this clock (engine/request_timing.py)
-        model_output = self._compute(scheduler_output)
-        ended = time.monotonic()
+        self._in_flight.append(_BatchInFlight(self.runner.dispatch(scheduler_output), started, num_loads_finished))
+        return True
+
+    def _complete_oldest(self) -> list[EngineCoreOutput]:
+        """Step phases 4 and 5: finish the oldest batch in flight and update its requests."""
+        batch = self._in_flight.popleft()
+        model_output = self._compute(batch.pending)
+        step = self._record_step(batch, time.monotonic())
+        return self._update(batch.pending.output, model_output, step)
+
+    def _record_step(self, batch: _BatchInFlight, ended: float) -> StepStats:
+        """The completed batch's statistics, and its prompt chunks' times on their requests."""
+        scheduler_output, started = batch.pending.output, batch.dispatched_at
         seconds = ended - started
         num_prefill_tokens = (
             scheduler_output.num_scheduled_tokens - scheduler_output.num_decodes - scheduler_output.num_spec_tokens
@@ -334,16 +379,16 @@ class EngineCore:
             num_decodes=num_decodes,
             num_prefill_tokens=num_prefill_tokens,
             num_preempted=len(scheduler_output.preempted_request_ids),
-            num_loads_finished=num_loads_finished,
+            num_loads_finished=batch.num_loads_finished,
         )
-        return model_output, step
+        return step
 
-    def _compute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        """The model's pass over the batch. A decode engine runs it on its model thread and
-        admits the hand-offs that arrive until it ends."""
+    def _compute(self, pending: PendingStep) -> ModelOutput:
+        """The rest of the model's pass over a dispatched batch. A decode engine runs it on its
+        model thread and admits the hand-offs that arrive until it ends."""
         if self._model_thread is None:
-            return self.runner.execute(scheduler_output, self.eos_token_ids)
-        computing = self._model_thread.submit(self.runner.execute, scheduler_output, self.eos_token_ids)
+            return self.runner.complete(pending, self.eos_token_ids)
+        computing = self._model_thread.submit(self.runner.complete, pending, self.eos_token_ids)
         computing.add_done_callback(lambda _: self.inbox.wake())
         while True:
             self.inbox.clear_wakeup()  # before looking: a message or the model's end from now on wakes the wait

@@ -22,7 +22,7 @@ from engine.kv_cache_utils import cdiv, kv_cache_bytes_per_block, num_blocks_for
 from engine.models import load_model, native_decode
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
-from engine.scheduler_output import ModelOutput, SchedulerOutput
+from engine.scheduler_output import ModelOutput, PendingStep, SchedulerOutput
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft
@@ -217,6 +217,31 @@ class ModelRunner:
         return budget
 
     # --------------------------------------------------------------- execution
+
+    def dispatch(self, output: SchedulerOutput) -> PendingStep:
+        """Start a scheduled step. Under pipeline parallelism its inputs go to every rank now,
+        so the stages before the last start on it, and :meth:`complete` runs the last stage
+        and samples: between the two the engine may dispatch the next batch, which the first
+        stages then compute while this process computes this one. Otherwise nothing runs
+        until :meth:`complete`."""
+        executor = self.tensor_parallel
+        if executor is None or executor.inbound is None:
+            return PendingStep(output)
+        batch = self._prepare_inputs(output)
+        executor.send_step(batch)
+        return PendingStep(output, batch)
+
+    def complete(self, pending: PendingStep, eos_token_ids: frozenset[int]) -> ModelOutput:
+        """Finish a dispatched step (in dispatch order): a sampled token per request that samples."""
+        if pending.batch is None or self.tensor_parallel is None:
+            return self.execute(pending.output, eos_token_ids)
+        output = pending.output
+        sampling = [s.request for s in output.scheduled if s.samples]
+        bitmask = self._start_bitmask(sampling)
+        logits = self.tensor_parallel.last_stage_logits(self.model, pending.batch, self.layer_caches)
+        if not sampling:
+            return ModelOutput(sampled_token_ids=[], logprobs=[])
+        return self._sample(output, logits, sampling, eos_token_ids, {}, bitmask)
 
     def execute(self, output: SchedulerOutput, eos_token_ids: frozenset[int]) -> ModelOutput:
         """Run one scheduled step; returns a sampled token per request that samples."""

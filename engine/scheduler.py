@@ -34,6 +34,13 @@ loader's results reach the scheduler at a step boundary (:meth:`Scheduler.kv_loa
 A hand-off that arrives while a step computes is admitted then (:meth:`admit_handoffs`), when
 its blocks leave the running requests what their next step may take.
 
+Pipeline parallelism keeps up to ``max_batches_in_flight`` batches in the pipeline (vLLM v1's
+batch queue): ``schedule()`` runs again before the batches it returned earlier are updated, and
+passes over the requests still in one (``in_flight``: their next token is not known yet); each
+batch takes at most its share of the requests, so that the batches in flight are about the same
+size. A request that ends while in flight (aborted) keeps its blocks until its batch is updated:
+the stages may still be writing its KV.
+
 Only the engine's step thread calls the methods that change the scheduler (they check it:
 engine/step_thread.py); everything from other threads reaches it through the engine's inbox.
 """
@@ -72,6 +79,7 @@ class Scheduler:
         max_num_prefill_tokens: int | None = None,
         speculative: bool = False,
         long_prefill_token_threshold: int | None = None,
+        max_batches_in_flight: int = 1,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.speculative = speculative  # drafts may be scheduled (off: no per-step cost at all)
@@ -82,6 +90,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.role = role
+        self.max_batches_in_flight = max_batches_in_flight
+        # Requests in a batch that schedule() returned and update() has not applied yet.
+        self.in_flight: set[str] = set()
         self.requests: dict[str, Request] = {}  # every request that holds or awaits resources
         self.waiting: list[Request] = []  # sorted by (priority, arrival time)
         self.running: list[Request] = []
@@ -128,7 +139,7 @@ class Scheduler:
                 if self.kv_loader is None:
                     raise RuntimeError(f"bug: {request_id} waited for its KV on an engine without a KV loader")
                 self.kv_loader.cancel_load(request_id)
-            else:
+            elif request_id not in self.in_flight:  # else freed when its batch is updated
                 self.kv_cache_manager.free(request)
             request.status = status
             ended.append(request)
@@ -223,17 +234,19 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
         kv = self.kv_cache_manager
+        max_rows = self._max_rows()
 
         for request in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(scheduled) >= max_rows:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING or request.request_id in self.in_flight:
+                continue  # preempted earlier in this loop, or its next token is not known yet
             num_new_tokens = self._chunk(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
             if num_new_tokens == 0:
                 continue  # a prefill, and this step's prefill budget is spent
             while kv.allocate_slots(request, num_new_tokens) is None:
-                victim = max(self.running, key=_admission_key)
+                # A request in flight keeps its blocks: its KV is being written.
+                victim = max((r for r in self.running if r.request_id not in self.in_flight), key=_admission_key)
                 num_given_back = self._preempt(victim, scheduled)
                 budget += num_given_back
                 if num_given_back > 1:
@@ -256,7 +269,7 @@ class Scheduler:
         in_flight = self._prompt_blocks_in_flight() if self.waiting and not preempted else set()
         num_held = 0  # waiting prompts passed over this step: their next block is in flight
         while len(self.waiting) > num_held and budget > 0 and not preempted:
-            if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+            if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs or len(scheduled) >= max_rows:
                 break
             request = self.waiting[num_held]
             if request.num_external_tokens:
@@ -285,6 +298,8 @@ class Scheduler:
                 prefill_budget -= num_new_tokens
 
         # Decodes first: backends batch all single-token queries in one call.
+        if self.max_batches_in_flight > 1:  # one batch at a time is updated before the next is scheduled
+            self.in_flight.update(scheduled)
         decodes = [s for s in scheduled.values() if s.num_new_tokens == 1]
         spec_decodes = [s for s in scheduled.values() if s.num_draft_tokens] if self.speculative else []
         prefills = [s for s in scheduled.values() if s.num_new_tokens != 1 and not s.num_draft_tokens]
@@ -296,6 +311,14 @@ class Scheduler:
             num_spec_decodes=len(spec_decodes),
             num_spec_tokens=sum(s.num_new_tokens for s in spec_decodes),
         )
+
+    def _max_rows(self) -> int:
+        """The most requests one batch takes: with several batches in flight, its share of all
+        that could run (so that they take turns in equal batches rather than one batch holding
+        everyone and the next nobody); otherwise no cap of its own."""
+        if self.max_batches_in_flight == 1:
+            return self.max_num_seqs
+        return max(1, cdiv(len(self.running) + len(self.waiting), self.max_batches_in_flight))
 
     def _prompt_blocks_in_flight(self) -> set[BlockHash]:
         """Prompt blocks that prefills under way have still to compute. A waiting prompt whose
@@ -374,6 +397,12 @@ class Scheduler:
         sample_index = 0
         for item in output.scheduled:
             request = item.request
+            self.in_flight.discard(request.request_id)
+            if request.status.is_finished and request.request_id not in self.requests:
+                # Ended while its batch was in flight (aborted): nothing writes its blocks now.
+                self.kv_cache_manager.free(request)
+                sample_index += item.samples
+                continue
             request.num_computed_tokens += item.num_new_tokens
             if not item.samples:
                 continue

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import Request
 from engine.sampler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.flat_batch import FlatBatch
 
 
 @dataclass(slots=True)
@@ -48,3 +52,13 @@ class ModelOutput:
     accepted_token_ids: list[list[int]] | None = None
     accepted_logprobs: list[list[TokenLogprobs | None]] | None = None
     draft_token_ids: list[list[int]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PendingStep:
+    """A scheduled batch the model runner has started (``ModelRunner.dispatch``) and not yet
+    completed: under pipeline parallelism ``batch`` is the flat batch the stages are computing;
+    None where the whole step runs at completion."""
+
+    output: SchedulerOutput
+    batch: FlatBatch | None = None

@@ -27,6 +27,8 @@ import ctypes
 import logging
 import os
 import signal
+import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -107,6 +109,34 @@ def main(
         raise SystemExit(1) from None
 
 
+class RankZeroMessages:
+    """What rank 0 sends this worker, read ahead where need be. With batches in flight
+    (pipeline parallelism) rank 0 sends the next step while this rank still waits on the
+    current one, for the stage before or in a collective: a message from rank 0 then is
+    not a stop until it is read and says STOP. Read ahead, it waits here for its turn."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._ahead: deque[bytes] = deque()
+        self.stopping = False  # rank 0 said STOP, or is gone
+
+    def next(self) -> bytes:
+        """The next message, in order (raises EOFError once rank 0 is gone)."""
+        return self._ahead.popleft() if self._ahead else self.conn.recv_bytes()
+
+    def read_ahead(self) -> bool:
+        """Take in what has arrived; False once rank 0 has said stop or is gone."""
+        while not self.stopping and self.conn.poll():
+            try:
+                message = self.conn.recv_bytes()
+            except (EOFError, OSError):
+                self.stopping = True
+                break
+            self._ahead.append(message)
+            self.stopping = messages.kind_of(message) == messages.STOP
+        return not self.stopping
+
+
 def _serve(
     spec: WorkerSpec,
     conn: Connection,
@@ -116,21 +146,24 @@ def _serve(
 ) -> None:
     config, device, stage = spec.config, torch.device(spec.device), spec.stage
     world_size = config.tensor_parallel_size
+    rank_zero = RankZeroMessages(conn)
 
     def wait_readable(link: Connection) -> None:
         """Block until ``link`` has a message (or its end of file), watching rank 0's pipe too."""
-        ready = wait([link, conn], timeout=STAGE_WAIT_TIMEOUT_S)
-        if link in ready:
-            return
-        if conn in ready:
-            raise EngineStopping
+        deadline = time.monotonic() + STAGE_WAIT_TIMEOUT_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            ready = wait([link, conn], timeout=remaining)
+            if link in ready:
+                return
+            if conn in ready and not rank_zero.read_ahead():
+                raise EngineStopping
         raise RuntimeError(f"the stage before sent nothing for {STAGE_WAIT_TIMEOUT_S:.0f} s: giving up")
 
     group = None
     if world_size > 1:
         group = TensorParallelGroup(spec.rank, world_size, spec.store_port, device, prefix=f"stage{stage.index}")
         # A collective waiting in shared memory gives up when rank 0 says stop (or is gone).
-        group.watch_peers(lambda: not conn.poll())
+        group.watch_peers(rank_zero.read_ahead)
     backend = select_backend(config.attention_backend, device)
     loaded = load_model(
         spec.model_path,
@@ -144,7 +177,7 @@ def _serve(
         stage=stage,
     )
     model, shape = loaded.model, loaded.model.shape
-    message = conn.recv_bytes()
+    message = rank_zero.next()
     if messages.kind_of(message) != messages.INIT:
         raise RuntimeError(f"bug: a worker expected INIT, got message kind {messages.kind_of(message)}")
     (num_blocks,) = messages.words_of(message)
@@ -188,7 +221,7 @@ def _serve(
             num_blocks,
         )
         while True:
-            message = conn.recv_bytes()
+            message = rank_zero.next()
             kind = messages.kind_of(message)
             if kind == messages.STOP:
                 return

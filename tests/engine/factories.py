@@ -58,6 +58,7 @@ def make_scheduler(
     max_num_prefill_tokens: int | None = None,
     speculative: bool = False,
     long_prefill_token_threshold: int | None = None,
+    max_batches_in_flight: int = 1,
 ) -> Scheduler:
     """A decode-role scheduler comes with a :class:`~tests.engine.kv_loaders.ManualKVLoader`."""
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
@@ -70,6 +71,7 @@ def make_scheduler(
         max_num_prefill_tokens,
         speculative,
         long_prefill_token_threshold,
+        max_batches_in_flight,
     )
     if role == "decode":
         scheduler.kv_loader = ManualKVLoader()

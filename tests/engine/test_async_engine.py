@@ -336,7 +336,7 @@ def test_a_handoff_arriving_mid_step_is_admitted_by_the_step_thread_while_the_mo
             steps.release.set()
             output = await asyncio.wait_for(first, 60)
             assert output.new_token_ids
-            assert len(steps.scheduled) == held + 1 and "handoff" in steps.scheduled[held]
+            assert "handoff" in steps.scheduled[held]  # the step right after the held one decodes it
             await handoff.aclose()
             await running.aclose()
             await report_when(engine, all_free)

@@ -24,6 +24,7 @@ from engine.models.quantized_linear import QuantizedLinear
 from engine.pipeline_parallel.activation_channel import ActivationReceiver, ActivationSender, StageGone
 from engine.pipeline_parallel.stages import PipelineStage, plan_stages
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ModelOutput, PendingStep, SchedulerOutput
 from engine.tensor_parallel.rank_context import RankContext
 from engine_args.config import engine_fields
 from engine_args.flags import add_device_argument, add_engine_arguments, engine_argv
@@ -257,6 +258,68 @@ def test_named_stage_sizes_give_the_same_tokens(llama_4_kv_heads: Path) -> None:
         assert [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY)] == expected_greedy(
             llama_4_kv_heads
         )
+
+
+def _pp1_tokens(model_path: Path, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    with LLM(model=str(model_path), dtype="float32", kv_cache_memory=1 << 22) as llm:
+        return [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+
+
+def test_two_batches_are_in_flight_at_pp2_and_the_tokens_are_pp1s(llama_4_kv_heads: Path) -> None:
+    """Batches in flight: at PP 2 the runner holds two dispatched batches at once (stage 0
+    computes the next while this process computes the last stage of the one before), each
+    with its share of the requests, and greedy output is PP 1's token for token."""
+    prompts = random_prompts([5, 9, 13, 17, 21, 25], seed=68)
+    with LLM(model=str(llama_4_kv_heads), dtype="float32", kv_cache_memory=1 << 22, pipeline_parallel_size=2) as llm:
+        runner = llm.engine.runner
+        dispatch, complete = runner.dispatch, runner.complete
+        outstanding = most = 0
+
+        def counted_dispatch(output: SchedulerOutput) -> PendingStep:
+            nonlocal outstanding, most
+            outstanding += 1
+            most = max(most, outstanding)
+            return dispatch(output)
+
+        def counted_complete(pending: PendingStep, eos_token_ids: frozenset[int]) -> ModelOutput:
+            nonlocal outstanding
+            outstanding -= 1
+            return complete(pending, eos_token_ids)
+
+        runner.dispatch, runner.complete = counted_dispatch, counted_complete  # type: ignore[method-assign]
+        tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY)]
+        report = llm.engine.load_report()
+    assert most == 2
+    assert report.num_free_blocks == report.num_total_blocks
+    assert tokens == _pp1_tokens(llama_4_kv_heads, prompts, GREEDY)
+
+
+def test_a_request_aborted_while_its_batch_is_in_flight_frees_its_blocks_once_it_returns(
+    llama_4_kv_heads: Path,
+) -> None:
+    """The abort applies at a step boundary with the request's batch still in the pipeline: its
+    blocks stay held until that batch completes (a stage may be writing them), then come back;
+    every other request's tokens are PP 1's."""
+    prompts = random_prompts([6, 10, 14, 18], seed=69)
+    with LLM(model=str(llama_4_kv_heads), dtype="float32", kv_cache_memory=1 << 22, pipeline_parallel_size=2) as llm:
+        core = llm.engine
+        for index, prompt in enumerate(prompts):
+            core.add_request(prompt, GREEDY, request_id=str(index))
+        tokens: dict[str, list[int]] = {str(index): [] for index in range(len(prompts))}
+        while not core.scheduler.in_flight:
+            for output in core.step():
+                tokens[output.request_id].extend(output.new_token_ids)
+        victim = sorted(core.scheduler.in_flight)[0]
+        core.abort([victim])
+        while core.has_unfinished_requests():
+            for output in core.step():
+                tokens[output.request_id].extend(output.new_token_ids)
+        report = core.load_report()
+    assert report.num_free_blocks == report.num_total_blocks
+    expected = _pp1_tokens(llama_4_kv_heads, prompts, GREEDY)
+    survivors = [index for index in range(len(prompts)) if str(index) != victim]
+    assert [tokens[str(index)] for index in survivors] == [expected[index] for index in survivors]
+    assert len(tokens[victim]) < GREEDY.max_tokens
 
 
 @pytest.fixture(scope="module")

@@ -510,3 +510,72 @@ def test_a_waiting_prompts_cached_prefix_is_not_pending_work() -> None:
     assert scheduler.num_pending_prefill_tokens == 3
     scheduler.add_request(make_request("c", list(range(40, 51)), max_tokens=1))
     assert scheduler.num_pending_prefill_tokens == 3 + 11
+
+
+# ---------------------------------------------------------- batches in flight (pipeline parallel)
+
+
+def test_batches_in_flight_take_turns_in_equal_shares_of_the_requests() -> None:
+    """Two pipeline stages: a batch is scheduled before the one before it is updated; it takes
+    the requests that are in none (their next token is known) and at most half of all, so two
+    batches of two alternate rather than one of four and an empty one."""
+    scheduler = make_scheduler(max_batches_in_flight=2)
+    for name in "abcd":
+        scheduler.add_request(make_request(name, 3, max_tokens=5))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert [s.request.request_id for s in first.scheduled] == ["a", "b"]
+    assert [s.request.request_id for s in second.scheduled] == ["c", "d"]
+    assert scheduler.schedule().is_empty  # everyone is in flight
+    scheduler.update(first, sample(first))
+    third = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in third.scheduled] == [("a", 1), ("b", 1)]
+    for output in (second, third):
+        scheduler.update(output, sample(output))
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert all(r.num_output_tokens == 5 for r in (first.scheduled[0].request, second.scheduled[1].request))
+    assert_all_free(scheduler)
+
+
+def test_a_request_aborted_in_flight_keeps_its_blocks_until_its_batch_is_updated() -> None:
+    """The stages may still be writing its KV: its blocks are freed when its batch comes back,
+    not when it ends; its batch's other request advances as usual."""
+    scheduler = make_scheduler(max_batches_in_flight=2)
+    scheduler.add_request(make_request("a", list(range(10, 16)), max_tokens=5))
+    scheduler.add_request(make_request("b", list(range(20, 26)), max_tokens=5))  # no block shared with a
+    in_flight = scheduler.schedule()
+    assert [s.request.request_id for s in in_flight.scheduled] == ["a"]
+    other = scheduler.schedule()
+    assert [s.request.request_id for s in other.scheduled] == ["b"]
+    held, num_blocks_of_a = scheduler.kv_cache_manager.num_free_blocks, len(block_ids(scheduler, "a"))
+    (aborted,) = scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv_cache_manager.num_free_blocks == held and "a" not in scheduler.requests
+    scheduler.update(in_flight, sample(in_flight))
+    assert aborted.num_output_tokens == 0  # nothing sampled for it is kept
+    assert scheduler.kv_cache_manager.num_free_blocks == held + num_blocks_of_a == held + 2  # back, once
+    scheduler.update(other, sample(other))
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert_all_free(scheduler)
+
+
+def test_a_request_in_flight_is_never_preempted() -> None:
+    """Out of blocks, a request scheduled beside a batch in flight preempts one that is not in
+    flight (here itself), never the later arrival whose KV a stage may be writing."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, enable_prefix_caching=False, max_batches_in_flight=2)
+    scheduler.add_request(make_request("first", 8, max_tokens=4))
+    scheduler.add_request(make_request("second", 7, max_tokens=4))
+    prefill_first = scheduler.schedule()  # its share: one of the two
+    in_flight = scheduler.schedule()  # "second": two blocks, the last ones
+    assert [s.request.request_id for s in in_flight.scheduled] == ["second"]
+    scheduler.update(prefill_first, sample(prefill_first))
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    output = scheduler.schedule()  # "first" decodes at position 8: it needs a third block
+    assert output.preempted_request_ids == ["first"] and output.is_empty
+    assert scheduler.requests["second"].status is RequestStatus.RUNNING
+    scheduler.update(in_flight, sample(in_flight))
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert scheduler.requests == {} and scheduler.num_preemptions == 1
+    assert_all_free(scheduler)
