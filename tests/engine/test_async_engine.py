@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_utils import cdiv
 from engine.llm import LLM
 from engine.load_report import EngineLoad
+from engine.outputs import EngineCoreOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelOutput, SchedulerOutput
@@ -302,6 +303,19 @@ async def wait_for_load(loader: ManualKVLoader) -> None:
     loader.load_started.clear()
 
 
+async def step_held_beside_a_running_request(
+    engine: AsyncEngine, prompt: list[int], params: SamplingParams
+) -> tuple[_HeldSteps, AsyncGenerator[EngineCoreOutput, None]]:
+    """A request ("running") prefilled here and decoding, and the engine's next step held inside
+    its model until ``release`` is set: whatever arrives now arrives mid-step."""
+    steps = _HeldSteps(engine)
+    running = engine.generate(prompt, params, request_id="running")
+    await anext(running)
+    steps.hold.set()
+    assert await asyncio.to_thread(steps.entered.wait, 60)  # a step is now inside its model
+    return steps, running
+
+
 def test_a_handoff_arriving_mid_step_is_admitted_by_the_step_thread_while_the_model_computes(
     model_path: Path,
 ) -> None:
@@ -315,11 +329,7 @@ def test_a_handoff_arriving_mid_step_is_admitted_by_the_step_thread_while_the_mo
     async def main() -> None:
         engine, loader = await started_decode_engine(model_path)
         try:
-            steps = _HeldSteps(engine)
-            running = engine.generate(running_prompt, params, request_id="running")  # prefilled here
-            await anext(running)
-            steps.hold.set()
-            assert await asyncio.to_thread(steps.entered.wait, 60)  # a step is now inside its model
+            steps, running = await step_held_beside_a_running_request(engine, running_prompt, params)
             held = len(steps.scheduled)
             num_free = engine.core.kv_cache_manager.num_free_blocks
             handoff = engine.generate(handoff_prompt, params, request_id="handoff", first_token_id=7)
@@ -361,11 +371,7 @@ def test_a_handoff_that_would_take_the_running_requests_next_blocks_waits_for_th
         loader = ManualKVLoader()
         await engine.start(loader)
         try:
-            steps = _HeldSteps(engine)
-            running = engine.generate(running_prompt, params, request_id="running")
-            await anext(running)
-            steps.hold.set()
-            assert await asyncio.to_thread(steps.entered.wait, 60)
+            steps, running = await step_held_beside_a_running_request(engine, running_prompt, params)
             num_free = engine.core.kv_cache_manager.num_free_blocks
             # Its prompt fills every free block: it fits, but leaves none for the running request.
             handoff_prompt = random_prompts([num_free * small.block_size - 1], seed=23)[0]
@@ -403,11 +409,7 @@ def test_an_abort_that_arrived_before_a_handoff_of_its_id_keeps_its_place(model_
     async def main() -> None:
         engine, loader = await started_decode_engine(model_path)
         try:
-            steps = _HeldSteps(engine)
-            running = engine.generate(running_prompt, params, request_id="running")
-            await anext(running)
-            steps.hold.set()
-            assert await asyncio.to_thread(steps.entered.wait, 60)
+            steps, running = await step_held_beside_a_running_request(engine, running_prompt, params)
             engine.abort("first")  # an id nobody holds yet: nothing to end
             first = engine.generate(first_prompt, GREEDY, request_id="first", first_token_id=7)
             first_output = asyncio.ensure_future(anext(first))
