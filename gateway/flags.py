@@ -93,7 +93,16 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "lists "
         "(env SPLITSERVE_REGISTRY_URL, which keeps a password off the command line)",
     )
-    parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between load polls of each instance")
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.5,
+        help="seconds between the gateway's checks of its instances: with static lists, each instance's health and "
+        "load poll; with --registry-url, the registry scan (heartbeats carry the load reports) and a look for reports "
+        "older than half of --stale-after, whose instances it then polls. With --routing kv, also how often it "
+        "subscribes again to instances whose KV-event subscription was lost (gateway/kv_events.py), and polls the "
+        "KV events of those that refuse one",
+    )
     parser.add_argument(
         "--stale-after",
         type=float,
