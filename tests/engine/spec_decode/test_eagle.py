@@ -26,6 +26,7 @@ from tests.engine.spec_decode.medusa_heads import HIDDEN_SIZE, cycle_snippet
 from tests.engine.spec_decode.test_engine_spec import (
     GREEDY,
     GREEDY_PROCESSED,
+    assert_sampling_keeps_the_plain_distribution,
     generate,
     make_engine,
     repetitive_prompts,
@@ -343,30 +344,10 @@ def test_sampled_output_with_eagle_has_the_plain_distribution(cycle_drafts: tupl
     the joint outcome (top-k 3 keeps the outcomes few). The trained draft guesses the target's
     likeliest token, which a temperature-1 sample sometimes is and sometimes not, so both
     acceptance and rejection run."""
-    from tests.engine.spec_decode.chi_square import two_sample
-    from tests.engine.spec_decode.test_engine_spec import NUM_SAMPLES
 
     target, cycle, trained, _ = cycle_drafts
     prompt = cycle_snippet(cycle, 3, 6)
-    samples = {}
-    for name, config in (("plain", None), ("spec", eagle(trained, 2))):
-        core = make_engine(
-            target,
-            config,
-            max_num_seqs=512,
-            max_num_batched_tokens=16384,
-            kv_cache_memory=1 << 24,
-            enable_prefix_caching=False,
-        )
-        params = [
-            SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
-            for seed in range(NUM_SAMPLES)
-        ]
-        samples[name] = [tuple(t) for t in generate(core, [prompt] * NUM_SAMPLES, params)]
-        if config is not None:
-            stats = core.scheduler.spec_stats
-            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-    assert two_sample(samples["plain"], samples["spec"]) > 1e-3
+    assert_sampling_keeps_the_plain_distribution(target, eagle(trained, 2), prompt)
 
 
 def test_a_prefix_cache_hit_starts_the_draft_kv_after_the_hit(cycle_drafts: tuple[Path, list[int], Path, Path]) -> None:

@@ -152,10 +152,38 @@ def test_decode_instance_speculates_after_a_pulled_prompt(target: Path, small_dr
 NUM_SAMPLES = 1500
 
 
+def assert_sampling_keeps_the_plain_distribution(
+    target: Path, spec: SpeculativeConfig, prompt: list[int], **config: object
+) -> None:
+    """Many seeded samples of the first four tokens after ``prompt``, speculative against plain,
+    are one distribution (a chi-square test on the joint outcome; top-k 3 keeps the outcomes few,
+    at most 81, so the test has power), and drafts were both accepted and rejected on the way."""
+    samples = {}
+    for name, speculative in (("plain", None), ("spec", spec)):
+        # No prefix caching: equal prompts without a cached prefix prefill in one batched attention call.
+        core = make_engine(
+            target,
+            speculative,
+            max_num_seqs=512,
+            max_num_batched_tokens=16384,
+            kv_cache_memory=1 << 24,
+            enable_prefix_caching=False,
+            **config,
+        )
+        params = [
+            SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
+            for seed in range(NUM_SAMPLES)
+        ]
+        samples[name] = [tuple(t) for t in generate(core, [prompt] * NUM_SAMPLES, params)]
+        if speculative is not None:
+            stats = core.scheduler.spec_stats
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert two_sample(samples["plain"], samples["spec"]) > 1e-3
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_sampled_output_has_the_plain_distribution(target: Path, small_draft: Path, method: str) -> None:
-    """Many seeded samples of the first four tokens, speculative vs plain: a chi-square test on
-    the joint outcome. Top-k 3 keeps the outcomes few (at most 81) so the test has power."""
+    """Speculative sampling keeps the plain distribution (the helper's chi-square test)."""
     plain = make_engine(target)
     if method == "ngram":
         # Random weights copy nothing from their context, but their greedy output loops: a prompt
@@ -168,26 +196,7 @@ def test_sampled_output_has_the_plain_distribution(target: Path, small_draft: Pa
     else:
         prompt = repetitive_prompts()[1]
         spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model=str(small_draft))
-    samples = {}
-    for name, config in (("plain", None), ("spec", spec)):
-        # No prefix caching: equal prompts without a cached prefix prefill in one batched attention call.
-        core = make_engine(
-            target,
-            config,
-            max_num_seqs=512,
-            max_num_batched_tokens=16384,
-            kv_cache_memory=1 << 24,
-            enable_prefix_caching=False,
-        )
-        params = [
-            SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
-            for seed in range(NUM_SAMPLES)
-        ]
-        samples[name] = [tuple(t) for t in generate(core, [prompt] * NUM_SAMPLES, params)]
-        if config is not None:
-            stats = core.scheduler.spec_stats
-            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # acceptances and rejections both ran
-    assert two_sample(samples["plain"], samples["spec"]) > 1e-3
+    assert_sampling_keeps_the_plain_distribution(target, spec, prompt)
 
 
 def test_a_request_under_a_grammar_does_not_speculate_beside_ones_that_do(target: Path) -> None:

@@ -20,6 +20,7 @@ from tests.engine.spec_decode.medusa_heads import HIDDEN_SIZE, make_medusa_heads
 from tests.engine.spec_decode.test_engine_spec import (
     GREEDY,
     GREEDY_PROCESSED,
+    assert_sampling_keeps_the_plain_distribution,
     generate,
     make_engine,
     repetitive_prompts,
@@ -226,28 +227,8 @@ def test_sampled_output_with_medusa_has_the_plain_distribution(target: Path, tmp
     both acceptance and rejection run."""
     from engine.spec_decode.medusa_checkpoint import save_medusa_heads
     from engine.spec_decode.medusa_training import HeadTraining, new_heads
-    from tests.engine.spec_decode.chi_square import two_sample
-    from tests.engine.spec_decode.test_engine_spec import NUM_SAMPLES
 
     heads = tmp_path / "heads"
     save_medusa_heads(new_heads(HeadTraining(num_heads=2), HIDDEN_SIZE, VOCAB_SIZE), heads, VOCAB_SIZE, {})
     prompt = repetitive_prompts()[1]
-    samples = {}
-    for name, config in (("plain", None), ("spec", medusa(heads, 2))):
-        core = make_engine(
-            target,
-            config,
-            max_num_seqs=512,
-            max_num_batched_tokens=16384,
-            kv_cache_memory=1 << 24,
-            enable_prefix_caching=False,
-        )
-        params = [
-            SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=seed, ignore_eos=True)
-            for seed in range(NUM_SAMPLES)
-        ]
-        samples[name] = [tuple(t) for t in generate(core, [prompt] * NUM_SAMPLES, params)]
-        if config is not None:
-            stats = core.scheduler.spec_stats
-            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-    assert two_sample(samples["plain"], samples["spec"]) > 1e-3
+    assert_sampling_keeps_the_plain_distribution(target, medusa(heads, 2), prompt)
