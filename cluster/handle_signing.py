@@ -34,8 +34,9 @@ from collections.abc import Iterable, Sequence
 from splitserve.v1 import disaggregation_pb2
 
 PULL_TOKEN_BYTES = 16
-# v6: the fingerprint's pipeline stages; v5: Medusa's drafts; v4: the ranks' connector addresses; v3: chunk digests
-_VERSION = b"splitserve KV handle v6"
+# v7: the fingerprint's drafter; v6: the fingerprint's pipeline stages; v5: Medusa's drafts;
+# v4: the ranks' connector addresses; v3: chunk digests
+_VERSION = b"splitserve KV handle v7"
 
 
 class HandleRejected(ValueError):
@@ -98,6 +99,7 @@ def _signed_bytes(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequenc
                     ]
                 ),
                 _ints(fingerprint.stage_first_layers),
+                fingerprint.draft.encode(),
             ]
         ),
         struct.pack("<d", handle.lease_s),

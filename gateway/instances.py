@@ -21,6 +21,7 @@ from typing import Literal
 import grpc
 
 from cluster.background import BackgroundTasks
+from cluster.draft_pairing import drafts_pair
 from cluster.internal_grpc import InternalPlane
 from gateway.flags import Routing
 from gateway.instance_limits import InstanceLimits, Overloaded, estimated_wait_s, retry_after_s
@@ -467,8 +468,9 @@ def _routing_rates(candidates: list[InstanceState], now: float) -> dict[int, flo
 def kv_compatible(a: disaggregation_pb2.Fingerprint, b: disaggregation_pb2.Fingerprint) -> bool:
     """One instance's KV means the same in the other's cache: every fingerprint field equal but
     the tensor-parallel size and the pipeline stages, since a pull maps one split of the KV heads
-    and layers onto another (the instances' own check: kv_connector/fingerprint.py)."""
-    return _kv_identity(a) == _kv_identity(b)
+    and layers onto another; and their drafters pair (cluster/draft_pairing.py). The instances'
+    own check: kv_connector/fingerprint.py."""
+    return _kv_identity(a) == _kv_identity(b) and drafts_pair(a.draft, b.draft)
 
 
 def _kv_identity(fingerprint: disaggregation_pb2.Fingerprint) -> disaggregation_pb2.Fingerprint:
@@ -476,4 +478,5 @@ def _kv_identity(fingerprint: disaggregation_pb2.Fingerprint) -> disaggregation_
     identity.CopyFrom(fingerprint)
     identity.ClearField("tensor_parallel_size")
     identity.ClearField("stage_first_layers")
+    identity.ClearField("draft")
     return identity

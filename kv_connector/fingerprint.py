@@ -13,6 +13,7 @@ import struct
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
+from cluster.draft_pairing import MEDUSA_DRAFT_PREFIX, drafts_pair
 from engine.gguf_files import gguf_digest, is_gguf
 from kv_connector.layer_plan import KVLayout
 
@@ -25,6 +26,9 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_o
 
 # Fields that say how an instance splits its KV, not what the KV is.
 LAYOUT_FIELDS = frozenset({"tensor_parallel_size", "stage_first_layers"})
+# Fields that name what crosses the hand-off beside the KV, not what the KV is: paired by their
+# own rule (cluster/draft_pairing.py), never part of the KV's identity (LMCache keys).
+BESIDE_KV_FIELDS = frozenset({"draft"})
 
 
 class FingerprintMismatchError(ValueError):
@@ -44,6 +48,9 @@ class Fingerprint:
     tensor_parallel_size: int = 1
     # Each pipeline stage's first layer (engine/pipeline_parallel/stages.py); (0,): one stage.
     stage_first_layers: tuple[int, ...] = (0,)
+    # The drafter whose proposals cross the hand-off ("medusa:<heads' identity>"); "" for any
+    # other speculative method or none (cluster/draft_pairing.py).
+    draft: str = ""
 
     def __post_init__(self) -> None:
         # A fingerprint read back from JSON carries a list: kept as a tuple, so that equal ones compare equal.
@@ -58,12 +65,18 @@ class Fingerprint:
         """Raise :class:`FingerprintMismatchError` naming every field that differs, with both values,
         and both sides' shapes (TP x PP). The shapes may differ: each side splits the same KV its own
         way, and a pull maps one split onto the other, (layer range, head span) by span
-        (kv_connector/layer_plan.py); a split that is no split of the model's layers is refused."""
+        (kv_connector/layer_plan.py); a split that is no split of the model's layers is refused. Two
+        drafters that differ are refused, an empty one on either side pairs (cluster/draft_pairing.py)."""
         differences = [
             f"{field.name}: {this_side} has {mine!r}, {other_side} has {theirs!r}"
             for field, mine, theirs in zip(fields(self), astuple(self), astuple(other), strict=True)
-            if mine != theirs and field.name not in LAYOUT_FIELDS
+            if mine != theirs and field.name not in LAYOUT_FIELDS | BESIDE_KV_FIELDS
         ]
+        if not drafts_pair(self.draft, other.draft):
+            differences.append(
+                f"draft: {this_side} has {self.draft!r}, {other_side} has {other.draft!r} (the decode side would "
+                "verify drafts from heads it does not have; give both the same heads, or one of them none)"
+            )
         differences += [
             f"{side}'s split is no split of its model: {error}"
             for side, fingerprint in ((this_side, self), (other_side, other))
@@ -94,3 +107,9 @@ def model_identity(model_path: Path) -> str:
             digest.update(handle.read(header_size))
             digest.update(handle.read(_WEIGHT_SAMPLE_BYTES))
     return f"{model_path.name}-{digest.hexdigest()[:16]}"
+
+
+def medusa_draft(heads_path: Path) -> str:
+    """The fingerprint's ``draft`` for the Medusa heads in ``heads_path``: their identity as
+    :func:`model_identity` takes a model's (config, safetensors headers, weight samples)."""
+    return MEDUSA_DRAFT_PREFIX + model_identity(heads_path.expanduser())

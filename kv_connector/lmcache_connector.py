@@ -21,9 +21,10 @@ How the pieces fit:
   split alike).
 - **Fingerprint.** The key's model-name field is the model identity plus a digest
   of the :class:`Fingerprint` (all but the tensor-parallel size, which changes how KV is
-  split, not what it is) and its dtype field the cache dtype: a D with another fingerprint
-  computes other keys and can only miss, never read P's bytes. D also compares the handle's
-  fingerprint with its own first, so the usual mismatch is refused naming both.
+  split, not what it is, and the drafter, which crosses beside the KV) and its dtype field
+  the cache dtype: a D with another fingerprint computes other keys and can only miss,
+  never read P's bytes. D also compares the handle's fingerprint with its own first, so
+  the usual mismatch is refused naming both.
 
 The store is configured with ``SPLITSERVE_LMCACHE_URL`` (or ``remote_url=``), the
 same on P and D. lmcache's usage telemetry is switched off before it is imported.
@@ -105,7 +106,7 @@ from kv_connector.base import (
     block_count_error,
     bounded_transfer,
 )
-from kv_connector.fingerprint import LAYOUT_FIELDS, Fingerprint
+from kv_connector.fingerprint import BESIDE_KV_FIELDS, LAYOUT_FIELDS, Fingerprint
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks
 
 logger = logging.getLogger(__name__)
@@ -566,9 +567,12 @@ class LMCacheConnector(KVConnector):
 def key_model_name(fingerprint: Fingerprint) -> str:
     """The model-name field of this instance's LMCache keys: readable model identity plus a
     digest of every fingerprint field but the tensor-parallel layout (each head is stored
-    apart, so ranks of any size read each other's). Kept short (lm:// keys hold 150 bytes)
-    and free of the ``@`` and ``%`` LMCache uses as key separators."""
-    identity = [getattr(fingerprint, f.name) for f in fields(fingerprint) if f.name not in LAYOUT_FIELDS]
+    apart, so ranks of any size read each other's) and the drafter (a D without Medusa heads
+    reads what a P with heads stored). Kept short (lm:// keys hold 150 bytes) and free of the
+    ``@`` and ``%`` LMCache uses as key separators."""
+    identity = [
+        getattr(fingerprint, f.name) for f in fields(fingerprint) if f.name not in LAYOUT_FIELDS | BESIDE_KV_FIELDS
+    ]
     digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
     return f"{re.sub(r'[^A-Za-z0-9._-]', '_', fingerprint.model)[:64]}~{digest}"
 

@@ -30,8 +30,8 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_ID_BYTES = 1024  # the gateway's ids are a few dozen characters
 MAX_PULL_TOKEN_BYTES = 64  # P makes 16 (cluster/handle_signing.py)
 _CREDENTIALS = struct.Struct("<HHB")  # protocol version, request id bytes, pull token bytes
-# A pull request's fields but its two lists: the frame, fingerprint (a model identity of a few
-# dozen characters), request id, JSON punctuation; with a generous margin.
+# A pull request's fields but its two lists: the frame, fingerprint (a model identity and a
+# drafter's, a few dozen characters each), request id, JSON punctuation; with a generous margin.
 _PULL_REQUEST_FIXED_BYTES = 4096
 
 
@@ -151,7 +151,7 @@ def decode_pull_body(credentials: PullCredentials, data: bytes | memoryview) -> 
         parsed_fingerprint = Fingerprint(**fingerprint)
     except TypeError as error:
         raise WireError(f"bad fingerprint: {error}") from None
-    for name, kind in (("model", str), ("dtype", str)):
+    for name, kind in (("model", str), ("dtype", str), ("draft", str)):
         _require(getattr(parsed_fingerprint, name), kind, f"fingerprint.{name}")
     for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size"):
         _require(getattr(parsed_fingerprint, name), int, f"fingerprint.{name}")

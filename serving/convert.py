@@ -49,6 +49,7 @@ def fingerprint_to_proto(fingerprint: Fingerprint) -> disaggregation_pb2.Fingerp
         head_dim=fingerprint.head_dim,
         tensor_parallel_size=fingerprint.tensor_parallel_size,
         stage_first_layers=fingerprint.stage_first_layers,
+        draft=fingerprint.draft,
     )
 
 
@@ -62,6 +63,7 @@ def fingerprint_from_proto(message: disaggregation_pb2.Fingerprint) -> Fingerpri
         head_dim=message.head_dim,
         tensor_parallel_size=message.tensor_parallel_size,
         stage_first_layers=tuple(message.stage_first_layers) or (0,),
+        draft=message.draft,
     )
 
 

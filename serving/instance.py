@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -42,7 +43,7 @@ from engine.pipeline_parallel.stages import plan_stages
 from engine_args.config import engine_config_from_args
 from engine_args.flags import add_device_argument, add_engine_arguments
 from kv_connector.base import KVConnector, TransferStats
-from kv_connector.fingerprint import Fingerprint, model_identity
+from kv_connector.fingerprint import Fingerprint, medusa_draft, model_identity
 from kv_connector.registry import add_kv_connector_arguments, make_connector
 from serving.convert import fingerprint_to_proto
 from serving.kv_event_pages import KVEventPages
@@ -113,6 +114,7 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
 def fingerprint_of(core: EngineCore) -> Fingerprint:
     shape = core.runner.shape
     stages = plan_stages(shape.num_layers, core.config.pipeline_parallel_size, core.config.pipeline_stage_layers)
+    spec = core.config.speculative  # the config's: the prefill role's core keeps no speculative method
     return Fingerprint(
         # Weights quantized at load are another model's: their KV is not the float checkpoint's.
         model=model_identity(core.model_path) + (f"+{core.config.quantization}" if core.config.quantization else ""),
@@ -123,6 +125,8 @@ def fingerprint_of(core: EngineCore) -> Fingerprint:
         head_dim=shape.head_dim,
         tensor_parallel_size=core.config.tensor_parallel_size,
         stage_first_layers=tuple(stage.layers.start for stage in stages),
+        # Medusa's drafts cross the hand-off, on P and on D alike; other methods draft on D alone.
+        draft=medusa_draft(Path(spec.model or "")) if spec is not None and spec.method == "medusa" else "",
     )
 
 

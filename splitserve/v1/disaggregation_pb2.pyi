@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Fingerprint(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size", "stage_first_layers")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size", "stage_first_layers", "draft")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Fingerprint(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIRST_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -25,7 +26,8 @@ class Fingerprint(_message.Message):
     head_dim: int
     tensor_parallel_size: int
     stage_first_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., stage_first_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., stage_first_layers: _Optional[_Iterable[int]] = ..., draft: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("connector", "connector_address", "block_ids", "num_tokens", "fingerprint", "prefill_address", "lease_s", "request_id", "pull_token", "signature", "chunk_digests", "rank_connector_addresses", "draft_token_ids")

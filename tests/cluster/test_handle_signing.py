@@ -31,6 +31,8 @@ def make_handle() -> disaggregation_pb2.KVHandle:
             num_kv_heads=2,
             head_dim=8,
             tensor_parallel_size=1,
+            stage_first_layers=[0],
+            draft="medusa:heads-0123",
         ),
         prefill_address="10.0.0.1:50061",
         lease_s=30.0,
@@ -91,6 +93,23 @@ def test_every_field_is_covered_by_the_signature(name: str) -> None:
     """A field added to KVHandle later fails here until handle_signing covers it."""
     handle = signed()
     altered(name, handle)
+    assert handle != signed()
+    with pytest.raises(HandleRejected, match="does not match"):
+        verify_handle(handle, PROMPT, KEY)
+
+
+@pytest.mark.parametrize("name", [f.name for f in disaggregation_pb2.Fingerprint.DESCRIPTOR.fields])
+def test_every_fingerprint_field_is_covered_by_the_signature(name: str) -> None:
+    """D checks the handle's fingerprint against its own (the drafter included): a fingerprint
+    field added later fails here until handle_signing covers it."""
+    handle = signed()
+    field = handle.fingerprint.DESCRIPTOR.fields_by_name[name]
+    if field.is_repeated:
+        getattr(handle.fingerprint, name).append(1)
+    elif field.type == FieldDescriptor.TYPE_STRING:
+        setattr(handle.fingerprint, name, getattr(handle.fingerprint, name) + "x")
+    else:
+        setattr(handle.fingerprint, name, getattr(handle.fingerprint, name) + 1)
     assert handle != signed()
     with pytest.raises(HandleRejected, match="does not match"):
         verify_handle(handle, PROMPT, KEY)

@@ -23,3 +23,15 @@ def test_the_stages_survive_the_proto() -> None:
     pipelined = Fingerprint(**{**{f: getattr(BASE, f) for f in BASE.__slots__}, "stage_first_layers": (0, 1, 3)})
     assert fingerprint_from_proto(fingerprint_to_proto(pipelined)) == pipelined
     assert fingerprint_from_proto(fingerprint_to_proto(BASE)) == BASE
+
+
+def test_drafters_pair_as_the_instances_check_them() -> None:
+    """The gateway never pairs what the instances would refuse: two Medusa head sets that differ
+    do not pair, a side without heads pairs with either, whatever the shapes."""
+    heads_a = Fingerprint(**{**{f: getattr(BASE, f) for f in BASE.__slots__}, "draft": "medusa:heads-aaaa"})
+    heads_b = Fingerprint(**{**{f: getattr(BASE, f) for f in BASE.__slots__}, "draft": "medusa:heads-bbbb"})
+    wide_a = Fingerprint(**{**{f: getattr(heads_a, f) for f in BASE.__slots__}, "tensor_parallel_size": 2})
+    assert not kv_compatible(fingerprint_to_proto(heads_a), fingerprint_to_proto(heads_b))
+    for mine, theirs in [(heads_a, BASE), (BASE, heads_b), (heads_a, wide_a), (wide_a, BASE)]:
+        assert kv_compatible(fingerprint_to_proto(mine), fingerprint_to_proto(theirs))
+    assert fingerprint_from_proto(fingerprint_to_proto(wide_a)) == wide_a

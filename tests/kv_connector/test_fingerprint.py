@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError, model_identity
+from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError, medusa_draft, model_identity
 from tests.checkpoints import make_checkpoint
 
 BASE = Fingerprint(model="m-1", dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
@@ -105,3 +105,37 @@ def test_kv_caches_of_other_dtypes_or_scale_layouts_refuse_to_pair() -> None:
         ):
             mine.check_compatible(theirs, this_side="decode", other_side="prefill")
     int8.check_compatible(Fingerprint(**{**fields, "dtype": "int8/f32-token-head"}))
+
+
+def with_fields(fingerprint: Fingerprint, **change: object) -> Fingerprint:
+    return Fingerprint(**{**{f: getattr(fingerprint, f) for f in fingerprint.__slots__}, **change})
+
+
+def test_drafters_that_differ_refuse_to_pair_naming_both() -> None:
+    """D would verify drafts from Medusa heads it does not have."""
+    mine, theirs = with_fields(BASE, draft="medusa:heads-aaaa"), with_fields(BASE, draft="medusa:heads-bbbb")
+    named = "draft: decode has 'medusa:heads-aaaa', prefill has 'medusa:heads-bbbb'"
+    with pytest.raises(FingerprintMismatchError, match=named):
+        mine.check_compatible(theirs, this_side="decode", other_side="prefill")
+    mine.check_compatible(with_fields(BASE, draft="medusa:heads-aaaa"))
+
+
+def test_no_drafter_on_either_side_pairs_and_the_layout_stays_free() -> None:
+    """A P without heads sends no drafts; a D without heads ignores P's. Shapes still may differ."""
+    drafting = with_fields(BASE, draft="medusa:heads-aaaa", stage_first_layers=(0, 15))
+    for mine, theirs in [(drafting, BASE), (BASE, drafting), (with_fields(BASE, tensor_parallel_size=3), drafting)]:
+        mine.check_compatible(theirs)
+    # The drafter is no licence for other KV: a differing field is still refused, by itself.
+    with pytest.raises(FingerprintMismatchError) as refused:
+        drafting.check_compatible(with_fields(BASE, block_size=32), this_side="decode", other_side="prefill")
+    assert "block_size: decode has 16, prefill has 32" in str(refused.value) and "draft" not in str(refused.value)
+
+
+def test_medusa_draft_tells_head_sets_apart(tmp_path: Path) -> None:
+    from tests.engine.spec_decode.medusa_heads import make_medusa_heads
+
+    heads = make_medusa_heads(tmp_path / "heads", "vllm", seed=0)
+    other = make_medusa_heads(tmp_path / "other" / "heads", "vllm", seed=1)  # same name and config, other weights
+    medusa_1 = make_medusa_heads(tmp_path / "medusa-1" / "heads", "medusa-1", seed=0)
+    assert medusa_draft(heads) == medusa_draft(heads) and medusa_draft(heads).startswith("medusa:heads-")
+    assert len({medusa_draft(heads), medusa_draft(other), medusa_draft(medusa_1)}) == 3

@@ -294,6 +294,9 @@ def test_keys_tell_every_fingerprint_field_apart() -> None:
     # Heads are stored apart: ranks of any tensor-parallel size read each other's keys.
     split = type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "tensor_parallel_size": 2})
     assert key_model_name(split) == key_model_name(base)
+    # So does a D without Medusa heads read what a P with heads stored: the drafter crosses beside the KV.
+    drafting = type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "draft": "medusa:heads-0123"})
+    assert key_model_name(drafting) == key_model_name(base)
     odd = key_model_name(
         type(base)(**{**{f: getattr(base, f) for f in base.__slots__}, "model": "a@b%c d/" + "x" * 100})
     )

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -226,6 +226,18 @@ def test_wire_refuses_message_plans_that_are_not_positive_counts() -> None:
     for bad in ([0, 2], [True, 1], "2", None):
         with pytest.raises(WireError, match="message_blocks"):
             decode_pull_body(credentials, json.dumps({**body, "message_blocks": bad}).encode())
+
+
+def test_wire_carries_the_drafter_and_refuses_one_that_is_not_a_string() -> None:
+    drafting = replace(fingerprint(), draft="medusa:heads-0123")
+    request = PullRequest("r", [1, 2], drafting, message_blocks=[2])
+    assert decode_pull_request(encode(request)).fingerprint == drafting
+    credentials, body = frame_and_body(request)
+    assert isinstance(body["fingerprint"], dict)
+    for bad in (7, None, ["medusa:heads-0123"]):
+        with pytest.raises(WireError, match="fingerprint.draft"):
+            altered = {**body, "fingerprint": {**body["fingerprint"], "draft": bad}}
+            decode_pull_body(credentials, json.dumps(altered).encode())
 
 
 # ------------------------------------------------------------- two processes
