@@ -268,9 +268,13 @@ class StatusResponse(BaseModel):
 
 
 def describe_fingerprint(fingerprint: disaggregation_pb2.Fingerprint) -> str:
+    # A report from before the fields leaves them unset: one rank, one stage.
+    parallel = f"TP {max(fingerprint.tensor_parallel_size, 1)}"
+    if len(fingerprint.stage_first_layers) > 1:
+        parallel += f" x PP {len(fingerprint.stage_first_layers)}"
     return (
         f"{fingerprint.model} {fingerprint.dtype} block {fingerprint.block_size}, {fingerprint.num_layers} layers, "
-        f"{fingerprint.num_kv_heads} KV heads x {fingerprint.head_dim}, TP {max(fingerprint.tensor_parallel_size, 1)}"
+        f"{fingerprint.num_kv_heads} KV heads x {fingerprint.head_dim}, {parallel}"
     )
 
 
