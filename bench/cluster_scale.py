@@ -1,5 +1,5 @@
 """The cluster's own traffic and the gateway's memory at scale: dozens of simulated instances
-heartbeating into Redis and answering several gateways' polls (issue 38, item 4).
+heartbeating into Redis and pushing their KV events to several gateways (issue 38, item 4).
 
     python -m bench.cluster_scale --output-dir /tmp/cluster-scale --num-instances 64 --num-gateways 4
 
@@ -21,11 +21,16 @@ simulated instances (``splitserve simulate``, half prefill and half decode, in
    - discovery: Redis commands per second by command (``INFO commandstats``; the bench's own
      ``INFO`` left out), its network bytes (``INFO stats``); heartbeats per second are its SETs,
      as only instances write;
-   - polls: gRPC calls per second the instances received, by method (each instance's
-     ``splitserve_engine_grpc_calls_total``, ``cluster/call_counts.py``): ``GetKVEvents``,
-     ``GetLoadReport``, the health ``Check``, and during load the requests' own calls;
+   - the cluster's own calls: gRPC calls per second the instances received, by method (each
+     instance's ``splitserve_engine_grpc_calls_total``, ``cluster/call_counts.py``):
+     ``WatchKVEvents`` (KV-event subscriptions: one call per stream, however many messages it
+     pushes), ``GetKVEvents`` (the paged reads a subscription resyncs by, and the polls of an
+     instance that refuses one), ``GetLoadReport``, the health ``Check``, and during load the
+     requests' own calls; and the calls since start, by method, once the loaded window ends.
+     The pushed messages are not counted by the instances: their bytes are in the gateways'
+     with the instances, below;
    - bytes per second over TCP, each group's sockets by peer (the gateways' with the instances:
-     polls, KV events and requests; with Redis; with the client), from the kernel's
+     pushed KV events, polls and requests; with Redis; with the client), from the kernel's
      per-connection counters (``bench/socket_bytes.py``; a connection closed within the
      window is missed, and the cluster's stay open);
    - CPU (cores) and resident memory of each group: gateways, instance processes, Redis, this
@@ -78,10 +83,18 @@ from launcher.processes import free_port
 logger = logging.getLogger(__name__)
 
 CALLS_METRIC = "splitserve_engine_grpc_calls"
-KV_EVENTS = "/splitserve.v1.Load/GetKVEvents"
-# The polls a gateway may make of each instance: shown even when none was made (with Redis,
-# load reports ride on the heartbeats, and an instance is polled only once its report is stale).
-POLL_METHODS = (KV_EVENTS, "/splitserve.v1.Load/GetLoadReport", "/grpc.health.v1.Health/Check")
+KV_EVENT_SUBSCRIPTIONS = "/splitserve.v1.Load/WatchKVEvents"
+KV_EVENT_READS = "/splitserve.v1.Load/GetKVEvents"
+# The calls a gateway may make of each instance on its own account: shown even when none was
+# made. Once subscribed, a gateway calls nothing for KV events until a stream ends (its lifetime)
+# or resyncs; with Redis, load reports ride on the heartbeats, and an instance is polled only
+# once its report is stale.
+CLUSTER_METHODS = (
+    KV_EVENT_SUBSCRIPTIONS,
+    KV_EVENT_READS,
+    "/splitserve.v1.Load/GetLoadReport",
+    "/grpc.health.v1.Health/Check",
+)
 
 
 @dataclass(slots=True)
@@ -155,7 +168,7 @@ def window_figures(cluster: Cluster, before: Snapshot, after: Snapshot) -> dict:
     calls_s = after.calls_at - before.calls_at
     calls = {
         method: (after.calls.get(method, 0.0) - before.calls.get(method, 0.0)) / calls_s
-        for method in sorted(set(after.calls) | set(POLL_METHODS))
+        for method in sorted(set(after.calls) | set(CLUSTER_METHODS))
     }
     proc_s = after.proc_at - before.proc_at
     sockets_s = after.sockets_at - before.sockets_at
@@ -175,7 +188,7 @@ def window_figures(cluster: Cluster, before: Snapshot, after: Snapshot) -> dict:
         "redis_net_in_bytes_per_s": (after.redis_net_bytes[0] - before.redis_net_bytes[0]) / redis_s,
         "redis_net_out_bytes_per_s": (after.redis_net_bytes[1] - before.redis_net_bytes[1]) / redis_s,
         "grpc_calls_per_s": sum(calls.values()),
-        "grpc_calls_per_s_by_method": {m: rate for m, rate in calls.items() if rate > 0 or m in POLL_METHODS},
+        "grpc_calls_per_s_by_method": {m: rate for m, rate in calls.items() if rate > 0 or m in CLUSTER_METHODS},
         "socket_bytes_per_s": socket_bytes,
         "groups": {group: asdict(group_rates(before.procs[group], after.procs[group], proc_s)) for group in GROUPS},
     }
@@ -257,6 +270,8 @@ def measure(args: argparse.Namespace, cluster: Cluster, env: dict[str, str], log
     idle = window_figures(cluster, before, snapshot(cluster, client))
     idle_rss = rss_by_gateway(cluster)
     loaded = asyncio.run(loaded_window(cluster, client, args, model))
+    # Since start: the subscriptions (and first-contact resyncs) happen before the windows.
+    calls_since_start = calls_by_method(cluster)
     # The slope from the first stage's instances, or from none when there is one process a role.
     baseline, num_added = (
         (rss_first, args.num_instances - num_first)
@@ -277,15 +292,22 @@ def measure(args: argparse.Namespace, cluster: Cluster, env: dict[str, str], log
         ],
     }
     # What the settings imply, beside what was counted: a heartbeat every --heartbeat-seconds (plus
-    # the SET's own time) per instance, a KV-event poll every --poll-interval per gateway and instance.
+    # the SET's own time) per instance; a KV-event subscription per gateway and instance at least;
+    # and, to read the KV-event calls against, what polling every instance every --poll-interval
+    # costs (the gateways before events were pushed, or one whose instances refuse subscriptions).
     expected = {
         "heartbeats_per_s_at_most": args.num_instances / args.heartbeat_seconds,
-        "kv_event_polls_per_s_at_most": args.num_gateways * args.num_instances / args.poll_interval,
+        "kv_event_subscriptions_since_start_at_least": args.num_gateways * args.num_instances,
+        "kv_event_polls_per_s_if_polled": args.num_gateways * args.num_instances / args.poll_interval,
     }
     return {
         "idle": idle,
         "loaded": loaded,
         "memory": memory,
+        "grpc_calls_since_start_by_method": {
+            method: calls_since_start.get(method, 0.0)
+            for method in sorted(set(calls_since_start) | set(CLUSTER_METHODS))
+        },
         "expected": expected,
         "num_instances_first_stage": num_first,
     }
@@ -304,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=int, default=64)
     parser.add_argument("--profile", default="llama-3.1-8b-h100", help="the instances' timing profile")
     parser.add_argument("--heartbeat-seconds", type=float, default=1.0, help="the instances' registry heartbeat")
-    parser.add_argument("--poll-interval", type=float, default=0.5, help="the gateways' registry scan and KV polls")
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="the gateways' scans, resubscriptions, polls")
     args = parser.parse_args(argv)
     if args.num_instances < 2 or args.num_instances % 2:
         raise ValueError(

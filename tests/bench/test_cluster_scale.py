@@ -1,7 +1,8 @@
 """``python -m bench.cluster_scale`` on a small cluster (4 simulated instances in 4 processes,
 2 gateways): every figure is there and none is negative, and what it counted agrees with the
-cluster's settings: a heartbeat per instance per period, a KV-event poll per gateway and
-instance per poll interval, the requests' own calls under load and none failed.
+cluster's settings: a heartbeat per instance per period, a KV-event subscription per gateway and
+instance and no KV-event polling once subscribed, the requests' own calls under load and none
+failed.
 
 The benchmark starts and stops its processes itself (by pid, in a ``finally``); it runs in the
 test's process, so that a failing test still stops them."""
@@ -12,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from bench.cluster_scale import KV_EVENTS, POLL_METHODS, main
+from bench.cluster_scale import CLUSTER_METHODS, KV_EVENT_READS, KV_EVENT_SUBSCRIPTIONS, main
 
 NUM_INSTANCES = 4
 NUM_GATEWAYS = 2
@@ -49,20 +50,32 @@ def test_a_small_cluster_reports_every_figure_and_counts_agree_with_its_settings
         assert figures["heartbeats_per_s"] == figures["redis_commands_per_s_by_command"]["set"]
         assert 0.5 * NUM_INSTANCES / HEARTBEAT_S < figures["heartbeats_per_s"] <= 1.2 * NUM_INSTANCES / HEARTBEAT_S
         assert figures["redis_commands_per_s_by_command"]["scan"] > 0, "the gateways scan the registry"
-        kv_polls = figures["grpc_calls_per_s_by_method"][KV_EVENTS]
-        assert 0 < kv_polls <= 1.2 * NUM_GATEWAYS * NUM_INSTANCES / POLL_INTERVAL_S
-        assert set(POLL_METHODS) <= set(figures["grpc_calls_per_s_by_method"])
-        assert figures["socket_bytes_per_s"]["gateways"]["instances"]["sent"] > 0
+        # Subscribed before the window, the gateways make no KV-event call in it unless a stream
+        # ends or resyncs: fewer than one round of calls to every instance, where polling every
+        # --poll-interval would make one round per interval.
+        by_method = figures["grpc_calls_per_s_by_method"]
+        kv_event_calls = (by_method[KV_EVENT_SUBSCRIPTIONS] + by_method[KV_EVENT_READS]) * figures["seconds"]
+        assert kv_event_calls < NUM_GATEWAYS * NUM_INSTANCES, f"{window}: {by_method}"
+        assert set(CLUSTER_METHODS) <= set(by_method)
         assert figures["socket_bytes_per_s"]["gateways"]["redis"]["received"] > 0
         for group in ("gateways", "instances", "redis", "client"):
             assert figures["groups"][group]["rss_bytes"] > 0, group
-        # Redis and the client may use less than a clock tick in a short window; the others poll.
+        # Redis and the client may use less than a clock tick in a short window; the gateways scan
+        # the registry and the instances heartbeat.
         assert figures["groups"]["gateways"]["cpu_cores"] > 0 and figures["groups"]["instances"]["cpu_cores"] > 0
     idle, loaded = result["idle"], result["loaded"]
-    assert set(idle["grpc_calls_per_s_by_method"]) == set(POLL_METHODS), "no request is sent while idle"
+    assert set(idle["grpc_calls_per_s_by_method"]) == set(CLUSTER_METHODS), "no request is sent while idle"
     by_method = loaded["grpc_calls_per_s_by_method"]
     assert by_method["/splitserve.v1.Prefill/Prefill"] > 0 and by_method["/splitserve.v1.Decode/Decode"] > 0
     assert loaded["load"]["tokens_per_s"] > 0 and loaded["load"]["num_failed"] == 0
+    # The requests' calls, and the prefix-cache changes pushed down the subscriptions.
+    assert loaded["socket_bytes_per_s"]["gateways"]["instances"]["sent"] > 0
+    assert loaded["socket_bytes_per_s"]["gateways"]["instances"]["received"] > 0
+    # Every gateway subscribed to every instance, and read each one's events once to start from
+    # (its first subscription, from no cursor, is answered with a resync marker).
+    since_start = result["grpc_calls_since_start_by_method"]
+    assert since_start[KV_EVENT_SUBSCRIPTIONS] >= result["expected"]["kv_event_subscriptions_since_start_at_least"]
+    assert since_start[KV_EVENT_READS] >= NUM_GATEWAYS * NUM_INSTANCES
     assert loaded["socket_bytes_per_s"]["client"]["gateways"]["received"] > 0
 
     memory = result["memory"]
