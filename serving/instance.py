@@ -212,7 +212,7 @@ class Instance:
             connector = make_connector(args.kv_connector, engine.core.runner.kv_cache, fingerprint, options | stage)
             executor = engine.core.runner.tensor_parallel
             if ranked and executor is not None:
-                connector = RankedConnector(connector, executor.extension_channels, args.kv_connector, options)
+                connector = RankedConnector(connector, executor.named_extension_channels, args.kv_connector, options)
         return cls.assemble(args, role, engine, connector, fingerprint, plane)
 
     @classmethod

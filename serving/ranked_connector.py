@@ -46,13 +46,17 @@ class RankedConnector(KVConnector):
     """Rank 0's connector and the other ranks' agents, as one connector; ``local`` holds the
     last stage's layers (its tensor-parallel rank 0), as rank 0's cache does."""
 
-    def __init__(self, local: KVConnector, channels: list[Connection], backend: str, options: dict[str, Any]) -> None:
+    def __init__(
+        self, local: KVConnector, channels: list[tuple[str, Connection]], backend: str, options: dict[str, Any]
+    ) -> None:
+        """``channels``: each other rank's channel, with how errors name that rank
+        (``TensorParallelExecutor.named_extension_channels``)."""
         super().__init__(local.kv_cache, local.fingerprint)
         self.name = local.name
         self.local = local
         self.backend, self.options = backend, options
         self.rank_addresses: list[str] = []
-        self._ranks = [_RankChannel(rank, channel) for rank, channel in enumerate(channels, start=1)]
+        self._ranks = [_RankChannel(name, channel) for name, channel in channels]
 
     async def start(self, host: str, port: int) -> str:
         address = await self.local.start(host, port)
@@ -151,8 +155,10 @@ class RankedConnector(KVConnector):
 class _RankChannel:
     """Rank 0's end of one agent's channel: calls, and a thread reading the answers."""
 
-    def __init__(self, rank: int, channel: Connection) -> None:
-        self.rank = rank
+    def __init__(self, name: str, channel: Connection) -> None:
+        # The worker's own name (engine/tensor_parallel/worker.py rank_name): with pipeline stages,
+        # a channel's number is no rank's number.
+        self.name = name
         self._channel = channel
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -163,12 +169,14 @@ class _RankChannel:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._reader = threading.Thread(target=self._read, name=f"rank{self.rank}-kv-channel", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, name=f"{self.name.replace(' ', '-')}-kv-channel", daemon=True
+        )
         self._reader.start()
 
     async def call(self, op: str, **fields: object) -> dict[str, Any]:
         if not self.alive:
-            raise KVTransferError(f"tensor-parallel rank {self.rank} is gone")
+            raise KVTransferError(f"{self.name} is gone")
         call_id = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = future
@@ -177,10 +185,10 @@ class _RankChannel:
                 self._channel.send_bytes(json.dumps({"id": call_id, "op": op, **fields}).encode())
         except OSError:
             self._waiting.pop(call_id, None)
-            raise KVTransferError(f"tensor-parallel rank {self.rank} is gone") from None
+            raise KVTransferError(f"{self.name} is gone") from None
         answer = await future
         if not answer.get("ok"):
-            raise KVTransferError(f"rank {self.rank}: {answer.get('error', 'failed')}")
+            raise KVTransferError(f"{self.name}: {answer.get('error', 'failed')}")
         return answer
 
     def stop(self) -> None:
@@ -210,7 +218,7 @@ class _RankChannel:
     def _fail_all(self) -> None:
         for future in self._waiting.values():
             if not future.done():
-                future.set_exception(KVTransferError(f"tensor-parallel rank {self.rank} is gone"))
+                future.set_exception(KVTransferError(f"{self.name} is gone"))
         self._waiting.clear()
 
 

@@ -87,6 +87,13 @@ class TensorParallelExecutor:
         if group is not None:
             group.watch_peers(lambda: all(process.is_alive() for process, _ in workers))
 
+    @property
+    def named_extension_channels(self) -> list[tuple[str, Connection]]:
+        """Each worker extension channel, with how errors name the rank at its other end."""
+        if not self.extension_channels:  # no worker extension: no channel to name
+            return []
+        return list(zip(self._worker_names, self.extension_channels, strict=True))
+
     @classmethod
     def start(cls, config: EngineConfig, model_path: Path, device: torch.device) -> TensorParallelExecutor:
         """Spawn every rank but rank 0 and join the last stage's group with its workers (rank 0

@@ -377,13 +377,14 @@ def test_a_worker_extension_runs_in_every_rank_of_every_stage_beside_its_layers(
         executor = llm.engine.runner.tensor_parallel
         assert executor is not None
         num_blocks = llm.engine.runner.num_blocks
-        said = sorted(channel.recv_bytes().decode() for channel in executor.extension_channels)
-    # Every rank but rank 0 (stage 1's rank 0): its heads of its stage's layers, block size 16, head dim 8.
-    assert said == [
-        f"stage 0 rank 0 [0, 1] {num_blocks},1,2,16,2,8",
-        f"stage 0 rank 1 [2, 3] {num_blocks},1,2,16,2,8",
-        f"stage 1 rank 1 [2, 3] {num_blocks},{NUM_LAYERS - 1},2,16,2,8",
-    ]
+        said = {name: channel.recv_bytes().decode() for name, channel in executor.named_extension_channels}
+    # Every rank but rank 0 (stage 1's rank 0): its heads of its stage's layers, block size 16, head dim 8;
+    # each channel named as errors name the rank at its other end (serving/ranked_connector.py).
+    assert said == {
+        "pipeline stage 0 tensor-parallel rank 0": f"stage 0 rank 0 [0, 1] {num_blocks},1,2,16,2,8",
+        "pipeline stage 0 tensor-parallel rank 1": f"stage 0 rank 1 [2, 3] {num_blocks},1,2,16,2,8",
+        "pipeline stage 1 tensor-parallel rank 1": f"stage 1 rank 1 [2, 3] {num_blocks},{NUM_LAYERS - 1},2,16,2,8",
+    }
 
 
 def test_a_split_the_model_cannot_take_is_refused_before_any_process_starts(llama_4_kv_heads: Path) -> None:
