@@ -339,3 +339,32 @@ def test_medusa_drafts_cross_the_hand_off_in_the_signed_handle(model: Path, colo
         run_decode(d, "medusa-1", prompt, prefilled, sampling=short)
         assert d.load().counters.num_spec_draft_tokens == drafted + 1
         assert_all_free(p, d)
+
+
+def test_other_medusa_heads_refuse_the_handle_naming_both(
+    model: Path, decode: Service, colocated: LLM, tmp_path: Path
+) -> None:
+    """A D with other heads than P's would verify drafts from heads it does not have: the Decode
+    call is refused naming both drafters. A D without heads takes the same handle (it ignores
+    P's drafts)."""
+    from kv_connector.fingerprint import medusa_draft
+    from tests.engine.spec_decode.medusa_heads import make_medusa_heads
+
+    heads = make_medusa_heads(tmp_path / "heads", "vllm", seed=0)
+    other = make_medusa_heads(tmp_path / "other" / "heads", "vllm", seed=1)  # same name, other weights
+    with (
+        running("prefill", model, "--speculative-config", json.dumps({"method": "medusa", "model": str(heads)})) as p,
+        running("decode", model, "--speculative-config", json.dumps({"method": "medusa", "model": str(other)})) as d,
+    ):
+        prompt = random_prompts([21], seed=30)[0]
+        prefilled = run_prefill(p, "other-heads", prompt)
+        assert prefilled.kv.fingerprint.draft == medusa_draft(heads) and prefilled.kv.draft_token_ids
+        with pytest.raises(grpc.RpcError) as raised:
+            run_decode(d, "other-heads", prompt, prefilled)
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        named = f"draft: decode has '{medusa_draft(other)}', prefill has '{medusa_draft(heads)}'"
+        assert named in raised.value.details()
+        assert_all_free(d)
+        tokens, _ = run_decode(decode, "other-heads", prompt, prefilled)
+        assert tokens == expected_tokens(colocated, prompt)
+        assert_all_free(p, decode)
