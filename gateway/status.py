@@ -272,9 +272,11 @@ def describe_fingerprint(fingerprint: disaggregation_pb2.Fingerprint) -> str:
     parallel = f"TP {max(fingerprint.tensor_parallel_size, 1)}"
     if len(fingerprint.stage_first_layers) > 1:
         parallel += f" x PP {len(fingerprint.stage_first_layers)}"
+    # The drafter decides pairing too (cluster/draft_pairing.py): shown where there is one.
+    draft = f", drafts by {fingerprint.draft}" if fingerprint.draft else ""
     return (
         f"{fingerprint.model} {fingerprint.dtype} block {fingerprint.block_size}, {fingerprint.num_layers} layers, "
-        f"{fingerprint.num_kv_heads} KV heads x {fingerprint.head_dim}, {parallel}"
+        f"{fingerprint.num_kv_heads} KV heads x {fingerprint.head_dim}, {parallel}{draft}"
     )
 
 
