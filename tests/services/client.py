@@ -106,3 +106,27 @@ def assert_all_free(*services: Service) -> None:
         report = service.wait_all_free()
         assert report.num_free_blocks == report.num_total_blocks, f"{service.address} leaked blocks"
         assert report.num_running == report.num_waiting == 0
+
+
+def assert_pulled_only_what_decode_lacked(
+    transfer: disaggregation_pb2.KVTransfer, num_blocks: int, num_local_hit_blocks: int
+) -> None:
+    """D's first response says it skipped exactly its own prefix-cache hits and pulled the rest of
+    the prompt's ``num_blocks`` blocks."""
+    assert transfer.num_local_hit_blocks == num_local_hit_blocks
+    assert transfer.num_pulled_blocks == num_blocks - num_local_hit_blocks
+
+
+def assert_an_abort_during_the_hand_off_frees_every_block(
+    prefill: Service, decode: Service, request_id: str, prompt: list[int]
+) -> None:
+    """A Decode call aborted once its KV has arrived ends with "abort", and neither side holds a
+    block after."""
+    prefilled = run_prefill(prefill, request_id, prompt)
+    stub = disaggregation_pb2_grpc.DecodeStub(decode.channel)
+    sampling = generation_pb2.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    call = stub.Decode(decode_request(request_id, prompt, prefilled, sampling=sampling), timeout=60)
+    next(call)  # decoding: the KV has arrived
+    stub.Abort(disaggregation_pb2.RequestRef(request_id=request_id), timeout=5)
+    assert [response for response in call][-1].finish_reason == "abort"
+    assert_all_free(prefill, decode)

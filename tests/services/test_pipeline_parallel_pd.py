@@ -12,9 +12,16 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
+from splitserve.v1 import disaggregation_pb2
 from tests.checkpoints import make_checkpoint, random_prompts
-from tests.services.client import GREEDY, assert_all_free, decode_request, expected_tokens, run_decode, run_prefill
+from tests.services.client import (
+    assert_all_free,
+    assert_an_abort_during_the_hand_off_frees_every_block,
+    assert_pulled_only_what_decode_lacked,
+    expected_tokens,
+    run_decode,
+    run_prefill,
+)
 from tests.services.processes import Service, running
 
 pytest.importorskip("ucxx")
@@ -107,26 +114,16 @@ def test_tokens_equal_colocated_and_every_layer_and_head_moves_once(
         tokens, responses = run_decode(decode, request_id, prompt, prefilled)
         assert tokens == expected_tokens(colocated, prompt)
         transfer = responses[0].kv_transfer
-        num_blocks = len(prefilled.kv.block_ids)
-        if index == 0:
-            assert transfer.num_local_hit_blocks == 0
-        else:  # the shared 32 tokens are D's own prefix-cache hits now: not pulled
-            assert transfer.num_local_hit_blocks == 2
-        assert transfer.num_pulled_blocks == num_blocks - transfer.num_local_hit_blocks
+        # From the second on, the shared 32 tokens are D's own prefix-cache hits: not pulled.
+        assert_pulled_only_what_decode_lacked(transfer, len(prefilled.kv.block_ids), 0 if index == 0 else 2)
         assert transfer.num_bytes == transfer.num_pulled_blocks * BLOCK_BYTES
     assert_all_free(prefill, decode)
 
 
 def test_an_abort_during_the_hand_off_frees_every_block(prefill_pp2: Service, decode_pp2: Service) -> None:
-    prompt = random_prompts([40], seed=89)[0]
-    prefilled = run_prefill(prefill_pp2, "abort-pp", prompt)
-    stub = disaggregation_pb2_grpc.DecodeStub(decode_pp2.channel)
-    sampling = GREEDY.__class__(temperature=0.0, max_tokens=500, ignore_eos=True)
-    call = stub.Decode(decode_request("abort-pp", prompt, prefilled, sampling=sampling), timeout=60)
-    next(call)  # decoding: the KV has arrived
-    stub.Abort(disaggregation_pb2.RequestRef(request_id="abort-pp"), timeout=5)
-    assert [response for response in call][-1].finish_reason == "abort"
-    assert_all_free(prefill_pp2, decode_pp2)
+    assert_an_abort_during_the_hand_off_frees_every_block(
+        prefill_pp2, decode_pp2, "abort-pp", random_prompts([40], seed=89)[0]
+    )
 
 
 @pytest.mark.slow  # four prefill ranks started for this test alone

@@ -13,9 +13,15 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.checkpoints import make_checkpoint, random_prompts
-from tests.services.client import GREEDY, assert_all_free, decode_request, expected_tokens, run_decode, run_prefill
+from tests.services.client import (
+    assert_all_free,
+    assert_an_abort_during_the_hand_off_frees_every_block,
+    assert_pulled_only_what_decode_lacked,
+    expected_tokens,
+    run_decode,
+    run_prefill,
+)
 from tests.services.processes import Service, running
 
 pytest.importorskip("ucxx")
@@ -110,12 +116,8 @@ def test_tokens_equal_colocated_and_every_head_moves_once(
         tokens, responses = run_decode(decode, request_id, prompt, prefilled)
         assert tokens == expected_tokens(colocated, prompt)
         transfer = responses[0].kv_transfer
-        num_blocks = len(prefilled.kv.block_ids)
-        if index == 0:
-            assert transfer.num_local_hit_blocks == 0
-        else:  # the shared 32 tokens are D's own prefix-cache hits now: not pulled
-            assert transfer.num_local_hit_blocks == 2
-        assert transfer.num_pulled_blocks == num_blocks - transfer.num_local_hit_blocks
+        # From the second on, the shared 32 tokens are D's own prefix-cache hits: not pulled.
+        assert_pulled_only_what_decode_lacked(transfer, len(prefilled.kv.block_ids), 0 if index == 0 else 2)
         if "lmcache" in prefill_name:
             assert len(prefilled.kv.chunk_digests) == NUM_KV_HEADS  # one chunk, each head apart
             # A store hands out whole chunks (here one: the whole prompt), each head once.
@@ -126,17 +128,9 @@ def test_tokens_equal_colocated_and_every_head_moves_once(
 
 
 def test_an_abort_during_the_hand_off_frees_every_block(prefill_tp2: Service, decode_tp4: Service) -> None:
-    prompt = random_prompts([40], seed=73)[0]
-    prefilled = run_prefill(prefill_tp2, "abort-tp", prompt)
-    stub = disaggregation_pb2_grpc.DecodeStub(decode_tp4.channel)
-    sampling = GREEDY.__class__(temperature=0.0, max_tokens=500, ignore_eos=True)
-    call = stub.Decode(decode_request("abort-tp", prompt, prefilled, sampling=sampling), timeout=60)
-    next(call)  # decoding: the KV has arrived
-    disaggregation_pb2_grpc.DecodeStub(decode_tp4.channel).Abort(
-        disaggregation_pb2.RequestRef(request_id="abort-tp"), timeout=5
+    assert_an_abort_during_the_hand_off_frees_every_block(
+        prefill_tp2, decode_tp4, "abort-tp", random_prompts([40], seed=73)[0]
     )
-    assert [response for response in call][-1].finish_reason == "abort"
-    assert_all_free(prefill_tp2, decode_tp4)
 
 
 @pytest.mark.slow
