@@ -15,7 +15,8 @@ import httpx
 from launcher.processes import splitserve_command
 from planner.drain import held
 from tests.gateway.processes import HTTPProcess
-from tests.simulator.cluster import MODEL, SECRET, SimulatedInstances, prompt, ready_counts, wait_for, write_profile
+from tests.planner.registry_gateway import registry_gateway
+from tests.simulator.cluster import MODEL, SimulatedInstances, prompt, ready_counts, wait_for, write_profile
 from tests.stores import free_port, start_redis, stop
 
 NUM_TOKENS = 300  # some 10 s at the time scale: the drain's decisions fall inside the stream
@@ -71,18 +72,7 @@ def test_the_drain_hook_returns_only_once_the_instance_holds_nothing(tmp_path: P
             "decode", 1, profile, registry_url, "drain-decode", "--time-scale", "4", "--metrics-port", str(metrics_port)
         )
         started.append(decode)
-        port = free_port()
-        gateway = HTTPProcess(
-            "gateway-drain",
-            "gateway",
-            "--port", str(port),
-            "--grpc-port", "-1",
-            "--registry-url", registry_url,
-            "--poll-interval", "0.5",
-            port=port,
-            env={"SPLITSERVE_CLUSTER_SECRET": SECRET},
-            ready_path="/health",
-        )  # fmt: skip
+        gateway = registry_gateway("gateway-drain", registry_url)
         started.append(gateway)
         wait_for(lambda: ready_counts(gateway.url) == {"prefill": 1, "decode": 1, "colocated": 0}, "both roles up")
         assert held(httpx.get(metrics_url, timeout=5).text) == 0, "idle before the stream"

@@ -18,7 +18,8 @@ import pytest
 
 from planner.kubernetes_scaler import KubernetesScaler
 from tests.gateway.processes import HTTPProcess
-from tests.simulator.cluster import SECRET, SimulatedInstances, ready_counts, wait_for, write_profile
+from tests.planner.registry_gateway import registry_gateway
+from tests.simulator.cluster import SimulatedInstances, ready_counts, wait_for, write_profile
 from tests.stores import free_port, start_redis, stop
 
 TOKEN = "the-planner-service-account-token"
@@ -103,18 +104,7 @@ def test_the_planner_patches_the_decode_deployment_down_to_what_it_needs(tmp_pat
     try:
         started.append(SimulatedInstances("prefill", 1, profile, registry_url, "k8s-prefill"))
         started.append(SimulatedInstances("decode", 2, profile, registry_url, "k8s-decode"))
-        port = free_port()
-        gateway = HTTPProcess(
-            "gateway-k8s-scaler",
-            "gateway",
-            "--port", str(port),
-            "--grpc-port", "-1",
-            "--registry-url", registry_url,
-            "--poll-interval", "0.5",
-            port=port,
-            env={"SPLITSERVE_CLUSTER_SECRET": SECRET},
-            ready_path="/health",
-        )  # fmt: skip
+        gateway = registry_gateway("gateway-k8s-scaler", registry_url)
         started.append(gateway)
         wait_for(lambda: ready_counts(gateway.url) == {"prefill": 1, "decode": 2, "colocated": 0}, "both roles up")
         with scale_api({"prefill": 1, "decode-pool": 2}) as api:

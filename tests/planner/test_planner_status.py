@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.browser import headless_chromium
 from tests.gateway.processes import HTTPProcess
-from tests.simulator.cluster import SECRET, SimulatedInstances, ready_counts, wait_for, write_profile
+from tests.planner.registry_gateway import registry_gateway
+from tests.simulator.cluster import SimulatedInstances, ready_counts, wait_for, write_profile
 from tests.stores import free_port, start_redis, stop
 
 
@@ -39,19 +40,7 @@ def test_a_publishing_planner_changes_nothing_and_the_status_page_shows_its_deci
     try:
         started.append(SimulatedInstances("prefill", 1, profile, registry_url, "status-prefill"))
         started.append(SimulatedInstances("decode", 2, profile, registry_url, "status-decode"))
-        port = free_port()
-        gateway = HTTPProcess(
-            "gateway-planner-status",
-            "gateway",
-            "--port", str(port),
-            "--grpc-port", "-1",
-            "--registry-url", registry_url,
-            "--poll-interval", "0.5",
-            "--planner-url", planner_url,
-            port=port,
-            env={"SPLITSERVE_CLUSTER_SECRET": SECRET},
-            ready_path="/health",
-        )  # fmt: skip
+        gateway = registry_gateway("gateway-planner-status", registry_url, "--planner-url", planner_url)
         started.append(gateway)
         wait_for(lambda: ready_counts(gateway.url) == {"prefill": 1, "decode": 2, "colocated": 0}, "both roles up")
         # No planner yet: the page says it does not answer, and serves the rest.
