@@ -21,11 +21,13 @@ from dataclasses import asdict, dataclass, field, fields
 
 from kv_connector.fingerprint import Fingerprint
 
+# 7: the fingerprint names the drafter whose drafts cross the hand-off (a peer of 6 would take
+#    the field for a bad fingerprint rather than another version);
 # 6: a pull may name a range of P's layers (pipeline stages of different splits);
 # 5: a pull request's request id and token come first, in a fixed frame read before its JSON;
 # 4: a pull may name a span of P's KV heads (tensor parallelism of different sizes); 3: pulls
 # present P's pull token; 2: zero-copy messages of whole blocks; 1 sent gathered chunks.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_ID_BYTES = 1024  # the gateway's ids are a few dozen characters
 MAX_PULL_TOKEN_BYTES = 64  # P makes 16 (cluster/handle_signing.py)

@@ -387,7 +387,7 @@ def test_wire_refuses_a_frame_that_is_short_or_sizes_its_fields_past_their_caps(
         (too_long_token, "a pull token of 65"),
         (short_frame, "a frame of 31 bytes in a pull request of 6"),
         (encoded[:4], "a pull request of 4 bytes"),
-        (struct.pack("<HHB", PROTOCOL_VERSION - 1, 1, 0) + b"r{}", "protocol version 5, this side speaks 6"),
+        (struct.pack("<HHB", PROTOCOL_VERSION - 1, 1, 0) + b"r{}", "protocol version 6, this side speaks 7"),
         (struct.pack("<HHB", PROTOCOL_VERSION, 1, 0) + b"\xff{}", "the request id is not UTF-8"),
     ):
         with pytest.raises(WireError, match=reason):
