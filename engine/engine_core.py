@@ -24,9 +24,9 @@ Only the thread that steps the engine changes its state (engine/step_thread.py):
 reaches the engine through :attr:`EngineCore.inbox`. A decode engine computes phase 4 on a
 model thread of its own while the step thread waits for it: a hand-off that arrives meanwhile
 is added and its KV load started then (``_admit_arriving_handoffs``), so the load runs beside
-this step rather than the next; every other message waits for the boundary. No tokenizer lives here (prefill and
-decode services speak token ids); the offline :class:`engine.llm.LLM` and the gateway add
-text on top.
+this step rather than the next; every other message waits for the boundary. No tokenizer
+lives here (prefill and decode services speak token ids); the offline :class:`engine.llm.LLM`
+and the gateway add text on top.
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ class EngineCore:
             item.request.timing.prompt_chunks.append(
                 PromptChunk(started, ended, item.num_new_tokens, scheduler_output.num_scheduled_tokens)
             )
-        step = StepStats(
+        return StepStats(
             started_at=started,
             ended_at=ended,
             num_rows=len(scheduler_output.scheduled),
@@ -381,7 +381,6 @@ class EngineCore:
             num_preempted=len(scheduler_output.preempted_request_ids),
             num_loads_finished=batch.num_loads_finished,
         )
-        return step
 
     def _compute(self, pending: PendingStep) -> ModelOutput:
         """The rest of the model's pass over a dispatched batch. A decode engine runs it on its

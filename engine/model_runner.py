@@ -224,31 +224,32 @@ class ModelRunner:
         and samples: between the two the engine may dispatch the next batch, which the first
         stages then compute while this process computes this one. Otherwise nothing runs
         until :meth:`complete`."""
-        executor = self.tensor_parallel
-        if executor is None or executor.inbound is None:
+        if self.tensor_parallel is None or self.tensor_parallel.inbound is None:
             return PendingStep(output)
         batch = self._prepare_inputs(output)
-        executor.send_step(batch)
+        self.tensor_parallel.send_step(batch)
         return PendingStep(output, batch)
 
     def complete(self, pending: PendingStep, eos_token_ids: frozenset[int]) -> ModelOutput:
         """Finish a dispatched step (in dispatch order): a sampled token per request that samples."""
-        if pending.batch is None or self.tensor_parallel is None:
+        if pending.batch is None:
             return self.execute(pending.output, eos_token_ids)
-        output = pending.output
-        sampling = [s.request for s in output.scheduled if s.samples]
-        bitmask = self._start_bitmask(sampling)
-        logits = self.tensor_parallel.last_stage_logits(self.model, pending.batch, self.layer_caches)
-        if not sampling:
-            return ModelOutput(sampled_token_ids=[], logprobs=[])
-        return self._sample(output, logits, sampling, eos_token_ids, {}, bitmask)
+        return self._run(pending.output, eos_token_ids, pending.batch)
 
     def execute(self, output: SchedulerOutput, eos_token_ids: frozenset[int]) -> ModelOutput:
-        """Run one scheduled step; returns a sampled token per request that samples."""
+        """Run one scheduled step; returns a sampled token per request that samples. Under
+        pipeline parallelism it is dispatched and completed at once."""
+        if self.tensor_parallel is not None and self.tensor_parallel.inbound is not None:
+            return self.complete(self.dispatch(output), eos_token_ids)
+        return self._run(output, eos_token_ids, None)
+
+    def _run(self, output: SchedulerOutput, eos_token_ids: frozenset[int], dispatched: FlatBatch | None) -> ModelOutput:
+        """The step's forward pass, sampling and drafts; ``dispatched``: its inputs, already sent
+        to the pipeline's stages (None: built here)."""
         draft_probs: dict[str, torch.Tensor] = {}
         if output.num_spec_decodes and self.draft_model is not None:
             draft_probs = self.draft_model.propose(output)  # fills the drafts' spec_token_ids
-        batch = self._prepare_inputs(output)
+        batch = dispatched if dispatched is not None else self._prepare_inputs(output)
         sampling = [s.request for s in output.scheduled if s.samples]
         # Grammar masks for this step's tokens are computed while the forward pass runs.
         bitmask = self._start_bitmask(sampling)
@@ -302,9 +303,9 @@ class ModelRunner:
         """Float32 logits of the batch's ``logits_indices`` rows; their final hidden states into
         ``final_hidden_out`` if given."""
         if self.tensor_parallel is not None:
-            self.tensor_parallel.send_step(batch)  # the other ranks run the same step beside this one
-            if self.tensor_parallel.inbound is not None:  # the last pipeline stage, after the others
+            if self.tensor_parallel.inbound is not None:  # the last pipeline stage: dispatch started the others
                 return self.tensor_parallel.last_stage_logits(self.model, batch, self.layer_caches)
+            self.tensor_parallel.send_step(batch)  # the other ranks run the same step beside this one
         if self.native_decode is not None:
             logits = self.native_decode(batch, final_hidden_out)
             if logits is not None:

@@ -266,7 +266,7 @@ class Scheduler:
             budget -= self._schedule_drafts(scheduled, budget)
 
         # Admitting more work in a step that had to preempt would only thrash.
-        in_flight = self._prompt_blocks_in_flight() if self.waiting and not preempted else set()
+        blocks_in_flight = self._prompt_blocks_in_flight() if self.waiting and not preempted else set()
         num_held = 0  # waiting prompts passed over this step: their next block is in flight
         while len(self.waiting) > num_held and budget > 0 and not preempted:
             if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs or len(scheduled) >= max_rows:
@@ -276,7 +276,7 @@ class Scheduler:
                 if not self._admit_handoff(request):
                     break
                 continue
-            if in_flight and kv.first_uncached_block_hash(request) in in_flight:
+            if blocks_in_flight and kv.first_uncached_block_hash(request) in blocks_in_flight:
                 num_held += 1
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
@@ -284,7 +284,7 @@ class Scheduler:
             if num_new_tokens == 0 or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
             self.waiting.pop(num_held)
-            in_flight.update(kv.blocks_still_to_cache(request))
+            blocks_in_flight.update(kv.blocks_still_to_cache(request))
             request.num_computed_tokens = num_hit_tokens
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
