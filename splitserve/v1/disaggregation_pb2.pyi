@@ -262,16 +262,18 @@ class InstanceCounters(_message.Message):
     def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_verifications_by_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
-    __slots__ = ("epoch", "after_seq", "max_hashes", "snapshot_offset")
+    __slots__ = ("epoch", "after_seq", "max_hashes", "snapshot_offset", "heartbeat_ms")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     MAX_HASHES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     after_seq: int
     max_hashes: int
     snapshot_offset: int
-    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ..., max_hashes: _Optional[int] = ..., snapshot_offset: _Optional[int] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ..., max_hashes: _Optional[int] = ..., snapshot_offset: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class KVEvents(_message.Message):
     __slots__ = ("epoch", "last_seq", "snapshot", "stored", "removed", "block_size", "block_hash", "snapshot_offset", "more", "resync")

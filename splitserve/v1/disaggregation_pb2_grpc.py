@@ -400,7 +400,8 @@ class LoadServicer(object):
         that changed the prefix cache (serving/kv_event_stream.py). Never a snapshot: a cursor
         that needs one, or a subscriber that lags past its queue, gets a KVEvents with resync set.
         Streams are capped in number (RESOURCE_EXHAUSTED past it) and in lifetime (they end OK;
-        subscribe again from the cursor).
+        subscribe again from the cursor). A stream with nothing to send writes a heartbeat
+        (an empty KVEvents) every KVEventsRequest.heartbeat_ms.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
