@@ -13,7 +13,7 @@ import struct
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
-from cluster.draft_pairing import MEDUSA_DRAFT_PREFIX, drafts_pair
+from cluster.draft_pairing import EAGLE_DRAFT_PREFIX, MEDUSA_DRAFT_PREFIX, drafts_pair
 from engine.gguf_files import gguf_digest, is_gguf
 from kv_connector.layer_plan import KVLayout
 
@@ -48,8 +48,8 @@ class Fingerprint:
     tensor_parallel_size: int = 1
     # Each pipeline stage's first layer (engine/pipeline_parallel/stages.py); (0,): one stage.
     stage_first_layers: tuple[int, ...] = (0,)
-    # The drafter whose proposals cross the hand-off ("medusa:<heads' identity>"); "" for any
-    # other speculative method or none (cluster/draft_pairing.py).
+    # The drafter whose proposals cross the hand-off ("medusa:<heads' identity>", "eagle:<draft's
+    # identity>"); "" for any other speculative method or none (cluster/draft_pairing.py).
     draft: str = ""
 
     def __post_init__(self) -> None:
@@ -75,7 +75,7 @@ class Fingerprint:
         if not drafts_pair(self.draft, other.draft):
             differences.append(
                 f"draft: {this_side} has {self.draft!r}, {other_side} has {other.draft!r} (the decode side would "
-                "verify drafts from heads it does not have; give both the same heads, or one of them none)"
+                "verify drafts from a drafter it does not have; give both the same one, or one of them none)"
             )
         differences += [
             f"{side}'s split is no split of its model: {error}"
@@ -113,3 +113,19 @@ def medusa_draft(heads_path: Path) -> str:
     """The fingerprint's ``draft`` for the Medusa heads in ``heads_path``: their identity as
     :func:`model_identity` takes a model's (config, safetensors headers, weight samples)."""
     return MEDUSA_DRAFT_PREFIX + model_identity(heads_path.expanduser())
+
+
+def eagle_draft(draft_path: Path) -> str:
+    """The fingerprint's ``draft`` for the EAGLE draft checkpoint in ``draft_path``, identified as
+    :func:`medusa_draft` identifies heads."""
+    return EAGLE_DRAFT_PREFIX + model_identity(draft_path.expanduser())
+
+
+def handoff_draft(method: str, model_path: Path) -> str:
+    """The fingerprint's ``draft`` of an instance speculating with ``method`` from ``model_path``:
+    the drafters whose proposals cross the hand-off are named, any other method is ""."""
+    if method == "medusa":
+        return medusa_draft(model_path)
+    if method == "eagle":
+        return eagle_draft(model_path)
+    return ""

@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError, medusa_draft, model_identity
+from kv_connector.fingerprint import (
+    Fingerprint,
+    FingerprintMismatchError,
+    eagle_draft,
+    handoff_draft,
+    medusa_draft,
+    model_identity,
+)
 from tests.checkpoints import make_checkpoint
 
 BASE = Fingerprint(model="m-1", dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
@@ -139,3 +146,24 @@ def test_medusa_draft_tells_head_sets_apart(tmp_path: Path) -> None:
     medusa_1 = make_medusa_heads(tmp_path / "medusa-1" / "heads", "medusa-1", seed=0)
     assert medusa_draft(heads) == medusa_draft(heads) and medusa_draft(heads).startswith("medusa:heads-")
     assert len({medusa_draft(heads), medusa_draft(other), medusa_draft(medusa_1)}) == 3
+
+
+def test_eagle_draft_tells_drafts_apart_and_only_crossing_drafters_are_named(tmp_path: Path) -> None:
+    """EAGLE drafts of one name and config but other weights differ; a Medusa and an EAGLE
+    drafter never pair; methods that draft on D alone name nothing."""
+    from engine.spec_decode.eagle_checkpoint import save_eagle_draft
+    from tests.engine.spec_decode.eagle_drafts import random_draft
+    from tests.engine.spec_decode.medusa_heads import make_medusa_heads
+
+    draft, other = tmp_path / "draft", tmp_path / "other" / "draft"
+    save_eagle_draft(random_draft(seed=0), draft, "eagle", {})
+    save_eagle_draft(random_draft(seed=1), other, "eagle", {})
+    assert eagle_draft(draft) == handoff_draft("eagle", draft) and eagle_draft(draft).startswith("eagle:draft-")
+    assert eagle_draft(draft) != eagle_draft(other)
+    heads = make_medusa_heads(tmp_path / "heads", "vllm")
+    assert handoff_draft("medusa", heads) == medusa_draft(heads)
+    assert handoff_draft("draft_model", draft) == handoff_draft("ngram", Path()) == ""
+    with pytest.raises(FingerprintMismatchError, match="draft: decode has 'eagle:draft-"):
+        with_fields(BASE, draft=eagle_draft(draft)).check_compatible(
+            with_fields(BASE, draft=medusa_draft(heads)), this_side="decode", other_side="prefill"
+        )
