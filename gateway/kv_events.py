@@ -17,6 +17,17 @@ One follower task per instance, in call order:
 4. It fails (the instance is gone or slow): the follower ends. Every ``interval_s`` the
    supervisor starts one for each serving instance that has none, so a subscription comes
    back when its instance does, and stops the follower of one that stopped serving.
+4b. Nothing at all arrives on it for ``liveness.silence_s``: the follower ends the stream and
+   resyncs as after a marker (2). The instance writes a heartbeat (an empty message) every
+   ``liveness.heartbeat_s`` without a batch (asked in the request), so only a peer that
+   stopped sending is that silent: a host gone without a FIN or RST (a dead NIC, a
+   partition), or a stuck process. An application heartbeat, not gRPC keepalive pings: it
+   crosses every proxy between the two (HTTP/2 pings end at the first), proves the instance's
+   stream is served and not only its transport, and needs no ping policy on the instances'
+   servers (one that refuses a client's pings closes the connection, and every call on it,
+   with GOAWAY too_many_pings). The poll of a host still silent fails at its deadline
+   (``stale_after_s``); the follower ends and the supervisor tries again, until the host
+   answers or discovery drops it.
 5. An instance that refuses the subscription (one older than this gateway, or at its cap of
    subscribers): the follower polls it every ``interval_s`` instead, and tries again.
 
@@ -38,6 +49,8 @@ from typing import Literal
 import grpc
 
 from gateway.instances import InstancePool, InstanceState
+from gateway.kv_event_liveness import KVEventLiveness
+from gateway.kv_event_traffic import KVEventTraffic
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 
@@ -51,12 +64,22 @@ _NO_SUBSCRIPTION = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RES
 
 
 class KVEventsSync:
-    def __init__(self, pool: InstancePool, index: PrefixIndex, interval_s: float) -> None:
+    def __init__(
+        self,
+        pool: InstancePool,
+        index: PrefixIndex,
+        interval_s: float,
+        liveness: KVEventLiveness | None = None,
+        traffic: KVEventTraffic | None = None,
+    ) -> None:
         self.pool = pool
         self.index = index
         self.interval_s = interval_s
+        self.liveness = liveness or KVEventLiveness()
+        self.traffic = traffic or KVEventTraffic()  # exported on /metrics (gateway/metrics.py)
         self._refusals: dict[str, grpc.StatusCode] = {}  # address -> the refusal logged last
         self._unsubscribable: set[str] = set()  # addresses whose refusal to subscribe was said
+        self._silent: set[str] = set()  # addresses whose silent stream was logged, until one speaks
 
     async def run(self) -> None:
         # A follower per instance, never awaited by the others': an instance that stopped
@@ -97,18 +120,40 @@ class KVEventsSync:
         if state is None or not state.serving:
             return "failed"
         epoch, after_seq = self.index.cursor(address)
-        request = disaggregation_pb2.KVEventsRequest(epoch=epoch, after_seq=after_seq, max_hashes=PAGE_HASHES)
+        liveness = self.liveness
+        request = disaggregation_pb2.KVEventsRequest(
+            epoch=epoch, after_seq=after_seq, max_hashes=PAGE_HASHES, heartbeat_ms=liveness.heartbeat_ms
+        )
         call = disaggregation_pb2_grpc.LoadStub(state.channel).WatchKVEvents(request)
+        loop = asyncio.get_running_loop()
         try:
-            async for events in call:
-                if address not in self.pool.instances:  # removed while subscribed
-                    return "failed"
-                if events.resync:
-                    return "resync"
-                self._read_again(address)
-                self.index.apply(address, events, _max_blocks(state))
-                if self.index.cursor(address) == (0, 0):  # the index went out of step: a snapshot
-                    return "resync"
+            async with asyncio.timeout(liveness.silence_s) as silence:
+                async for events in call:
+                    silence.reschedule(loop.time() + liveness.silence_s)
+                    if address not in self.pool.instances:  # removed while subscribed
+                        return "failed"
+                    self._heard(address)
+                    if not (events.stored or events.removed or events.resync):
+                        self.traffic.num_heartbeats += 1
+                        continue
+                    self.traffic.received("stream", events)
+                    if events.resync:
+                        return "resync"
+                    self._read_again(address)
+                    self.index.apply(address, events, _max_blocks(state))
+                    if self.index.cursor(address) == (0, 0):  # the index went out of step: a snapshot
+                        return "resync"
+        except TimeoutError:
+            self.traffic.num_silent_streams += 1
+            if address not in self._silent:
+                self._silent.add(address)
+                logger.warning(
+                    "instance %s sent nothing on its KV-event stream for %.1f s, not even a heartbeat: ending it and "
+                    "resyncing from the cursor (the host may be gone or cut off)",
+                    address,
+                    liveness.silence_s,
+                )
+            return "resync"
         except grpc.aio.AioRpcError as error:
             if error.code() in _NO_SUBSCRIPTION:
                 if address not in self._unsubscribable:
@@ -145,6 +190,7 @@ class KVEventsSync:
             except grpc.aio.AioRpcError as error:
                 self._refused(address, error)
                 return False
+            self.traffic.received("poll", events)
             if address not in self.pool.instances:  # removed while the call ran
                 return False
             if not events.more and not pages:
@@ -167,6 +213,11 @@ class KVEventsSync:
         self._read_again(address)
         self.index.apply(address, events, max_blocks)
         return True
+
+    def _heard(self, address: str) -> None:
+        if address in self._silent:
+            self._silent.discard(address)
+            logger.info("instance %s speaks on its KV-event stream again", address)
 
     def _read_again(self, address: str) -> None:
         if self._refusals.pop(address, None) is not None:

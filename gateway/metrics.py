@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics (``GET /metrics``): request latencies as the
 client sees them, request and token counts, KV hand-off volume, each
-instance's latest load report, and the state of the Redis registry."""
+instance's latest load report, the state of the Redis registry, and the KV-event traffic
+(``gateway/kv_event_traffic.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cluster.instance_counters import INSTANCE_COUNTERS, metric_family, values
 from cluster.registry_record import REFUSAL_REASONS
 from cluster.request_phases import HANDOFF_PHASES, PHASE_BUCKETS, TTFT_PHASES, add_handoff, phase_seconds, ttft_phases
 from gateway.instances import ROLES, InstancePool
+from gateway.kv_event_traffic import KVEventTraffic, KVEventTrafficCollector
 from gateway.status import RecentLatencies
 from splitserve.v1 import disaggregation_pb2
 from splitserve.v1.generation_pb2 import RequestPhases
@@ -48,7 +50,8 @@ _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 
 
 class GatewayMetrics:
-    def __init__(self, pool: InstancePool) -> None:
+    def __init__(self, pool: InstancePool, kv_event_traffic: KVEventTraffic | None = None) -> None:
+        """``kv_event_traffic``: what the KV-event followers count (gateway/kv_events.py); zeros without."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -147,6 +150,7 @@ class GatewayMetrics:
         )
         r.register(_InstanceCollector(pool))
         r.register(_RegistryCollector(pool))
+        r.register(KVEventTrafficCollector(kv_event_traffic or KVEventTraffic()))
         self.recent = RecentLatencies()  # points in time for the status page (gateway/status.py)
 
     def render(self) -> bytes:

@@ -21,6 +21,12 @@ In call order:
    ``max_queued_hashes`` (its client reads slower than the cache changes, or not at all)
    has the queue dropped for a resync marker, and is offered nothing more: its memory stays
    one message; the stream ends after the marker, and at ``lifetime_s`` in any case.
+5. A subscriber with nothing queued for ``heartbeat_s`` (the subscriber's ``heartbeat_ms``, or
+   the instance's own interval) is handed an empty message, a heartbeat: the gateway ends a
+   stream on which nothing at all came for a few of them (``gateway/kv_events.py``), which is
+   how it tells a quiet cache from a host gone silent without closing the socket. Towards a
+   gateway gone that way, the stream ends at ``lifetime_s`` (a write the peer's flow control
+   holds included), and its queue is one message meanwhile.
 
 Event-loop only but ``notify``: no lock.
 """
@@ -40,6 +46,8 @@ from splitserve.v1 import disaggregation_pb2
 DEFAULT_MAX_SUBSCRIBERS = 64  # a subscription per gateway process: a few gateways of a few processes each
 DEFAULT_MAX_QUEUED_HASHES = DEFAULT_PAGE_HASHES  # about a page (1.2 MB) per subscriber at most
 DEFAULT_LIFETIME_S = 300.0  # as health Watch streams: the gateway subscribes again from its cursor
+DEFAULT_HEARTBEAT_S = 5.0  # for a subscriber that asks for none (gateway/kv_events.py's default too)
+MIN_HEARTBEAT_S = 0.05  # the most often a subscriber may ask for one: a heartbeat costs a write
 
 ToMessage = Callable[[KVEventBatch], disaggregation_pb2.KVEvents]
 
@@ -47,10 +55,14 @@ ToMessage = Callable[[KVEventBatch], disaggregation_pb2.KVEvents]
 class KVEventSubscriber:
     """One stream's queue: batches after ``cursor``, or a resync marker."""
 
-    def __init__(self, cursor: int, page_hashes: int, max_queued_hashes: int) -> None:
+    def __init__(
+        self, cursor: int, page_hashes: int, max_queued_hashes: int, heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    ) -> None:
         self.cursor = cursor  # the newest event queued for this subscriber
         self.page_hashes = page_hashes
         self.max_queued_hashes = max_queued_hashes
+        self.heartbeat_s = heartbeat_s  # how long get() waits for a batch before it hands out a heartbeat
+        self.num_heartbeats = 0
         self.lagged = False  # a resync marker is queued; nothing more will be
         self.num_queued_hashes = 0
         self._queue: deque[tuple[disaggregation_pb2.KVEvents, int]] = deque()
@@ -90,9 +102,15 @@ class KVEventSubscriber:
         self._ready.set()
 
     async def get(self) -> disaggregation_pb2.KVEvents:
+        """The next queued message, or an empty one (a heartbeat) once ``heartbeat_s`` passed without one."""
         while not self._queue:
             self._ready.clear()
-            await self._ready.wait()
+            try:
+                async with asyncio.timeout(self.heartbeat_s):
+                    await self._ready.wait()
+            except TimeoutError:
+                self.num_heartbeats += 1
+                return disaggregation_pb2.KVEvents()
         message, num_hashes = self._queue.popleft()
         self.num_queued_hashes -= num_hashes
         return message
@@ -104,8 +122,11 @@ class KVEventStreamLimits:
     max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
     max_queued_hashes: int = DEFAULT_MAX_QUEUED_HASHES  # per subscriber, unsent
     lifetime_s: float = DEFAULT_LIFETIME_S
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S  # for a subscriber that asks for no interval of its own
 
     def __post_init__(self) -> None:
+        if self.heartbeat_s < MIN_HEARTBEAT_S:
+            raise ValueError(f"a heartbeat interval must be at least {MIN_HEARTBEAT_S} s, got {self.heartbeat_s}")
         if self.page_hashes < 1 or self.max_queued_hashes < self.page_hashes:
             raise ValueError(
                 f"a subscriber's queue must hold at least a page of hashes, got {self.max_queued_hashes} "
@@ -126,15 +147,19 @@ class KVEventStreams:
         self._pending = False  # a publish is posted and has not run yet
         log.add_listener(self.notify)
 
-    def subscribe(self, epoch: int, after_seq: int, max_hashes: int = 0) -> KVEventSubscriber | None:
+    def subscribe(
+        self, epoch: int, after_seq: int, max_hashes: int = 0, heartbeat_ms: int = 0
+    ) -> KVEventSubscriber | None:
         """A subscriber after the cursor, its first batch (or a resync marker) queued; None
-        past ``max_subscribers``."""
+        past ``max_subscribers``. ``heartbeat_ms``: the subscriber's heartbeat interval, 0 for
+        the instance's (``limits.heartbeat_s``), never under ``MIN_HEARTBEAT_S``."""
         limits = self.limits
         if len(self.subscribers) >= limits.max_subscribers:
             return None
         page_hashes = min(max_hashes, limits.page_hashes) if max_hashes > 0 else limits.page_hashes
+        heartbeat_s = max(heartbeat_ms / 1000, MIN_HEARTBEAT_S) if heartbeat_ms > 0 else limits.heartbeat_s
         batch = self.log.read(epoch, after_seq)
-        subscriber = KVEventSubscriber(batch.last_seq, page_hashes, limits.max_queued_hashes)
+        subscriber = KVEventSubscriber(batch.last_seq, page_hashes, limits.max_queued_hashes, heartbeat_s)
         if batch.snapshot:
             subscriber.resync(batch.epoch)
         elif batch.stored or batch.removed:

@@ -1,7 +1,9 @@
 """A TCP proxy for tests that stands in for a slow store: it forwards both ways until
 :meth:`StallingProxy.stall`, then holds what clients send (without reading it) until
 :meth:`StallingProxy.resume`; :attr:`StallingProxy.holding` is set once something is held.
-Runs on threads of the test process, on a free loopback port."""
+``stall(both_ways=True)`` holds what the server sends too: a host gone silent without closing
+its connections (a dead NIC, a partition). Runs on threads of the test process, on a free
+loopback port."""
 
 from __future__ import annotations
 
@@ -21,13 +23,15 @@ class StallingProxy:
         self.port = self._listener.getsockname()[1]
         self._open = threading.Event()  # clear: hold clients' bytes
         self._open.set()
+        self._both_ways = False  # while stalled: hold the server's bytes too
         self.holding = threading.Event()  # set once a client's bytes are held
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
 
-    def stall(self) -> None:
+    def stall(self, both_ways: bool = False) -> None:
         self.holding.clear()
+        self._both_ways = both_ways
         self._open.clear()
 
     def resume(self) -> None:
@@ -58,7 +62,7 @@ class StallingProxy:
                 readable, _, _ = select.select([source], [], [], _POLL_S)
                 if not readable:
                     continue
-                if gated and not self._open.is_set():
+                if (gated or self._both_ways) and not self._open.is_set():
                     self.holding.set()
                     self._open.wait()
                     continue

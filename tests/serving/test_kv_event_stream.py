@@ -1,6 +1,9 @@
 """Prefix-cache events pushed to gateways (serving/kv_event_stream.py, gateway/kv_events.py):
 one batch per engine step, bounded per subscriber, a resync marker for one that lags, the
-paged poll as the resync path, and a subscription that comes back with its instance.
+paged poll as the resync path, a subscription that comes back with its instance, heartbeats
+on a quiet stream and a silent one ended and resynced (a host gone without closing its
+connection, behind a proxy that stalls both ways), and the messages counted where they land
+(gateway/kv_event_traffic.py, on the gateway's /metrics).
 
 The streams alone, then a real gRPC server (the instance's own ``LoadServicer`` over an event
 log filled here; ``KVEventLog.end_step`` is what the engine's step thread calls after each
@@ -17,15 +20,20 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.call_counts import CallCounts
 from engine.kv_cache_utils import BlockHash
 from engine.kv_events import KVEventLog
+from gateway.kv_event_liveness import KVEventLiveness
+from gateway.kv_event_traffic import KVEventTraffic
 from gateway.kv_events import KVEventsSync
+from gateway.metrics import GatewayMetrics
 from serving.instance import LoadServicer
-from serving.kv_event_stream import KVEventStreamLimits, KVEventStreams
+from serving.kv_event_stream import MIN_HEARTBEAT_S, KVEventStreamLimits, KVEventStreams
 from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
 from tests.serving.test_kv_event_pages import fake_instance, indexed, polled_pool
+from tests.stalling_proxy import StallingProxy
 
 WATCH = "/splitserve.v1.Load/WatchKVEvents"
 POLL = "/splitserve.v1.Load/GetKVEvents"
@@ -120,6 +128,27 @@ def test_a_cursor_the_log_cannot_follow_gets_a_resync_marker_and_subscribers_are
     asyncio.run(scenario())
 
 
+def test_an_idle_subscriber_gets_heartbeats_at_the_interval_it_asked_for_and_batches_as_they_come() -> None:
+    log = KVEventLog(max_events=4096)
+
+    async def scenario() -> None:
+        streams = KVEventStreams(log, as_message, KVEventStreamLimits(heartbeat_s=0.5))
+        own = streams.subscribe(log.epoch, log.last_seq)
+        too_often = streams.subscribe(log.epoch, log.last_seq, heartbeat_ms=1)
+        asked = streams.subscribe(log.epoch, log.last_seq, heartbeat_ms=60)
+        assert own is not None and too_often is not None and asked is not None
+        assert (own.heartbeat_s, too_often.heartbeat_s, asked.heartbeat_s) == (0.5, MIN_HEARTBEAT_S, 0.06)
+        async with asyncio.timeout(30):  # bounded, so that a missing heartbeat fails rather than hangs
+            for _ in range(2):  # nothing queued: an empty message each interval
+                assert (await asked.get()) == disaggregation_pb2.KVEvents()
+        assert asked.num_heartbeats == 2
+        step(log, new_hashes(random.Random(6), 2))
+        await asyncio.sleep(0)  # the loop runs the publish the step posted
+        assert len((await asked.get()).stored) == 2 and asked.num_heartbeats == 2
+
+    asyncio.run(scenario())
+
+
 # ---------------------------------------------------------------- through gRPC, to the index
 
 
@@ -141,6 +170,17 @@ def calls(counts: CallCounts) -> tuple[int, int]:
     return snapshot.get(WATCH, 0), snapshot.get(POLL, 0)
 
 
+def exported(metrics: GatewayMetrics) -> dict[tuple[str, str], float]:
+    """The gateway's KV-event traffic as its /metrics renders it: (sample, via) -> value."""
+    return {
+        (s.name, s.labels.get("via", "")): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        if family.name.startswith("splitserve_kv_event_")
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+
+
 def test_the_index_follows_pushed_events_without_a_poll_and_a_lagging_gateway_resyncs() -> None:
     rng = random.Random(2)
     log = KVEventLog(max_events=4096)
@@ -150,7 +190,9 @@ def test_the_index_follows_pushed_events_without_a_poll_and_a_lagging_gateway_re
         limits = KVEventStreamLimits(page_hashes=8, max_queued_hashes=8)
         server, servicer, counts, address = await serving(log, limits)
         pool = polled_pool(address, num_total_blocks=1024)
-        sync = KVEventsSync(pool, pool.index, interval_s=0.05)
+        traffic = KVEventTraffic()
+        metrics = GatewayMetrics(pool, traffic)
+        sync = KVEventsSync(pool, pool.index, interval_s=0.05, traffic=traffic)
         task = asyncio.create_task(sync.run())
         try:
             # First contact: the stream says resync (a snapshot is needed), the poll reads it, and the
@@ -160,12 +202,28 @@ def test_the_index_follows_pushed_events_without_a_poll_and_a_lagging_gateway_re
             streams = servicer.kv_event_streams
             assert streams is not None
             await wait_until(lambda: len(streams.subscribers) == 1, "the second subscription registered")
+            # First contact: one message each way, the marker pushed and the snapshot polled.
+            assert (traffic.num_messages["stream"], traffic.num_messages["poll"]) == (1, 1)
+            pushed_bytes = traffic.num_bytes["stream"]
             for _ in range(5):
                 gone = list(cached(log))[:2]
+                after_seq = log.last_seq
                 step(log, new_hashes(rng, 3), gone)  # 5 changes a step: within a page
+                pushed_bytes += servicer._batch_message(log.read(log.epoch, after_seq)).ByteSize()
                 await wait_until(lambda: indexed(pool, address) == cached(log), "the step's changes indexed")
             assert streams.num_published == 5
             assert calls(counts) == (2, 1)  # pushed: not one call more
+            # Counted where they land: a message per pushed batch, its bytes as the instance built it.
+            assert (traffic.num_messages["stream"], traffic.num_messages["poll"]) == (6, 1)
+            assert traffic.num_bytes["stream"] == pushed_bytes
+            assert exported(metrics) == {
+                ("splitserve_kv_event_messages_total", "stream"): 6,
+                ("splitserve_kv_event_messages_total", "poll"): 1,
+                ("splitserve_kv_event_message_bytes_total", "stream"): pushed_bytes,
+                ("splitserve_kv_event_message_bytes_total", "poll"): traffic.num_bytes["poll"],
+                ("splitserve_kv_event_heartbeats_total", ""): traffic.num_heartbeats,
+                ("splitserve_kv_event_silent_streams_total", ""): 0,
+            }
             assert pool.index.cursor(address) == (log.epoch, log.last_seq)
 
             # The gateway lags: three steps' batches reach its queue before its stream writes one
@@ -274,6 +332,55 @@ def test_a_stream_at_its_lifetime_ends_and_the_gateway_subscribes_again_without_
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await pool.close()
+            await server.stop(grace=None)
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_gone_silent_is_ended_and_resynced_once_its_host_speaks_again() -> None:
+    """The instance behind a proxy that stalls both ways: its host gone without a FIN or RST.
+    The gateway hears heartbeats while the cache is quiet, ends the stream once nothing comes,
+    and its resync (held meanwhile: a poll's deadline is --stale-after) reads what changed."""
+    rng = random.Random(7)
+    log = KVEventLog(max_events=4096)
+    step(log, new_hashes(rng, 4))
+    # The instance's own interval as well as the asked one: the same whichever it heeds.
+    liveness = KVEventLiveness(heartbeat_s=0.2, silence_s=1.0)
+
+    async def scenario() -> None:
+        server, servicer, counts, target = await serving(log, KVEventStreamLimits(heartbeat_s=liveness.heartbeat_s))
+        proxy = StallingProxy("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        address = f"127.0.0.1:{proxy.port}"
+        pool = polled_pool(address, num_total_blocks=1024)  # its deadlines outlast the stall
+        traffic = KVEventTraffic()
+        sync = KVEventsSync(pool, pool.index, interval_s=0.05, liveness=liveness, traffic=traffic)
+        task = asyncio.create_task(sync.run())
+        try:
+            await wait_until(lambda: indexed(pool, address) == cached(log), "the first snapshot indexed")
+            streams = servicer.kv_event_streams
+            assert streams is not None
+            await wait_until(lambda: len(streams.subscribers) == 1, "subscribed")
+            await wait_until(lambda: traffic.num_heartbeats >= 2, "heartbeats on the quiet stream", timeout_s=30)
+            num_silent = traffic.num_silent_streams  # zero unless this test's loop itself stalled a second
+            num_polls = calls(counts)[1]
+
+            proxy.stall(both_ways=True)
+            for _ in range(2):
+                step(log, new_hashes(rng, 3), list(cached(log))[:1])  # pushed into the void
+            await wait_until(lambda: traffic.num_silent_streams > num_silent, "the silent stream noticed", timeout_s=30)
+            assert calls(counts)[1] == num_polls, "the resync's poll is held with the rest"
+
+            proxy.resume()
+            await wait_until(lambda: calls(counts)[1] > num_polls, "the resync's poll answered")
+            await wait_until(lambda: indexed(pool, address) == cached(log), "the index correct again")
+            await wait_until(lambda: len(streams.subscribers) == 1, "subscribed again, the silent stream gone")
+            step(log, new_hashes(rng, 2))
+            await wait_until(lambda: indexed(pool, address) == cached(log), "pushed again")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pool.close()
+            proxy.close()
             await server.stop(grace=None)
 
     asyncio.run(scenario())
