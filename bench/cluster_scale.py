@@ -26,9 +26,13 @@ simulated instances (``splitserve simulate``, half prefill and half decode, in
      ``WatchKVEvents`` (KV-event subscriptions: one call per stream, however many messages it
      pushes), ``GetKVEvents`` (the paged reads a subscription resyncs by, and the polls of an
      instance that refuses one), ``GetLoadReport``, the health ``Check``, and during load the
-     requests' own calls; and the calls since start, by method, once the loaded window ends.
-     The pushed messages are not counted by the instances: their bytes are in the gateways'
-     with the instances, below;
+     requests' own calls; and the calls since start, by method, once the loaded window ends;
+   - the KV-event messages the gateways received (each gateway's
+     ``splitserve_kv_event_messages_total`` and ``_message_bytes_total``,
+     ``gateway/kv_event_traffic.py``), by stream (pushed: one per engine step that changed an
+     instance's prefix cache, per subscribed gateway) and by poll (resyncs, first contacts),
+     their serialized bytes, and the heartbeats of quiet subscriptions; per second in each
+     window and since start;
    - bytes per second over TCP, each group's sockets by peer (the gateways' with the instances:
      pushed KV events, polls and requests; with Redis; with the client), from the kernel's
      per-connection counters (``bench/socket_bytes.py``; a connection closed within the
@@ -78,11 +82,18 @@ from bench.simulated_cluster import (
 )
 from bench.socket_bytes import SocketBytes, SocketKey, bytes_by_peer, established_sockets
 from bench.stream_loop import LoadLoop
+from gateway.kv_event_liveness import DEFAULT_HEARTBEAT_S
 from launcher.processes import free_port
 
 logger = logging.getLogger(__name__)
 
 CALLS_METRIC = "splitserve_engine_grpc_calls"
+# What the gateways count of the KV events they receive (gateway/kv_event_traffic.py): the
+# instances cannot count what they push down a stream.
+KV_EVENT_MESSAGES = "splitserve_kv_event_messages_total"
+KV_EVENT_BYTES = "splitserve_kv_event_message_bytes_total"
+KV_EVENT_HEARTBEATS = "splitserve_kv_event_heartbeats_total"
+KV_EVENT_VIAS = ("stream", "poll")
 KV_EVENT_SUBSCRIPTIONS = "/splitserve.v1.Load/WatchKVEvents"
 KV_EVENT_READS = "/splitserve.v1.Load/GetKVEvents"
 # The calls a gateway may make of each instance on its own account: shown even when none was
@@ -108,6 +119,8 @@ class Snapshot:
     redis_net_bytes: tuple[int, int]  # (in, out)
     calls_at: float
     calls: dict[str, float]  # gRPC calls the instances received, by method, summed over instances
+    kv_events_at: float
+    kv_events: dict[str, float]  # the gateways' KV-event counters, summed over gateways: "<sample>/<via>"
     sockets_at: float
     sockets: dict[SocketKey, SocketBytes]
 
@@ -132,6 +145,44 @@ def calls_by_method(cluster: Cluster) -> dict[str, float]:
     return totals
 
 
+def kv_event_counts(cluster: Cluster) -> dict[str, float]:
+    """KV-event messages, bytes and heartbeats the gateways received so far (their /metrics),
+    as ``"<sample>/<via>"`` (no via for heartbeats), summed over gateways."""
+    totals = {f"{name}/{via}": 0.0 for name in (KV_EVENT_MESSAGES, KV_EVENT_BYTES) for via in KV_EVENT_VIAS}
+    totals[f"{KV_EVENT_HEARTBEATS}/"] = 0.0
+    for url in cluster.gateway_urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = f"{s.name}/{s.labels.get('via', '')}"
+                if key in totals:
+                    totals[key] += s.value
+    return totals
+
+
+def kv_event_rates(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    """The gateways' KV-event counters per second between two reads."""
+
+    def rate(name: str, via: str) -> float:
+        return (after[f"{name}/{via}"] - before[f"{name}/{via}"]) / seconds
+
+    return {
+        "kv_event_messages_per_s_by_via": {via: rate(KV_EVENT_MESSAGES, via) for via in KV_EVENT_VIAS},
+        "kv_event_bytes_per_s_by_via": {via: rate(KV_EVENT_BYTES, via) for via in KV_EVENT_VIAS},
+        "kv_event_heartbeats_per_s": rate(KV_EVENT_HEARTBEATS, ""),
+    }
+
+
+def kv_event_totals(counts: dict[str, float]) -> dict:
+    """The gateways' KV-event counters as read (since each gateway started)."""
+    return {
+        "messages_by_via": {via: counts[f"{KV_EVENT_MESSAGES}/{via}"] for via in KV_EVENT_VIAS},
+        "bytes_by_via": {via: counts[f"{KV_EVENT_BYTES}/{via}"] for via in KV_EVENT_VIAS},
+        "heartbeats": counts[f"{KV_EVENT_HEARTBEATS}/"],
+    }
+
+
 def snapshot(cluster: Cluster, client: redis.Redis) -> Snapshot:
     proc_at = time.monotonic()
     procs = {group: [sample(pid) for pid in cluster.pids(group)] for group in GROUPS}
@@ -141,6 +192,8 @@ def snapshot(cluster: Cluster, client: redis.Redis) -> Snapshot:
     commands = {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in commandstats.items()}
     calls_at = time.monotonic()
     calls = calls_by_method(cluster)
+    kv_events_at = time.monotonic()
+    kv_events = kv_event_counts(cluster)
     sockets_at = time.monotonic()
     sockets = established_sockets({pid for group in GROUPS for pid in cluster.pids(group)})
     return Snapshot(
@@ -151,6 +204,8 @@ def snapshot(cluster: Cluster, client: redis.Redis) -> Snapshot:
         redis_net_bytes=(int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"])),
         calls_at=calls_at,
         calls=calls,
+        kv_events_at=kv_events_at,
+        kv_events=kv_events,
         sockets_at=sockets_at,
         sockets=sockets,
     )
@@ -189,6 +244,7 @@ def window_figures(cluster: Cluster, before: Snapshot, after: Snapshot) -> dict:
         "redis_net_out_bytes_per_s": (after.redis_net_bytes[1] - before.redis_net_bytes[1]) / redis_s,
         "grpc_calls_per_s": sum(calls.values()),
         "grpc_calls_per_s_by_method": {m: rate for m, rate in calls.items() if rate > 0 or m in CLUSTER_METHODS},
+        **kv_event_rates(before.kv_events, after.kv_events, after.kv_events_at - before.kv_events_at),
         "socket_bytes_per_s": socket_bytes,
         "groups": {group: asdict(group_rates(before.procs[group], after.procs[group], proc_s)) for group in GROUPS},
     }
@@ -272,6 +328,7 @@ def measure(args: argparse.Namespace, cluster: Cluster, env: dict[str, str], log
     loaded = asyncio.run(loaded_window(cluster, client, args, model))
     # Since start: the subscriptions (and first-contact resyncs) happen before the windows.
     calls_since_start = calls_by_method(cluster)
+    kv_events_since_start = kv_event_counts(cluster)
     # The slope from the first stage's instances, or from none when there is one process a role.
     baseline, num_added = (
         (rss_first, args.num_instances - num_first)
@@ -294,9 +351,12 @@ def measure(args: argparse.Namespace, cluster: Cluster, env: dict[str, str], log
     # What the settings imply, beside what was counted: a heartbeat every --heartbeat-seconds (plus
     # the SET's own time) per instance; a KV-event subscription per gateway and instance at least;
     # and, to read the KV-event calls against, what polling every instance every --poll-interval
-    # costs (the gateways before events were pushed, or one whose instances refuse subscriptions).
+    # costs (the gateways before events were pushed, or one whose instances refuse subscriptions);
+    # and a KV-event heartbeat per subscription every --kv-event-heartbeat at most (the gateways'
+    # default), while its instance's cache is quiet.
     expected = {
         "heartbeats_per_s_at_most": args.num_instances / args.heartbeat_seconds,
+        "kv_event_heartbeats_per_s_at_most": args.num_gateways * args.num_instances / DEFAULT_HEARTBEAT_S,
         "kv_event_subscriptions_since_start_at_least": args.num_gateways * args.num_instances,
         "kv_event_polls_per_s_if_polled": args.num_gateways * args.num_instances / args.poll_interval,
     }
@@ -308,6 +368,7 @@ def measure(args: argparse.Namespace, cluster: Cluster, env: dict[str, str], log
             method: calls_since_start.get(method, 0.0)
             for method in sorted(set(calls_since_start) | set(CLUSTER_METHODS))
         },
+        "kv_events_since_start": kv_event_totals(kv_events_since_start),
         "expected": expected,
         "num_instances_first_stage": num_first,
     }

@@ -49,6 +49,18 @@ def summary(result: dict) -> str:
     for method, num_calls in result["grpc_calls_since_start_by_method"].items():
         if method.rsplit("/", 1)[-1] in METHOD_MEANINGS:  # the KV-event calls: most are made before the windows
             rows.append((f"{method_label(method)} since start", "", f"{num_calls:.0f}"))
+    # The KV-event messages themselves, counted by the gateways that received them.
+    since_start = result["kv_events_since_start"]
+    for via, label in (("stream", "pushed"), ("poll", "polled")):
+        messages, num_bytes = "kv_event_messages_per_s_by_via", "kv_event_bytes_per_s_by_via"
+        rows.append((f"KV-event messages/s {label}", f"{idle[messages][via]:.1f}", f"{loaded[messages][via]:.1f}"))
+        rows.append(
+            (f"KV-event KiB/s {label}", f"{idle[num_bytes][via] / 1024:.1f}", f"{loaded[num_bytes][via] / 1024:.1f}")
+        )
+        rows.append((f"KV-event messages {label} since start", "", f"{since_start['messages_by_via'][via]:.0f}"))
+        rows.append((f"KV-event MiB {label} since start", "", f"{since_start['bytes_by_via'][via] / mib:.2f}"))
+    heartbeats = "kv_event_heartbeats_per_s"
+    rows.append(("KV-event heartbeats/s", f"{idle[heartbeats]:.1f}", f"{loaded[heartbeats]:.1f}"))
     for group in GROUPS:
         i, l_ = idle["groups"][group], loaded["groups"][group]
         rows.append((f"{group} CPU cores", f"{i['cpu_cores']:.3f}", f"{l_['cpu_cores']:.3f}"))
