@@ -128,6 +128,12 @@ def test_a_cursor_the_log_cannot_follow_gets_a_resync_marker_and_subscribers_are
     asyncio.run(scenario())
 
 
+def test_a_silence_shorter_than_two_heartbeats_is_refused_naming_the_flags() -> None:
+    with pytest.raises(ValueError, match="--kv-event-silence .* at least twice --kv-event-heartbeat"):
+        KVEventLiveness(heartbeat_s=5.0, silence_s=9.0)
+    assert KVEventLiveness(heartbeat_s=0.25, silence_s=0.5).heartbeat_ms == 250
+
+
 def test_an_idle_subscriber_gets_heartbeats_at_the_interval_it_asked_for_and_batches_as_they_come() -> None:
     log = KVEventLog(max_events=4096)
 
