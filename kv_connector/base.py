@@ -184,11 +184,18 @@ class KVConnector(abc.ABC):
         or (store backends) bytes that do not match ``source.chunk_digests``; on error the
         destination blocks hold garbage and must be recomputed or freed."""
 
+    def check_pairing(self, prefill: Fingerprint) -> None:
+        """D, at the Decode call (before anything is allocated) and before each pull: raise
+        :class:`FingerprintMismatchError` naming both sides where this side cannot take the KV of
+        a prefill instance of fingerprint ``prefill``. The fingerprint's own rule
+        (:meth:`Fingerprint.check_compatible`); a backend adds what its transport cannot map."""
+        self.fingerprint.check_compatible(prefill, "decode", "prefill")
+
     def check_source(self, source: KVSource) -> None:
-        """D, before a pull: refuse a source whose fingerprint differs from this side's,
+        """D, before a pull: refuse a source this side cannot pair with (:meth:`check_pairing`),
         with a :class:`KVTransferError` naming both values."""
         try:
-            self.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
+            self.check_pairing(source.fingerprint)
         except FingerprintMismatchError as error:
             raise KVTransferError(str(error)) from None
 

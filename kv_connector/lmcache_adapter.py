@@ -6,7 +6,9 @@ objects with CUDA kernels. This one does the same for splitserve's block-major c
 so it runs wherever the cache lives (CPU here, a GPU elsewhere). A memory object holds one KV
 head of one chunk, in LMCache's ``KV_2LTD`` layout: ``[2, layers, tokens, head_dim]``: the
 store keeps each head apart, so a tensor-parallel rank stores and fetches exactly its own heads
-(kv_connector/lmcache_connector.py, "Heads").
+(kv_connector/lmcache_connector.py, "Heads"); its layers are those of the prefill rank's cache
+(its pipeline stage's), and a decode rank whose stage spans several prefill stages fetches each
+into its own layers ("Stages").
 
 Digests: given a ``chunk_digests`` dict among the keyword arguments, both directions record
 the SHA-256 of each chunk's memory object (:func:`chunk_digest`) under the chunk's first
@@ -37,8 +39,10 @@ class PagedKVAdapter(GPUConnectorInterface):
     ``retrieve``: ``head``, the index in this cache's heads of the one head the call moves;
     ``block_ids`` (P's blocks) for a store, and for a retrieve a ``staging`` tensor
     ``[2, layers, tokens, local kv_heads, head_dim]`` whose token 0 is prompt token
-    ``staging_start``. D never lets LMCache write its cache directly: a retrieve that
-    outlives its pull (timeout, cancel) must not land in blocks the engine has handed on.
+    ``staging_start``, and where the fetched object's ``num_layers`` layers go in it from
+    ``layer_start`` on (by default: the whole cache's layers). D never lets LMCache write its
+    cache directly: a retrieve that outlives its pull (timeout, cancel) must not land in blocks
+    the engine has handed on.
     """
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
@@ -75,23 +79,27 @@ class PagedKVAdapter(GPUConnectorInterface):
                 digests[start] = chunk_digest(chunk)
 
     def batched_to_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
-        """Inside ``retrieve`` on D: copy each fetched chunk into head ``head`` of the staging
-        tensor (and digest it)."""
+        """Inside ``retrieve`` on D: copy each fetched chunk into head ``head`` (and layers
+        ``layer_start`` on) of the staging tensor (and digest it)."""
         staging: torch.Tensor = kwargs["staging"]
         staging_start: int = kwargs["staging_start"]
         head: int = kwargs["head"]
+        layer_start: int = kwargs.get("layer_start", 0)
+        num_layers: int = kwargs.get("num_layers", self.num_layers)
+        layers = slice(layer_start, layer_start + num_layers)
         digests: dict[int, bytes] | None = kwargs.get("chunk_digests")
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            chunk = self._checked(memory_obj, start, end)
+            chunk = self._checked(memory_obj, start, end, num_layers)
             if digests is not None:
                 digests[start] = chunk_digest(chunk)
             # Synchronous copy: LMCache recycles the memory object as soon as this returns.
-            staging[:, :, start - staging_start : end - staging_start, head].copy_(chunk)
+            staging[:, layers, start - staging_start : end - staging_start, head].copy_(chunk)
 
-    def _checked(self, memory_obj: MemoryObj, start: int, end: int) -> torch.Tensor:
-        """The object's tensor, if it has exactly the chunk's shape and the cache's dtype."""
+    def _checked(self, memory_obj: MemoryObj, start: int, end: int, num_layers: int | None = None) -> torch.Tensor:
+        """The object's tensor, if it has exactly the chunk's shape (``num_layers`` layers; by
+        default the cache's) and the cache's dtype."""
         tensor = memory_obj.tensor
-        expected = self.get_shape(end - start)
+        expected = torch.Size([2, num_layers or self.num_layers, end - start, self.head_dim])
         if tensor is None or tensor.shape != expected or tensor.dtype != self.kv_cache.dtype:
             found = "nothing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
             raise KVTransferError(

@@ -19,6 +19,15 @@ How the pieces fit:
   them. No rank ever fetches a head it does not hold, and the bytes of a pull are the missing
   blocks' KV once (vLLM's LMCache integration keys whole ranks instead, so P and D must
   split alike).
+- **Stages.** With pipeline parallelism a rank's cache holds its stage's layers alone: a
+  prefill rank stores each of its heads with its stage's layers as one object (the layer range
+  in the key's tag where P has more than one stage), and a decode rank fetches, for each of its
+  heads, the objects of the prefill stages that make up its own stage (P's stages are in the
+  handle's fingerprint). So a decode stage must be whole prefill stages: D's stage boundaries
+  among P's (P at PP 2 to D at PP 1, or TP 2 x PP 2 to TP 1, or the same split), else the pair
+  is refused at the Decode call naming both shapes (:func:`stage_pairing_error`), since a
+  decode rank would fetch layers it does not hold. Objects per layer would lift that rule at
+  the cost of a store object, a round trip and a handle digest per layer of every chunk.
 - **Fingerprint.** The key's model-name field is the model identity plus a digest
   of the :class:`Fingerprint` (all but the tensor-parallel size, which changes how KV is
   split, not what it is, and the drafter, which crosses beside the KV) and its dtype field
@@ -78,7 +87,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -106,7 +115,7 @@ from kv_connector.base import (
     block_count_error,
     bounded_transfer,
 )
-from kv_connector.fingerprint import BESIDE_KV_FIELDS, LAYOUT_FIELDS, Fingerprint
+from kv_connector.fingerprint import BESIDE_KV_FIELDS, LAYOUT_FIELDS, Fingerprint, FingerprintMismatchError
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks
 
 logger = logging.getLogger(__name__)
@@ -143,13 +152,15 @@ class LMCacheConnector(KVConnector):
         store_key: bytes | None = None,
         ttl_s: float = DEFAULT_TTL_S,
         tensor_parallel_rank: int = 0,
+        pipeline_stage: int = 0,
     ) -> None:
         """``chunk_size`` defaults to whole blocks near LMCache's 256 tokens; ``buffer_bytes``
         (host memory LMCache stages one transfer in, allocated up front) to the cache's
         size capped at 256 MiB — a prompt whose KV exceeds it is not stored. ``store_key``:
         the KV store key derived from the cluster secret (``cluster.derived_keys``), the same
         on P and D; None without a secret. ``ttl_s``: how long a Redis store keeps a chunk.
-        ``tensor_parallel_rank``: the rank whose cache this is (its KV heads are that rank's)."""
+        ``tensor_parallel_rank``, ``pipeline_stage``: the rank whose cache this is (its KV heads
+        and its stage's layers are that rank's)."""
         super().__init__(kv_cache, fingerprint)
         block_size = self.block_size
         if fingerprint.block_size != block_size:
@@ -186,6 +197,13 @@ class LMCacheConnector(KVConnector):
             for head in self.heads
             if tensor_parallel_rank == min(r for r in range(size) if head in kv_head_range(r, size, num_kv_heads))
         ]
+        self.stage = pipeline_stage
+        self.layers = fingerprint.layout.stage_layers()[pipeline_stage]
+        if len(self.layers) != kv_cache.shape[1]:
+            raise ValueError(
+                f"stage {pipeline_stage} holds layers {self.layers.start}..{self.layers.stop - 1} of "
+                f"{fingerprint.num_layers}, but its cache has {kv_cache.shape[1]} (bug)"
+            )
         cache_bytes = kv_cache.numel() * kv_cache.element_size()
         # Two spare chunks absorb the allocator's per-object alignment.
         self._buffer_bytes = (
@@ -284,8 +302,9 @@ class LMCacheConnector(KVConnector):
     async def pull(
         self, source: KVSource, block_ids: list[int], num_local_hit_blocks: int, timeout_s: float
     ) -> TransferStats:
-        """D: retrieve this rank's heads of the KV of ``source.token_ids`` from the store
-        (under the keys of P's publish: its pull token and the call's cache salt), check each
+        """D: retrieve this rank's heads of its stage's layers of the KV of ``source.token_ids``
+        from the store (under the keys of P's publish: its pull token, the call's cache salt and
+        the P stages that make up this rank's), check each
         chunk against the handle's digests, and write blocks ``num_local_hit_blocks:`` of it into
         ``block_ids[num_local_hit_blocks:]``; earlier blocks (D's own prefix-cache hits) are not
         touched. Raises :class:`KVTransferError` on a fingerprint mismatch, a handle without
@@ -316,12 +335,21 @@ class LMCacheConnector(KVConnector):
         self.check_source(source)
         num_chunks = cdiv(len(tokens), self.chunk_size)
         num_kv_heads = self.fingerprint.num_kv_heads
-        if len(source.chunk_digests) != num_kv_heads * num_chunks:
+        source_stages = source.fingerprint.layout.stage_layers()
+        if len(source.chunk_digests) != len(source_stages) * num_kv_heads * num_chunks:
             raise KVTransferError(
                 f"the KV handle of {source.request_id!r} carries {len(source.chunk_digests)} chunk digests for the "
-                f"{num_chunks} chunks of {len(tokens)} tokens of {num_kv_heads} KV heads: the store's bytes cannot "
-                "be checked (a prefill instance that does not digest them, or another --lmcache chunk size)"
+                f"{num_chunks} chunks of {len(tokens)} tokens of {num_kv_heads} KV heads in {len(source_stages)} "
+                "stages: the store's bytes cannot be checked (a prefill instance that does not digest them, or "
+                "another --lmcache chunk size)"
             )
+        # What this rank fetches: each of its heads of each prefill stage inside its own stage.
+        objects = [
+            _StoredObject(stage, layers, head, tagged_layers(len(source_stages), layers))
+            for stage, layers in enumerate(source_stages)
+            if layers.start in self.layers
+            for head in self.heads
+        ]
         started = time.perf_counter()
         first_token = num_local_hit_blocks * block_size
         # LMCache skips only whole chunks; the chunk holding first_token is fetched whole.
@@ -331,33 +359,42 @@ class LMCacheConnector(KVConnector):
             dtype=self.kv_cache.dtype,
             device=self.kv_cache.device,
         )
-        fetched: dict[int, dict[int, bytes]] = {}  # head -> chunk start -> digest of the bytes the store returned
+        # Per object fetched: chunk start -> digest of the bytes the store returned.
+        fetched: list[dict[int, bytes]] = [{} for _ in objects]
         retrieved = await bounded_transfer(
-            asyncio.to_thread(self._retrieve, engine, tokens, fetch_start, staging, source, fetched),
+            asyncio.to_thread(self._retrieve, engine, tokens, fetch_start, staging, source, objects, fetched),
             timeout_s,
             f"retrieving {source.request_id!r} from LMCache at {self.shown_url}",
         )
-        for head, hits in zip(self.heads, retrieved, strict=True):
+        for stored, hits, digests in zip(objects, retrieved, fetched, strict=False):
             missing = (~hits[fetch_start:]).nonzero()
             if len(missing):
-                raise await self._miss(source, fetch_start + int(missing[0]), len(tokens), head)
+                raise await self._miss(source, fetch_start + int(missing[0]), len(tokens), stored)
+            first_digest = (stored.stage * num_kv_heads + stored.head) * num_chunks
             for start in range(fetch_start, len(tokens), self.chunk_size):
-                digest = fetched[head].get(start)
-                expected = source.chunk_digests[head * num_chunks + start // self.chunk_size]
+                digest = digests.get(start)
+                expected = source.chunk_digests[first_digest + start // self.chunk_size]
                 if digest is None or not hmac.compare_digest(digest, expected):
                     raise KVTransferError(
                         f"LMCache at {self.shown_url} returned other bytes for tokens {start}.."
-                        f"{min(start + self.chunk_size, len(tokens)) - 1} (KV head {head}) of {source.request_id!r} "
-                        "than the prefill instance stored (their digest is not the KV handle's): refused, nothing "
-                        "written"
+                        f"{min(start + self.chunk_size, len(tokens)) - 1} ({stored.describe()}) of "
+                        f"{source.request_id!r} than the prefill instance stored (their digest is not the KV "
+                        "handle's): refused, nothing written"
                     )
         write_blocks(self.kv_cache, block_ids, first_token, len(tokens), staging[:, :, first_token - fetch_start :])
         return TransferStats(
             num_blocks=num_blocks - num_local_hit_blocks,
             num_bytes=staging.numel() * staging.element_size(),
             seconds=time.perf_counter() - started,
-            num_messages=len(self.heads) * cdiv(len(tokens) - fetch_start, self.chunk_size),
+            num_messages=len(objects) * cdiv(len(tokens) - fetch_start, self.chunk_size),
         )
+
+    def check_pairing(self, prefill: Fingerprint) -> None:
+        """The fingerprint's rule, and the store's: each decode stage must be whole prefill
+        stages (module docstring, "Stages")."""
+        super().check_pairing(prefill)
+        if (error := stage_pairing_error(prefill, self.fingerprint)) is not None:
+            raise FingerprintMismatchError(error)
 
     # -------------------------------------------------------------- internals
 
@@ -417,9 +454,10 @@ class LMCacheConnector(KVConnector):
             raise RuntimeError("the lmcache KV connector was used before start() or after close() (bug)")
         return self._engine
 
-    def _request_configs(self, cache_salt: str, pull_token: bytes, head: int) -> dict[str, str]:
-        """LMCache's request configs that tag one publish's keys of one head: P and D derive the same."""
-        return {_KEY_TAG: key_tag(self._store_key, cache_salt, pull_token, head)}
+    def _request_configs(self, cache_salt: str, pull_token: bytes, head: int, layers: range | None) -> dict[str, str]:
+        """LMCache's request configs that tag one publish's keys of one head (of one stage's
+        ``layers``; None: all): P and D derive the same."""
+        return {_KEY_TAG: key_tag(self._store_key, cache_salt, pull_token, head, layers)}
 
     def _store(
         self,
@@ -434,8 +472,9 @@ class LMCacheConnector(KVConnector):
         serial_openmp()  # the copies out of the cache start no OpenMP team beside the step thread's
         chunk_digests: list[bytes] = []
         deadline = time.monotonic() + self.publish_timeout_s
+        layers = tagged_layers(self.fingerprint.layout.num_stages, self.layers)
         for head in self.stored_heads:
-            configs = self._request_configs(cache_salt, pull_token, head)
+            configs = self._request_configs(cache_salt, pull_token, head, layers)
             digests: dict[int, bytes] = {}  # chunk start -> digest, filled by the adapter as it copies
             try:
                 with self._lock:
@@ -455,9 +494,11 @@ class LMCacheConnector(KVConnector):
                 num_stored, reason = 0, "failed"
             if num_stored < len(tokens):
                 logger.error(
-                    "LMCache stored KV head %d of %d of %d prompt tokens of %s in %s (%s); decode instances will miss "
-                    "it",
+                    "LMCache stored KV head %d (layers %d..%d) of %d of %d prompt tokens of %s in %s (%s); decode "
+                    "instances will miss it",
                     head,
+                    self.layers.start,
+                    self.layers.stop - 1,
                     num_stored,
                     len(tokens),
                     request_id,
@@ -514,19 +555,21 @@ class LMCacheConnector(KVConnector):
         fetch_start: int,
         staging: torch.Tensor,
         source: KVSource,
-        digests: dict[int, dict[int, bytes]],
+        objects: list[_StoredObject],
+        digests: list[dict[int, bytes]],
     ) -> list[torch.Tensor]:
-        """Worker thread: fill ``staging`` from token ``fetch_start`` on, head by head, and
-        ``digests[head]`` with each fetched chunk's. Returns LMCache's per-token hit mask of
-        each of this rank's heads (bool, on CPU)."""
+        """Worker thread: fill ``staging`` from token ``fetch_start`` on, object by object
+        (a head of a prefill stage's layers), and ``digests[i]`` with each chunk of
+        ``objects[i]`` fetched. Returns LMCache's per-token hit mask of each object fetched
+        (bool, on CPU); it stops at the first miss."""
         serial_openmp()  # the copies into the staging tensor start no OpenMP team beside the step thread's
         mask = None
         if fetch_start:
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[:fetch_start] = False  # a local prefix hit on D: not fetched
         hits = []
-        for index, head in enumerate(self.heads):
-            digests[head] = {}
+        for stored, chunk_digests in zip(objects, digests, strict=True):
+            configs = self._request_configs(source.cache_salt, source.pull_token, stored.head, stored.tagged_layers)
             with self._lock:
                 hits.append(
                     engine.retrieve(
@@ -534,17 +577,21 @@ class LMCacheConnector(KVConnector):
                         mask=mask,
                         staging=staging,
                         staging_start=fetch_start,
-                        head=index,
+                        head=stored.head - self.heads.start,
+                        layer_start=stored.layers.start - self.layers.start,
+                        num_layers=len(stored.layers),
                         req_id=source.request_id,
-                        request_configs=self._request_configs(source.cache_salt, source.pull_token, head),
-                        chunk_digests=digests[head],
+                        request_configs=configs,
+                        chunk_digests=chunk_digests,
                     )
                 )
             if not hits[-1][fetch_start:].all():
-                break  # a miss: the pull fails on it, the other heads need not be fetched
+                break  # a miss: the pull fails on it, the other objects need not be fetched
         return hits
 
-    async def _miss(self, source: KVSource, first_missing: int, num_tokens: int, head: int) -> KVTransferError:
+    async def _miss(
+        self, source: KVSource, first_missing: int, num_tokens: int, stored: _StoredObject
+    ) -> KVTransferError:
         error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
         if error is not None:
             return KVTransferError(f"LMCache store {self.shown_url} is unreachable: {error}")
@@ -554,7 +601,7 @@ class LMCacheConnector(KVConnector):
             else f"{self.shown_url} (prefill stored to {source.address})"
         )
         return KVTransferError(
-            f"LMCache at {where} has no KV for tokens {first_missing}..{num_tokens - 1} (KV head {head}) of "
+            f"LMCache at {where} has no KV for tokens {first_missing}..{num_tokens - 1} ({stored.describe()}) of "
             f"{source.request_id!r} "
             f"under {key_model_name(self.fingerprint)}: not stored, expired, evicted, or stored for another "
             "fingerprint, cache salt or KV handle"
@@ -562,6 +609,44 @@ class LMCacheConnector(KVConnector):
 
 
 # ------------------------------------------------------------------ helpers
+
+
+@dataclass(frozen=True, slots=True)
+class _StoredObject:
+    """What one retrieve fetches: KV head ``head`` of prefill stage ``stage``'s ``layers``
+    (model layers), every chunk; ``tagged_layers`` is what its keys' tag names of the layers."""
+
+    stage: int
+    layers: range
+    head: int
+    tagged_layers: range | None
+
+    def describe(self) -> str:
+        if self.tagged_layers is None:
+            return f"KV head {self.head}"
+        return f"KV head {self.head}, layers {self.layers.start}..{self.layers.stop - 1}"
+
+
+def tagged_layers(num_stages: int, layers: range) -> range | None:
+    """What a prefill stage's keys' tag names of its ``layers``: nothing for a P of one stage
+    (it holds every layer), so its keys are those of a P without pipeline stages."""
+    return layers if num_stages > 1 else None
+
+
+def stage_pairing_error(prefill: Fingerprint, decode: Fingerprint) -> str | None:
+    """Why a decode instance cannot read what a prefill instance of another pipeline split
+    stored (module docstring, "Stages"), naming both shapes; None where every decode stage is
+    whole prefill stages."""
+    cuts = sorted(set(decode.stage_first_layers) - set(prefill.stage_first_layers))
+    if not cuts:
+        return None
+    return (
+        f"KV caches are incompatible through LMCache, refusing to pair decode at {decode.layout.describe()} with "
+        f"prefill at {prefill.layout.describe()}: the store holds each prefill stage's layers as one object per KV "
+        f"head, and a decode stage starting at layer {', '.join(map(str, cuts))} would fetch layers it does not "
+        "hold; split decode along prefill's stage boundaries (or at pipeline parallel size 1), or use "
+        "--kv-connector ucx"
+    )
 
 
 def key_model_name(fingerprint: Fingerprint) -> str:
@@ -577,11 +662,14 @@ def key_model_name(fingerprint: Fingerprint) -> str:
     return f"{re.sub(r'[^A-Za-z0-9._-]', '_', fingerprint.model)[:64]}~{digest}"
 
 
-def key_tag(store_key: bytes, cache_salt: str, pull_token: bytes, head: int) -> str:
+def key_tag(store_key: bytes, cache_salt: str, pull_token: bytes, head: int, layers: range | None = None) -> str:
     """The tag of one publish's store keys of one KV head (module docstring), hex: HMAC-SHA256
-    under the KV store key of the request's cache salt, the handle's pull token and the head,
-    each length-prefixed. LMCache writes it into every key of the publish as ``@k%<tag>``."""
-    parts = (cache_salt.encode(), pull_token, str(head).encode())
+    under the KV store key of the request's cache salt, the handle's pull token and the head
+    (and the prefill stage's ``layers``, where P has stages: :func:`tagged_layers`), each
+    length-prefixed. LMCache writes it into every key of the publish as ``@k%<tag>``."""
+    parts: tuple[bytes, ...] = (cache_salt.encode(), pull_token, str(head).encode())
+    if layers is not None:
+        parts += (f"{layers.start}:{layers.stop}".encode(),)
     message = b"".join(len(part).to_bytes(8, "little") + part for part in parts)
     return hmac.new(store_key, message, hashlib.sha256).digest()[:_KEY_TAG_BYTES].hex()
 

@@ -11,11 +11,13 @@ use it as any connector. In call order:
    connector (listening too) and answers its address and place; ``rank_addresses`` lists them
    in the instance's stage-major order (kv_connector/layer_plan.py), and P's KV handles carry them.
 2. ``publish`` / ``unpublish`` (P): every rank publishes (or unpublishes) the request's blocks,
-   its own heads of them, under the same pull token. A store connector's digests of what each
-   rank stored are joined in rank order, which is head order (kv_connector/lmcache_connector.py).
+   its own heads of its stage's layers of them, under the same pull token. A store connector's
+   digests of what each rank stored are joined in stage-major rank order, which is the store's
+   stage then head order (kv_connector/lmcache_connector.py).
 3. ``pull`` (D's KV loader): every rank pulls its share at once, straight into its own cache:
    a UCX connector follows the layer plan (kv_connector/layer_plan.py: which P rank holds which
-   of its (layer range, head span)s), an LMCache connector fetches its heads from the store; the
+   of its (layer range, head span)s), an LMCache connector fetches its heads of the prefill
+   stages that make up its own from the store; the
    pull ends when every rank's has, and fails if any failed.
 
 Messages on a channel are JSON objects, each with an ``id`` its answer repeats; nothing is
@@ -57,6 +59,8 @@ class RankedConnector(KVConnector):
         self.backend, self.options = backend, options
         self.rank_addresses: list[str] = []
         self._ranks = [_RankChannel(name, channel) for name, channel in channels]
+        # Each rank's place in the stage-major order (local's first), known once started.
+        self._places: list[int] = []
 
     async def start(self, host: str, port: int) -> str:
         address = await self.local.start(host, port)
@@ -78,11 +82,14 @@ class RankedConnector(KVConnector):
         )
         # Stage-major, as the layer plan numbers ranks: rank 0 is the last stage's first.
         size = self.fingerprint.tensor_parallel_size
-        places = {(len(self.fingerprint.stage_first_layers) - 1) * size: address}
-        places.update({answer["stage"] * size + answer["rank"]: answer["address"] for answer in answers})
-        if sorted(places) != list(range(len(self._ranks) + 1)):
-            raise RuntimeError(f"bug: the ranks' connectors answered places {sorted(places)}")
-        self.rank_addresses = [places[place] for place in sorted(places)]
+        self._places = [
+            (len(self.fingerprint.stage_first_layers) - 1) * size,
+            *(answer["stage"] * size + answer["rank"] for answer in answers),
+        ]
+        if sorted(self._places) != list(range(len(self._ranks) + 1)):
+            raise RuntimeError(f"bug: the ranks' connectors answered places {sorted(self._places)}")
+        addresses = [address, *(answer["address"] for answer in answers)]
+        self.rank_addresses = [rank_address for _, rank_address in sorted(zip(self._places, addresses, strict=True))]
         logger.info("KV connector of each rank: %s", ", ".join(self.rank_addresses))
         return address
 
@@ -108,10 +115,16 @@ class RankedConnector(KVConnector):
                 for rank in self._ranks
             ),
         )
-        digests = [*local.chunk_digests]
-        for answer in others:
-            digests.extend(bytes.fromhex(digest) for digest in answer["chunk_digests"])
-        return PublishedKV(chunk_digests=tuple(digests))
+        # Joined in the ranks' stage-major order, which is the store's stage then head order
+        # (kv_connector/lmcache_connector.py); rank 0's own holds the last stage.
+        parts = [list(local.chunk_digests)]
+        parts += [[bytes.fromhex(digest) for digest in answer["chunk_digests"]] for answer in others]
+        ordered = sorted(zip(self._places, parts, strict=True), key=lambda placed: placed[0])
+        return PublishedKV(chunk_digests=tuple(digest for _, part in ordered for digest in part))
+
+    def check_pairing(self, prefill: Fingerprint) -> None:
+        """Every rank's connector is of one backend over one layout: rank 0's answers for all."""
+        self.local.check_pairing(prefill)
 
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         await asyncio.gather(

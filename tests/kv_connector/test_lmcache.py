@@ -549,3 +549,93 @@ def test_ranks_of_any_size_store_and_fetch_exactly_their_heads(
     bytes_per_head_token = SHAPE[1] * 2 * SHAPE[5] * 2  # layers, K and V, head_dim, bfloat16
     heads_held = [cache.shape[4] for cache in decode_caches]
     assert pulled == [heads * len(PROMPT) * bytes_per_head_token for heads in heads_held]
+
+
+# ------------------------------------------------------------- pipeline stages
+
+
+def _shaped(tensor_parallel_size: int, stage_first_layers: tuple[int, ...]):
+    return dataclasses.replace(
+        fingerprint(), tensor_parallel_size=tensor_parallel_size, stage_first_layers=stage_first_layers
+    )
+
+
+def _placed_ranks(full: torch.Tensor, url: str, split) -> list[LMCacheConnector]:
+    """A connector per rank of ``split`` (stage-major), over its heads of its stage's layers of ``full``."""
+    connectors = []
+    for stage, layers in enumerate(split.layout.stage_layers()):
+        for rank in range(split.tensor_parallel_size):
+            cache = _rank_cache(full, rank, split.tensor_parallel_size)[:, layers.start : layers.stop].clone()
+            connectors.append(
+                LMCacheConnector(
+                    cache,
+                    split,
+                    remote_url=url,
+                    chunk_size=CHUNK_SIZE,
+                    tensor_parallel_rank=rank,
+                    pipeline_stage=stage,
+                )
+            )
+    return connectors
+
+
+@pytest.mark.parametrize(
+    ("prefill_shape", "decode_shape"),
+    [((1, (0, 1)), (1, (0, 1))), ((1, (0, 1)), (1, (0,))), ((2, (0, 1)), (1, (0,))), ((2, (0, 1)), (4, (0, 1)))],
+    ids=["P-PP2-D-PP2", "P-PP2-D-PP1", "P-TP2xPP2-D-TP1", "P-TP2xPP2-D-TP4xPP2"],
+)
+def test_stage_ranks_store_and_fetch_exactly_their_layers(redis_url: str, prefill_shape, decode_shape) -> None:
+    """Each P rank stores its heads of its stage's layers, the digests joined stage-major make
+    the handle's; each D rank fetches its heads of the P stages its own is made of: its blocks
+    equal P's, and the bytes it fetched are exactly its layers' and heads' KV of the prompt."""
+    full = seeded_cache(13)
+    prefill_split, decode_split = _shaped(*prefill_shape), _shaped(*decode_shape)
+    prefill = _placed_ranks(full, redis_url, prefill_split)
+    decode = _placed_ranks(torch.zeros_like(full), redis_url, decode_split)
+    for connector in decode:
+        connector.kv_cache.zero_()
+    token = bytes(range(16, 32))
+    local_blocks = [0, 3, 11, 6]
+
+    async def scenario() -> list[int]:
+        for connector in prefill + decode:
+            await connector.start("127.0.0.1", 0)
+        try:
+            published = await asyncio.gather(
+                *(connector.publish("pp", PUBLISHED_BLOCKS, PROMPT, pull_token=token) for connector in prefill)
+            )
+            digests = tuple(digest for part in published for digest in part.chunk_digests)
+            assert len(digests) == prefill_split.layout.num_stages * SHAPE[4] * 2  # stages, heads, chunks
+            src = KVSource(
+                "pp", "", tuple(PUBLISHED_BLOCKS), len(PROMPT), prefill_split, tuple(PROMPT), token, "", digests
+            )
+            stats = await asyncio.gather(*(connector.pull(src, local_blocks, 0, 10.0) for connector in decode))
+            return [s.num_bytes for s in stats]
+        finally:
+            for connector in prefill + decode:
+                await connector.close()
+
+    pulled = asyncio.run(scenario())
+    expected = _placed_ranks(full, redis_url, decode_split)
+    bytes_per_layer_head_token = 2 * SHAPE[5] * 2  # K and V, head_dim, bfloat16
+    for connector, truth, num_bytes in zip(decode, expected, pulled, strict=True):
+        cache, want = connector.kv_cache, truth.kv_cache
+        assert torch.equal(cache[local_blocks[:3]], want[PUBLISHED_BLOCKS[:3]])
+        assert torch.equal(cache[local_blocks[3], :, :, :TAIL], want[PUBLISHED_BLOCKS[3], :, :, :TAIL])
+        assert num_bytes == cache.shape[1] * cache.shape[4] * len(PROMPT) * bytes_per_layer_head_token
+
+
+def test_a_decode_stage_that_cuts_a_prefill_stage_is_refused_naming_both_shapes(redis_url: str) -> None:
+    """P at PP 1 stored whole-model objects; a D stage holding layer 1 alone would fetch layer 0
+    too: refused at pairing and before a pull, naming both shapes."""
+    from kv_connector.fingerprint import FingerprintMismatchError
+
+    decode = _placed_ranks(seeded_cache(13), redis_url, _shaped(1, (0, 1)))[1]
+    with pytest.raises(FingerprintMismatchError) as refused:
+        decode.check_pairing(fingerprint())
+    assert "decode at TP 1 x PP 2 (stages from layers 0, 1)" in str(refused.value)
+    assert "prefill at TP 1 x PP 1 (stages from layers 0)" in str(refused.value)
+    with pytest.raises(KVTransferError, match="a decode stage starting at layer 1"):
+        decode.check_source(source())  # before each pull too
+    # The other way round pairs: P's two stages make D's one.
+    _placed_ranks(seeded_cache(13), redis_url, _shaped(1, (0,)))[0].check_pairing(_shaped(1, (0, 1)))
