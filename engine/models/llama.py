@@ -259,6 +259,30 @@ class LlamaFamilyForCausalLM(nn.Module):
             raise RuntimeError("bug: a model or pipeline stage without layers")
         return hidden, residual
 
+    def run_layers_capturing(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        layer_caches: Sequence[torch.Tensor],
+        metadata: AttentionMetadata,
+        layer_ids: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`run_layers` over the whole model from the embeddings ``hidden``, and the residual
+        stream entering each layer of ``layer_ids`` (ascending; 0 is the embeddings), concatenated
+        [T, len(layer_ids) * hidden_size]: the hidden states EAGLE-3 drafts fuse, as vLLM's
+        ``eagle_aux_hidden_state_layer_ids`` name them. A method of its own, so that run_layers
+        pays nothing when no draft reads them."""
+        captured: list[torch.Tensor] = []
+        residual: torch.Tensor | None = None
+        for layer_index, layer in enumerate(self.layers):
+            if layer_index in layer_ids:
+                # A copy of the embeddings: the next layers may add to them in place as their residual.
+                captured.append(hidden.clone() if residual is None else hidden + residual)
+            hidden, residual = layer(positions, hidden, residual, layer_caches[layer_index], metadata)
+        if residual is None or len(captured) != len(layer_ids):
+            raise RuntimeError(f"bug: layers {list(layer_ids)} captured from a model of {len(self.layers)}")
+        return hidden, residual, torch.cat(captured, dim=-1)
+
     def compute_logits(
         self,
         hidden: torch.Tensor,

@@ -56,17 +56,19 @@ def read_eagle_config(folder: Path) -> EagleCheckpointConfig:
     config: dict[str, Any] = json.loads(config_path.read_text())
     kind = config.get("speculators_model_type")
     if kind is not None:
+        if kind == "eagle3":
+            raise ValueError(f'{config_path} is an EAGLE-3 draft: serve it with "method": "eagle3"')
         if kind != "eagle":
             raise ValueError(
-                f"{config_path} is a speculators {kind!r} model; only EAGLE-1/2 drafts (speculators_model_type "
-                "'eagle') are served here (eagle3 is not built yet, issue 40)"
+                f"{config_path} is a speculators {kind!r} model; EAGLE drafts are speculators_model_type 'eagle' "
+                "(method eagle) or 'eagle3' (method eagle3)"
             )
         layer = config.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise ValueError(f"{config_path} (speculators eagle) has no transformer_layer_config")
         return EagleCheckpointConfig(
             layout="speculators",
-            layer_config=_llama_config(layer, config_path),
+            layer_config=llama_layer_config(layer, config_path),
             num_layers=1,  # speculators' EAGLE always has one layer, whatever its layer config says
             fusion_bias=bool(config.get("fusion_bias", False)),
             layernorms=bool(config.get("layernorms", False)),
@@ -76,7 +78,9 @@ def read_eagle_config(folder: Path) -> EagleCheckpointConfig:
             f"{config_path} is neither an EAGLE draft's Llama config (hidden_size, num_hidden_layers, ...) nor a "
             "speculators one (speculators_model_type); is {folder} an EAGLE checkpoint?"
         )
-    layer_config = _llama_config(config, config_path)
+    if is_reference_eagle3(config):
+        raise ValueError(f'{config_path} is an EAGLE-3 draft (draft_vocab_size): serve it with "method": "eagle3"')
+    layer_config = llama_layer_config(config, config_path)
     return EagleCheckpointConfig(
         layout="eagle",
         layer_config=layer_config,
@@ -105,7 +109,7 @@ def load_eagle_draft(
             f"the EAGLE draft in {folder} has a vocabulary of {layer.vocab_size} tokens, the target's has "
             f"{vocab_size}: it was trained for another model"
         )
-    weights = _read_weights(folder, config.layout)
+    weights = read_draft_weights(folder, config.layout)
     if not config.layernorms and weights.pop("layers.0.input_layernorm.weight", None) is not None:
         # Some conversions keep layer 0's input norm, which EAGLE never applies.
         logger.info("EAGLE draft %s: layer 0's input norm is in the file but unused, as EAGLE's", folder)
@@ -164,7 +168,12 @@ def save_eagle_draft(draft: EagleDraft, folder: Path, layout: EagleLayout, extra
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _llama_config(layer: dict[str, Any], config_path: Path) -> LlamaConfig:
+def is_reference_eagle3(config: dict[str, Any]) -> bool:
+    """Whether a config in EAGLE's reference layout is an EAGLE-3 draft's (its own vocabulary)."""
+    return "draft_vocab_size" in config or any("Eagle3" in name for name in config.get("architectures") or [])
+
+
+def llama_layer_config(layer: dict[str, Any], config_path: Path) -> LlamaConfig:
     missing = [
         key for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if key not in layer
     ]
@@ -175,7 +184,7 @@ def _llama_config(layer: dict[str, Any], config_path: Path) -> LlamaConfig:
     return LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures", "model_type")})
 
 
-def _read_weights(folder: Path, layout: EagleLayout) -> dict[str, torch.Tensor]:
+def read_draft_weights(folder: Path, layout: EagleLayout) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         refuse_pickles(folder, "EAGLE draft's weights", "model.safetensors")

@@ -4,13 +4,16 @@ decoder layer(s) whose first has no input norm, over a contiguous KV of its own 
 Parameter names are transformers' and the EAGLE checkpoints' (``fc``, ``layers.{i}.self_attn.*``,
 ``layers.{i}.mlp.*``, the speculators layout's extra norms), so a checkpoint loads with
 ``load_state_dict`` (engine/spec_decode/eagle_checkpoint.py). Plain PyTorch, differentiable, so
-training (eagle_training.py) runs the same modules as serving (eagle.py).
+training (eagle_training.py) runs the same modules as serving (eagle.py). :class:`DraftNetwork` is
+what the proposer drives; EAGLE-3's draft (eagle3_draft.py) implements it over the same layer body
+(:class:`DraftLayerBody`) and draft KV.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -111,21 +114,22 @@ class DraftKV:
         return self.keys[layer][:end], self.values[layer][:end]
 
 
-class EagleLayer(nn.Module):
-    """A Llama decoder layer over a :class:`DraftKV`; parameter names are transformers' (and the
-    EAGLE checkpoints'), so a checkpoint loads with ``load_state_dict``."""
+class DraftLayerBody(nn.Module):
+    """A Llama decoder layer over a :class:`DraftKV` from its attention's input on (what comes
+    before, the input norm(s), is EAGLE's or EAGLE-3's: :class:`EagleLayer`,
+    engine/spec_decode/eagle3_draft.py); parameter names are transformers' (and the EAGLE
+    checkpoints'), so a checkpoint loads with ``load_state_dict``."""
 
-    def __init__(self, shape: EagleDraftShape, index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, shape: EagleDraftShape, index: int, rotary: RotaryEmbedding, attention_input_size: int) -> None:
         super().__init__()
         hidden, head_dim = shape.hidden_size, shape.head_dim
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, head_dim
-        # EAGLE's first layer reads fc's output as it is (its input norm removed).
-        self.input_layernorm = RMSNorm(hidden, shape.rms_norm_eps) if index > 0 or shape.layernorms else None
         self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, shape.num_heads * head_dim, bias=shape.attention_bias)
-        self.self_attn.k_proj = nn.Linear(hidden, shape.num_kv_heads * head_dim, bias=shape.attention_bias)
-        self.self_attn.v_proj = nn.Linear(hidden, shape.num_kv_heads * head_dim, bias=shape.attention_bias)
+        width = attention_input_size
+        self.self_attn.q_proj = nn.Linear(width, shape.num_heads * head_dim, bias=shape.attention_bias)
+        self.self_attn.k_proj = nn.Linear(width, shape.num_kv_heads * head_dim, bias=shape.attention_bias)
+        self.self_attn.v_proj = nn.Linear(width, shape.num_kv_heads * head_dim, bias=shape.attention_bias)
         self.self_attn.o_proj = nn.Linear(shape.num_heads * head_dim, hidden, bias=shape.attention_bias)
         self.post_attention_layernorm = RMSNorm(hidden, shape.rms_norm_eps)
         self.mlp = nn.Module()
@@ -134,13 +138,18 @@ class EagleLayer(nn.Module):
         self.mlp.down_proj = nn.Linear(shape.intermediate_size, hidden, bias=shape.mlp_bias)
         self.rotary = [rotary]  # shared by the layers; a list keeps it out of the state dict
 
-    def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, kvs: Sequence[DraftKV], counts: Sequence[int]
+    def attend(
+        self,
+        attn_in: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kvs: Sequence[DraftKV],
+        counts: Sequence[int],
     ) -> torch.Tensor:
-        """hidden: [T, hidden_size], the entries at ``positions``: ``counts[r]`` of them (in order)
-        after ``kvs[r]``'s, for each request ``r``."""
-        num_tokens = hidden.shape[0]
-        attn_in = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
+        """attn_in: [T, attention_input_size], the entries at ``positions``: ``counts[r]`` of them
+        (in order) after ``kvs[r]``'s, for each request ``r``; the attention's output is added to
+        ``residual`` [T, hidden_size], then the MLP block. Returns [T, hidden_size]."""
+        num_tokens = attn_in.shape[0]
         attn = self.self_attn
         q = attn.q_proj(attn_in).view(num_tokens, self.num_heads, self.head_dim)
         k = attn.k_proj(attn_in).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -157,9 +166,25 @@ class EagleLayer(nn.Module):
             outs.append(_causal_attention(q[rows], keys, values))
             first += count
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        hidden = hidden + attn.o_proj(out.reshape(num_tokens, -1))
+        hidden = residual + attn.o_proj(out.reshape(num_tokens, -1))
         mlp_in = self.post_attention_layernorm(hidden)
         return hidden + self.mlp.down_proj(F.silu(self.mlp.gate_proj(mlp_in)) * self.mlp.up_proj(mlp_in))
+
+
+class EagleLayer(DraftLayerBody):
+    """EAGLE-1/2's decoder layer: a Llama one over fc's output (its first without an input norm)."""
+
+    def __init__(self, shape: EagleDraftShape, index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(shape, index, rotary, shape.hidden_size)
+        # EAGLE's first layer reads fc's output as it is (its input norm removed).
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if index > 0 or shape.layernorms else None
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, kvs: Sequence[DraftKV], counts: Sequence[int]
+    ) -> torch.Tensor:
+        """hidden: [T, hidden_size], the entries at ``positions`` (:meth:`attend`)."""
+        attn_in = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
+        return self.attend(attn_in, hidden, positions, kvs, counts)
 
 
 def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -182,9 +207,55 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+class DraftNetwork(Protocol):
+    """What :class:`~engine.spec_decode.eagle.EagleProposer` drives: EAGLE-1/2's
+    :class:`EagleDraft` or EAGLE-3's (engine/spec_decode/eagle3_draft.py). They differ in the
+    target features they read, how they take them in, and the vocabulary they draft in."""
+
+    shape: EagleDraftShape  # the draft layers' numbers (its KV's shape: :func:`new_draft_kv`)
+    fc: nn.Linear  # its weight gives the draft's dtype and device
+    embed_tokens: nn.Embedding | None  # None: the target's embedding
+
+    @property
+    def target_hidden_size(self) -> int:
+        """The width of one target hidden state the draft reads."""
+        ...
+
+    @property
+    def feature_layer_ids(self) -> tuple[int, ...] | None:
+        """None: the target's feature is its final normed hidden state (EAGLE-1/2); else the
+        target layers whose input (the residual stream) is concatenated, in ascending order."""
+        ...
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [T, width] as :meth:`__call__` reads them in place of its own
+        outputs."""
+        ...
+
+    def __call__(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kvs: Sequence[DraftKV],
+        counts: Sequence[int],
+    ) -> torch.Tensor:
+        """The entries' outputs [T, hidden_size] from token ``i + 1``'s embedding and :meth:`fuse`'s
+        result (or the draft's own previous output) for ``i``; stores their entries in ``kvs``."""
+        ...
+
+    def draft_token_ids(
+        self, outputs: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The top-1 guess [R] after each output [R, hidden_size], as the target's token ids."""
+        ...
+
+
 class EagleDraft(nn.Module):
     """``fc(concat(embed(token), feature))`` through the layers; the LM head outside (its own or
     the target's, :meth:`logits`)."""
+
+    feature_layer_ids: tuple[int, ...] | None = None  # the target's final normed hidden state
 
     def __init__(self, shape: EagleDraftShape, max_positions: int, layer_config: LlamaConfig, dtype: torch.dtype):
         super().__init__()
@@ -225,8 +296,20 @@ class EagleDraft(nn.Module):
             outputs = self.pre_lm_head_layernorm(outputs)
         return (self.lm_head if self.lm_head is not None else target_lm_head)(outputs)
 
+    @property
+    def target_hidden_size(self) -> int:
+        return self.shape.hidden_size
 
-def new_draft_kv(draft: EagleDraft, start: int, capacity: int = 16) -> DraftKV:
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return features  # fc takes the feature in beside the embedding, as it takes the draft's own outputs
+
+    def draft_token_ids(
+        self, outputs: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        return self.logits(outputs, target_lm_head).argmax(-1)
+
+
+def new_draft_kv(draft: DraftNetwork, start: int, capacity: int = 16) -> DraftKV:
     """An empty draft KV whose first entry will be position ``start`` (it grows as it fills)."""
     shape, weight = draft.shape, draft.fc.weight
     empty = [weight.new_empty(capacity, shape.num_kv_heads, shape.head_dim) for _ in range(2 * shape.num_layers)]

@@ -55,17 +55,20 @@ def make_medusa_heads(
     return directory
 
 
-def make_cycling_checkpoint(directory: Path, cycle_length: int = 24, num_steps: int = 40) -> tuple[Path, list[int]]:
-    """The tiny checkpoint taught (a few dozen steps of transformers' own training) to continue a
-    fixed cycle of ``cycle_length`` tokens: a target whose greedy continuations follow a pattern
-    heads can learn, where a random checkpoint's are noise. Returns the folder and the cycle."""
+def make_cycling_checkpoint(
+    directory: Path, cycle_length: int = 24, num_steps: int = 40, **overrides: object
+) -> tuple[Path, list[int]]:
+    """The tiny checkpoint (``overrides`` of its config, if any) taught (a few dozen steps of
+    transformers' own training) to continue a fixed cycle of ``cycle_length`` tokens: a target
+    whose greedy continuations follow a pattern heads can learn, where a random checkpoint's are
+    noise. Returns the folder and the cycle."""
     import random
 
     from transformers import AutoModelForCausalLM
 
     from tests.checkpoints import make_checkpoint
 
-    make_checkpoint(directory)
+    make_checkpoint(directory, **overrides)
     cycle = random.Random(0).sample(range(3, VOCAB_SIZE), cycle_length)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
