@@ -39,32 +39,29 @@ class PullFigures:
     num_bytes: float  # median
     num_blocks: int
     fingerprint_dtype: str  # the KV format, as the handle's fingerprint names it
+    prefill_shape: tuple[int, int]  # (tensor parallel size, stages), as the handle's fingerprint names it
 
 
 @contextmanager
-def instance(role: str, flags: list[str], log_dir: Path) -> Iterator[grpc.Channel]:
-    """A ``splitserve`` instance of ``role`` on a free loopback port with ``flags``, serving
-    until the block ends; its log in ``log_dir``."""
+def instances(roles: list[tuple[str, list[str]]], log_dir: Path) -> Iterator[list[grpc.Channel]]:
+    """A ``splitserve`` instance of each (role, flags) on a free loopback port, all started at
+    once (their start-ups overlap), serving until the block ends; their logs in ``log_dir``."""
+    with ExitStack() as stack:
+        started = [stack.enter_context(_process(role, flags, log_dir)) for role, flags in roles]
+        for (role, _), (process, channel, log_name) in zip(roles, started, strict=True):
+            _wait_until_serving(role, process, channel, log_name)
+        yield [channel for _, channel, _ in started]
+
+
+@contextmanager
+def _process(role: str, flags: list[str], log_dir: Path) -> Iterator[tuple[subprocess.Popen, grpc.Channel, str]]:
     port = free_port()
     command = splitserve_command(role, "--port", str(port), *flags)
     with (log_dir / f"{role}-{port}.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_ENV})
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         try:
-            health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + _START_TIMEOUT_S
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{role} exited with {process.returncode}; see {log.name}")
-                try:
-                    serving = health_pb2.HealthCheckResponse.SERVING
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == serving:
-                        break
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
-            yield channel
+            yield process, channel, log.name
         finally:
             channel.close()
             process.terminate()
@@ -73,6 +70,22 @@ def instance(role: str, flags: list[str], log_dir: Path) -> Iterator[grpc.Channe
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _wait_until_serving(role: str, process: subprocess.Popen, channel: grpc.Channel, log_name: str) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{role} exited with {process.returncode}; see {log_name}")
+        try:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == serving:
+                return
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def measure_pulls(
@@ -89,9 +102,7 @@ def measure_pulls(
     greedy = generation_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     seconds: list[float] = []
     num_bytes: list[int] = []
-    with ExitStack() as stack:
-        prefill = stack.enter_context(instance("prefill", prefill_flags, log_dir))
-        decode = stack.enter_context(instance("decode", decode_flags, log_dir))
+    with instances([("prefill", prefill_flags), ("decode", decode_flags)], log_dir) as (prefill, decode):
         for repeat in range(repeats + 1):  # the first warms both sides up, untimed
             prompt = [rng.randrange(_TOKEN_ID_MARGIN, vocab_size - _TOKEN_ID_MARGIN) for _ in range(input_len)]
             request_id = f"pull-{repeat}"
@@ -119,4 +130,8 @@ def measure_pulls(
         num_bytes=statistics.median(num_bytes),
         num_blocks=len(prefilled.kv.block_ids),
         fingerprint_dtype=prefilled.kv.fingerprint.dtype,
+        prefill_shape=(
+            prefilled.kv.fingerprint.tensor_parallel_size or 1,
+            len(prefilled.kv.fingerprint.stage_first_layers) or 1,
+        ),
     )
