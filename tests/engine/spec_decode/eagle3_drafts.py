@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
+from engine.llm import LLM
 from engine.spec_decode.eagle3_checkpoint import save_eagle3_draft
 from engine.spec_decode.eagle3_draft import Eagle3Draft, Eagle3Shape
+from engine.spec_decode.eagle3_training import Eagle3Training, layer_features, new_eagle3_draft, train_eagle3_draft
 from engine.spec_decode.eagle_checkpoint import EagleLayout
-from engine.spec_decode.eagle_draft import EagleDraftShape, new_draft_kv
+from engine.spec_decode.eagle_draft import EagleDraftShape
+from engine.spec_decode.eagle_training import served_embedding_weight
+from engine.spec_decode.medusa_training import greedy_sequences
 from tests.checkpoints import VOCAB_SIZE, tiny_config
 from tests.engine.spec_decode.medusa_heads import HIDDEN_SIZE, cycle_snippet, make_cycling_checkpoint
 
@@ -26,7 +29,7 @@ NUM_TARGET_LAYERS = 8
 DEFAULT_LAYER_IDS = (2, 4, 5)
 
 
-def draft_vocabulary(size: int, seed: int, keep: list[int] = []) -> list[int]:  # noqa: B006 (never mutated)
+def random_vocabulary(size: int, seed: int, keep: Sequence[int] = ()) -> list[int]:
     """``size`` target token ids, ``keep`` among them, ascending (as EAGLE-3's d2t maps them)."""
     others = [t for t in range(VOCAB_SIZE) if t not in keep]
     return sorted([*keep, *random.Random(seed).sample(others, size - len(keep))])
@@ -74,47 +77,20 @@ CYCLE_LAYER_IDS = (0, 2, 3)  # of the 4-layer cycling target (its defaults would
 
 def make_cycle_eagle3_drafts(directory: Path, num_steps: int = 80) -> tuple[Path, list[int], Path, Path]:
     """A 4-layer cycling target (tests.engine.spec_decode.medusa_heads) and an EAGLE-3 draft trained
-    on its greedy continuations, drafting in a vocabulary of 64 tokens that holds the cycle: one
-    in the speculators layout, and the same draft with its d2t zeroed (its draft ids taken as the
-    target's). Returns the target's folder, its cycle, the trained draft's and the unmapped one's."""
+    on its greedy continuations (engine/spec_decode/eagle3_training.py), drafting in a vocabulary of
+    64 tokens that holds the cycle: one in the speculators layout, and the same draft with its d2t
+    zeroed (its draft ids taken as the target's). Returns the target's folder, its cycle, the
+    trained draft's folder and the unmapped one's."""
     target, cycle = make_cycling_checkpoint(directory / "target", num_hidden_layers=4)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    sequences = []
-    with torch.no_grad():
-        for start in range(0, len(cycle), 2):
-            prompt = torch.tensor([cycle_snippet(cycle, start, 6)])
-            sequences.append(model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)[0])
-        # The residual stream entering layer i is transformers' hidden_states[i].
-        features = [
-            torch.cat([model(s[None], output_hidden_states=True).hidden_states[i][0] for i in CYCLE_LAYER_IDS], -1)
-            for s in sequences
-        ]
-    vocabulary = draft_vocabulary(64, seed=1, keep=cycle)
-    to_draft = torch.full((VOCAB_SIZE,), -100)  # ignored by the loss: tokens the draft cannot name
-    to_draft[torch.tensor(vocabulary)] = torch.arange(len(vocabulary))
-    embed = model.get_input_embeddings().weight.detach()
-    draft = random_eagle3_draft(seed=2, vocabulary=vocabulary, feature_layer_ids=CYCLE_LAYER_IDS)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    draft.train()
-    for _ in range(num_steps):
-        losses = []
-        for pick in torch.randint(len(sequences), (4,), generator=generator).tolist():
-            tokens, num_entries = sequences[pick], len(sequences[pick]) - 1
-            # Entry i reads token i + 1 and the target's layers at i, and guesses token i + 2.
-            outputs = draft(
-                F.embedding(tokens[1:], embed),
-                draft.fuse(features[pick][:num_entries]),
-                torch.arange(num_entries),
-                [new_draft_kv(draft, 0, num_entries)],
-                [num_entries],
-            )
-            losses.append(F.cross_entropy(draft.logits(outputs[:-1]), to_draft[tokens[2:]], ignore_index=-100))
-        loss = torch.stack(losses).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    draft.eval()
+    llm = LLM(model=str(target), dtype="float32", kv_cache_memory=1 << 22)
+    prompts = [cycle_snippet(cycle, start, 6) for start in range(0, len(cycle), 2)]
+    sequences = greedy_sequences(llm, prompts, 40)
+    features = [layer_features(llm, sequence, CYCLE_LAYER_IDS) for sequence in sequences]
+    vocabulary = random_vocabulary(64, seed=1, keep=cycle)
+    draft = new_eagle3_draft(llm.engine.runner.hf_config, vocabulary, CYCLE_LAYER_IDS, MAX_POSITIONS, seed=2)
+    embed_weight = served_embedding_weight(llm)
+    train_eagle3_draft(draft, sequences, features, embed_weight, Eagle3Training(num_steps=num_steps))
+    llm.close()
     trained, unmapped = directory / "trained", directory / "unmapped"
     save_eagle3_draft(draft, trained, "speculators", {})
     with torch.no_grad():
