@@ -50,6 +50,7 @@ _LAYER_PREFIX = "layers.0."
 class Eagle3CheckpointConfig:
     layout: EagleLayout  # "eagle": the reference repository's; "speculators"
     layer_config: LlamaConfig
+    num_layers: int
     draft_vocab_size: int
     target_hidden_size: int
     feature_layer_ids: tuple[int, ...] | None  # None: the default for the target's depth
@@ -91,6 +92,8 @@ def read_eagle3_config(folder: Path) -> Eagle3CheckpointConfig:
     return Eagle3CheckpointConfig(
         layout=layout,
         layer_config=layer_config,
+        # Not LlamaConfig's default of 32: a layer config that says nothing is one layer's.
+        num_layers=int(layer.get("num_hidden_layers", 1)),
         draft_vocab_size=int(config.get("draft_vocab_size") or layer_config.vocab_size),
         target_hidden_size=int(config.get("target_hidden_size") or layer_config.hidden_size),
         feature_layer_ids=tuple(int(i) for i in ids) if ids else None,
@@ -158,7 +161,7 @@ def load_eagle3_draft(
         raise ValueError(f"the EAGLE-3 draft in {folder} is narrower than the target and has no embed_tokens")
     shape = EagleDraftShape.from_layer_config(
         layer,
-        num_layers=int(layer.num_hidden_layers),
+        num_layers=config.num_layers,
         fc_bias=False,
         layernorms=False,
         own_embedding=own_embedding,
