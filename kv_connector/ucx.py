@@ -13,7 +13,10 @@ pulls (see :mod:`kv_connector.ucx_context` for why an idle connection costs noth
 2. P -> D: a :class:`~kv_connector.wire.PullReply` header: refused with a reason, or the
    layout of one block, which D compares with its own.
 3. P -> D: message ``k`` tagged with (the pull's number on this connection, ``k``), at
-   most ``WINDOW`` in flight on each side.
+   most ``WINDOW`` in flight on each side; then, when the pull asked for it and the reply
+   offered it, the EAGLE draft's KV over the prompt as one more message (kv_connector/draft_kv.py),
+   which D receives into a tensor it sized itself from its own prompt and draft. A pull that asks
+   for the draft KV may name no block (D's prefix cache held them all: it caches no draft KV).
 
 D posts the reply's receive and its first block receives right after its request, so
 the reply costs no round trip of its own. Receives are sized from D's own blocks, so a
@@ -98,6 +101,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.spec_decode.prompt_draft_kv import DraftKVShape, PromptDraftKV
 from kv_connector.base import (
     KVConnector,
     KVSource,
@@ -107,6 +111,7 @@ from kv_connector.base import (
     bounded_transfer,
     combined_stats,
 )
+from kv_connector.draft_kv import DraftKVCarrier, draft_offer_error
 from kv_connector.fingerprint import Fingerprint, FingerprintMismatchError
 from kv_connector.layer_plan import KVSpan, plan_kv_pulls
 from kv_connector.ucx_context import limit_to_loopback, ucxx_for_running_loop
@@ -175,13 +180,23 @@ class _Published:
     # With a token: the spans (layer first, count, head first, count) the pulling instance's ranks
     # may still pull, from the layer plan for its layout, set by its first pull; each is good once.
     spans_left: Counter[_SpanKey] | None = None
+    # The EAGLE draft's KV over the prompt, for pulls that ask for it (kv_connector/draft_kv.py).
+    draft_kv: PromptDraftKV | None = None
+
+
+@dataclass(slots=True)
+class _DraftReceive:
+    """D: the draft KV a pull asks for, of this shape, and what came (None: P had none)."""
+
+    shape: DraftKVShape
+    received: PromptDraftKV | None = None
 
 
 class _StaleConnection(Exception):
     """A reused connection failed before P answered: P restarted, or dropped it while idle."""
 
 
-class UCXConnector(KVConnector):
+class UCXConnector(KVConnector, DraftKVCarrier):
     name = "ucx"
 
     def __init__(
@@ -259,6 +274,12 @@ class UCXConnector(KVConnector):
         self._published[request_id] = _Published(frozenset(block_ids), pull_token)
         return PublishedKV()
 
+    def attach_draft_kv(self, request_id: str, draft_kv: PromptDraftKV) -> None:
+        """Sent from where it is, as the blocks are; dropped with them at :meth:`unpublish`."""
+        published = self._published.get(request_id)
+        if published is not None:
+            published.draft_kv = draft_kv
+
     async def unpublish(self, request_id: str, grace_s: float = 0.0) -> None:
         self._published.pop(request_id, None)
         readers = self._readers.pop(request_id, set())
@@ -321,8 +342,10 @@ class UCXConnector(KVConnector):
                     await send_header(endpoint, reply)
                     await self._until_closed(endpoint)
                     return
+                # Taken now, while the request is surely published (an unpublish cuts the send off).
+                draft_kv = self._published[request.request_id].draft_kv if reply.draft_kv is not None else None
                 # Registered before the next await, so an unpublish from here on finds it.
-                sending = asyncio.ensure_future(self._send_blocks(endpoint, pull_number, reply, request))
+                sending = asyncio.ensure_future(self._send_blocks(endpoint, pull_number, reply, request, draft_kv))
                 self._readers.setdefault(request.request_id, set()).add(sending)
                 sending.add_done_callback(functools.partial(self._forget_reader, request.request_id))
                 try:
@@ -353,9 +376,17 @@ class UCXConnector(KVConnector):
         except Exception:
             logger.debug("a refused KV connection ended", exc_info=True)
 
-    async def _send_blocks(self, endpoint: Endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:
-        """Send the reply, then every message straight from the cache. On any failure or
-        cancellation the connection is closed before this returns, which ends every send."""
+    async def _send_blocks(
+        self,
+        endpoint: Endpoint,
+        pull_number: int,
+        reply: PullReply,
+        request: PullRequest,
+        draft_kv: PromptDraftKV | None = None,
+    ) -> None:
+        """Send the reply, then every message straight from the cache, then the draft KV if the
+        reply offered it (one message, tagged as the message after the blocks'). On any failure
+        or cancellation the connection is closed before this returns, which ends every send."""
         self._num_transfers += 1
         reply_sent = send_header(endpoint, reply)
         sends: deque[asyncio.Future] = deque()
@@ -372,6 +403,9 @@ class UCXConnector(KVConnector):
                     blocks = self.kv_cache[first : first + count, layer : layer + num_layers]
                     payload = wire_buffer(blocks[:, :, :, :, head : head + num_heads].clone())
                 sends.append(self._send(endpoint, payload, message_tag(pull_number, index)))
+            if draft_kv is not None:
+                draft_tag = message_tag(pull_number, len(request.message_blocks))
+                sends.append(self._send(endpoint, wire_buffer(draft_kv.kv), draft_tag))
             await asyncio.gather(reply_sent, *sends)
         except BaseException:
             await abandon(endpoint, [reply_sent, *sends])
@@ -481,16 +515,20 @@ class UCXConnector(KVConnector):
             return PullReply(
                 ok=False, error=f"blocks {sorted(set(request.block_ids) - published.block_ids)} are not the request's"
             ), None
-        if not request.block_ids:
+        if not request.block_ids and not request.draft_kv:
             return PullReply(ok=False, error="a pull must name at least one block"), None
         if (plan_error := consecutive_runs_error(request.block_ids, request.message_blocks)) is not None:
             return PullReply(ok=False, error=f"bad message plan: {plan_error}"), None
         self.check_block_ids(request.block_ids)  # published by the engine: in range unless there is a bug
+        draft_kv = published.draft_kv if request.draft_kv and span == self._whole else None
         reply = PullReply(
             ok=True,
             num_bytes=len(request.block_ids) * self._bytes_per_block_of(span[3], span[1]),
             shape=self._block_shape(span[3], span[1]),
             dtype=str(self.kv_cache.dtype).removeprefix("torch."),
+            draft_kv=[draft_kv.start, draft_kv.num_entries] if draft_kv is not None else None,
+            draft_shape=_entry_shape(draft_kv) if draft_kv is not None else None,
+            draft_dtype=str(draft_kv.kv.dtype).removeprefix("torch.") if draft_kv is not None else "",
         )
         return reply, request
 
@@ -528,6 +566,23 @@ class UCXConnector(KVConnector):
         )
         return combined_stats(stats)
 
+    async def pull_with_draft_kv(
+        self,
+        source: KVSource,
+        block_ids: list[int],
+        num_local_hit_blocks: int,
+        timeout_s: float,
+        draft_shape: DraftKVShape,
+    ) -> tuple[TransferStats, PromptDraftKV | None]:
+        """One rank on each side (an EAGLE draft runs on a whole target): one pull of the blocks
+        and the draft KV. Otherwise the blocks alone."""
+        if source.rank_addresses or self.fingerprint.layout.num_ranks != 1:
+            return await self.pull(source, block_ids, num_local_hit_blocks, timeout_s), None
+        self.check_source(source)
+        draft = _DraftReceive(draft_shape)
+        stats = await self.pull_heads(source, source.address, block_ids, num_local_hit_blocks, timeout_s, draft=draft)
+        return stats, draft.received
+
     async def pull_span(
         self,
         source: KVSource,
@@ -561,6 +616,7 @@ class UCXConnector(KVConnector):
         target_start: int = 0,
         source_layers: tuple[int, int] | None = None,
         target_layer_start: int = 0,
+        draft: _DraftReceive | None = None,
     ) -> TransferStats:
         """:meth:`pull` from the rank at ``address``, of the span ``source_heads`` (first, count)
         of its heads (None: all of them, which must be all of this rank's) into this rank's
@@ -578,7 +634,7 @@ class UCXConnector(KVConnector):
         local_blocks = block_ids[num_local_hit_blocks:]
         if len(remote_blocks) != len(local_blocks):
             raise KVTransferError(f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones (bug)")
-        if not remote_blocks:
+        if not remote_blocks and draft is None:
             return TransferStats(num_blocks=0, num_bytes=0, seconds=0.0)
         self.check_source(source)
         self.check_block_ids(local_blocks)
@@ -593,15 +649,17 @@ class UCXConnector(KVConnector):
             num_layers,
         )
         await bounded_transfer(
-            self._pull(source, address, remote_blocks, local_blocks, message_blocks, heads),
+            self._pull(source, address, remote_blocks, local_blocks, message_blocks, heads, draft),
             timeout_s,
             f"pulling {len(remote_blocks)} blocks from {address}",
         )
+        received = draft.received if draft is not None else None
         return TransferStats(
             num_blocks=len(local_blocks),
-            num_bytes=len(local_blocks) * self._bytes_per_block_of(num_heads, num_layers),
+            num_bytes=len(local_blocks) * self._bytes_per_block_of(num_heads, num_layers)
+            + (received.kv.nbytes if received is not None else 0),
             seconds=time.perf_counter() - start,
-            num_messages=len(message_blocks),
+            num_messages=len(message_blocks) + (received is not None),
         )
 
     async def _pull(
@@ -612,6 +670,7 @@ class UCXConnector(KVConnector):
         local_blocks: list[int],
         message_blocks: list[int],
         heads: _HeadTransfer,
+        draft: _DraftReceive | None = None,
     ) -> None:
         """On an idle connection if there is one; if that one turns out stale, once more on a new one."""
         self._num_transfers += 1
@@ -623,6 +682,7 @@ class UCXConnector(KVConnector):
             local_blocks=local_blocks,
             message_blocks=message_blocks,
             heads=heads,
+            draft=draft,
         )
         try:
             connection = await self._take_idle(address)
@@ -650,6 +710,7 @@ class UCXConnector(KVConnector):
         message_blocks: list[int],
         heads: _HeadTransfer,
         reused: bool,
+        draft: _DraftReceive | None = None,
     ) -> None:
         endpoint = connection.endpoint
         connection.num_pulls += 1
@@ -685,6 +746,7 @@ class UCXConnector(KVConnector):
             source.pull_token,
             heads=heads.source,
             layers=heads.source_layers,
+            draft_kv=draft is not None,
         )
         try:
             try:
@@ -704,10 +766,22 @@ class UCXConnector(KVConnector):
             reply = self._decode_reply(address, data)
             refused = not reply.ok
             self._check_reply(address, reply, len(remote_blocks), heads.num_heads, heads.num_layers)
+            incoming: PromptDraftKV | None = None
+            if draft is not None and reply.draft_kv is not None:
+                start, num_entries = reply.draft_kv
+                offer = (start, num_entries, reply.draft_shape, reply.draft_dtype, source.num_tokens, draft.shape)
+                if (refusal := draft_offer_error(*offer)) is not None:
+                    raise KVTransferError(f"prefill instance {address} offers {refusal}")
+                # Kept only once every message has landed: a failed pull leaves none behind.
+                incoming = draft.shape.empty(start, num_entries)
+                tag = message_tag(pull_number, len(spans))
+                receives.append(asyncio.ensure_future(endpoint.recv(wire_buffer(incoming.kv), tag=tag)))
             while receives:
                 await receives.popleft()
                 if num_posted < len(spans):
                     post_receive()
+            if draft is not None:
+                draft.received = incoming
         except BaseException:
             try:
                 if receives and not refused:
@@ -763,6 +837,12 @@ class UCXConnector(KVConnector):
             connections.append(connection)
         else:
             await abandon(connection.endpoint, [])
+
+
+def _entry_shape(draft_kv: PromptDraftKV) -> list[int]:
+    """One entry's shape on the wire: ``[num_layers, 2, num_kv_heads, head_dim]``."""
+    num_layers, kinds, _, num_kv_heads, head_dim = draft_kv.kv.shape
+    return [num_layers, kinds, num_kv_heads, head_dim]
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,13 +21,15 @@ from dataclasses import asdict, dataclass, field, fields
 
 from kv_connector.fingerprint import Fingerprint
 
+# 8: a pull may ask for the EAGLE draft's KV over the prompt, which P offers in its reply and
+#    sends after the blocks (a peer of 7 would take the pull for one of the blocks alone);
 # 7: the fingerprint names the drafter whose drafts cross the hand-off (a peer of 6 would take
 #    the field for a bad fingerprint rather than another version);
 # 6: a pull may name a range of P's layers (pipeline stages of different splits);
 # 5: a pull request's request id and token come first, in a fixed frame read before its JSON;
 # 4: a pull may name a span of P's KV heads (tensor parallelism of different sizes); 3: pulls
 # present P's pull token; 2: zero-copy messages of whole blocks; 1 sent gathered chunks.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_ID_BYTES = 1024  # the gateway's ids are a few dozen characters
 MAX_PULL_TOKEN_BYTES = 64  # P makes 16 (cluster/handle_signing.py)
@@ -57,6 +59,9 @@ class PullRequest:
     heads: list[int] | None = None
     # [first, count] of P's own layers to send (the layer plan's range), or None: all of them.
     layers: list[int] | None = None
+    # D runs the same EAGLE draft: send the draft's KV over the prompt too, if P has it
+    # (kv_connector/draft_kv.py); the blocks may then be none (D's prefix cache held them all).
+    draft_kv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,11 @@ class PullReply:
     num_bytes: int = 0
     shape: list[int] | None = None  # of one block: [num_layers, 2, block_size, num_kv_heads, head_dim]
     dtype: str = ""
+    # The draft KV P sends after the blocks, when asked and held: [first position, entries], the
+    # shape of one entry ([num_layers, 2, num_kv_heads, head_dim]) and its dtype; None: none follows.
+    draft_kv: list[int] | None = None
+    draft_shape: list[int] | None = None
+    draft_dtype: str = ""
 
 
 def max_pull_request_bytes(num_blocks: int) -> int:
@@ -106,6 +116,7 @@ def encode(message: PullRequest | PullReply) -> bytes:
         "message_blocks": message.message_blocks,
         "heads": message.heads,
         "layers": message.layers,
+        "draft_kv": message.draft_kv,
     }
     return frame + request_id + message.pull_token + _json(body)
 
@@ -166,6 +177,7 @@ def decode_pull_body(credentials: PullCredentials, data: bytes | memoryview) -> 
     if not all(_is_int(n) and n > 0 for n in message_blocks):
         raise WireError("message_blocks must be positive integers")
     heads, layers = _span(body, "heads"), _span(body, "layers")
+    draft_kv = _require(body.get("draft_kv", False), bool, "draft_kv")
     return PullRequest(
         request_id=credentials.request_id,
         block_ids=block_ids,
@@ -174,6 +186,7 @@ def decode_pull_body(credentials: PullCredentials, data: bytes | memoryview) -> 
         pull_token=credentials.pull_token,
         heads=heads,
         layers=layers,
+        draft_kv=draft_kv,
     )
 
 
@@ -196,7 +209,26 @@ def decode_pull_reply(data: bytes) -> PullReply:
     if shape is not None and not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
         raise WireError("shape must be a list of non-negative integers")
     dtype = _require(body.get("dtype", ""), str, "dtype")
-    return PullReply(ok=ok, error=error, num_bytes=num_bytes, shape=shape, dtype=dtype)
+    draft_kv, draft_shape = body.get("draft_kv"), body.get("draft_shape")
+    if draft_kv is not None and not (
+        isinstance(draft_kv, list) and len(draft_kv) == 2 and all(_is_int(n) and n >= 0 for n in draft_kv)
+    ):
+        raise WireError("draft_kv must be [first position, entries], non-negative integers")
+    if draft_shape is not None and not (
+        isinstance(draft_shape, list) and all(_is_int(n) and n >= 0 for n in draft_shape)
+    ):
+        raise WireError("draft_shape must be a list of non-negative integers")
+    draft_dtype = _require(body.get("draft_dtype", ""), str, "draft_dtype")
+    return PullReply(
+        ok=ok,
+        error=error,
+        num_bytes=num_bytes,
+        shape=shape,
+        dtype=dtype,
+        draft_kv=draft_kv,
+        draft_shape=draft_shape,
+        draft_dtype=draft_dtype,
+    )
 
 
 def _json(body: Mapping[str, object]) -> bytes:

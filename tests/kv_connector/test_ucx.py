@@ -41,12 +41,17 @@ from kv_connector.wire import (
     PullRequest,
     WireError,
     decode_pull_body,
+    decode_pull_reply,
     decode_pull_request,
     encode,
     max_pull_request_bytes,
     read_pull_credentials,
 )
 from tests.kv_connector.ucx_peer import (
+    DRAFT_SHAPE,
+    DRAFT_START,
+    DRAFTED_BLOCKS,
+    DRAFTED_TOKENS,
     GUARDED_BLOCKS,
     GUARDED_TOKEN,
     PUBLISHED_BLOCKS,
@@ -56,6 +61,7 @@ from tests.kv_connector.ucx_peer import (
     PeerState,
     fingerprint,
     seeded_cache,
+    seeded_draft_kv,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,6 +246,20 @@ def test_wire_carries_the_drafter_and_refuses_one_that_is_not_a_string() -> None
             decode_pull_body(credentials, json.dumps(altered).encode())
 
 
+def test_wire_carries_the_draft_kv_ask_and_offer_and_refuses_bad_ones() -> None:
+    request = PullRequest("r", [], fingerprint(), message_blocks=[], draft_kv=True)
+    assert decode_pull_request(encode(request)) == request  # no block: the draft KV alone
+    credentials, body = frame_and_body(request)
+    with pytest.raises(WireError, match="draft_kv must be bool"):
+        decode_pull_body(credentials, json.dumps({**body, "draft_kv": 1}).encode())
+    offer = PullReply(ok=True, draft_kv=[8, 24], draft_shape=[1, 2, 2, 8], draft_dtype="float32")
+    assert decode_pull_reply(encode(offer)) == offer
+    reply = json.loads(encode(offer))
+    for name, bad in (("draft_kv", [8]), ("draft_kv", [-1, 2]), ("draft_shape", [1.5]), ("draft_dtype", 7)):
+        with pytest.raises(WireError, match=name):
+            decode_pull_reply(json.dumps({**reply, name: bad}).encode())
+
+
 # ------------------------------------------------------------- two processes
 
 
@@ -387,7 +407,7 @@ def test_wire_refuses_a_frame_that_is_short_or_sizes_its_fields_past_their_caps(
         (too_long_token, "a pull token of 65"),
         (short_frame, "a frame of 31 bytes in a pull request of 6"),
         (encoded[:4], "a pull request of 4 bytes"),
-        (struct.pack("<HHB", PROTOCOL_VERSION - 1, 1, 0) + b"r{}", "protocol version 6, this side speaks 7"),
+        (struct.pack("<HHB", PROTOCOL_VERSION - 1, 1, 0) + b"r{}", "protocol version 7, this side speaks 8"),
         (struct.pack("<HHB", PROTOCOL_VERSION, 1, 0) + b"\xff{}", "the request id is not UTF-8"),
     ):
         with pytest.raises(WireError, match=reason):
@@ -754,3 +774,53 @@ def test_what_p_sends_after_the_settle_window_never_lands_in_reused_blocks() -> 
 
         run(scenario)
         assert running.stop().transfers_in_flight == 0
+
+
+# ------------------------------------------------------------- the EAGLE draft's KV
+
+
+def pull_with_draft(
+    cache: torch.Tensor, src: KVSource, local_blocks: list[int], num_local_hit_blocks: int, draft_shape=DRAFT_SHAPE
+):
+    async def scenario():
+        connector = decode_connector(cache)
+        try:
+            return await connector.pull_with_draft_kv(src, local_blocks, num_local_hit_blocks, 10.0, draft_shape)
+        finally:
+            await connector.close()
+
+    return run(scenario)
+
+
+def drafted_source(address: str) -> KVSource:
+    return replace(source(address, "drafted", DRAFTED_BLOCKS), num_tokens=DRAFTED_TOKENS)
+
+
+def test_the_draft_kv_comes_in_the_pull_with_the_blocks_or_alone(peer: str) -> None:
+    """The draft KV P attached arrives exactly, after the blocks, counted in the pull's bytes and
+    messages; with every block a local hit, the pull brings the draft KV alone; a request P
+    attached none to brings the blocks and no draft KV."""
+    remote, expected = seeded_cache(7), seeded_draft_kv(7)
+    draft_bytes = expected.kv.nbytes
+    local = empty_cache()
+    stats, draft = pull_with_draft(local, drafted_source(peer), [10, 11], 0)
+    assert draft is not None and (draft.start, draft.end) == (DRAFT_START, DRAFTED_TOKENS)
+    assert torch.equal(draft.kv, expected.kv) and torch.equal(local[[10, 11]], remote[DRAFTED_BLOCKS])
+    assert (stats.num_blocks, stats.num_bytes, stats.num_messages) == (2, 2 * remote[0].nbytes + draft_bytes, 2)
+    local = empty_cache()
+    stats, draft = pull_with_draft(local, drafted_source(peer), [10, 11], 2)
+    assert draft is not None and torch.equal(draft.kv, expected.kv) and not local.any()
+    assert (stats.num_blocks, stats.num_bytes) == (0, draft_bytes)
+    stats, draft = pull_with_draft(local, source(peer), [0, 3, 11, 6], 0)
+    assert draft is None and stats.num_bytes == 4 * remote[0].nbytes
+
+
+def test_a_draft_kv_of_another_shape_or_span_fails_the_pull_and_nothing_is_kept(peer: str) -> None:
+    """D sizes its receive from its own draft and prompt: an offer of another entry shape, or of
+    entries that do not end at the prompt's end, fails the pull (no draft KV comes back)."""
+    wider = replace(DRAFT_SHAPE, num_kv_heads=4)
+    with pytest.raises(KVTransferError, match=r"offers draft KV entries of \[1, 2, 2, 8\] float32, expected"):
+        pull_with_draft(empty_cache(), drafted_source(peer), [10, 11], 0, wider)
+    longer = replace(drafted_source(peer), num_tokens=DRAFTED_TOKENS + 1)
+    with pytest.raises(KVTransferError, match="a draft KV of positions 8..31 for a prompt of 33 tokens"):
+        pull_with_draft(empty_cache(), longer, [10, 11], 0)

@@ -1,6 +1,7 @@
 """A prefill-side UCX connector in its own process, for tests: fills a KV cache with
 seeded random data, publishes blocks for requests "r", "slow" and "run" (any pull may
-read them) and "guarded" (only a pull presenting ``GUARDED_TOKEN``), prints its
+read them; "drafted" with an EAGLE draft KV attached, :func:`seeded_draft_kv`) and "guarded"
+(only a pull presenting ``GUARDED_TOKEN``), prints its
 address, and serves until stdin closes; then it waits up to ``--drain-seconds`` for
 connections to close and prints its connector's state as one JSON line
 (:class:`PeerState`). Run as ``python -m tests.kv_connector.ucx_peer``.
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from engine.spec_decode.prompt_draft_kv import DraftKVShape, PromptDraftKV
 from kv_connector.fingerprint import Fingerprint
 from kv_connector.ucx import UCXConnector
 from kv_connector.wire import PullReply, PullRequest
@@ -38,6 +40,10 @@ SLOW_BLOCKS = [1, 10, 3, 11]  # request "slow", for stalls
 RUN_BLOCKS = [6, 7, 8, 9]  # request "run": consecutive ids
 GUARDED_BLOCKS = [0, 4]  # request "guarded", published with a pull token
 GUARDED_TOKEN = bytes(range(16))
+DRAFTED_BLOCKS = [3, 4]  # request "drafted": a prompt of DRAFTED_TOKENS, with a draft KV from DRAFT_START
+DRAFTED_TOKENS = 32
+DRAFT_START = 8  # as if P's prefix cache had held the prompt's first 8 tokens
+DRAFT_SHAPE = DraftKVShape(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,13 @@ def seeded_cache(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+def seeded_draft_kv(seed: int) -> PromptDraftKV:
+    """The draft KV "drafted" carries: positions DRAFT_START .. DRAFTED_TOKENS - 1."""
+    draft = DRAFT_SHAPE.empty(DRAFT_START, DRAFTED_TOKENS - DRAFT_START)
+    draft.kv.copy_(torch.randn(draft.kv.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    return draft
+
+
 _SENDING = contextvars.ContextVar("request id of the pull whose messages this task sends", default="")
 
 
@@ -79,9 +92,16 @@ class StallingConnector(UCXConnector):
         self.held: asyncio.Future | None = None  # the held-back send, once asked for
         self.num_sends = 0
 
-    async def _send_blocks(self, endpoint, pull_number: int, reply: PullReply, request: PullRequest) -> None:
+    async def _send_blocks(
+        self,
+        endpoint,
+        pull_number: int,
+        reply: PullReply,
+        request: PullRequest,
+        draft_kv: PromptDraftKV | None = None,
+    ) -> None:
         _SENDING.set(request.request_id)  # this pull's own task: its context only
-        await super()._send_blocks(endpoint, pull_number, reply, request)
+        await super()._send_blocks(endpoint, pull_number, reply, request, draft_kv)
 
     def _send(self, endpoint, blocks: object, tag: int) -> asyncio.Future:
         self.num_sends += 1
@@ -120,6 +140,8 @@ async def serve(args: argparse.Namespace) -> None:
     for name, blocks in (("r", PUBLISHED_BLOCKS), ("slow", SLOW_BLOCKS), ("run", RUN_BLOCKS)):
         await connector.publish(name, blocks, token_ids=list(range(60)))
     await connector.publish("guarded", GUARDED_BLOCKS, token_ids=list(range(30)), pull_token=GUARDED_TOKEN)
+    await connector.publish("drafted", DRAFTED_BLOCKS, token_ids=list(range(DRAFTED_TOKENS)))
+    connector.attach_draft_kv("drafted", seeded_draft_kv(args.seed))
     print(address, flush=True)
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):  # "" once the test closes stdin
