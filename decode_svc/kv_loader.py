@@ -11,9 +11,12 @@ One hand-off, in call order (the engine's steps in brackets):
    ``start_load`` on the engine's step thread.] ``start_load`` hands the load to the event loop; there ``_start``
    begins ``_pull``, or reports a failure at once when P no longer holds the KV.
 3. ``_pull`` (event loop): ``connector.pull(source, block_ids, num_local_hit_blocks, timeout_s)``
-   copies P's blocks ``num_local_hit_blocks:`` into the request's; then ``report`` (which posts
-   the result to the engine's inbox and wakes it) and ``leases.release`` (ReleaseKV to P, in
-   the background), success or not. [The engine applies the result at its next step boundary.]
+   copies P's blocks ``num_local_hit_blocks:`` into the request's (with an EAGLE draft and a
+   connector that carries it, ``pull_with_draft_kv`` also brings the draft's KV over the prompt
+   in the same pull, whatever the local hits: kv_connector/draft_kv.py); then ``report`` (which
+   posts the result, draft KV included, to the engine's inbox and wakes it) and
+   ``leases.release`` (ReleaseKV to P, in the background), success or not. [The engine applies
+   the result at its next step boundary.]
 4. ``outcome`` (event loop, the Decode call, at its first output): how the KV came.
 5. ``forget`` (event loop, the Decode call ends): release the lease if still held.
 
@@ -32,7 +35,10 @@ from dataclasses import dataclass
 
 from decode_svc.leases import LeaseKeeper
 from engine.kv_loader import KVLoad, KVLoader, KVLoadResult
+from engine.spec_decode.eagle_draft import new_draft_kv
+from engine.spec_decode.prompt_draft_kv import DraftKVShape, PromptDraftKV
 from kv_connector.base import KVSource, KVTransferError, TransferStats
+from kv_connector.draft_kv import DraftKVCarrier
 from serving.instance import Instance
 from serving.request_timing import CallSpans
 
@@ -64,6 +70,7 @@ class RemoteKVLoader(KVLoader):
         self.instance = instance
         self.connector = instance.connector
         self.pull_timeout_s = pull_timeout_s
+        self.draft_kv_shape = _draft_kv_shape(instance)
         self.leases = LeaseKeeper(on_lost=self._kv_lost, plane=instance.plane)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sources: dict[str, KVSource] = {}  # expected hand-offs, by decode request id
@@ -143,8 +150,16 @@ class RemoteKVLoader(KVLoader):
         request_id = load.request_id
         started_at = time.monotonic()
         error: str | None = "the KV pull stopped on an unexpected error (bug)"
+        prompt_draft_kv: PromptDraftKV | None = None
         try:
-            stats = await self.connector.pull(source, load.block_ids, load.num_local_hit_blocks, self.pull_timeout_s)
+            if self.draft_kv_shape is not None and isinstance(self.connector, DraftKVCarrier):
+                stats, prompt_draft_kv = await self.connector.pull_with_draft_kv(
+                    source, load.block_ids, load.num_local_hit_blocks, self.pull_timeout_s, self.draft_kv_shape
+                )
+            else:
+                stats = await self.connector.pull(
+                    source, load.block_ids, load.num_local_hit_blocks, self.pull_timeout_s
+                )
         except KVTransferError as failure:
             error = str(failure)
             self.instance.counters.num_kv_pull_failures += 1
@@ -173,7 +188,7 @@ class RemoteKVLoader(KVLoader):
                     load.num_local_hit_blocks, started_at, time.monotonic(), error=error
                 )
             self.leases.release(request_id)
-            self.report(KVLoadResult(request_id, error))
+            self.report(KVLoadResult(request_id, error, prompt_draft_kv if error is None else None))
 
     def _fail(self, load: KVLoad, reason: str) -> None:
         self.instance.counters.num_kv_pull_failures += 1
@@ -190,3 +205,14 @@ class RemoteKVLoader(KVLoader):
             now = time.monotonic()
             self._outcomes[request_id] = KVLoadOutcome(0, now, now, error=reason)
             self.report(KVLoadResult(request_id, reason))
+
+
+def _draft_kv_shape(instance: Instance) -> DraftKVShape | None:
+    """The shape of the draft KV this instance's pulls ask for: its EAGLE draft's (an EAGLE-3
+    draft's KV does not cross), or None."""
+    core = instance.engine.core
+    spec = core.config.speculative
+    eagle = core.runner.eagle
+    if eagle is None or spec is None or spec.method != "eagle":
+        return None
+    return DraftKVShape.of(new_draft_kv(eagle.draft, 0, capacity=1))

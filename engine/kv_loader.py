@@ -33,7 +33,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # the EAGLE modules are loaded only where a draft is
+    from engine.spec_decode.prompt_draft_kv import PromptDraftKV
 
 # What a request does when its KV cannot be loaded: compute its prompt here instead (in chunks
 # within the step budget), or end with finish reason "error" so that the caller can prefill it
@@ -57,6 +60,9 @@ class KVLoadResult:
 
     request_id: str
     error: str | None = None
+    # EAGLE: the draft's KV over the prompt, when the loader brought it with the blocks
+    # (engine/spec_decode/prompt_draft_kv.py); None: the draft attends from the first step on.
+    prompt_draft_kv: PromptDraftKV | None = None
 
 
 class KVLoader(abc.ABC):

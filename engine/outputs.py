@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request_timing import RequestTiming, StepStats
 from engine.sampler import TokenLogprobs
+
+if TYPE_CHECKING:  # the EAGLE modules are loaded only where a draft is
+    from engine.spec_decode.prompt_draft_kv import PromptDraftKV
 
 
 @dataclass(slots=True)
@@ -28,9 +32,12 @@ class KVHandoff:
 
     block_ids: list[int]
     num_tokens: int  # prompt tokens whose KV the blocks hold
-    # Medusa: the heads' drafts from the prompt's last hidden state, so that the decode instance
+    # Medusa, EAGLE: the drafts proposed after the first token, so that the decode instance
     # verifies drafts from its first step (it has no hidden state of its own yet).
     draft_token_ids: list[int] = field(default_factory=list)
+    # EAGLE: the draft's KV over the prompt, for the decode instance's draft to attend over
+    # (engine/spec_decode/prompt_draft_kv.py); the KV connector carries it beside the blocks.
+    prompt_draft_kv: PromptDraftKV | None = None
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from engine.request_timing import RequestTiming
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.grammar_state import GrammarState
+
+if TYPE_CHECKING:  # the EAGLE modules are loaded only where a draft is
+    from engine.spec_decode.prompt_draft_kv import PromptDraftKV
 
 
 class RequestStatus(enum.Enum):
@@ -77,6 +81,9 @@ class Request:
     # step, and their ids (n-gram: known before scheduling; a draft model fills them in the runner).
     num_spec_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    # EAGLE, decode role: the draft's KV over the prompt, pulled from the prefill instance with
+    # the target's, until the proposer takes it at the request's first step (engine/spec_decode/prompt_draft_kv.py).
+    prompt_draft_kv: PromptDraftKV | None = None
     # Draft model: leading tokens whose KV the draft model holds (it computes its own, prompt included).
     num_draft_computed_tokens: int = 0
     # Drafts verified for it so far, and those accepted (its trace shows them).

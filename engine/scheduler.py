@@ -182,6 +182,7 @@ class Scheduler:
         request.timing.kv_loaded_at = time.monotonic()
         if result.error is None:
             request.num_computed_tokens = request.num_external_tokens
+            request.prompt_draft_kv = result.prompt_draft_kv
             self.kv_cache_manager.cache_blocks(request, request.num_external_tokens)
         elif request.kv_load_failure_policy == "fail":
             self.kv_cache_manager.free(request)

@@ -39,6 +39,7 @@ from engine.openmp_threads import serial_openmp
 from engine.outputs import EngineCoreOutput, KVHandoff
 from engine.request_timing import RequestTiming
 from engine.sampling_params import SamplingParams
+from kv_connector.draft_kv import DraftKVCarrier
 from prefill_svc.leases import KVLeases
 from serving.convert import fingerprint_to_proto, logprobs_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
@@ -161,6 +162,9 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         published = await self.leases.pin(request_id, handoff.block_ids, prompt_token_ids, pull_token, cache_salt)
         if published is None:
             return None
+        if handoff.prompt_draft_kv is not None and isinstance(self.connector, DraftKVCarrier):
+            # Before the handle goes out, so every pull finds it (kv_connector/draft_kv.py).
+            self.connector.attach_draft_kv(request_id, handoff.prompt_draft_kv)
         handle = disaggregation_pb2.KVHandle(
             request_id=request_id,
             connector=self.connector.name,

@@ -8,6 +8,7 @@ import threading
 import torch
 
 from engine.kv_loader import KVLoad, KVLoader, KVLoadResult
+from engine.spec_decode.prompt_draft_kv import PromptDraftKV
 
 
 class ManualKVLoader(KVLoader):
@@ -47,11 +48,17 @@ class InProcessKVLoader(KVLoader):
         self.source_kv_cache = source_kv_cache
         self.kv_cache = kv_cache
         self.sources: dict[str, list[int] | None] = {}
+        self.prompt_draft_kvs: dict[str, PromptDraftKV] = {}
         self.started: list[KVLoad] = []
 
-    def expect(self, request_id: str, source_block_ids: list[int] | None) -> None:
-        """The hand-off ``request_id`` will load from these of the source's blocks (None: it fails)."""
+    def expect(
+        self, request_id: str, source_block_ids: list[int] | None, prompt_draft_kv: PromptDraftKV | None = None
+    ) -> None:
+        """The hand-off ``request_id`` will load from these of the source's blocks (None: it fails),
+        with the EAGLE draft's KV over the prompt if given (as a KV connector brings it)."""
         self.sources[request_id] = source_block_ids
+        if prompt_draft_kv is not None:
+            self.prompt_draft_kvs[request_id] = prompt_draft_kv
 
     def start_load(self, load: KVLoad) -> None:
         self.started.append(load)
@@ -61,7 +68,12 @@ class InProcessKVLoader(KVLoader):
             return
         skip = load.num_local_hit_blocks
         self.kv_cache[load.block_ids[skip:]] = self.source_kv_cache[source_block_ids[skip:]]
-        self.report(KVLoadResult(load.request_id))
+        draft = self.prompt_draft_kvs.pop(load.request_id, None)
+        self.report(
+            KVLoadResult(
+                load.request_id, prompt_draft_kv=PromptDraftKV(draft.start, draft.kv.clone()) if draft else None
+            )
+        )
 
     def cancel_load(self, request_id: str) -> None:
         """Nothing to stop: a load is over by the time start_load returns."""
