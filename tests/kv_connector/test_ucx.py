@@ -815,6 +815,28 @@ def test_the_draft_kv_comes_in_the_pull_with_the_blocks_or_alone(peer: str) -> N
     assert draft is None and stats.num_bytes == 4 * remote[0].nbytes
 
 
+def test_p_offers_the_draft_kv_only_while_published_and_never_with_a_span() -> None:
+    """Attached after the publish, offered to a pull that asks for it (to one naming no block
+    too), never to a pull of a head span; unpublish drops it with the blocks, and a request
+    attached after it was unpublished keeps nothing."""
+    connector = prefill_side()
+    draft = seeded_draft_kv(7)
+    connector.attach_draft_kv("r", draft)
+    offer = PullReply(ok=True, draft_kv=[DRAFT_START, DRAFTED_TOKENS - DRAFT_START])
+    for blocks in ([5, 2], []):
+        reply, _ = connector._answer(encode(PullRequest("r", blocks, fingerprint(), [1] * len(blocks), draft_kv=True)))
+        assert (reply.draft_kv, reply.draft_shape, reply.draft_dtype) == (offer.draft_kv, [1, 2, 2, 8], "float32")
+    reply, _ = connector._answer(encode(PullRequest("r", [5], fingerprint(), [1], heads=[0, 1], draft_kv=True)))
+    assert reply.ok and reply.draft_kv is None
+    reply, _ = connector._answer(encode(PullRequest("r", [5], fingerprint(), [1])))
+    assert reply.ok and reply.draft_kv is None  # not asked
+    reply, _ = connector._answer(encode(PullRequest("r", [], fingerprint(), [])))
+    assert not reply.ok and "at least one block" in reply.error
+    asyncio.run(connector.unpublish("r"))
+    connector.attach_draft_kv("r", draft)
+    assert "r" not in connector._published
+
+
 def test_a_draft_kv_of_another_shape_or_span_fails_the_pull_and_nothing_is_kept(peer: str) -> None:
     """D sizes its receive from its own draft and prompt: an offer of another entry shape, or of
     entries that do not end at the prompt's end, fails the pull (no draft KV comes back)."""
