@@ -240,6 +240,8 @@ def start_cluster(args: argparse.Namespace, out: Path) -> tuple[list[subprocess.
         gateway_flags += ["--api-server-count", str(args.api_server_count)]
     if args.loop:
         gateway_flags += ["--loop", args.loop]
+    if args.instance_calls:
+        gateway_flags += ["--instance-calls", args.instance_calls]
     gateway = subprocess.Popen(
         splitserve_command("--log-level", "WARNING", "gateway", *gateway_flags, source_dir=args.source_dir),
         stdout=log,
@@ -284,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--loop", default=None, help="the gateway's --loop (auto, asyncio, uvloop; default: the gateway's own)"
+    )
+    parser.add_argument(
+        "--instance-calls",
+        default=None,
+        help="the gateway's --instance-calls (multiplexed, per-call; default: the gateway's own)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -48,8 +48,13 @@ Design choices of the call credential (format ``v2``):
   ``request.SerializeToString()``, the very call the stub's serializer makes on the same
   message, so its bytes are those sent (an extra serialization on the client).
 - **Streaming**: the unary-stream calls (``Decode``, ``Generate``) bind their one request
-  message like unary ones. The internal API has no stream-request call; a future one would be
-  bound to method, target and time only (digest of no bytes), its messages unbound.
+  message like unary ones. The one stream-request call, ``Multiplex.Calls`` (a gateway's
+  ``Decode`` and ``Generate`` calls to an instance over one stream: serving/call_mux.py), is
+  bound to method, target and time only (digest of no bytes), its nonce spent once like any
+  other, and its messages unbound: a credential read off the wire opens no second stream, but
+  whoever can inject bytes into an open connection could add calls to it, which TLS rules out
+  (a ``Decode`` call's KV handle is still checked against P's signature, so such a call can
+  only make D prefill a prompt of its own).
 - **The window and the nonce cache**: a credential is accepted only while
   ``horizon < timestamp`` and ``now - window < timestamp < now + window`` (strict: at exactly
   the window's end it is refused). Accepted nonces are kept in a heap ordered by their
@@ -257,7 +262,7 @@ class _UnaryStream(_AddsCredential, grpc.aio.UnaryStreamClientInterceptor):
 
 class _StreamUnary(_AddsCredential, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        # No stream-request call exists on the internal plane; one would bind no message.
+        # No stream-unary call exists on the internal plane; one would bind no message.
         return await continuation(self._with_credential(client_call_details, b""), request_iterator)
 
 

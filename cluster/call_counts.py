@@ -35,6 +35,11 @@ class CallCounts(grpc.aio.ServerInterceptor):
         self._num_calls[handler_call_details.method] += 1
         return await continuation(handler_call_details)
 
+    def count(self, method: str) -> None:
+        """Count a call that arrived inside another one: a multiplexed call (serving/call_mux.py)
+        is counted under its own method, as it would be on a call of its own."""
+        self._num_calls[method] += 1
+
     def snapshot(self) -> dict[str, int]:
         """The counts so far; safe from another thread (a copy, taken in one step)."""
         return dict(self._num_calls)

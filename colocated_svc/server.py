@@ -19,6 +19,7 @@ from cluster.sampling_proto import sampling_params_from_proto
 from cluster.tracing import Tracer
 from engine.openmp_threads import serial_openmp
 from engine.request_timing import RequestTiming
+from serving.call_mux import MultiplexedMethod
 from serving.convert import output_to_proto
 from serving.instance import Instance, add_instance_arguments, serve
 from serving.request_timing import CallSpans, local_phases, spec_decode_attributes
@@ -127,7 +128,11 @@ async def serve_instance(instance: Instance, args: argparse.Namespace, **options
     """Serve ``instance`` doing both phases until stopped; ``options`` go to :func:`serve`."""
     servicer = ColocatedServicer(instance)
     await serve(
-        instance, args, lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server), **options
+        instance,
+        args,
+        lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+        multiplexed={"generate": MultiplexedMethod("/splitserve.v1.Generation/Generate", servicer.Generate)},
+        **options,
     )
 
 

@@ -63,6 +63,7 @@ from engine.openmp_threads import serial_openmp
 from engine.request_timing import RequestTiming
 from kv_connector.base import KVSource, block_count_error
 from kv_connector.fingerprint import FingerprintMismatchError
+from serving.call_mux import MultiplexedMethod
 from serving.convert import kv_source_from_proto, output_to_proto
 from serving.instance import Instance, add_instance_arguments, engine_config, serve
 from serving.request_timing import CallSpans, handoff_phases, local_phases, spec_decode_attributes
@@ -327,6 +328,7 @@ async def serve_instance(instance: Instance, args: argparse.Namespace, **options
         kv_loader=servicer.kv_loader,
         on_start=servicer.start,
         on_stop=servicer.close,
+        multiplexed={"decode": MultiplexedMethod("/splitserve.v1.Decode/Decode", servicer.Decode)},
         **options,
     )
 

@@ -33,7 +33,7 @@ from gateway.failover import Failover
 from gateway.flags import DEFAULT_MAX_MIGRATIONS
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
-from splitserve.v1 import generation_pb2, generation_pb2_grpc
+from splitserve.v1 import generation_pb2
 
 PDPath = Literal["disaggregated", "decode"]  # prefill on a P and hand off, or on the D itself
 
@@ -125,8 +125,8 @@ class Dispatcher:
             lambda tried: self.pool.pick(
                 "colocated", exclude=tried, num_prompt_tokens=num_prompt_tokens, prompt=request.blocks
             ),
-            lambda instance, metadata: generation_pb2_grpc.GenerationStub(instance.channel).Generate(
-                message, timeout=request.timeout_s(), metadata=metadata
+            lambda instance, metadata: self.failover.open_call(
+                instance, "generate", message, request.timeout_s(), metadata
             ),
             request,
         ):

@@ -42,11 +42,13 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
+from typing import TypeAlias
 
 import grpc
 
 from cluster.background import BackgroundTasks
 from cluster.prefill_control import abort_prefill, release_kv
+from gateway.call_mux import CallBody, MuxCall, open_streaming_call
 from gateway.dispatch_request import DispatchRequest, PinnedKV, TokenEvent
 from gateway.errors import APIError, instance_failure, no_instance
 from gateway.flags import DEFAULT_MAX_MIGRATIONS
@@ -70,6 +72,7 @@ _RETRYABLE = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.FAILED_PRECONDITION,  # a fingerprint mismatch: another D may match
 }
+StreamingCall: TypeAlias = MuxCall | grpc.aio.UnaryStreamCall
 _INSTANCE_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
 PREFILL_METHOD = "splitserve.v1.Prefill/Prefill"  # a call's span name (gateway/request_trace.py)
 _STREAM_METHODS: dict[Role, str] = {
@@ -346,18 +349,29 @@ class Failover:
                 num_prompt_tokens=num_prompt_tokens,
                 prompt=request.blocks,
             ),
-            lambda decode, metadata: disaggregation_pb2_grpc.DecodeStub(decode.channel).Decode(
-                message, timeout=request.timeout_s(), metadata=metadata
-            ),
+            lambda decode, metadata: self.open_call(decode, "decode", message, request.timeout_s(), metadata),
             request,
         ):
             yield event
+
+    def open_call(
+        self,
+        instance: InstanceState,
+        body: CallBody,
+        request: disaggregation_pb2.DecodeRequest | generation_pb2.GenerateRequest,
+        timeout_s: float | None,
+        metadata: Metadata | None,
+    ) -> StreamingCall:
+        """A streaming call to ``instance``, over this process's call stream to it unless the
+        pool says per call (``--instance-calls``)."""
+        mux = instance.call_mux if self.pool.multiplex_calls else None
+        return open_streaming_call(mux, instance.channel, body, request, timeout_s, metadata)
 
     async def stream(
         self,
         role: Role,
         pick: Callable[[list[InstanceState]], InstanceState | None],
-        open_stream: Callable[[InstanceState, Metadata | None], grpc.aio.UnaryStreamCall],
+        open_stream: Callable[[InstanceState, Metadata | None], StreamingCall],
         request: DispatchRequest,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Stream from the first instance that takes the request. Until it has streamed

@@ -13,10 +13,13 @@ from typing import Literal
 
 from cluster.tls import TLSFiles
 from cluster.tracing import add_tracing_arguments
+from gateway import kv_event_liveness
 from gateway.event_loop import LOOPS
 
 Routing = Literal["load", "kv"]
 ROUTINGS: tuple[Routing, ...] = ("load", "kv")
+InstanceCalls = Literal["multiplexed", "per-call"]
+INSTANCE_CALLS: tuple[InstanceCalls, ...] = ("multiplexed", "per-call")
 RequestLogFormat = Literal["off", "text", "json"]
 REQUEST_LOG_FORMATS: tuple[RequestLogFormat, ...] = ("off", "text", "json")
 DEFAULT_MAX_MIGRATIONS = 2
@@ -108,6 +111,22 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=3.0,
         help="seconds without a fresh load report before an instance is skipped",
+    )
+    parser.add_argument(
+        "--kv-event-heartbeat",
+        type=float,
+        default=kv_event_liveness.DEFAULT_HEARTBEAT_S,
+        help="with --routing kv: seconds after which an instance with no prefix-cache change to push writes an "
+        "empty message down this gateway's KV-event subscription, to show it is there (instances floor it at "
+        "0.05)",
+    )
+    parser.add_argument(
+        "--kv-event-silence",
+        type=float,
+        default=kv_event_liveness.DEFAULT_SILENCE_S,
+        help="with --routing kv: seconds without any message, not even a heartbeat, after which a KV-event "
+        "subscription is ended and the instance's events read again from the gateway's cursor (a host gone "
+        "without closing its connections); at least twice --kv-event-heartbeat",
     )
     parser.add_argument(
         "--max-pending-requests",
@@ -378,6 +397,14 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         f"default: {DEFAULT_MAX_MIGRATIONS})",
     )
     parser.add_argument(
+        "--instance-calls",
+        default="multiplexed",
+        choices=INSTANCE_CALLS,
+        help="how this gateway process streams from an instance: every request's Decode or Generate call over "
+        "one stream per instance, one message per engine step (multiplexed), or a gRPC call per request "
+        "(per-call) (default: multiplexed)",
+    )
+    parser.add_argument(
         "--disagg-min-prompt-tokens",
         type=int,
         default=0,
@@ -418,7 +445,7 @@ def request_log_argv(args: argparse.Namespace) -> list[str]:
 def routing_argv(args: argparse.Namespace) -> list[str]:
     """The flags of :func:`add_routing_arguments` as parsed, for a gateway to parse the same."""
     argv = ["--routing", args.routing, "--max-migrations", str(args.max_migrations)]
-    argv += ["--disagg-min-prompt-tokens", str(args.disagg_min_prompt_tokens)]
+    argv += ["--disagg-min-prompt-tokens", str(args.disagg_min_prompt_tokens), "--instance-calls", args.instance_calls]
     if args.max_queue_delay is not None:
         argv += ["--max-queue-delay", str(args.max_queue_delay)]
     if args.max_inflight_per_instance is not None:

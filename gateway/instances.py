@@ -23,6 +23,7 @@ import grpc
 from cluster.background import BackgroundTasks
 from cluster.draft_pairing import drafts_pair
 from cluster.internal_grpc import InternalPlane
+from gateway.call_mux import CallMux
 from gateway.flags import Routing
 from gateway.instance_limits import InstanceLimits, Overloaded, estimated_wait_s, retry_after_s
 from gateway.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptBlocks
@@ -79,6 +80,14 @@ class InstanceState:
     # Monotonic time its reported prefill rate last changed: every step that computes prompt
     # tokens moves it, so an unchanged rate is one measured that long ago.
     rate_measured_at: float = 0.0
+    # This gateway process's call stream to it (gateway/call_mux.py), opened by the first call.
+    _call_mux: CallMux | None = field(default=None, repr=False)
+
+    @property
+    def call_mux(self) -> CallMux:
+        if self._call_mux is None:
+            self._call_mux = CallMux(self.channel, self.address)
+        return self._call_mux
 
     @contextmanager
     def call(self, num_prompt_tokens: int | None = None) -> Iterator[Callable[[], None]]:
@@ -161,6 +170,8 @@ class InstancePool:
     instances: dict[str, InstanceState] = field(default_factory=dict)  # by address
     registry: RegistryState | None = None  # with Redis discovery: its reachability and refused records
     slot: GatewaySlot = field(default_factory=GatewaySlot)  # this gateway's tie order (gateway.tie_break)
+    # Streaming calls ride one stream per instance (gateway/call_mux.py); False: a call each.
+    multiplex_calls: bool = True
     _closing: BackgroundTasks = field(default_factory=BackgroundTasks)  # channels of removed instances
 
     def add(self, address: str, role: Role) -> InstanceState:

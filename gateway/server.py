@@ -29,6 +29,8 @@ from gateway.generation import GenerationService
 from gateway.grpc_front import start_grpc_front
 from gateway.instance_limits import InstanceLimits
 from gateway.instances import InstancePool
+from gateway.kv_event_liveness import KVEventLiveness
+from gateway.kv_event_traffic import KVEventTraffic
 from gateway.kv_events import KVEventsSync, run_kv_events
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_index import PrefixIndex
@@ -94,6 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
         # Instances hashing their prefix cache with --prefix-cache-hash sha256 key it with the secret too.
         index=PrefixIndex(hash_key=prefix_cache_key(plane.secret)),
         slot=gateway_slot(args),
+        multiplex_calls=args.instance_calls == "multiplexed",
     )
     discovery: RedisDiscovery | StaticDiscovery
     if args.registry_url:
@@ -106,11 +109,18 @@ async def serve(args: argparse.Namespace) -> None:
         await discovery.poll_once()
     discovery_loop = DiscoveryLoop(discovery)
     kv_events_task = None
+    kv_event_traffic = KVEventTraffic()  # counted by the KV-event followers, exported on /metrics
     if args.routing == "kv":
-        kv_sync = KVEventsSync(pool, pool.index, args.poll_interval)
+        kv_sync = KVEventsSync(
+            pool,
+            pool.index,
+            args.poll_interval,
+            KVEventLiveness(heartbeat_s=args.kv_event_heartbeat, silence_s=args.kv_event_silence),
+            kv_event_traffic,
+        )
         await kv_sync.poll_once()
         kv_events_task = asyncio.create_task(run_kv_events(kv_sync))
-    metrics = GatewayMetrics(pool)
+    metrics = GatewayMetrics(pool, kv_event_traffic)
     # Which of the processes sharing the port answered a scrape (each counts only its own requests).
     Info("splitserve_api_server", "This gateway process among --api-server-count", registry=metrics.registry).info(
         {

@@ -16,7 +16,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,13 +45,14 @@ from engine_args.flags import add_device_argument, add_engine_arguments
 from kv_connector.base import KVConnector, TransferStats
 from kv_connector.fingerprint import Fingerprint, medusa_draft, model_identity
 from kv_connector.registry import add_kv_connector_arguments, make_connector
+from serving.call_mux import CallMultiplexer, MultiplexedMethod
 from serving.convert import fingerprint_to_proto
 from serving.kv_event_pages import KVEventPages
 from serving.kv_event_stream import KVEventStreamLimits, KVEventStreams
 from serving.metrics import MetricsServer, PhaseMetrics
 from serving.ranked_connector import RankedConnector, serve_rank_connector
 from serving.warmup import warm_up
-from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc
+from splitserve.v1 import disaggregation_pb2, disaggregation_pb2_grpc, multiplex_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +304,7 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
                 self.instance.engine.core.kv_events, self._batch_message, self._kv_event_stream_limits
             )
         streams = self.kv_event_streams
-        subscriber = streams.subscribe(request.epoch, request.after_seq, request.max_hashes)
+        subscriber = streams.subscribe(request.epoch, request.after_seq, request.max_hashes, request.heartbeat_ms)
         if subscriber is None:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -350,6 +351,7 @@ async def serve(
     stop: asyncio.Event | None = None,
     freeze_heap: bool = True,
     drain: asyncio.Event | None = None,
+    multiplexed: Mapping[str, MultiplexedMethod] | None = None,
 ) -> None:
     """Start engine, connector and gRPC server; run until SIGTERM/SIGINT (or ``stop`` is set,
     for a caller that runs the instance in its own event loop), then drain and stop.
@@ -360,7 +362,9 @@ async def serve(
     ``on_start`` runs once the engine runs, before the server takes calls; ``on_stop`` once the
     server has drained, before the connector and engine stop. ``freeze_heap``: exempt what start-up
     built from garbage collection (cluster/startup_heap.py); a caller whose process outlives the
-    instance passes False, or the instance's own reference cycles would never be collected."""
+    instance passes False, or the instance's own reference cycles would never be collected.
+    ``multiplexed``: the role's streaming methods, served over ``Multiplex.Calls`` too
+    (serving/call_mux.py), by the ``MuxCall`` body that carries their request."""
     instance.plane.warn_if_open(f"{instance.role} {instance.instance_id}")
     await instance.engine.start(kv_loader)
     if instance.role != "decode":  # decode never prefills a prompt of its own in the normal case
@@ -377,6 +381,9 @@ async def serve(
         await on_start()
     server = instance.plane.server()
     add_servicer(server)
+    multiplexer = CallMultiplexer(multiplexed, instance.plane.call_counts) if multiplexed else None
+    if multiplexer is not None:
+        multiplex_pb2_grpc.add_MultiplexServicer_to_server(multiplexer, server)
     disaggregation_pb2_grpc.add_LoadServicer_to_server(LoadServicer(instance), server)
     health_servicer = BoundedHealthServicer()  # open to all: its Watch streams capped (cluster/health_watch.py)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -439,6 +446,8 @@ async def serve(
     if heartbeat is not None:
         await heartbeat.stop()
     await health_servicer.enter_graceful_shutdown()
+    if multiplexer is not None:
+        multiplexer.close()  # its streams end with their calls: the grace below waits for those alone
     started = time.monotonic()
     await server.stop(grace=DRAIN_GRACE_S)
     if on_stop is not None:

@@ -1,8 +1,8 @@
 """``python -m bench.cluster_scale`` on a small cluster (4 simulated instances in 4 processes,
 2 gateways): every figure is there and none is negative, and what it counted agrees with the
 cluster's settings: a heartbeat per instance per period, a KV-event subscription per gateway and
-instance and no KV-event polling once subscribed, the requests' own calls under load and none
-failed.
+instance and no KV-event polling once subscribed, the pushed KV-event messages counted by the
+gateways that received them, the requests' own calls under load and none failed.
 
 The benchmark starts and stops its processes itself (by pid, in a ``finally``); it runs in the
 test's process, so that a failing test still stops them."""
@@ -56,6 +56,9 @@ def test_a_small_cluster_reports_every_figure_and_counts_agree_with_its_settings
         by_method = figures["grpc_calls_per_s_by_method"]
         kv_event_calls = (by_method[KV_EVENT_SUBSCRIPTIONS] + by_method[KV_EVENT_READS]) * figures["seconds"]
         assert kv_event_calls < NUM_GATEWAYS * NUM_INSTANCES, f"{window}: {by_method}"
+        polled = figures["kv_event_messages_per_s_by_via"]["poll"] * figures["seconds"]
+        assert polled < NUM_GATEWAYS * NUM_INSTANCES, f"{window}: {figures['kv_event_messages_per_s_by_via']}"
+        assert figures["kv_event_heartbeats_per_s"] <= 1.2 * result["expected"]["kv_event_heartbeats_per_s_at_most"]
         assert set(CLUSTER_METHODS) <= set(by_method)
         assert figures["socket_bytes_per_s"]["gateways"]["redis"]["received"] > 0
         for group in ("gateways", "instances", "redis", "client"):
@@ -76,6 +79,14 @@ def test_a_small_cluster_reports_every_figure_and_counts_agree_with_its_settings
     since_start = result["grpc_calls_since_start_by_method"]
     assert since_start[KV_EVENT_SUBSCRIPTIONS] >= result["expected"]["kv_event_subscriptions_since_start_at_least"]
     assert since_start[KV_EVENT_READS] >= NUM_GATEWAYS * NUM_INSTANCES
+    # The gateways counted the messages: first contact's marker pushed and snapshot polled per
+    # gateway and instance, then the prefix-cache changes of the loaded window pushed.
+    kv_events = result["kv_events_since_start"]
+    for via in ("stream", "poll"):
+        assert kv_events["messages_by_via"][via] >= NUM_GATEWAYS * NUM_INSTANCES, kv_events
+        assert kv_events["bytes_by_via"][via] > 0, kv_events
+    assert loaded["kv_event_messages_per_s_by_via"]["stream"] > 0
+    assert loaded["kv_event_bytes_per_s_by_via"]["stream"] > 0
     assert loaded["socket_bytes_per_s"]["client"]["gateways"]["received"] > 0
 
     memory = result["memory"]

@@ -280,7 +280,9 @@ def make_pool(
 ) -> InstancePool:
     """A real pool over the fakes, every one healthy; within a role each ranks below the one
     before it (one more request waiting), so the first is picked first."""
-    pool = InstancePool(stale_after_s=3600.0, limits=limits or InstanceLimits())
+    # A call each (--instance-calls per-call): the rules here do not depend on how calls are
+    # framed; the multiplexed stream runs them in the real-process tests (test_migration.py).
+    pool = InstancePool(stale_after_s=3600.0, limits=limits or InstanceLimits(), multiplex_calls=False)
     role: Role
     for role, fakes in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
         for i, fake in enumerate(fakes):
