@@ -247,7 +247,7 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
             raise ValueError(
                 f"the KV handle holds the KV of {handle.num_tokens} tokens; this call's prompt has {num_prompt_tokens}"
             )
-        self.instance.fingerprint.check_compatible(source.fingerprint, "decode", "prefill")
+        self.kv_loader.connector.check_pairing(source.fingerprint)  # the fingerprint's rule and the backend's
         connector_name = self.kv_loader.connector.name
         if handle.connector and handle.connector != connector_name:
             raise ValueError(
