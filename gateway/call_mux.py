@@ -76,6 +76,13 @@ class MuxCall:
     def done(self) -> bool:
         return self._end is not None
 
+    def take_ready(self) -> list[Any]:
+        """The responses that arrived and are not read yet, taken at once: those of the steps
+        that ran while this call's reader was behind (its client, or the gateway itself)."""
+        ready = list(self._responses)
+        self._responses.clear()
+        return ready
+
     def cancel(self) -> bool:
         """The caller leaves: the instance aborts the request (step 3)."""
         if self._end is not None:

@@ -82,6 +82,16 @@ class TokenEvent:
                 event.phases = response.timings.phases
         return event
 
+    def extend(self, later: TokenEvent) -> None:
+        """Take in the tokens of a later event of the same call (neither is its first), so that
+        they go out as one: what several responses that were waiting together say at once."""
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.finish_reason = later.finish_reason
+        self.stop_token_id = later.stop_token_id
+        self.phases = self.phases or later.phases
+        self.kv_transfer = self.kv_transfer or later.kv_transfer
+
 
 @dataclass(slots=True)
 class PinnedKV:

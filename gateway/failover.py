@@ -399,6 +399,11 @@ class Failover:
                             event = TokenEvent.from_response(response, first)
                             if first:
                                 event.call_sent_at, event.answered_at = sent_at, time.monotonic()
+                            elif isinstance(call, MuxCall):
+                                # Responses that queued up while this stream was behind go out as one
+                                # event: one detokenizer pass, one chunk, one write for all of them.
+                                for queued in call.take_ready():
+                                    event.extend(TokenEvent.from_response(queued, False))
                             yield event
                     return
                 except grpc.aio.AioRpcError as error:

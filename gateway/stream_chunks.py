@@ -21,7 +21,13 @@ import time
 from typing import Literal
 
 # As pydantic-core writes strings: non-ASCII characters as they are, control characters escaped.
-_json = functools.partial(json.dumps, ensure_ascii=False)
+_json_text = functools.partial(json.dumps, ensure_ascii=False)
+
+
+def _json(value: str | int | None) -> str:
+    # Most chunks carry no finish or stop reason: "null" without the encoder.
+    return "null" if value is None else _json_text(value)
+
 
 ChunkObject = Literal["text_completion", "chat.completion.chunk"]
 

@@ -17,8 +17,11 @@ import pytest
 from cluster.auth import ClusterSecret
 from cluster.internal_grpc import InternalPlane
 from gateway.call_mux import CallMux, MuxCall
+from gateway.dispatch import Dispatcher
+from gateway.dispatch_request import DispatchRequest
+from gateway.instances import InstancePool, InstanceState
 from serving.call_mux import CallMultiplexer, MultiplexedMethod
-from splitserve.v1 import generation_pb2, multiplex_pb2, multiplex_pb2_grpc
+from splitserve.v1 import disaggregation_pb2, generation_pb2, multiplex_pb2, multiplex_pb2_grpc
 
 SECRET = ClusterSecret.from_text("test-call-mux-secret-0123456789abcdef")
 GENERATE = "/splitserve.v1.Generation/Generate"
@@ -27,7 +30,9 @@ GENERATE = "/splitserve.v1.Generation/Generate"
 class ScriptedGenerate:
     """``Generate`` by prompt: ``[n]`` streams n tokens once ``step`` is set (all calls waiting
     on it run in the same loop iteration, as one engine step's outputs reach theirs); ``[-1]``
-    aborts with INVALID_ARGUMENT; ``[-2]`` raises; ``[-3]`` streams one token and never ends.
+    aborts with INVALID_ARGUMENT; ``[-2]`` raises; ``[-3]`` streams one token and never ends;
+    ``[-4]`` streams one token, then, once ``step`` is set, three responses of a token each and
+    the finish, which leave together.
     ``closed``: the request ids whose servicer code has ended, as a real servicer's cleanup
     (aborting the request, freeing its blocks) would run."""
 
@@ -52,6 +57,13 @@ class ScriptedGenerate:
             if count == -3:
                 yield generation_pb2.GenerateResponse(request_id=request.request_id, token_ids=[0])
                 await asyncio.Event().wait()
+            if count == -4:  # a first token, then three more and the finish in one step
+                yield generation_pb2.GenerateResponse(request_id=request.request_id, token_ids=[0])
+                await self.step.wait()
+                for i in (1, 2, 3):
+                    yield generation_pb2.GenerateResponse(request_id=request.request_id, token_ids=[i])
+                yield generation_pb2.GenerateResponse(request_id=request.request_id, finish_reason="length")
+                return
             await self.step.wait()
             for i in range(count):
                 yield generation_pb2.GenerateResponse(request_id=request.request_id, token_ids=[i])
@@ -240,3 +252,22 @@ async def test_a_caller_reusing_an_open_call_id_loses_its_stream(instance: Insta
     assert broken.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "already open" in (broken.value.details() or "")
     await instance.servicer.wait_closed("dup")  # the stream's calls were cancelled with it
+
+
+@with_instance
+async def test_responses_that_queued_while_the_gateway_was_behind_go_out_as_one_event(instance: Instance) -> None:
+    """Through the dispatcher, as a request streams: the step's three responses arrive in one
+    message while the stream's reader waits, and become one event (one chunk, one write)."""
+    pool = InstancePool(stale_after_s=3600.0)
+    pool.instances[instance.address] = InstanceState(instance.address, "colocated", instance.channel)
+    report = disaggregation_pb2.LoadReport(instance_id="colocated-0", role="colocated")
+    pool.record_report(instance.address, report, serving=True)
+    dispatcher = Dispatcher(pool)
+    request = DispatchRequest("queued", [-4], generation_pb2.SamplingParams())
+    events = dispatcher.generate(request)
+    first = await anext(events)
+    assert first.token_ids == [0]
+    instance.servicer.step.set()
+    rest = [event async for event in events]
+    assert [(event.token_ids, event.finish_reason) for event in rest] == [([1, 2, 3], "length")]
+    await pool.instances[instance.address].call_mux.close()
