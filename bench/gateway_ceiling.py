@@ -9,7 +9,9 @@ that any gap beyond it is not the instance's batch), and one gateway (``--api-se
 passed on when given). For each concurrency it runs a closed loop of that many streams, twice:
 ``--short-tokens`` and ``--long-tokens`` completion tokens a request, and reads the gateway
 process's CPU time (utime + stime from /proc) before and after each. Two runs give two
-equations, ``cpu = requests * per_request + tokens * per_token``, solved for both costs.
+equations, ``cpu = requests * per_request + tokens * per_token``, solved for both costs, and
+again net of the gateway's idle CPU (read over ``--idle-seconds`` before the runs, with no
+request in flight), which would otherwise fall on the longer run's tokens.
 
 Latency the gateway adds, from the gateway's own chunk write times (gateway/chunk_times.py):
 its gaps between a stream's tokens beyond the instances' step, and the client's TTFT beyond
@@ -180,11 +182,21 @@ def run_level(args: argparse.Namespace, url: str, gateway_pid: int, concurrency:
     )
 
 
-def costs(short: RunResult, long: RunResult) -> tuple[float, float]:
-    """(gateway CPU µs per token, ms per request) from two runs of different lengths."""
+def costs(short: RunResult, long: RunResult, idle_cpu_per_s: float = 0.0) -> tuple[float, float]:
+    """(gateway CPU µs per token, ms per request) from two runs of different lengths; with
+    ``idle_cpu_per_s``, net of what the gateway spends idle over each run's time (discovery,
+    load reports, KV-event heartbeats), which the longer run would otherwise charge to its tokens."""
     matrix = np.array([[short.num_requests, short.num_tokens], [long.num_requests, long.num_tokens]], dtype=float)
-    per_request_s, per_token_s = np.linalg.solve(matrix, [short.gateway_cpu_s, long.gateway_cpu_s])
+    cpu = [run.gateway_cpu_s - idle_cpu_per_s * run.seconds for run in (short, long)]
+    per_request_s, per_token_s = np.linalg.solve(matrix, cpu)
     return per_token_s * 1e6, per_request_s * 1e3
+
+
+def idle_cpu_rate(gateway_pid: int, seconds: float) -> float:
+    """The gateway's CPU seconds per second with no request in flight."""
+    before = tree_cpu_s(gateway_pid)
+    time.sleep(seconds)
+    return (tree_cpu_s(gateway_pid) - before) / seconds
 
 
 def write_profile(path: Path, args: argparse.Namespace) -> None:
@@ -288,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         "--loop", default=None, help="the gateway's --loop (auto, asyncio, uvloop; default: the gateway's own)"
     )
     parser.add_argument(
+        "--idle-seconds", type=float, default=10.0, help="how long the gateway's idle CPU is read before the runs"
+    )
+    parser.add_argument(
         "--instance-calls",
         default=None,
         help="the gateway's --instance-calls (multiplexed, per-call; default: the gateway's own)",
@@ -298,22 +313,30 @@ def main(argv: list[str] | None = None) -> int:
     processes, url, gateway_pid = start_cluster(args, args.output_dir)
     rows = []
     try:
+        idle_cpu_per_s = idle_cpu_rate(gateway_pid, args.idle_seconds)
+        logger.info("gateway idle: %.4f CPU seconds a second", idle_cpu_per_s)
         for concurrency in args.concurrency:
             short = run_level(args, url, gateway_pid, concurrency, args.short_tokens)
             long = run_level(args, url, gateway_pid, concurrency, args.long_tokens)
             per_token_us, per_request_ms = costs(short, long)
+            net_per_token_us, net_per_request_ms = costs(short, long, idle_cpu_per_s)
             row = {
                 "concurrency": concurrency,
                 "gateway_cpu_us_per_token": per_token_us,
                 "gateway_cpu_ms_per_request": per_request_ms,
+                "gateway_idle_cpu_per_s": idle_cpu_per_s,
+                "gateway_cpu_us_per_token_net_of_idle": net_per_token_us,
+                "gateway_cpu_ms_per_request_net_of_idle": net_per_request_ms,
                 "short": asdict(short),
                 "long": asdict(long),
             }
             rows.append(row)
             logger.info(
-                "concurrency %d: %.1f µs/token, %.2f ms/request; long run %.0f tok/s, %.0f req/s, "
-                "gateway gap p99 %.1f ms (step %.1f), client gap p99 %.1f ms, TTFT p50 %.1f ms, %d failed, %d refused",
-                concurrency, per_token_us, per_request_ms, long.tokens_per_s, long.requests_per_s,
+                "concurrency %d: %.1f µs/token, %.2f ms/request (net of idle: %.1f µs, %.2f ms); "
+                "long run %.0f tok/s, %.0f req/s, gateway gap p99 %.1f ms (step %.1f), client gap p99 %.1f ms, "
+                "TTFT p50 %.1f ms, %d failed, %d refused",
+                concurrency, per_token_us, per_request_ms, net_per_token_us, net_per_request_ms,
+                long.tokens_per_s, long.requests_per_s,
                 long.gateway_gap_ms.get("p99", float("nan")), args.step_ms, long.client_gap_ms.get("p99", float("nan")),
                 long.ttft_ms.get("p50", float("nan")), long.num_failed, long.num_refused,
             )  # fmt: skip

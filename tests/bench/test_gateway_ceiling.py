@@ -14,8 +14,8 @@ import pytest
 from bench.gateway_ceiling import RunResult, costs, main
 
 
-def run(max_tokens: int, num_requests: int, cpu_s: float) -> RunResult:
-    return RunResult(1, max_tokens, num_requests, num_requests * max_tokens, 0, 0, 1.0, cpu_s, 0, 0, {}, {}, {})
+def run(max_tokens: int, num_requests: int, cpu_s: float, seconds: float = 1.0) -> RunResult:
+    return RunResult(1, max_tokens, num_requests, num_requests * max_tokens, 0, 0, seconds, cpu_s, 0, 0, {}, {}, {})
 
 
 def test_the_costs_are_solved_from_two_runs_of_different_lengths() -> None:
@@ -26,11 +26,21 @@ def test_the_costs_are_solved_from_two_runs_of_different_lengths() -> None:
     assert per_token_us == pytest.approx(150.0) and per_request_ms == pytest.approx(3.0)
 
 
+def test_the_gateways_idle_cpu_is_taken_off_each_run_by_its_length() -> None:
+    per_request_s, per_token_s, idle_cpu_per_s = 0.003, 0.00015, 0.05
+    short = run(8, 100, 100 * (per_request_s + 8 * per_token_s) + idle_cpu_per_s * 2.0, seconds=2.0)
+    long = run(128, 50, 50 * (per_request_s + 128 * per_token_s) + idle_cpu_per_s * 30.0, seconds=30.0)
+    per_token_us, per_request_ms = costs(short, long, idle_cpu_per_s)
+    assert per_token_us == pytest.approx(150.0) and per_request_ms == pytest.approx(3.0)
+    assert costs(short, long)[0] > 150.0  # left in, the idle time of the longer run falls on its tokens
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (.ci/run installs it)")
 def test_a_tiny_ceiling_run_measures_every_request(tmp_path: Path) -> None:
     assert main([
         "--output-dir", str(tmp_path), "--concurrency", "2", "--num-instances", "2", "--step-ms", "20",
         "--short-tokens", "2", "--long-tokens", "6", "--requests-per-stream", "2", "--min-requests", "4",
+        "--idle-seconds", "0.5",
     ]) == 0  # fmt: skip
     (row,) = json.loads((tmp_path / "gateway_ceiling.json").read_text())["rows"]
     for name, max_tokens in (("short", 2), ("long", 6)):
