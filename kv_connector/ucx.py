@@ -578,7 +578,6 @@ class UCXConnector(KVConnector, DraftKVCarrier):
         and the draft KV. Otherwise the blocks alone."""
         if source.rank_addresses or self.fingerprint.layout.num_ranks != 1:
             return await self.pull(source, block_ids, num_local_hit_blocks, timeout_s), None
-        self.check_source(source)
         draft = _DraftReceive(draft_shape)
         stats = await self.pull_heads(source, source.address, block_ids, num_local_hit_blocks, timeout_s, draft=draft)
         return stats, draft.received
