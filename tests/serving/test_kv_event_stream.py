@@ -13,10 +13,12 @@ step) followed by the gateway's ``KVEventsSync``, the calls counted where they l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -25,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.call_counts import CallCounts
 from engine.kv_cache_utils import BlockHash
 from engine.kv_events import KVEventLog
+from gateway.instances import InstancePool
 from gateway.kv_event_liveness import KVEventLiveness
 from gateway.kv_event_traffic import KVEventTraffic
 from gateway.kv_events import KVEventsSync
@@ -158,16 +161,35 @@ def test_an_idle_subscriber_gets_heartbeats_at_the_interval_it_asked_for_and_bat
 # ---------------------------------------------------------------- through gRPC, to the index
 
 
+@contextlib.asynccontextmanager
 async def serving(
     log: KVEventLog, limits: KVEventStreamLimits | None = None, port: int = 0
-) -> tuple[grpc.aio.Server, LoadServicer, CallCounts, str]:
+) -> AsyncIterator[tuple[grpc.aio.Server, LoadServicer, CallCounts, str]]:
+    """An instance's ``LoadServicer`` over ``log`` on a real server, stopped when the block ends."""
     counts = CallCounts()
     server = grpc.aio.server(interceptors=[counts])
     servicer = LoadServicer(fake_instance(log), limits)  # type: ignore[arg-type]
     disaggregation_pb2_grpc.add_LoadServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    return server, servicer, counts, f"127.0.0.1:{port}"
+    try:
+        yield server, servicer, counts, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=None)
+
+
+@contextlib.asynccontextmanager
+async def followed(address: str, **options: Any) -> AsyncIterator[InstancePool]:
+    """The gateway's ``KVEventsSync`` (``options``: its liveness, its traffic counters) following
+    the instance at ``address`` into a pool's index, until the block ends."""
+    pool = polled_pool(address, num_total_blocks=1024)
+    task = asyncio.create_task(KVEventsSync(pool, pool.index, interval_s=0.05, **options).run())
+    try:
+        yield pool
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pool.close()
 
 
 def calls(counts: CallCounts) -> tuple[int, int]:
@@ -194,13 +216,9 @@ def test_the_index_follows_pushed_events_without_a_poll_and_a_lagging_gateway_re
 
     async def scenario() -> None:
         limits = KVEventStreamLimits(page_hashes=8, max_queued_hashes=8)
-        server, servicer, counts, address = await serving(log, limits)
-        pool = polled_pool(address, num_total_blocks=1024)
         traffic = KVEventTraffic()
-        metrics = GatewayMetrics(pool, traffic)
-        sync = KVEventsSync(pool, pool.index, interval_s=0.05, traffic=traffic)
-        task = asyncio.create_task(sync.run())
-        try:
+        async with serving(log, limits) as (_, servicer, counts, address), followed(address, traffic=traffic) as pool:
+            metrics = GatewayMetrics(pool, traffic)
             # First contact: the stream says resync (a snapshot is needed), the poll reads it, and the
             # gateway subscribes again from the snapshot's cursor.
             await wait_until(lambda: calls(counts) == (2, 1), "a resync, a poll and a second subscription")
@@ -242,11 +260,6 @@ def test_the_index_follows_pushed_events_without_a_poll_and_a_lagging_gateway_re
             step(log, new_hashes(rng, 2))  # and the new subscription follows
             await wait_until(lambda: indexed(pool, address) == cached(log), "pushed again")
             assert calls(counts) == (3, 2)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await pool.close()
-            await server.stop(grace=None)
 
     asyncio.run(scenario())
 
@@ -257,12 +270,7 @@ def test_a_dead_instances_subscription_ends_and_comes_back_with_it() -> None:
     step(log, new_hashes(rng, 4))
 
     async def scenario() -> None:
-        server, servicer, counts, address = await serving(log)
-        pool = polled_pool(address, num_total_blocks=1024)
-        sync = KVEventsSync(pool, pool.index, interval_s=0.05)
-        task = asyncio.create_task(sync.run())
-        restarted = None
-        try:
+        async with serving(log) as (server, servicer, _, address), followed(address) as pool:
             await wait_until(lambda: indexed(pool, address) == cached(log), "the first instance indexed")
             streams = servicer.kv_event_streams
             assert streams is not None
@@ -272,22 +280,15 @@ def test_a_dead_instances_subscription_ends_and_comes_back_with_it() -> None:
             # The instance comes back on its address, restarted: a new epoch, another cache.
             new_log = KVEventLog(max_events=4096)
             step(new_log, new_hashes(rng, 6))
-            restarted, new_servicer, new_counts, _ = await serving(new_log, port=int(address.rsplit(":", 1)[1]))
-            await wait_until(lambda: indexed(pool, address) == cached(new_log), "the restarted instance indexed")
-            assert pool.index.cursor(address)[0] == new_log.epoch
-            new_streams = new_servicer.kv_event_streams
-            assert new_streams is not None
-            await wait_until(lambda: len(new_streams.subscribers) == 1, "subscribed to the restarted instance")
-            step(new_log, new_hashes(rng, 2))
-            await wait_until(lambda: indexed(pool, address) == cached(new_log), "its steps pushed")
-            assert calls(new_counts)[1] == 1  # one poll: the snapshot of its new epoch
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await pool.close()
-            await server.stop(grace=None)
-            if restarted is not None:
-                await restarted.stop(grace=None)
+            async with serving(new_log, port=int(address.rsplit(":", 1)[1])) as (_, new_servicer, new_counts, _):
+                await wait_until(lambda: indexed(pool, address) == cached(new_log), "the restarted instance indexed")
+                assert pool.index.cursor(address)[0] == new_log.epoch
+                new_streams = new_servicer.kv_event_streams
+                assert new_streams is not None
+                await wait_until(lambda: len(new_streams.subscribers) == 1, "subscribed to the restarted instance")
+                step(new_log, new_hashes(rng, 2))
+                await wait_until(lambda: indexed(pool, address) == cached(new_log), "its steps pushed")
+                assert calls(new_counts)[1] == 1  # one poll: the snapshot of its new epoch
 
     asyncio.run(scenario())
 
@@ -297,23 +298,15 @@ def test_an_instance_past_its_subscription_cap_is_polled(caplog: pytest.LogCaptu
     log = KVEventLog(max_events=4096)
 
     async def scenario() -> None:
-        server, servicer, counts, address = await serving(log, KVEventStreamLimits(max_subscribers=0))
-        pool = polled_pool(address, num_total_blocks=1024)
-        sync = KVEventsSync(pool, pool.index, interval_s=0.05)
-        task = asyncio.create_task(sync.run())
         caplog.set_level(logging.INFO, logger="gateway.kv_events")
-        try:
+        limits = KVEventStreamLimits(max_subscribers=0)
+        async with serving(log, limits) as (_, _, counts, address), followed(address) as pool:
             step(log, new_hashes(rng, 3))
             await wait_until(lambda: indexed(pool, address) == cached(log), "polled")
             step(log, new_hashes(rng, 3))
             await wait_until(lambda: indexed(pool, address) == cached(log), "polled again")
             assert calls(counts)[1] >= 2
             assert sum("pushes no KV events" in r.getMessage() for r in caplog.records) == 1
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await pool.close()
-            await server.stop(grace=None)
 
     asyncio.run(scenario())
 
@@ -323,22 +316,14 @@ def test_a_stream_at_its_lifetime_ends_and_the_gateway_subscribes_again_without_
     log = KVEventLog(max_events=4096)
 
     async def scenario() -> None:
-        server, servicer, counts, address = await serving(log, KVEventStreamLimits(lifetime_s=0.05))
-        pool = polled_pool(address, num_total_blocks=1024)
-        sync = KVEventsSync(pool, pool.index, interval_s=0.05)
-        task = asyncio.create_task(sync.run())
-        try:
+        limits = KVEventStreamLimits(lifetime_s=0.05)
+        async with serving(log, limits) as (_, servicer, counts, address), followed(address) as pool:
             await wait_until(lambda: calls(counts)[0] >= 5, "streams ended at their lifetime, and subscribed again")
             assert calls(counts)[1] == 1  # the first contact's only: each new stream starts from the cursor
             step(log, new_hashes(rng, 4))
             await wait_until(lambda: indexed(pool, address) == cached(log), "followed across the streams")
             streams = servicer.kv_event_streams
             assert streams is not None and len(streams.subscribers) <= 1
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await pool.close()
-            await server.stop(grace=None)
 
     asyncio.run(scenario())
 
@@ -354,39 +339,39 @@ def test_a_stream_gone_silent_is_ended_and_resynced_once_its_host_speaks_again()
     liveness = KVEventLiveness(heartbeat_s=0.2, silence_s=1.0)
 
     async def scenario() -> None:
-        server, servicer, counts, target = await serving(log, KVEventStreamLimits(heartbeat_s=liveness.heartbeat_s))
-        proxy = StallingProxy("127.0.0.1", int(target.rsplit(":", 1)[1]))
-        address = f"127.0.0.1:{proxy.port}"
-        pool = polled_pool(address, num_total_blocks=1024)  # its deadlines outlast the stall
+        limits = KVEventStreamLimits(heartbeat_s=liveness.heartbeat_s)
         traffic = KVEventTraffic()
-        sync = KVEventsSync(pool, pool.index, interval_s=0.05, liveness=liveness, traffic=traffic)
-        task = asyncio.create_task(sync.run())
-        try:
-            await wait_until(lambda: indexed(pool, address) == cached(log), "the first snapshot indexed")
-            streams = servicer.kv_event_streams
-            assert streams is not None
-            await wait_until(lambda: len(streams.subscribers) == 1, "subscribed")
-            await wait_until(lambda: traffic.num_heartbeats >= 2, "heartbeats on the quiet stream", timeout_s=30)
-            num_silent = traffic.num_silent_streams  # zero unless this test's loop itself stalled a second
-            num_polls = calls(counts)[1]
+        async with serving(log, limits) as (_, servicer, counts, target):
+            proxy = StallingProxy("127.0.0.1", int(target.rsplit(":", 1)[1]))
+            address = f"127.0.0.1:{proxy.port}"
+            try:
+                # The pool's deadlines outlast the stall.
+                async with followed(address, liveness=liveness, traffic=traffic) as pool:
+                    await wait_until(lambda: indexed(pool, address) == cached(log), "the first snapshot indexed")
+                    streams = servicer.kv_event_streams
+                    assert streams is not None
+                    await wait_until(lambda: len(streams.subscribers) == 1, "subscribed")
+                    await wait_until(
+                        lambda: traffic.num_heartbeats >= 2, "heartbeats on the quiet stream", timeout_s=30
+                    )
+                    num_silent = traffic.num_silent_streams  # zero unless this test's loop itself stalled a second
+                    num_polls = calls(counts)[1]
 
-            proxy.stall(both_ways=True)
-            for _ in range(2):
-                step(log, new_hashes(rng, 3), list(cached(log))[:1])  # pushed into the void
-            await wait_until(lambda: traffic.num_silent_streams > num_silent, "the silent stream noticed", timeout_s=30)
-            assert calls(counts)[1] == num_polls, "the resync's poll is held with the rest"
+                    proxy.stall(both_ways=True)
+                    for _ in range(2):
+                        step(log, new_hashes(rng, 3), list(cached(log))[:1])  # pushed into the void
+                    await wait_until(
+                        lambda: traffic.num_silent_streams > num_silent, "the silent stream noticed", timeout_s=30
+                    )
+                    assert calls(counts)[1] == num_polls, "the resync's poll is held with the rest"
 
-            proxy.resume()
-            await wait_until(lambda: calls(counts)[1] > num_polls, "the resync's poll answered")
-            await wait_until(lambda: indexed(pool, address) == cached(log), "the index correct again")
-            await wait_until(lambda: len(streams.subscribers) == 1, "subscribed again, the silent stream gone")
-            step(log, new_hashes(rng, 2))
-            await wait_until(lambda: indexed(pool, address) == cached(log), "pushed again")
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await pool.close()
-            proxy.close()
-            await server.stop(grace=None)
+                    proxy.resume()
+                    await wait_until(lambda: calls(counts)[1] > num_polls, "the resync's poll answered")
+                    await wait_until(lambda: indexed(pool, address) == cached(log), "the index correct again")
+                    await wait_until(lambda: len(streams.subscribers) == 1, "subscribed again, the silent stream gone")
+                    step(log, new_hashes(rng, 2))
+                    await wait_until(lambda: indexed(pool, address) == cached(log), "pushed again")
+            finally:
+                proxy.close()
 
     asyncio.run(scenario())
