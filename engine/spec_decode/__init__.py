@@ -5,7 +5,8 @@
 - ``draft_model.py``: drafts from a smaller checkpoint of the same vocabulary.
 - ``medusa.py``, ``eagle.py``: drafts from the target's own hidden states, proposed after each
   step (Medusa's heads; EAGLE's one-layer decoder over the target's features, with a draft KV
-  of its own); their checkpoints in ``medusa_checkpoint.py`` and ``eagle_checkpoint.py``.
+  of its own, EAGLE-1/2's model in ``eagle_draft.py``, EAGLE-3's in ``eagle3_draft.py``); their
+  checkpoints in ``medusa_checkpoint.py``, ``eagle_checkpoint.py`` and ``eagle3_checkpoint.py``.
 - ``rejection_sampler.py``: accepts a prefix of the drafts and adds one token, so the output
   distribution is the target's (greedy: token for token the non-speculative output).
 - ``stats.py``: draft and accepted token counts, for the load report and metrics.
