@@ -138,6 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--workloads", default="code,random,random-sampled", help="comma-separated: code, random, random-sampled, chat"
     )
+    parser.add_argument(
+        "--chat-question",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="the chat workload's question; repeated, one workload each (chat-1, chat-2, ...) (default: one "
+        "that none of the shipped prompts asks)",
+    )
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument(
         "--random-input-len", type=int, default=736, help="tokens of the random prompt (the code prompt's length)"
@@ -215,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         if workload == "code":
             prompts["code"] = code_edit_prompt(tokenizer)
         elif workload == "chat":
-            messages = [{"role": "user", "content": CHAT_QUESTION}]
-            encoded = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
-            )
-            prompts["chat"] = list(encoded["input_ids"])
+            questions = args.chat_question or [CHAT_QUESTION]
+            for number, question in enumerate(questions, start=1):
+                messages = [{"role": "user", "content": question}]
+                encoded = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                )
+                prompts["chat" if len(questions) == 1 else f"chat-{number}"] = list(encoded["input_ids"])
         elif workload in ("random", "random-sampled"):
             prompts[workload] = random_prompt(
                 random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size
