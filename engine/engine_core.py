@@ -64,7 +64,7 @@ from engine.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 # How the log names what proposes drafts, by speculative method (n-gram: its own line).
-_DRAFTERS = {"medusa": "Medusa heads", "eagle": "EAGLE draft"}
+_DRAFTERS = {"medusa": "Medusa heads", "eagle": "EAGLE draft", "eagle3": "EAGLE-3 draft"}
 
 # The step thread, waiting for its model thread, looks at the inbox at least this often even if
 # nothing wakes it (the model's end and every message wake it at once).
@@ -213,7 +213,7 @@ class EngineCore:
         :attr:`inbox`), between steps. ``first_token_id`` (decode
         role) says the prompt was prefilled elsewhere: its KV will be loaded, decoding
         continues after that token, and ``kv_load_failure_policy`` says what happens if the
-        KV cannot be loaded; ``draft_token_ids``: the drafts P's Medusa heads proposed after
+        KV cannot be loaded; ``draft_token_ids``: the drafts P's Medusa heads or EAGLE draft proposed after
         that token (``KVHandoff.draft_token_ids``), verified at the first step here. Raises
         ValueError for input the engine cannot serve."""
         request_id = request_id or uuid.uuid4().hex
@@ -235,7 +235,7 @@ class EngineCore:
             request.append_token(first_token_id)
             request.num_external_tokens = len(prompt_token_ids)
             request.kv_load_failure_policy = kv_load_failure_policy
-            if draft_token_ids and self.speculative is not None and self.speculative.method == "medusa":
+            if draft_token_ids and self.speculative is not None and self.speculative.method in ("medusa", "eagle"):
                 request.spec_token_ids = list(draft_token_ids)
         self.scheduler.add_request(request)
         return request_id
@@ -458,7 +458,7 @@ class EngineCore:
             elif self.ngram is not None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids)
                 request.num_spec_tokens = len(request.spec_token_ids)
-            elif self.speculative is not None and self.speculative.method in ("medusa", "eagle"):
+            elif self.speculative is not None and self.speculative.method in ("medusa", "eagle", "eagle3"):
                 # Proposed after the request's last step (engine/spec_decode/medusa.py, eagle.py).
                 request.num_spec_tokens = len(request.spec_token_ids)
             else:
@@ -468,6 +468,10 @@ class EngineCore:
         handoff = None
         if request.status is RequestStatus.FINISHED_PREFILLED:
             handoff = self.scheduler.kv_handoff(request)
+            spec = self.config.speculative
+            # EAGLE's draft KV over the prompt crosses with it (EAGLE-3's drafts stay where they are made).
+            if spec is not None and spec.method == "eagle" and self.runner.eagle is not None:
+                handoff.prompt_draft_kv = self.runner.eagle.export_prompt(request)
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,

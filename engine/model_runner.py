@@ -25,6 +25,7 @@ from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, PendingStep, SchedulerOutput
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
+from engine.spec_decode.eagle3_checkpoint import load_eagle3_draft
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft
 from engine.spec_decode.medusa import MedusaProposer
 from engine.spec_decode.medusa_checkpoint import load_medusa_heads
@@ -132,9 +133,10 @@ class ModelRunner:
                 Path(spec.model or ""), self.shape.hidden_size, self.shape.vocab_size, self.dtype, self.device
             )
             self.medusa = MedusaProposer(heads, spec.num_speculative_tokens, self.model.lm_head)
-        # EAGLE drafts from the features of every token this engine computes (engine/spec_decode/eagle.py).
+        # EAGLE drafts from the features of every token this engine computes (engine/spec_decode/eagle.py);
+        # on the prefill role too, as Medusa: its chain after the first token travels with the hand-off.
         self.eagle: EagleProposer | None = None
-        if spec is not None and spec.method == "eagle" and config.role != "prefill":
+        if spec is not None and spec.method == "eagle":
             draft = load_eagle_draft(
                 Path(spec.model or ""),
                 self.shape.hidden_size,
@@ -144,6 +146,18 @@ class ModelRunner:
                 self.device,
             )
             self.eagle = EagleProposer(draft, spec.num_speculative_tokens, self.model)
+        # EAGLE-3 (engine/spec_decode/eagle3_draft.py) where this engine decodes: its drafts do not cross the hand-off.
+        if spec is not None and spec.method == "eagle3" and config.role != "prefill":
+            draft3 = load_eagle3_draft(
+                Path(spec.model or ""),
+                self.shape.hidden_size,
+                self.shape.vocab_size,
+                self.shape.num_layers,
+                self.max_model_len + spec.num_speculative_tokens,
+                self.dtype,
+                self.device,
+            )
+            self.eagle = EagleProposer(draft3, spec.num_speculative_tokens, self.model)
 
     # ------------------------------------------------------------------ sizing
 

@@ -132,9 +132,7 @@ def speculative_config_from_json(text: str) -> SpeculativeConfig:
             f"--speculative-config: unknown keys {unknown}; this engine takes {sorted(SPECULATIVE_CONFIG_KEYS)}"
         )
     if "method" not in given:
-        raise ValueError(
-            '--speculative-config needs a "method": ngram, draft_model, medusa or eagle (eagle3 is not built yet)'
-        )
+        raise ValueError('--speculative-config needs a "method": ngram, draft_model, medusa, eagle or eagle3')
     for key, value in given.items():
         wanted = str if key in ("method", "model") else int
         if not isinstance(value, wanted) or isinstance(value, bool):

@@ -217,11 +217,11 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         metavar="JSON",
-        help='as vLLM spells it: {"method": "ngram"|"draft_model"|"medusa"|"eagle", "model": FOLDER, '
+        help='as vLLM spells it: {"method": "ngram"|"draft_model"|"medusa"|"eagle"|"eagle3", "model": FOLDER, '
         '"num_speculative_tokens": N, "prompt_lookup_min": N, "prompt_lookup_max": N}; medusa: a folder of Medusa '
         "heads (splitserve train-heads makes one), drafting as many tokens as it has heads unless N says fewer; "
-        "eagle: an EAGLE-1/2 draft's folder (EAGLE's reference layout or the speculators package's); eagle3 is not "
-        "built yet. Instead of the flags below, not beside them",
+        "eagle, eagle3: an EAGLE-1/2 or EAGLE-3 draft's folder (EAGLE's reference layout or the speculators "
+        "package's). Instead of the flags below, not beside them",
     )
     group.add_argument(
         "--num-speculative-tokens",

@@ -43,7 +43,7 @@ from engine.pipeline_parallel.stages import plan_stages
 from engine_args.config import engine_config_from_args
 from engine_args.flags import add_device_argument, add_engine_arguments
 from kv_connector.base import KVConnector, TransferStats
-from kv_connector.fingerprint import Fingerprint, medusa_draft, model_identity
+from kv_connector.fingerprint import Fingerprint, handoff_draft, model_identity
 from kv_connector.registry import add_kv_connector_arguments, make_connector
 from serving.call_mux import CallMultiplexer, MultiplexedMethod
 from serving.convert import fingerprint_to_proto
@@ -126,8 +126,8 @@ def fingerprint_of(core: EngineCore) -> Fingerprint:
         head_dim=shape.head_dim,
         tensor_parallel_size=core.config.tensor_parallel_size,
         stage_first_layers=tuple(stage.layers.start for stage in stages),
-        # Medusa's drafts cross the hand-off, on P and on D alike; other methods draft on D alone.
-        draft=medusa_draft(Path(spec.model or "")) if spec is not None and spec.method == "medusa" else "",
+        # Medusa's and EAGLE's drafts cross the hand-off, on P and on D alike; other methods draft on D alone.
+        draft=handoff_draft(spec.method, Path(spec.model or "")) if spec is not None else "",
     )
 
 
@@ -190,12 +190,6 @@ class Instance:
         Raises ValueError for a bad cluster secret or TLS flag before loading anything."""
         plane = InternalPlane.from_args(args, args.host)
         config = config or engine_config(args, role)
-        if role != "colocated" and config.pipeline_parallel_size > 1 and args.kv_connector == "lmcache":
-            raise ValueError(
-                f"a {role} instance at --pipeline-parallel-size {config.pipeline_parallel_size} moves its KV with "
-                "--kv-connector ucx only so far (LMCache stores each chunk whole across layers); use ucx, or pipeline "
-                "parallel size 1"
-            )
         ranked = role != "colocated" and config.world_size > 1
         if ranked:
             # Each rank holds its own KV (its heads of its stage's layers) and moves it itself

@@ -66,6 +66,7 @@ class SimulatedRunner(ModelRunner):
         self.block_size = config.block_size
         self.tensor_parallel = None
         self.draft_model = None
+        self.eagle = None  # no drafter: nothing of one crosses a simulated hand-off
         self.structured_output = None  # set by the engine core; the simulated tokens ignore it
         self.hf_config = AutoConfig.from_pretrained(str(metadata_folder(model_path)))
         self.architecture = (getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]

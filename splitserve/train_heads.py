@@ -1,6 +1,6 @@
-"""``splitserve train-heads --method medusa|eagle --output DIR``: Medusa heads or an EAGLE draft
-for a model, trained on this machine from the model's own greedy continuations
-(engine/spec_decode/medusa_training.py, eagle_training.py).
+"""``splitserve train-heads --method medusa|eagle|eagle3 --output DIR``: Medusa heads or an
+EAGLE(-3) draft for a model, trained on this machine from the model's own greedy continuations
+(engine/spec_decode/medusa_training.py, eagle_training.py, eagle3_training.py).
 
 The prompts: ``--prompts-file`` (one prompt a line), or by default everyday questions shipped
 with the package interleaved with instructions over the paragraphs of its text
@@ -12,7 +12,8 @@ accuracy in ``DIR/config.json``; serve them with
 from ``DIR/work`` (generated shards, the last training checkpoint), which may be deleted after.
 An EAGLE draft lands in ``DIR`` in the speculators package's layout (engine/spec_decode/eagle_checkpoint.py),
 served with ``--speculative-config '{"method": "eagle", "model": "DIR"}'``; its run resumes
-from ``DIR/work`` as well.
+from ``DIR/work`` as well. So does an EAGLE-3 draft (engine/spec_decode/eagle3_checkpoint.py), served
+with ``"method": "eagle3"``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ INSTRUCTIONS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.spec_decode.eagle3_training import Eagle3Training
     from engine.spec_decode.eagle_training import DraftTraining
     from engine.spec_decode.medusa_training import HeadTraining
 
@@ -55,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         required=True,
-        choices=["medusa", "eagle"],
-        help="medusa: heads on the last hidden state; eagle: a one-layer EAGLE draft over the model's features",
+        choices=["medusa", "eagle", "eagle3"],
+        help="medusa: heads on the last hidden state; eagle: a one-layer EAGLE draft over the model's features; "
+        "eagle3: a one-layer EAGLE-3 draft over three of the model's layers, with a vocabulary of its own",
     )
     add_numerics_arguments(parser)
     add_device_argument(parser)
@@ -102,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--learning-rate", type=float, default=defaults.learning_rate, help=f"(default: {defaults.learning_rate})"
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help=f"(default: {defaults.seed})")
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=Eagle3Training().draft_vocab_size,
+        help="eagle3: the draft vocabulary's tokens at most, the continuations' most used "
+        f"(default: {Eagle3Training().draft_vocab_size})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = [_encode(llm, text) for text in texts]
     if args.method == "eagle":
         return _run_eagle(args, llm, prompts, source)
+    if args.method == "eagle3":
+        return _run_eagle3(args, llm, prompts, source)
     from engine.spec_decode.medusa_checkpoint import save_medusa_heads
     from engine.spec_decode.medusa_training import (
         HeadTraining,
@@ -201,6 +213,49 @@ def _run_eagle(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], sou
         "EAGLE draft in %s (%s layout): held-out top-1 accuracy of the first draft %.3f",
         args.output,
         layout,
+        trained.heldout_top1_accuracy,
+    )
+    sys.stdout.write(json.dumps(extra["heldout"]) + "\n")
+    return 0
+
+
+def _run_eagle3(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], source: str) -> int:
+    from engine.spec_decode.eagle3_checkpoint import save_eagle3_draft
+    from engine.spec_decode.eagle3_training import Eagle3Training, train_eagle3
+
+    settings = Eagle3Training(
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.steps,
+        sequences_per_step=args.batch_size or Eagle3Training().sequences_per_step,
+        learning_rate=args.learning_rate,
+        draft_vocab_size=args.draft_vocab_size,
+        seed=args.seed,
+    )
+    trained = train_eagle3(llm, prompts, settings, args.output / "work", _progress)
+    extra = {
+        "base_model": str(llm.engine.model_path),
+        "training": {
+            "method": "self-distillation: the base model's greedy continuations and three of its layers along them",
+            "prompts": source,
+            "num_prompts": len(prompts),
+            "max_new_tokens": settings.max_new_tokens,
+            "num_sequences": trained.num_sequences,
+            "num_positions": trained.num_positions,
+            "num_steps": settings.num_steps,
+            "sequences_per_step": settings.sequences_per_step,
+            "learning_rate": settings.learning_rate,
+            "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        },
+        "heldout": {
+            "num_positions": trained.num_heldout_positions,
+            "top1_accuracy": round(trained.heldout_top1_accuracy, 4),
+        },
+    }
+    save_eagle3_draft(trained.draft, args.output, "speculators", extra)
+    logger.info(
+        "EAGLE-3 draft in %s (speculators layout, a vocabulary of %d): held-out top-1 accuracy of the first draft %.3f",
+        args.output,
+        trained.draft.eagle3.draft_vocab_size,
         trained.heldout_top1_accuracy,
     )
     sys.stdout.write(json.dumps(extra["heldout"]) + "\n")

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SpecMethod = Literal["ngram", "draft_model", "medusa", "eagle"]
-# Methods vLLM's --speculative-config names that this engine does not build yet (issue 40).
-PLANNED_METHODS = ("eagle3",)
+SpecMethod = Literal["ngram", "draft_model", "medusa", "eagle", "eagle3"]
+SPEC_METHODS: tuple[SpecMethod, ...] = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
@@ -19,26 +18,20 @@ class SpeculativeConfig:
     ``model`` (a local Hugging Face folder with the target's vocabulary) autoregressively.
     ``method="medusa"`` reads ``model``'s Medusa heads, which draft from the target's last
     hidden state (engine/spec_decode/medusa.py). ``method="eagle"`` reads ``model``'s EAGLE
-    draft, a decoder layer over the target's features (engine/spec_decode/eagle.py). Either way at
-    most ``num_speculative_tokens`` drafts are verified per step."""
+    draft, a decoder layer over the target's features (engine/spec_decode/eagle.py);
+    ``method="eagle3"`` an EAGLE-3 draft, which fuses three of the target's layers and drafts in a
+    vocabulary of its own (engine/spec_decode/eagle3_draft.py). Either way at most
+    ``num_speculative_tokens`` drafts are verified per step."""
 
     method: SpecMethod = "ngram"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     ngram_min: int = 2
     ngram_max: int = 4
-    model: str | None = None  # draft_model, eagle: the draft checkpoint's folder; medusa: the heads' folder
+    model: str | None = None  # draft_model, eagle, eagle3: the draft checkpoint's folder; medusa: the heads' folder
 
     def __post_init__(self) -> None:
-        if self.method in PLANNED_METHODS:
-            raise ValueError(
-                f"speculative method {self.method!r} is not built yet (issue 40); use eagle, medusa, ngram or "
-                "draft_model"
-            )
-        if self.method not in ("ngram", "draft_model", "medusa", "eagle"):
-            raise ValueError(
-                f"speculative method must be one of ngram, draft_model, medusa, eagle (eagle3 is not built yet); "
-                f"got {self.method!r}"
-            )
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}; got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -56,6 +49,11 @@ class SpeculativeConfig:
         if self.method == "eagle" and not self.model:
             raise ValueError(
                 'EAGLE speculation needs the draft\'s folder: --speculative-config \'{"method": "eagle", "model": '
+                "\"<folder>\"}' (EAGLE's reference layout or the speculators package's)"
+            )
+        if self.method == "eagle3" and not self.model:
+            raise ValueError(
+                'EAGLE-3 speculation needs the draft\'s folder: --speculative-config \'{"method": "eagle3", "model": '
                 "\"<folder>\"}' (EAGLE's reference layout or the speculators package's)"
             )
         if self.method == "ngram" and self.model:

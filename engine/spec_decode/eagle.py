@@ -1,4 +1,4 @@
-"""EAGLE drafts (EAGLE-1/2 chains): a one-layer decoder that extrapolates the target's features.
+"""EAGLE drafts (EAGLE-1/2 and EAGLE-3 chains): a one-layer decoder that extrapolates the target's features.
 
 The target's feature ``f_i`` is its final, normed hidden state at position ``i`` (the one its LM
 head turns into the logits of token ``i + 1``). The draft's entry at position ``i`` reads
@@ -13,9 +13,12 @@ The draft's KV is a contiguous tensor per request and layer (:class:`DraftKV`), 
 entries start at the first position whose feature this engine computed and grow by one entry per
 token whose feature and successor are both known. Speculative entries (those made from the
 draft's own outputs) are cut off at the next step, before the entries of the verified tokens are
-written in their place. Positions this engine never ran the target over have no entry: a prompt
-pulled from a prefill instance, or a prefix-cache hit, leaves the draft attending only over what
-came after (the output stays exact; only acceptance can be lower).
+written in their place. Positions this engine never ran the target over have no entry: a
+prefix-cache hit leaves the draft attending only over what came after (the output stays exact;
+only acceptance can be lower). A prompt pulled from a prefill instance comes with the entries P's
+draft made over it (engine/spec_decode/prompt_draft_kv.py: :meth:`EagleProposer.export_prompt`
+on P, ``Request.prompt_draft_kv`` taken at D's first step), and with P's first chain, which D
+verifies at that step.
 
 One step, in call order:
 
@@ -35,7 +38,14 @@ before), with attention alone run request by request over each one's own draft K
 aborted request's draft KV is dropped at the next step (the runner learns of it from the
 request's status); a preempted one's at once.
 
-The draft model: engine/spec_decode/eagle_draft.py; checkpoints: eagle_checkpoint.py.
+EAGLE-3 (engine/spec_decode/eagle3_draft.py) differs behind
+:class:`~engine.spec_decode.eagle_draft.DraftNetwork`: its feature ``f_i`` is the concatenated
+residual streams entering three target layers (``LlamaFamilyForCausalLM.run_layers_capturing``),
+which its ``fc`` fuses before the layer reads them (a chain's entries read the draft's own outputs
+unfused), and its LM head drafts in a vocabulary of its own, mapped to the target's ids.
+
+The draft models: engine/spec_decode/eagle_draft.py, eagle3_draft.py; checkpoints:
+eagle_checkpoint.py, eagle3_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -49,7 +59,8 @@ from engine.flat_batch import FlatBatch
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.request import Request
 from engine.scheduler_output import ModelOutput, SchedulerOutput
-from engine.spec_decode.eagle_draft import DraftKV, EagleDraft, new_draft_kv
+from engine.spec_decode.eagle_draft import DraftKV, DraftNetwork, new_draft_kv
+from engine.spec_decode.prompt_draft_kv import PromptDraftKV, snapshot, to_draft_kv
 
 
 @dataclass(slots=True)
@@ -59,7 +70,7 @@ class _Extension:
     held: _Held
     start: int
     token_ids: list[int]
-    features: torch.Tensor  # [len(token_ids), hidden_size]
+    features: torch.Tensor  # [len(token_ids), the draft's feature width]
 
 
 @dataclass(slots=True)
@@ -76,8 +87,8 @@ Forward = Callable[[FlatBatch, torch.Tensor | None], torch.Tensor]
 class EagleProposer:
     """Drafts for the next step from this step's features (module docstring)."""
 
-    def __init__(self, draft: EagleDraft, num_speculative_tokens: int, target: LlamaFamilyForCausalLM) -> None:
-        if draft.shape.hidden_size != target.shape.hidden_size:
+    def __init__(self, draft: DraftNetwork, num_speculative_tokens: int, target: LlamaFamilyForCausalLM) -> None:
+        if draft.target_hidden_size != target.shape.hidden_size:
             raise RuntimeError("bug: the EAGLE draft's hidden size was not checked against the target's")
         if target.layout is not None or not target.stage.is_whole:
             raise ValueError(
@@ -95,11 +106,17 @@ class EagleProposer:
         self, batch: FlatBatch, forward: Forward, layer_caches: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's logits of the batch's ``logits_indices`` rows, and the feature of every
-        token [T, hidden_size]. A step whose every token yields logits (decodes, verifications)
+        token [T, feature width]. A step whose every token yields logits (decodes, verifications)
         goes through ``forward`` (the runner's, native on CPU); one with prompt chunks runs the
-        layers and norms every row."""
+        layers and norms every row; an EAGLE-3 draft's step captures its layers' inputs."""
         num_tokens = batch.input_ids.shape[0]
         target = self.target
+        layer_ids = self.draft.feature_layer_ids
+        if layer_ids is not None:
+            hidden, residual, features = target.run_layers_capturing(
+                batch.positions, target.embed_tokens(batch.input_ids), layer_caches, batch.metadata, layer_ids
+            )
+            return target.compute_logits(hidden, residual, batch.logits_indices), features
         if batch.logits_indices.shape[0] == num_tokens:
             weight = self.draft.fc.weight  # the runner's dtype and device (the embedding may be quantized)
             hidden = torch.empty(num_tokens, target.shape.hidden_size, dtype=weight.dtype, device=weight.device)
@@ -160,6 +177,10 @@ class EagleProposer:
         """The request's draft KV cut back to ``start`` (a new one there when it holds none that
         reaches it); None when it would hold no entry at all."""
         held = self.held.get(request.request_id)
+        if held is None and request.prompt_draft_kv is not None:
+            # The prompt's entries, from the prefill instance (engine/spec_decode/prompt_draft_kv.py).
+            held = self.held[request.request_id] = _Held(request, to_draft_kv(request.prompt_draft_kv))
+            request.prompt_draft_kv = None
         if held is None or not held.kv.start <= start <= held.kv.end:
             # New, recomputed after a preemption, or after positions this engine did not compute.
             if not num_entries:
@@ -179,7 +200,7 @@ class EagleProposer:
         positions = torch.tensor(
             [p for e in extensions for p in range(e.start, e.start + len(e.token_ids))], device=device
         )
-        features = torch.cat([e.features for e in extensions])
+        features = self.draft.fuse(torch.cat([e.features for e in extensions]))
         counts = [len(e.token_ids) for e in extensions]
         outputs = self.draft(self.embed(token_ids), features, positions, [e.held.kv for e in extensions], counts)
         end = 0
@@ -198,13 +219,21 @@ class EagleProposer:
         kvs = [held.kv for held in helds]
         ones = [1] * len(helds)
         for j in range(self.num_speculative_tokens):
-            token_ids = self.draft.logits(outputs, self.target.lm_head).argmax(-1)  # [R]
+            token_ids = self.draft.draft_token_ids(outputs, self.target.lm_head)  # [R], the target's ids
             for chain, token_id in zip(drafts, token_ids.tolist()):
                 chain.append(token_id)
             if j + 1 < self.num_speculative_tokens:
                 positions = torch.tensor([kv.end for kv in kvs], device=outputs.device)
                 outputs = self.draft(self.embed(token_ids), outputs, positions, kvs, ones)
         return drafts
+
+    def export_prompt(self, request: Request) -> PromptDraftKV | None:
+        """Prefill role, as the request's prefill ends: a copy of its draft KV's prompt entries,
+        for the hand-off (engine/spec_decode/prompt_draft_kv.py); None if it holds none."""
+        held = self.held.get(request.request_id)
+        if held is None or not held.kv.start < request.num_prompt_tokens <= held.kv.end:
+            return None
+        return snapshot(held.kv, request.num_prompt_tokens)
 
     @property
     def num_requests_held(self) -> int:

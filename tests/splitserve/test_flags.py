@@ -91,6 +91,7 @@ def test_the_speculative_flags_choose_the_engines_methods() -> None:
         _parse("generate", "--speculative-model", "/d"),
         _parse("generate", "--speculative-config", '{"method": "medusa", "model": "/m", "num_speculative_tokens": 2}'),
         _parse("generate", "--speculative-config", '{"method": "eagle", "model": "/e", "num_speculative_tokens": 2}'),
+        _parse("generate", "--speculative-config", '{"method": "eagle3", "model": "/e", "num_speculative_tokens": 2}'),
     ]
     methods = {config.method for config in map(speculative_config_from_args, on) if config is not None}
     assert methods == set(get_args(SpecMethod))

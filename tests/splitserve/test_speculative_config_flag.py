@@ -54,6 +54,9 @@ def test_every_command_reads_the_json_as_the_engines_config(command: str, tmp_pa
     assert _config(command, "--speculative-config", _given(method="eagle", model="/e", num_speculative_tokens=5)) == (
         SpeculativeConfig(method="eagle", model="/e", num_speculative_tokens=5)
     )
+    assert _config(command, "--speculative-config", _given(method="eagle3", model="/e", num_speculative_tokens=3)) == (
+        SpeculativeConfig(method="eagle3", model="/e", num_speculative_tokens=3)
+    )
     # Without a count, Medusa drafts one token per head, as vLLM does.
     assert _config(command, "--speculative-config", _given(method="medusa", model=heads)) == SpeculativeConfig(
         method="medusa", model=heads, num_speculative_tokens=3
@@ -64,7 +67,7 @@ def test_every_command_reads_the_json_as_the_engines_config(command: str, tmp_pa
     ("given", "message"),
     [
         (_given(method="eagle"), "EAGLE speculation needs the draft's folder"),
-        (_given(method="eagle3", model="/e"), "'eagle3' is not built yet"),
+        (_given(method="eagle3"), "EAGLE-3 speculation needs the draft's folder"),
         (_given(method="lookahead"), "must be one of ngram, draft_model, medusa"),
         (_given(model="/m"), 'needs a "method"'),
         (_given(method="ngram", draft_tensor_parallel_size=1), r"unknown keys \['draft_tensor_parallel_size'\]"),

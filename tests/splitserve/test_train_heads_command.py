@@ -55,3 +55,32 @@ def test_train_heads_eagle_writes_a_draft_the_engine_serves(tmp_path: Path, caps
     expected = generate(make_engine(model), prompts, [GREEDY] * 2)
     spec = SpeculativeConfig(method="eagle", model=str(output), num_speculative_tokens=2)
     assert generate(make_engine(model, spec), prompts, [GREEDY] * 2) == expected
+
+
+def test_train_heads_eagle3_writes_a_draft_the_engine_serves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.spec_decode.config import SpeculativeConfig
+    from engine.spec_decode.eagle3_checkpoint import load_eagle3_draft, read_eagle3_config
+    from tests.engine.spec_decode.test_engine_spec import GREEDY, generate, make_engine
+
+    model = make_checkpoint(tmp_path / "model", num_hidden_layers=8)  # EAGLE-3's layers 2, 4 and 5
+    output = tmp_path / "draft"
+    argv = ["train-heads", "--method", "eagle3", "--model", str(model), "--dtype", "float32", "--output", str(output)]
+    argv += ["--num-prompts", "4", "--max-new-tokens", "6", "--steps", "3", "--batch-size", "2"]
+    argv += ["--draft-vocab-size", "20"]
+    assert main(argv) == 0
+    config = json.loads((output / "config.json").read_text())
+    assert (config["speculators_model_type"], config["base_model"]) == ("eagle3", str(model))
+    assert read_eagle3_config(output).layout == "speculators"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and config["draft_vocab_size"] <= 20
+    assert config["training"]["num_prompts"] == 4 and config["training"]["num_sequences"] == 3  # one held out
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == config["heldout"]
+    assert config["heldout"]["num_positions"] > 0
+    draft = load_eagle3_draft(output, 64, VOCAB_SIZE, 8, 1024, torch.float32, torch.device("cpu"))
+    assert draft.embed_tokens is None and draft.lm_head.weight.shape[0] == config["draft_vocab_size"]
+    assert (output / "work" / "eagle3_train_state.pt").is_file()  # a rerun resumes from here
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    expected = generate(make_engine(model), prompts, [GREEDY] * 2)
+    spec = SpeculativeConfig(method="eagle3", model=str(output), num_speculative_tokens=2)
+    assert generate(make_engine(model, spec), prompts, [GREEDY] * 2) == expected

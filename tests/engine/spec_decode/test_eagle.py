@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
+from engine.engine_core import EngineCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
@@ -264,9 +265,7 @@ def test_a_draft_for_another_model_is_refused(tmp_path: Path) -> None:
         load_eagle_draft(draft, HIDDEN_SIZE, 1000, MAX_POSITIONS, torch.float32, CPU)
 
 
-def test_eagle3_is_still_refused_and_eagle_needs_a_folder_and_a_whole_model(target: Path) -> None:
-    with pytest.raises(ValueError, match="'eagle3' is not built yet"):
-        SpeculativeConfig(method="eagle3")  # type: ignore[arg-type]
+def test_eagle_needs_a_folder_and_a_whole_model(target: Path) -> None:
     with pytest.raises(ValueError, match="EAGLE speculation needs the draft's folder"):
         SpeculativeConfig(method="eagle")
     for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
@@ -307,26 +306,53 @@ def test_preemption_and_abort_leave_no_block_or_draft_kv_behind(
     assert set(proposer.held) == {"last"}  # every earlier request's draft KV dropped
 
 
+def recorded_drafts(core: EngineCore) -> list[list[int]]:
+    """Every chain ``core``'s EAGLE proposer makes from now on, in order (one request at a time)."""
+    proposer = core.runner.eagle
+    assert proposer is not None
+    chains: list[list[int]] = []
+    propose = proposer.propose
+
+    def recording(*args, **kwargs) -> list[list[int]]:  # type: ignore[no-untyped-def]
+        drafts = propose(*args, **kwargs)
+        chains.extend(chain for chain in drafts if chain)
+        return drafts
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    return chains
+
+
+@pytest.mark.parametrize("with_prompt_draft_kv", [True, False])
 def test_decode_instance_speculates_with_eagle_after_a_pulled_prompt(
-    cycle_drafts: tuple[Path, list[int], Path, Path],
+    cycle_drafts: tuple[Path, list[int], Path, Path], with_prompt_draft_kv: bool
 ) -> None:
-    """P computes the prompt and never drafts; D has no feature of the prompt, so its first step
-    is plain, and its draft attends from that step's position on; the output is still the plain
-    one and D's drafts are accepted."""
+    """P's draft chains after the first token and D verifies that chain at its first step. With
+    the draft's KV over the prompt handed over too (engine/spec_decode/prompt_draft_kv.py), D's
+    draft attends over the whole prompt: every chain P and D make is the colocated engine's, in
+    order. Without it, D's draft attends from its first step's position on, and its chains
+    differ. Either way the output is the plain one, and no block is left behind."""
     target, cycle, trained, _ = cycle_drafts
     prompts = cycle_prompts(cycle)
     expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
+    colocated = make_engine(target, eagle(trained))
+    colocated_chains = recorded_drafts(colocated)
+    assert [generate(colocated, [prompt], [GREEDY])[0] for prompt in prompts] == expected  # one at a time, as P and D
     p = make_engine(target, eagle(trained), role="prefill")
     d = make_engine(target, eagle(trained), role="decode")
-    assert p.runner.eagle is None and d.runner.eagle is not None
+    chains = recorded_drafts(p)
+    d_chains = recorded_drafts(d)
     loader = InProcessKVLoader(p.runner.kv_cache, d.runner.kv_cache)
     d.use_kv_loader(loader)
     for index, prompt in enumerate(prompts):
         p.add_request(prompt, GREEDY, request_id="r")
         (handoff,) = [o for o in p.step() if o.request_id == "r"]
-        loader.expect("r", handoff.kv_handoff.block_ids)
+        prompt_draft_kv = handoff.kv_handoff.prompt_draft_kv
+        assert prompt_draft_kv is not None and (prompt_draft_kv.start, prompt_draft_kv.end) == (0, len(prompt))
+        loader.expect("r", handoff.kv_handoff.block_ids, prompt_draft_kv if with_prompt_draft_kv else None)
         first = handoff.new_token_ids[0]
-        d.add_request(prompt, GREEDY, request_id="r", first_token_id=first)
+        drafts = handoff.kv_handoff.draft_token_ids
+        assert drafts == chains[-1] and len(drafts) == 3
+        d.add_request(prompt, GREEDY, request_id="r", first_token_id=first, draft_token_ids=drafts)
         d.step()  # the load starts (and ends: an in-process copy)
         assert p.release_kv("r")
         tokens = [first]
@@ -334,7 +360,11 @@ def test_decode_instance_speculates_with_eagle_after_a_pulled_prompt(
             for output in d.step():
                 tokens.extend(output.new_token_ids)
         assert tokens == expected[index]
+        chains.extend(d_chains)
+        d_chains.clear()
+    assert (chains == colocated_chains) is with_prompt_draft_kv
     assert d.scheduler.spec_stats.num_accepted_tokens > 0
+    assert d.runner.eagle is not None and set(d.runner.eagle.held) <= {"r"}
     assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_total_blocks
     assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_total_blocks
 

@@ -1,0 +1,375 @@
+"""EAGLE-3 drafts end to end on tiny checkpoints: greedy output equals the output without
+speculation and transformers' own, token for token; the target's captured layers are transformers'
+hidden states and the draft layer is EAGLE-3's as the speculators package builds it; a draft
+vocabulary smaller than the target's drafts the target's tokens through d2t; both checkpoint
+layouts load the same draft; sampling keeps the target's distribution; preemption and abort leave
+no block (and no draft KV) behind; what cannot be served is refused, saying why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.eagle import EagleProposer, _Held
+from engine.spec_decode.eagle3_checkpoint import load_eagle3_draft, read_eagle3_config
+from engine.spec_decode.eagle_checkpoint import load_eagle_draft
+from engine.spec_decode.eagle_draft import new_draft_kv
+from tests.checkpoints import VOCAB_SIZE, make_checkpoint, tiny_config
+from tests.engine.kv_loaders import InProcessKVLoader
+from tests.engine.spec_decode.eagle3_drafts import (
+    DEFAULT_LAYER_IDS,
+    MAX_POSITIONS,
+    NUM_TARGET_LAYERS,
+    make_cycle_eagle3_drafts,
+    make_eagle3_draft,
+    random_eagle3_draft,
+    random_vocabulary,
+)
+from tests.engine.spec_decode.eagle_drafts import make_eagle_draft
+from tests.engine.spec_decode.medusa_heads import HIDDEN_SIZE, cycle_snippet
+from tests.engine.spec_decode.test_engine_spec import (
+    GREEDY,
+    assert_sampling_keeps_the_plain_distribution,
+    generate,
+    make_engine,
+    repetitive_prompts,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("target"), num_hidden_layers=NUM_TARGET_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def cycle_drafts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], Path, Path]:
+    return make_cycle_eagle3_drafts(tmp_path_factory.mktemp("cycle"))
+
+
+def eagle3(draft: Path, num_speculative_tokens: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(method="eagle3", model=str(draft), num_speculative_tokens=num_speculative_tokens)
+
+
+def cycle_prompts(cycle: list[int]) -> list[list[int]]:
+    """On the cycle, off it (the target's own continuation), and short."""
+    return [
+        cycle_snippet(cycle, 5, 8),
+        [7, 9, 11, 13, 15, 17],
+        cycle_snippet(cycle, 11, 4),
+        cycle_snippet(cycle, 2, 30),
+    ]
+
+
+def recorded_chains(proposer: EagleProposer) -> list[list[int]]:
+    """Every chain ``proposer`` drafts from now on, in order."""
+    proposals: list[list[int]] = []
+    chains = proposer._chains
+
+    def recording(helds: list[_Held]) -> list[list[int]]:
+        drafted = chains(helds)
+        proposals.extend(drafted)
+        return drafted
+
+    proposer._chains = recording  # type: ignore[method-assign]
+    return proposals
+
+
+def test_eagle3_greedy_equals_plain_greedy_and_transformers(target: Path, tmp_path: Path) -> None:
+    """A random draft (its drafts nearly all rejected) over EAGLE-3's default layers of the target."""
+    draft = make_eagle3_draft(tmp_path / "draft", "eagle", name_layers=False)
+    prompts = repetitive_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = generate(make_engine(target), prompts, [params] * len(prompts))
+    core = make_engine(target, eagle3(draft, 4))
+    assert core.runner.eagle is not None and core.runner.eagle.draft.feature_layer_ids == DEFAULT_LAYER_IDS
+    ours = generate(core, prompts, [params] * len(prompts))  # and every block came back
+    assert ours == expected
+    assert core.scheduler.spec_stats.num_draft_tokens > 0
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            reference = model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
+            )
+        assert tokens == reference[0, len(prompt) :].tolist()
+
+
+def test_eagle3_over_an_int8_target_equals_its_plain_greedy(target: Path, tmp_path: Path) -> None:
+    """Quantized weights (the embedding included) serve the draft as they serve the target."""
+    draft = make_eagle3_draft(tmp_path / "draft", "speculators", vocabulary=random_vocabulary(128, seed=2))
+    prompts = repetitive_prompts()
+    expected = generate(make_engine(target, quantization="int8"), prompts, [GREEDY] * len(prompts))
+    core = make_engine(target, eagle3(draft), quantization="int8")
+    assert generate(core, prompts, [GREEDY] * len(prompts)) == expected
+    assert core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_the_captured_features_are_transformers_hidden_states(target: Path, tmp_path: Path) -> None:
+    """The target forward of a prompt hands the draft the residual streams entering layers 2, 4
+    and 5, side by side: transformers' ``hidden_states[2]``, ``[4]`` and ``[5]``."""
+    draft = make_eagle3_draft(tmp_path / "draft", "speculators")
+    core = make_engine(target, eagle3(draft))
+    proposer = core.runner.eagle
+    assert proposer is not None
+    recorded: list[torch.Tensor] = []
+    target_forward = proposer.target_forward
+
+    def recording(*args):  # type: ignore[no-untyped-def]
+        logits, features = target_forward(*args)
+        recorded.append(features.clone())
+        return logits, features
+
+    proposer.target_forward = recording  # type: ignore[method-assign]
+    prompt = repetitive_prompts()[0]
+    generate(core, [prompt], [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)])
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden_states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden_states[i][0] for i in DEFAULT_LAYER_IDS], dim=-1)
+    assert recorded[0].shape == (len(prompt), 3 * HIDDEN_SIZE)
+    torch.testing.assert_close(recorded[0], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+@pytest.mark.parametrize("split", [12, 5, 1], ids=["one-pass", "two-passes", "one-by-one"])
+def test_the_draft_is_eagle3s_layer_over_fc(norm_before_residual: bool, split: int) -> None:
+    """The draft as the speculators package builds it (transformers' Llama attention reading
+    ``2 * hidden``, its norms and MLP, after fc): the same outputs and logits, whether its entries
+    go through the draft KV in one pass or in several."""
+    from torch import nn
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    draft = random_eagle3_draft(seed=3, norm_before_residual=norm_before_residual).eval()
+    config = tiny_config("LlamaForCausalLM", num_hidden_layers=1)
+    config._attn_implementation = "eager"
+    attention = LlamaAttention(config, layer_idx=0).eval()
+    head_dim = HIDDEN_SIZE // config.num_attention_heads
+    attention.q_proj = nn.Linear(2 * HIDDEN_SIZE, config.num_attention_heads * head_dim, bias=False)
+    attention.k_proj = nn.Linear(2 * HIDDEN_SIZE, config.num_key_value_heads * head_dim, bias=False)
+    attention.v_proj = nn.Linear(2 * HIDDEN_SIZE, config.num_key_value_heads * head_dim, bias=False)
+    layer = nn.ModuleDict(
+        {
+            "self_attn": attention,
+            "mlp": LlamaMLP(config),
+            "input_layernorm": LlamaRMSNorm(HIDDEN_SIZE, config.rms_norm_eps),
+            "hidden_norm": LlamaRMSNorm(HIDDEN_SIZE, config.rms_norm_eps),
+            "post_attention_layernorm": LlamaRMSNorm(HIDDEN_SIZE, config.rms_norm_eps),
+        }
+    )
+    weights = {k.removeprefix("layers.0."): v for k, v in draft.state_dict().items() if k.startswith("layers.0.")}
+    layer.load_state_dict(weights)
+    num_entries = 12
+    generator = torch.Generator().manual_seed(0)
+    embeds = torch.randn(num_entries, HIDDEN_SIZE, generator=generator)
+    features = torch.randn(num_entries, 3 * HIDDEN_SIZE, generator=generator)
+    with torch.no_grad():
+        hidden = draft.fc(features)[None]
+        normed = layer["hidden_norm"](hidden)
+        attn_in = torch.cat([layer["input_layernorm"](embeds[None]), normed], -1)
+        positions = torch.arange(num_entries)[None]
+        causal = torch.full((num_entries, num_entries), float("-inf")).triu(1)[None, None]
+        attn, _ = attention(attn_in, LlamaRotaryEmbedding(config)(attn_in, positions), causal)
+        residual = (normed if norm_before_residual else hidden) + attn
+        expected = (residual + layer["mlp"](layer["post_attention_layernorm"](residual)))[0]
+        kv = new_draft_kv(draft, 0)
+        chunks = [slice(i, min(i + split, num_entries)) for i in range(0, num_entries, split)]
+        ours = torch.cat(
+            [
+                draft(embeds[c], draft.fuse(features[c]), torch.arange(c.start, c.stop), [kv], [c.stop - c.start])
+                for c in chunks
+            ]
+        )
+    assert kv.length == num_entries
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(draft.logits(ours), draft.lm_head(draft.norm(expected)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [1, 3])
+def test_a_smaller_draft_vocabulary_drafts_the_targets_tokens_through_d2t(
+    cycle_drafts: tuple[Path, list[int], Path, Path], num_speculative_tokens: int
+) -> None:
+    """The trained draft names 64 tokens, the target 512: with its d2t its first drafts are
+    accepted often and every draft is a token of its vocabulary; the same draft with
+    d2t zeroed (its draft ids read as the target's) is nearly never accepted. Greedy output equals
+    the plain output either way."""
+    target, cycle, trained, unmapped = cycle_drafts
+    vocabulary = set(random_vocabulary(64, seed=1, keep=cycle))
+    prompts = cycle_prompts(cycle)
+    expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
+    rates = {}
+    for name, draft in (("trained", trained), ("unmapped", unmapped)):
+        core = make_engine(target, eagle3(draft, num_speculative_tokens))
+        assert core.runner.eagle is not None
+        chains = recorded_chains(core.runner.eagle)
+        assert generate(core, prompts, [GREEDY] * len(prompts)) == expected  # and every block came back
+        stats = core.scheduler.spec_stats
+        rates[name] = stats.num_accepted_at[0] / stats.num_drafts_at[0]
+        if name == "trained":
+            assert chains and {t for chain in chains for t in chain} <= vocabulary
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert rates["trained"] > 0.4 and rates["unmapped"] < 0.1, rates
+
+
+@pytest.mark.parametrize("options", [{}, {"own_embedding": True}], ids=["targets-embedding", "own-embedding"])
+def test_both_layouts_load_the_same_draft(target: Path, tmp_path: Path, options: dict[str, bool]) -> None:
+    """The same random draft (a vocabulary of 128 of the target's 512) in EAGLE's reference layout
+    (``midlayer.*``, no layers named: EAGLE-3's defaults) and the speculators package's (its layers
+    named) loads to the same tensors and target layers, and drafts the same tokens in the engine."""
+    vocabulary = random_vocabulary(128, seed=5)
+    folders = [
+        make_eagle3_draft(tmp_path / "eagle", "eagle", name_layers=False, vocabulary=vocabulary, **options),
+        make_eagle3_draft(tmp_path / "speculators", "speculators", vocabulary=vocabulary, **options),
+    ]
+    assert any(k.startswith("midlayer.") for k in load_file(str(folders[0] / "model.safetensors")))
+    assert [read_eagle3_config(f).layout for f in folders] == ["eagle", "speculators"]
+    drafts = [
+        load_eagle3_draft(f, HIDDEN_SIZE, VOCAB_SIZE, NUM_TARGET_LAYERS, MAX_POSITIONS, torch.float32, CPU)
+        for f in folders
+    ]
+    assert drafts[0].eagle3 == drafts[1].eagle3 and drafts[0].shape == drafts[1].shape
+    assert drafts[0].state_dict().keys() == drafts[1].state_dict().keys()
+    for name, tensor in drafts[0].state_dict().items():
+        assert torch.equal(tensor, drafts[1].state_dict()[name]), name
+    prompts = repetitive_prompts()
+    drafted = []
+    for folder in folders:
+        core = make_engine(target, eagle3(folder, 3))
+        assert core.runner.eagle is not None
+        proposals = recorded_chains(core.runner.eagle)
+        generate(core, prompts, [GREEDY] * len(prompts))
+        drafted.append(proposals)
+    assert drafted[0] and drafted[0] == drafted[1]
+    assert {t for chain in drafted[0] for t in chain} <= set(vocabulary)
+
+
+def test_sampled_output_with_eagle3_has_the_plain_distribution(
+    cycle_drafts: tuple[Path, list[int], Path, Path],
+) -> None:
+    """The shared chi-square test: the trained draft guesses the target's likeliest token, which a
+    temperature-1 sample sometimes is and sometimes not, so both acceptance and rejection run."""
+    target, cycle, trained, _ = cycle_drafts
+    assert_sampling_keeps_the_plain_distribution(target, eagle3(trained, 2), cycle_snippet(cycle, 3, 6))
+
+
+def test_preemption_and_abort_leave_no_block_or_draft_kv_behind(
+    cycle_drafts: tuple[Path, list[int], Path, Path],
+) -> None:
+    """A KV cache too small for every request at once: requests are preempted and recomputed
+    (their draft KV dropped and rebuilt), and their output is still the plain one; aborted
+    requests give their blocks back, and no finished request's draft KV outlives the next step."""
+    target, cycle, trained, _ = cycle_drafts
+    prompts = cycle_prompts(cycle)
+    expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
+    block_bytes = 2 * 16 * 2 * 16 * 4 * 4  # K and V, 16 tokens, 2 heads of 16, float32, 4 layers
+    small = make_engine(target, eagle3(trained), kv_cache_memory=12 * block_bytes)
+    assert small.kv_cache_manager.num_total_blocks == 12
+    assert generate(small, prompts, [GREEDY] * len(prompts)) == expected  # and every block came back
+    assert small.scheduler.num_preemptions > 0 and small.scheduler.spec_stats.num_accepted_tokens > 0
+
+    core = make_engine(target, eagle3(trained))
+    proposer = core.runner.eagle
+    assert proposer is not None
+    for index, prompt in enumerate(prompts):
+        core.add_request(prompt, GREEDY, request_id=f"r{index}")
+    for _ in range(4):
+        core.step()
+    assert core.scheduler.spec_stats.num_draft_tokens > 0 and {"r0", "r2"} <= set(proposer.held)
+    core.abort(["r0", "r2"])
+    while core.has_unfinished_requests():
+        core.step()
+    manager = core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_total_blocks
+    core.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), request_id="last")
+    while core.has_unfinished_requests():
+        core.step()
+    assert set(proposer.held) == {"last"}
+
+
+def test_decode_instance_speculates_with_eagle3_after_a_pulled_prompt(
+    cycle_drafts: tuple[Path, list[int], Path, Path],
+) -> None:
+    """P runs no EAGLE-3 draft (its drafts do not cross the hand-off); D drafts from its first
+    step on, its output is the plain one and its drafts are accepted; neither keeps a block."""
+    target, cycle, trained, _ = cycle_drafts
+    prompts = cycle_prompts(cycle)
+    expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
+    p = make_engine(target, eagle3(trained), role="prefill")
+    d = make_engine(target, eagle3(trained), role="decode")
+    assert p.runner.eagle is None and d.runner.eagle is not None
+    loader = InProcessKVLoader(p.runner.kv_cache, d.runner.kv_cache)
+    d.use_kv_loader(loader)
+    for index, prompt in enumerate(prompts):
+        p.add_request(prompt, GREEDY, request_id="r")
+        (handoff,) = [o for o in p.step() if o.request_id == "r"]
+        loader.expect("r", handoff.kv_handoff.block_ids)
+        first = handoff.new_token_ids[0]
+        d.add_request(prompt, GREEDY, request_id="r", first_token_id=first)
+        d.step()  # the load starts (and ends: an in-process copy)
+        assert p.release_kv("r")
+        tokens = [first]
+        while d.has_unfinished_requests():
+            for output in d.step():
+                tokens.extend(output.new_token_ids)
+        assert tokens == expected[index]
+    assert d.scheduler.spec_stats.num_accepted_tokens > 0
+    assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_total_blocks
+    assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_total_blocks
+
+
+def _edit(
+    folder: Path, config: dict[str, object] | None = None, tensors: dict[str, torch.Tensor] | None = None
+) -> Path:
+    if config is not None:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensors is not None:
+        path = folder / "model.safetensors"
+        save_file({**load_file(str(path)), **tensors}, str(path))
+    return folder
+
+
+def _load(folder: Path, num_target_layers: int = NUM_TARGET_LAYERS) -> None:
+    load_eagle3_draft(folder, HIDDEN_SIZE, VOCAB_SIZE, num_target_layers, MAX_POSITIONS, torch.float32, CPU)
+
+
+def test_what_cannot_be_served_is_refused_saying_why(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="EAGLE-3 speculation needs the draft's folder"):
+        SpeculativeConfig(method="eagle3")
+    pickle = make_eagle3_draft(tmp_path / "pickle", "eagle")
+    (pickle / "model.safetensors").rename(pickle / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pickle \(pytorch_model\.bin\).*weights_only=True"):
+        _load(pickle)
+    # Each method names the other for the other's drafts.
+    for layout in ("eagle", "speculators"):
+        folder = make_eagle3_draft(tmp_path / f"eagle3-{layout}", layout)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match='an EAGLE-3 draft.*"method": "eagle3"'):
+            load_eagle_draft(folder, HIDDEN_SIZE, VOCAB_SIZE, MAX_POSITIONS, torch.float32, CPU)
+    with pytest.raises(ValueError, match='not an EAGLE-3 draft.*"method": "eagle"'):
+        _load(make_eagle_draft(tmp_path / "eagle1", "eagle"))
+    # EAGLE-3's default layers of a 4-layer target are (2, 2, 1): not three distinct ones.
+    defaults = make_eagle3_draft(tmp_path / "defaults", "eagle", name_layers=False)
+    with pytest.raises(ValueError, match=r"target layers \[2, 2, 1\] \(EAGLE-3's default layers\)"):
+        _load(defaults, num_target_layers=4)
+    named = make_eagle3_draft(tmp_path / "named", "speculators", feature_layer_ids=(0, 1))
+    with pytest.raises(ValueError, match=r"fuses 128 features, but reads target layers \[1, 2, 3\]"):
+        _load(_edit(named, {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
+    small = random_vocabulary(32, seed=0)
+    out_of_range = make_eagle3_draft(tmp_path / "d2t", "speculators", vocabulary=small)
+    with pytest.raises(ValueError, match="d2t maps draft tokens outside the target's vocabulary"):
+        _load(_edit(out_of_range, tensors={"d2t": torch.full((32,), VOCAB_SIZE, dtype=torch.int64)}))
+    disagreeing = make_eagle3_draft(tmp_path / "t2d", "eagle", vocabulary=small)
+    with pytest.raises(ValueError, match="its d2t and t2d disagree"):
+        _load(_edit(disagreeing, tensors={"t2d": torch.zeros(VOCAB_SIZE, dtype=torch.bool)}))
+    with pytest.raises(ValueError, match="EAGLE-3 drafts of one decoder layer are served here, not 2"):
+        _load(_edit(make_eagle3_draft(tmp_path / "two-layers", "eagle"), {"num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="hidden states of 64, the target's are 32"):
+        load_eagle3_draft(named, 32, VOCAB_SIZE, NUM_TARGET_LAYERS, MAX_POSITIONS, torch.float32, CPU)
