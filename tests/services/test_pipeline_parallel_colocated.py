@@ -1,7 +1,7 @@
 """A real colocated instance at ``--pipeline-parallel-size 2`` (issue 41): its Generate streams
-give the offline engine's greedy tokens, no block is left in use, a prefill or decode instance at
-PP 2 over LMCache is refused at start with the way out, and stopping the instance, or killing it outright,
-leaves none of its stage processes behind."""
+give the offline engine's greedy tokens, no block is left in use, and stopping the instance, or
+killing it outright, leaves none of its stage processes behind. (Prefill and decode instances at
+PP 2, over UCX and LMCache: tests/services/test_pipeline_parallel_pd.py.)"""
 
 from __future__ import annotations
 
@@ -9,13 +9,11 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 from engine import LLM
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.checkpoints import random_prompts
 from tests.services.client import GREEDY, expected_tokens
-from tests.services.processes import Service, running
+from tests.services.processes import Service
 
 PROMPTS = random_prompts([6, 21, 40], seed=71)
 
@@ -72,13 +70,3 @@ def test_an_instance_killed_outright_takes_its_stages_with_it(model: Path) -> No
     assert len(workers) == 1
     assert service.stop(signal.SIGKILL) == -signal.SIGKILL
     assert not survivors(workers)
-
-
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_prefill_or_decode_instance_at_pp2_over_lmcache_is_refused_at_start(model: Path, role: str) -> None:
-    """Over UCX they serve (tests/services/test_pipeline_parallel_pd.py); LMCache's chunks are
-    not split by layer yet. Refused before the store is reached: none listens at this URL."""
-    refused = f"a {role} instance at --pipeline-parallel-size 2 moves its KV with --kv-connector ucx only"
-    flags = ("--pipeline-parallel-size", "2", "--kv-connector", "lmcache", "--lmcache-url", "redis://127.0.0.1:1")
-    with pytest.raises(RuntimeError, match=refused), running(role, model, *flags):
-        pass
