@@ -37,6 +37,9 @@ def registry_key(instance_id: str) -> str:
     return REGISTRY_KEY_PREFIX + instance_id
 
 
+REGISTRY_CALL_TIMEOUT_S = 5.0
+
+
 def registry_client(url: str) -> redis.Redis:
     """A client for the registry at ``url`` (its password may come from a file:
     :func:`with_password_file`); raises ValueError for a URL that is not Redis."""
@@ -44,7 +47,11 @@ def registry_client(url: str) -> redis.Redis:
         raise ValueError(
             f"--registry-url must be redis://[USER:PASSWORD@]HOST:PORT or rediss://..., got {redact_url(url)!r}"
         )
-    return redis.from_url(with_password_file(url))
+    # A registry that accepts a connection and then answers nothing must not hold a heartbeat,
+    # a deregistration or a scan forever.
+    return redis.from_url(
+        with_password_file(url), socket_timeout=REGISTRY_CALL_TIMEOUT_S, socket_connect_timeout=REGISTRY_CALL_TIMEOUT_S
+    )
 
 
 def registry_error(error: Exception, url: str) -> str:
