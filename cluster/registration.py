@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError, NoPermissionError
 
 from cluster.registry_record import RecordRefused, decode_record, encode_record
@@ -38,6 +40,12 @@ def registry_key(instance_id: str) -> str:
 
 
 REGISTRY_CALL_TIMEOUT_S = 5.0
+# redis-py retries a failed call ten times by default: at the timeout above, a registry that
+# went away would hold a call for minutes. Two quick retries ride out a dropped connection.
+REGISTRY_CALL_RETRIES = 2
+# A stopping instance deregisters within this, or leaves its key to expire: its stop grace
+# (a container's is 10 s) is for its streams, and the registry may be stopping beside it.
+DEREGISTRATION_TIMEOUT_S = 1.0
 
 
 def registry_client(url: str) -> redis.Redis:
@@ -50,7 +58,10 @@ def registry_client(url: str) -> redis.Redis:
     # A registry that accepts a connection and then answers nothing must not hold a heartbeat,
     # a deregistration or a scan forever.
     return redis.from_url(
-        with_password_file(url), socket_timeout=REGISTRY_CALL_TIMEOUT_S, socket_connect_timeout=REGISTRY_CALL_TIMEOUT_S
+        with_password_file(url),
+        socket_timeout=REGISTRY_CALL_TIMEOUT_S,
+        socket_connect_timeout=REGISTRY_CALL_TIMEOUT_S,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), REGISTRY_CALL_RETRIES),
     )
 
 
@@ -133,8 +144,9 @@ class RegistryHeartbeat:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         try:
-            await self._client.delete(self._key)
-        except (redis.RedisError, OSError) as error:
+            async with asyncio.timeout(DEREGISTRATION_TIMEOUT_S):
+                await self._client.delete(self._key)
+        except (redis.RedisError, OSError, TimeoutError) as error:
             logger.warning(
                 "could not deregister %s (its key expires by itself): %s", self._key, registry_error(error, self._url)
             )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.registration import RegistryHeartbeat, scan_registrations
+from cluster.registration import REGISTRY_CALL_TIMEOUT_S, RegistryHeartbeat, scan_registrations
 from cluster.store_urls import PASSWORD_FILE_ENV, redact_url, with_password_file
 from gateway.discovery import RedisDiscovery
 from gateway.instances import InstancePool
@@ -159,3 +159,34 @@ def test_registration_over_tls(tmp_path: Path) -> None:
         asyncio.run(scenario())
     finally:
         stop(process)
+
+
+async def stop_against_a_registry_that_never_answers(caplog: pytest.LogCaptureFixture) -> None:
+    """A heartbeat whose registry accepts its connection and sends not a byte (a registry
+    stopping beside the instance, or a hostile one) stops at once, leaving its key to expire."""
+    connected = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        connected.set()
+        await reader.read()  # reads the command, answers nothing, until the caller goes
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    heartbeat = RegistryHeartbeat(f"redis://127.0.0.1:{port}", "decode-0", "127.0.0.1:50071", report, 1.0, key=None)
+    try:
+        # The bound is the registry's own call timeout: the default client, retrying ten
+        # times at that timeout, would hold the stop for a minute.
+        await asyncio.wait_for(heartbeat.stop(), timeout=REGISTRY_CALL_TIMEOUT_S)
+        assert connected.is_set()
+        assert "could not deregister splitserve:instance:decode-0" in caplog.text
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_stopping_instance_does_not_wait_on_a_registry_that_never_answers(caplog: pytest.LogCaptureFixture) -> None:
+    asyncio.run(stop_against_a_registry_that_never_answers(caplog))

@@ -124,7 +124,8 @@ def assert_every_container_stops_on_sigterm(stack: Stack) -> None:
     stack.timed("stop", started)
     states = {stack.inspect(cid)["Name"]: stack.inspect(cid)["State"] for cid in running}
     killed = {name: state["ExitCode"] for name, state in states.items() if state["ExitCode"] == 137}
-    assert running and not killed, f"ignored SIGTERM until killed: {killed}"
+    last_words = {name: stack.podman("logs", "--tail", "30", name, check=False) for name in killed}
+    assert running and not killed, f"ignored SIGTERM until killed: {killed}; their last lines: {last_words}"
     assert not any(state["Running"] for state in states.values()), states
 
 
