@@ -208,11 +208,8 @@ class RemoteKVLoader(KVLoader):
 
 
 def _draft_kv_shape(instance: Instance) -> DraftKVShape | None:
-    """The shape of the draft KV this instance's pulls ask for: its EAGLE draft's (an EAGLE-3
-    draft's KV does not cross), or None."""
-    core = instance.engine.core
-    spec = core.config.speculative
-    eagle = core.runner.eagle
-    if eagle is None or spec is None or spec.method != "eagle":
+    """The shape of the draft KV this instance's pulls ask for: its EAGLE or EAGLE-3 draft's, or None."""
+    eagle = instance.engine.core.runner.eagle
+    if eagle is None:
         return None
     return DraftKVShape.of(new_draft_kv(eagle.draft, 0, capacity=1))

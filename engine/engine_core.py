@@ -235,7 +235,7 @@ class EngineCore:
             request.append_token(first_token_id)
             request.num_external_tokens = len(prompt_token_ids)
             request.kv_load_failure_policy = kv_load_failure_policy
-            if draft_token_ids and self.speculative is not None and self.speculative.method in ("medusa", "eagle"):
+            if draft_token_ids and self.speculative is not None and self.speculative.drafts_after_step:
                 request.spec_token_ids = list(draft_token_ids)
         self.scheduler.add_request(request)
         return request_id
@@ -458,7 +458,7 @@ class EngineCore:
             elif self.ngram is not None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids)
                 request.num_spec_tokens = len(request.spec_token_ids)
-            elif self.speculative is not None and self.speculative.method in ("medusa", "eagle", "eagle3"):
+            elif self.speculative is not None and self.speculative.drafts_after_step:
                 # Proposed after the request's last step (engine/spec_decode/medusa.py, eagle.py).
                 request.num_spec_tokens = len(request.spec_token_ids)
             else:
@@ -468,9 +468,8 @@ class EngineCore:
         handoff = None
         if request.status is RequestStatus.FINISHED_PREFILLED:
             handoff = self.scheduler.kv_handoff(request)
-            spec = self.config.speculative
-            # EAGLE's draft KV over the prompt crosses with it (EAGLE-3's drafts stay where they are made).
-            if spec is not None and spec.method == "eagle" and self.runner.eagle is not None:
+            # The EAGLE (or EAGLE-3) draft's KV over the prompt crosses with it.
+            if self.runner.eagle is not None:
                 handoff.prompt_draft_kv = self.runner.eagle.export_prompt(request)
         return EngineCoreOutput(
             request_id=request.request_id,

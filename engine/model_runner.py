@@ -23,10 +23,12 @@ from engine.models import load_model, native_decode
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, PendingStep, SchedulerOutput
+from engine.spec_decode.config import EAGLE_METHODS, SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.eagle3_checkpoint import load_eagle3_draft
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft
+from engine.spec_decode.eagle_draft import DraftNetwork
 from engine.spec_decode.medusa import MedusaProposer
 from engine.spec_decode.medusa_checkpoint import load_medusa_heads
 from engine.spec_decode.rejection_sampler import RejectionSampler
@@ -133,31 +135,22 @@ class ModelRunner:
                 Path(spec.model or ""), self.shape.hidden_size, self.shape.vocab_size, self.dtype, self.device
             )
             self.medusa = MedusaProposer(heads, spec.num_speculative_tokens, self.model.lm_head)
-        # EAGLE drafts from the features of every token this engine computes (engine/spec_decode/eagle.py);
-        # on the prefill role too, as Medusa: its chain after the first token travels with the hand-off.
+        # EAGLE and EAGLE-3 draft from the features of every token this engine computes
+        # (engine/spec_decode/eagle.py); on the prefill role too, as Medusa: the chain after the
+        # first token and the draft's KV over the prompt travel with the hand-off.
         self.eagle: EagleProposer | None = None
-        if spec is not None and spec.method == "eagle":
-            draft = load_eagle_draft(
-                Path(spec.model or ""),
-                self.shape.hidden_size,
-                self.shape.vocab_size,
-                self.max_model_len + spec.num_speculative_tokens,  # a chain runs past the last token
-                self.dtype,
-                self.device,
+        if spec is not None and spec.method in EAGLE_METHODS:
+            self.eagle = EagleProposer(self._load_eagle_draft(spec), spec.num_speculative_tokens, self.model)
+
+    def _load_eagle_draft(self, spec: SpeculativeConfig) -> DraftNetwork:
+        folder = Path(spec.model or "")
+        max_positions = self.max_model_len + spec.num_speculative_tokens  # a chain runs past the last token
+        shape = self.shape
+        if spec.method == "eagle3":
+            return load_eagle3_draft(
+                folder, shape.hidden_size, shape.vocab_size, shape.num_layers, max_positions, self.dtype, self.device
             )
-            self.eagle = EagleProposer(draft, spec.num_speculative_tokens, self.model)
-        # EAGLE-3 (engine/spec_decode/eagle3_draft.py) where this engine decodes: its drafts do not cross the hand-off.
-        if spec is not None and spec.method == "eagle3" and config.role != "prefill":
-            draft3 = load_eagle3_draft(
-                Path(spec.model or ""),
-                self.shape.hidden_size,
-                self.shape.vocab_size,
-                self.shape.num_layers,
-                self.max_model_len + spec.num_speculative_tokens,
-                self.dtype,
-                self.device,
-            )
-            self.eagle = EagleProposer(draft3, spec.num_speculative_tokens, self.model)
+        return load_eagle_draft(folder, shape.hidden_size, shape.vocab_size, max_positions, self.dtype, self.device)
 
     # ------------------------------------------------------------------ sizing
 

@@ -13,7 +13,7 @@ import struct
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
-from cluster.draft_pairing import EAGLE_DRAFT_PREFIX, MEDUSA_DRAFT_PREFIX, drafts_pair
+from cluster.draft_pairing import EAGLE3_DRAFT_PREFIX, EAGLE_DRAFT_PREFIX, MEDUSA_DRAFT_PREFIX, drafts_pair
 from engine.gguf_files import gguf_digest, is_gguf
 from kv_connector.layer_plan import KVLayout
 
@@ -49,7 +49,8 @@ class Fingerprint:
     # Each pipeline stage's first layer (engine/pipeline_parallel/stages.py); (0,): one stage.
     stage_first_layers: tuple[int, ...] = (0,)
     # The drafter whose proposals cross the hand-off ("medusa:<heads' identity>", "eagle:<draft's
-    # identity>"); "" for any other speculative method or none (cluster/draft_pairing.py).
+    # identity>", "eagle3:<draft's identity>"); "" for any other speculative method or none
+    # (cluster/draft_pairing.py).
     draft: str = ""
 
     def __post_init__(self) -> None:
@@ -128,4 +129,6 @@ def handoff_draft(method: str, model_path: Path) -> str:
         return medusa_draft(model_path)
     if method == "eagle":
         return eagle_draft(model_path)
+    if method == "eagle3":
+        return EAGLE3_DRAFT_PREFIX + model_identity(model_path.expanduser())
     return ""

@@ -8,6 +8,8 @@ from typing import Literal
 SpecMethod = Literal["ngram", "draft_model", "medusa", "eagle", "eagle3"]
 SPEC_METHODS: tuple[SpecMethod, ...] = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+# The methods EAGLE's proposer drives (engine/spec_decode/eagle.py): EAGLE-1/2's draft and EAGLE-3's.
+EAGLE_METHODS: frozenset[SpecMethod] = frozenset({"eagle", "eagle3"})
 
 
 @dataclass(slots=True)
@@ -58,3 +60,10 @@ class SpeculativeConfig:
             )
         if self.method == "ngram" and self.model:
             raise ValueError("--speculative-model makes a draft model speculate; drop the n-gram method (or the model)")
+
+    @property
+    def drafts_after_step(self) -> bool:
+        """Whether the drafter proposes after each step from the target's hidden states (Medusa,
+        EAGLE, EAGLE-3): P proposes once after the first token too, and its drafts cross the
+        hand-off for D to verify at its first step."""
+        return self.method == "medusa" or self.method in EAGLE_METHODS

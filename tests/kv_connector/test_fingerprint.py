@@ -167,3 +167,27 @@ def test_eagle_draft_tells_drafts_apart_and_only_crossing_drafters_are_named(tmp
         with_fields(BASE, draft=eagle_draft(draft)).check_compatible(
             with_fields(BASE, draft=medusa_draft(heads)), this_side="decode", other_side="prefill"
         )
+
+
+def test_eagle3_drafts_are_named_apart_from_each_other_and_from_eagle_ones(tmp_path: Path) -> None:
+    """EAGLE-3 drafts cross the hand-off too: named ``eagle3:<identity>``, two of one name and
+    config but other weights differ, and one never pairs with an EAGLE draft (each side named)."""
+    from engine.spec_decode.eagle3_checkpoint import save_eagle3_draft
+    from engine.spec_decode.eagle_checkpoint import save_eagle_draft
+    from tests.engine.spec_decode.eagle3_drafts import random_eagle3_draft
+    from tests.engine.spec_decode.eagle_drafts import random_draft
+
+    draft3, other3, draft = tmp_path / "draft", tmp_path / "other" / "draft", tmp_path / "eagle" / "draft"
+    save_eagle3_draft(random_eagle3_draft(seed=0), draft3, "speculators", {})
+    save_eagle3_draft(random_eagle3_draft(seed=1), other3, "speculators", {})
+    save_eagle_draft(random_draft(seed=0), draft, "eagle", {})
+    named = handoff_draft("eagle3", draft3)
+    assert named.startswith("eagle3:draft-") and named != handoff_draft("eagle3", other3)
+    with pytest.raises(FingerprintMismatchError, match=f"draft: decode has '{named}', prefill has 'eagle3:draft-"):
+        with_fields(BASE, draft=named).check_compatible(
+            with_fields(BASE, draft=handoff_draft("eagle3", other3)), this_side="decode", other_side="prefill"
+        )
+    with pytest.raises(FingerprintMismatchError, match=f"draft: decode has '{named}', prefill has 'eagle:draft-"):
+        with_fields(BASE, draft=named).check_compatible(
+            with_fields(BASE, draft=eagle_draft(draft)), this_side="decode", other_side="prefill"
+        )
