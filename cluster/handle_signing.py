@@ -10,10 +10,11 @@ The signature covers every field of the handle but itself (a test alters each on
 encoded canonically here rather than as protobuf bytes, whose encoding is not
 guaranteed stable: the request id, P's addresses, the connector, the block ids, the
 token count, the fingerprint, the lease, the pull token, the digests of the chunks a
-store holds (lmcache: D checks what the store returns against them), and a digest of the
-prompt's token ids. The prompt is not a field of the handle: it travels beside it, in the Decode
-call (``DecodeRequest.prompt_token_ids``), and D verifies the signature against the
-call's prompt, so a handle is good only for the prompt P computed its KV from. The pull
+store holds and of the EAGLE draft's KV stored beside them (lmcache: D checks what the store
+returns against them), P's drafts, and a digest of the prompt's token ids. The prompt is not
+a field of the handle: it travels beside it, in the Decode call
+(``DecodeRequest.prompt_token_ids``), and D verifies the signature against the call's prompt,
+so a handle is good only for the prompt P computed its KV from. The pull
 token, random per handle, is what P's connector asks of each pull
 (``kv_connector/ucx.py``): a pull needs the handle, not only the request id.
 
@@ -34,9 +35,9 @@ from collections.abc import Iterable, Sequence
 from splitserve.v1 import disaggregation_pb2
 
 PULL_TOKEN_BYTES = 16
-# v7: the fingerprint's drafter; v6: the fingerprint's pipeline stages; v5: Medusa's drafts;
+# v8: the draft KV's digest; v7: the fingerprint's drafter; v6: the fingerprint's pipeline stages; v5: Medusa's drafts;
 # v4: the ranks' connector addresses; v3: chunk digests
-_VERSION = b"splitserve KV handle v7"
+_VERSION = b"splitserve KV handle v8"
 
 
 class HandleRejected(ValueError):
@@ -107,6 +108,7 @@ def _signed_bytes(handle: disaggregation_pb2.KVHandle, prompt_token_ids: Sequenc
         _framed(handle.chunk_digests),
         _framed(address.encode() for address in handle.rank_connector_addresses),
         _ints(handle.draft_token_ids),
+        handle.draft_kv_digest,
         hashlib.sha256(_ints(prompt_token_ids)).digest(),
     ]
     return _framed(parts)

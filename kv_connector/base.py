@@ -66,6 +66,9 @@ class KVSource:
     chunk_digests: tuple[bytes, ...] = field(default=(), repr=False)
     # Tensor parallelism: every P rank's endpoint, in rank order (empty at size 1: ``address``).
     rank_addresses: tuple[str, ...] = ()
+    # Store backends: SHA-256 of the EAGLE draft's KV over the prompt P stored beside the chunks
+    # (kv_connector/draft_kv.py), from the signed handle; empty: P stored none.
+    draft_kv_digest: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

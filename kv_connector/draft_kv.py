@@ -1,15 +1,20 @@
 """Connectors that carry the EAGLE draft's KV over a prompt beside the prompt's blocks.
 
 What crosses and why: engine/spec_decode/prompt_draft_kv.py. A connector that can carry it
-(UCX) implements :class:`DraftKVCarrier` besides :class:`~kv_connector.base.KVConnector`; one
-that cannot (LMCache) refuses nothing: its pulls bring the blocks alone and D's draft attends
-from its first step on, as without a prefill instance's draft.
+implements :class:`DraftKVCarrier` besides :class:`~kv_connector.base.KVConnector`: UCX sends it
+from P's memory in the pull, LMCache stores it beside the prompt's chunks
+(kv_connector/lmcache_draft_kv.py). A connector that carries none (one serving several ranks:
+an EAGLE draft runs on a whole target) refuses nothing: its pulls bring the blocks alone and D's
+draft attends from its first step on, as without a prefill instance's draft.
 
 One hand-off, in call order:
 
-1. P's prefill service, right after ``publish`` (nothing awaited between, so no pull can come
-   before): :meth:`DraftKVCarrier.attach_draft_kv` keeps the draft KV with the published
-   blocks; ``unpublish`` drops both, whichever path unpins them (release, abort, expiry).
+1. P's prefill service, right after ``publish`` and before the handle goes out:
+   :meth:`DraftKVCarrier.publish_draft_kv` makes the draft KV available to the request's pulls
+   (UCX: kept with the published blocks, nothing awaited, so no pull can come before, and
+   dropped with them at ``unpublish``, whichever path unpins them; LMCache: stored under the
+   publish's keys until their TTL) and returns what the signed handle must carry for D to check
+   it (a store's digest; nothing from UCX, whose bytes come from P itself).
 2. D's loader: :meth:`DraftKVCarrier.pull_with_draft_kv` pulls the blocks D lacks and, in the
    same pull, the draft KV (whole, whatever D's prefix-cache hits: D caches no draft KV), and
    returns it with the pull's stats; None when P holds none. A failed pull returns nothing and
@@ -28,9 +33,14 @@ class DraftKVCarrier(abc.ABC):
     """The draft-KV side of a connector (module docstring)."""
 
     @abc.abstractmethod
-    def attach_draft_kv(self, request_id: str, draft_kv: PromptDraftKV) -> None:
-        """P, right after ``publish(request_id, ...)`` returned: serve ``draft_kv`` to pulls of the
-        request that ask for it, until ``unpublish``. A request no longer published (unpinned
+    async def publish_draft_kv(
+        self, request_id: str, draft_kv: PromptDraftKV, pull_token: bytes | None = None, cache_salt: str = ""
+    ) -> bytes:
+        """P, right after ``publish(request_id, ..., pull_token, cache_salt)`` returned and before
+        the handle goes out: serve ``draft_kv`` to pulls of the request that ask for it (module
+        docstring). Returns the digest the handle carries (``KVHandle.draft_kv_digest``) for D to
+        check a store's bytes against: empty where P sends them itself, or where the store did
+        not take them (D then pulls the blocks alone). A request no longer published (unpinned
         while it published) keeps nothing."""
 
     @abc.abstractmethod

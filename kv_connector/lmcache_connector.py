@@ -28,6 +28,9 @@ How the pieces fit:
   is refused at the Decode call naming both shapes (:func:`stage_pairing_error`), since a
   decode rank would fetch layers it does not hold. Objects per layer would lift that rule at
   the cost of a store object, a round trip and a handle digest per layer of every chunk.
+- **Draft KV.** With an EAGLE draft on P, its KV over the prompt is one more object beside the
+  chunks, under a key that also names the drafter, its digest in the handle beside theirs; D
+  with a draft fetches it whole before the chunks it lacks (:mod:`kv_connector.lmcache_draft_kv`).
 - **Fingerprint.** The key's model-name field is the model identity plus a digest
   of the :class:`Fingerprint` (all but the tensor-parallel size, which changes how KV is
   split, not what it is, and the drafter, which crosses beside the KV) and its dtype field
@@ -98,6 +101,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 import redis
 import torch
+from lmcache.utils import CacheEngineKey
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
@@ -105,6 +109,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from cluster.store_urls import redact_url, with_password_file
 from engine.kv_cache_utils import cdiv
 from engine.openmp_threads import serial_openmp
+from engine.spec_decode.prompt_draft_kv import DraftKVShape, PromptDraftKV
 from engine.tensor_parallel.layout import kv_head_range
 from kv_connector.base import (
     KVConnector,
@@ -115,15 +120,24 @@ from kv_connector.base import (
     block_count_error,
     bounded_transfer,
 )
+from kv_connector.draft_kv import DraftKVCarrier
 from kv_connector.fingerprint import BESIDE_KV_FIELDS, LAYOUT_FIELDS, Fingerprint, FingerprintMismatchError
 from kv_connector.lmcache_adapter import PagedKVAdapter, write_blocks
+from kv_connector.lmcache_draft_kv import (
+    REMOTE_BACKEND,
+    draft_kv_digest,
+    draft_kv_key,
+    fetch_draft_kv,
+    is_stored,
+    put_draft_kv,
+    received_draft_kv,
+)
 
 logger = logging.getLogger(__name__)
 
 URL_ENV = "SPLITSERVE_LMCACHE_URL"
 SUPPORTED_SCHEMES = ("redis", "rediss", "lm")
 _DEFAULT_PORTS = {"redis": 6379, "rediss": 6379}
-_REMOTE_BACKEND = "RemoteBackend"  # lmcache's name for the store behind remote_url
 _DEFAULT_CHUNK_TOKENS = 256  # lmcache's default; rounded to whole blocks
 _MAX_DEFAULT_BUFFER_BYTES = 256 << 20
 _REMOTE_OP_TIMEOUT_S = 10  # lmcache gives up on one remote get after this long
@@ -137,7 +151,7 @@ _KV_STORE_SUFFIXES = ("kv_bytes", "metadata")  # lmcache's Redis connector: two 
 _T = TypeVar("_T")
 
 
-class LMCacheConnector(KVConnector):
+class LMCacheConnector(KVConnector, DraftKVCarrier):
     name = "lmcache"
 
     def __init__(
@@ -297,6 +311,16 @@ class LMCacheConnector(KVConnector):
         if storing is not None:
             await asyncio.wait([storing])
 
+    async def publish_draft_kv(
+        self, request_id: str, draft_kv: PromptDraftKV, pull_token: bytes | None = None, cache_salt: str = ""
+    ) -> bytes:
+        """P, right after :meth:`publish`: store the draft KV beside the chunks, under this
+        publish's key of the draft (kv_connector/lmcache_draft_kv.py), and return its digest for the
+        handle once the store confirms it; empty (logged) where it did not, so D pulls the blocks alone."""
+        engine = self._started()
+        key = self._draft_kv_key(cache_salt, pull_token or b"", draft_kv.end, draft_kv.kv.dtype)
+        return await asyncio.to_thread(self._store_draft_kv, engine, request_id, key, draft_kv)
+
     # -------------------------------------------------------------- decode side
 
     async def pull(
@@ -387,6 +411,52 @@ class LMCacheConnector(KVConnector):
             num_bytes=staging.numel() * staging.element_size(),
             seconds=time.perf_counter() - started,
             num_messages=len(objects) * cdiv(len(tokens) - fetch_start, self.chunk_size),
+        )
+
+    async def pull_with_draft_kv(
+        self,
+        source: KVSource,
+        block_ids: list[int],
+        num_local_hit_blocks: int,
+        timeout_s: float,
+        draft_shape: DraftKVShape,
+    ) -> tuple[TransferStats, PromptDraftKV | None]:
+        """D: the draft KV the handle vouches for (whole, whatever D's prefix-cache hits: D caches
+        none), fetched and checked before :meth:`pull` writes a block; then the pull. A handle
+        without a draft digest (P stored none): the pull alone. Raises :class:`KVTransferError`
+        where the store misses the draft KV or returns another span, shape or bytes than P stored."""
+        if not source.draft_kv_digest:
+            return await self.pull(source, block_ids, num_local_hit_blocks, timeout_s), None
+        self.check_source(source)
+        engine = self._started()
+        started = time.perf_counter()
+        key = self._draft_kv_key(source.cache_salt, source.pull_token, source.num_tokens, draft_shape.dtype)
+        what = f"draft KV of {source.request_id!r}"
+        fetched = await bounded_transfer(
+            asyncio.to_thread(self._fetch_draft_kv, engine, key), timeout_s, f"retrieving the {what} from LMCache"
+        )
+        if fetched is None:
+            error = await asyncio.to_thread(probe, self.remote_url, _PROBE_TIMEOUT_S)
+            if error is not None:
+                raise KVTransferError(f"LMCache store {self.shown_url} is unreachable: {error}")
+            raise KVTransferError(
+                f"LMCache at {self.shown_url} has no {what} under {key_model_name(self.fingerprint)}: not stored, "
+                "expired, evicted, or stored for another draft, cache salt or KV handle"
+            )
+        try:
+            draft_kv = received_draft_kv(fetched, source.num_tokens, draft_shape, source.draft_kv_digest)
+        except KVTransferError as error:
+            raise KVTransferError(f"LMCache at {self.shown_url} returned {error} as the {what}: refused") from None
+        remaining_s = timeout_s - (time.perf_counter() - started)
+        stats = await self.pull(source, block_ids, num_local_hit_blocks, remaining_s)
+        return (
+            TransferStats(
+                num_blocks=stats.num_blocks,
+                num_bytes=stats.num_bytes + draft_kv.kv.nbytes,
+                seconds=time.perf_counter() - started,
+                num_messages=stats.num_messages + 1,
+            ),
+            draft_kv,
         )
 
     def check_pairing(self, prefill: Fingerprint) -> None:
@@ -511,6 +581,12 @@ class LMCacheConnector(KVConnector):
 
     def _expire(self, engine: LMCacheEngine, tokens: list[int], configs: dict[str, str]) -> None:
         """Worker thread, Redis stores: give every chunk this publish stored its TTL."""
+        keys = engine.token_database.process_tokens(tokens, request_configs=configs)
+        self._set_ttl([key.to_string() for _, _, key in keys])
+
+    def _set_ttl(self, keys: list[str]) -> None:
+        """Worker thread, Redis stores: give the objects stored under ``keys`` (LMCache's key
+        strings) the chunks' TTL."""
         if urlsplit(self.remote_url).scheme not in ("redis", "rediss"):
             return  # lm:// keeps chunks until its own eviction
         if self._redis is None:
@@ -519,9 +595,9 @@ class LMCacheConnector(KVConnector):
             )
         ttl_ms = int(self.ttl_s * 1000)
         with self._redis.pipeline(transaction=False) as pipeline:
-            for _, _, key in engine.token_database.process_tokens(tokens, request_configs=configs):
+            for key in keys:
                 for suffix in _KV_STORE_SUFFIXES:
-                    pipeline.pexpire(key.to_string() + suffix, ttl_ms)
+                    pipeline.pexpire(key + suffix, ttl_ms)
             try:
                 pipeline.execute()
             except (redis.RedisError, OSError) as error:
@@ -530,23 +606,69 @@ class LMCacheConnector(KVConnector):
     def _wait_until_stored(
         self, engine: LMCacheEngine, tokens: list[int], configs: dict[str, str], deadline: float
     ) -> tuple[int, str]:
-        """Poll the store until it holds every chunk: lmcache writes in the background and
-        Redis may answer a lookup before the write lands. Returns (tokens stored, why not all)."""
+        """Poll the store until it holds every chunk. Returns (tokens stored, why not all)."""
+
+        def num_stored() -> int:
+            with self._lock:
+                return engine.lookup(tokens, search_range=[REMOTE_BACKEND], request_configs=configs)
+
+        return self._poll_store(num_stored, len(tokens), deadline)
+
+    def _poll_store(self, count: Callable[[], int], wanted: int, deadline: float) -> tuple[int, str]:
+        """Poll ``count`` until it reaches ``wanted``: lmcache writes in the background and Redis
+        may answer a lookup before the write lands. Returns (the last count, why not all)."""
         delay_s, probed = 0.001, False
         started = time.monotonic()
         while True:
-            with self._lock:
-                num_stored = engine.lookup(tokens, search_range=[_REMOTE_BACKEND], request_configs=configs)
-            if num_stored >= len(tokens):
-                return num_stored, ""
+            if (counted := count()) >= wanted:
+                return counted, ""
             if time.monotonic() >= deadline:
-                return num_stored, f"not confirmed within {self.publish_timeout_s} s"
+                return counted, f"not confirmed within {self.publish_timeout_s} s"
             if not probed and time.monotonic() - started > 0.05:  # slow: is the store there at all?
                 probed, error = True, probe(self.remote_url, _PROBE_TIMEOUT_S)
                 if error is not None:
-                    return num_stored, f"store unreachable: {error}"
+                    return counted, f"store unreachable: {error}"
             time.sleep(delay_s)
             delay_s = min(2 * delay_s, 0.05)
+
+    def _draft_kv_key(self, cache_salt: str, pull_token: bytes, num_tokens: int, dtype: torch.dtype) -> CacheEngineKey:
+        return draft_kv_store_key(self.fingerprint, self._store_key, cache_salt, pull_token, num_tokens, dtype)
+
+    def _store_draft_kv(
+        self, engine: LMCacheEngine, request_id: str, key: CacheEngineKey, draft_kv: PromptDraftKV
+    ) -> bytes:
+        """Worker thread: :meth:`publish_draft_kv`'s store, its confirmation and its expiry."""
+        serial_openmp()
+        deadline = time.monotonic() + self.publish_timeout_s
+
+        def num_stored() -> int:
+            with self._lock:
+                return int(is_stored(engine, key))
+
+        try:
+            with self._lock:
+                staged = put_draft_kv(engine, key, draft_kv)
+            reason = self._poll_store(num_stored, 1, deadline)[1] if staged else "no room to stage it"
+        except Exception:  # the request must still get its handle (see publish)
+            logger.exception("storing the draft KV of %s in LMCache at %s failed", request_id, self.shown_url)
+            reason = "failed"
+        if reason:
+            logger.error(
+                "LMCache did not store the draft KV of %s in %s (%s); decode instances pull its blocks alone and "
+                "draft without it",
+                request_id,
+                self.shown_url,
+                reason,
+            )
+            return b""
+        self._set_ttl([key.to_string()])
+        return draft_kv_digest(draft_kv)
+
+    def _fetch_draft_kv(self, engine: LMCacheEngine, key: CacheEngineKey) -> torch.Tensor | None:
+        """Worker thread: :func:`fetch_draft_kv`, one LMCache call at a time."""
+        serial_openmp()
+        with self._lock:
+            return fetch_draft_kv(engine, key)
 
     def _retrieve(
         self,
@@ -660,6 +782,15 @@ def key_model_name(fingerprint: Fingerprint) -> str:
     ]
     digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
     return f"{re.sub(r'[^A-Za-z0-9._-]', '_', fingerprint.model)[:64]}~{digest}"
+
+
+def draft_kv_store_key(
+    fingerprint: Fingerprint, store_key: bytes, cache_salt: str, pull_token: bytes, num_tokens: int, dtype: torch.dtype
+) -> CacheEngineKey:
+    """The key of one publish's draft KV for a prompt of ``num_tokens``, for the drafter
+    ``fingerprint`` names (kv_connector/lmcache_draft_kv.py): P and D derive the same."""
+    model_name = key_model_name(fingerprint)
+    return draft_kv_key(model_name, _KEY_TAG, store_key, cache_salt, pull_token, fingerprint.draft, num_tokens, dtype)
 
 
 def key_tag(store_key: bytes, cache_salt: str, pull_token: bytes, head: int, layers: range | None = None) -> str:

@@ -274,6 +274,13 @@ class UCXConnector(KVConnector, DraftKVCarrier):
         self._published[request_id] = _Published(frozenset(block_ids), pull_token)
         return PublishedKV()
 
+    async def publish_draft_kv(
+        self, request_id: str, draft_kv: PromptDraftKV, pull_token: bytes | None = None, cache_salt: str = ""
+    ) -> bytes:
+        """:meth:`attach_draft_kv`: nothing for the handle, P sends the bytes itself."""
+        self.attach_draft_kv(request_id, draft_kv)
+        return b""
+
     def attach_draft_kv(self, request_id: str, draft_kv: PromptDraftKV) -> None:
         """Sent from where it is, as the blocks are; dropped with them at :meth:`unpublish`."""
         published = self._published.get(request_id)

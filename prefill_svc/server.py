@@ -162,9 +162,14 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
         published = await self.leases.pin(request_id, handoff.block_ids, prompt_token_ids, pull_token, cache_salt)
         if published is None:
             return None
+        draft_kv_digest = b""
         if handoff.prompt_draft_kv is not None and isinstance(self.connector, DraftKVCarrier):
             # Before the handle goes out, so every pull finds it (kv_connector/draft_kv.py).
-            self.connector.attach_draft_kv(request_id, handoff.prompt_draft_kv)
+            draft_kv_digest = await self.connector.publish_draft_kv(
+                request_id, handoff.prompt_draft_kv, pull_token, cache_salt
+            )
+            if request_id not in self.leases:
+                return None  # aborted while a store took the draft KV
         handle = disaggregation_pb2.KVHandle(
             request_id=request_id,
             connector=self.connector.name,
@@ -178,6 +183,7 @@ class PrefillServicer(disaggregation_pb2_grpc.PrefillServicer):
             chunk_digests=published.chunk_digests,
             rank_connector_addresses=self.instance.connector_rank_addresses,
             draft_token_ids=handoff.draft_token_ids,
+            draft_kv_digest=draft_kv_digest,
         )
         if self.instance.plane.secret is not None:
             sign_handle(handle, prompt_token_ids, self.instance.plane.secret.handle_key)

@@ -82,4 +82,5 @@ def kv_source_from_proto(
         cache_salt=cache_salt,
         chunk_digests=tuple(handle.chunk_digests),
         rank_addresses=tuple(handle.rank_connector_addresses),
+        draft_kv_digest=handle.draft_kv_digest,
     )

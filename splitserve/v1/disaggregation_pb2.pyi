@@ -30,7 +30,7 @@ class Fingerprint(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., stage_first_layers: _Optional[_Iterable[int]] = ..., draft: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("connector", "connector_address", "block_ids", "num_tokens", "fingerprint", "prefill_address", "lease_s", "request_id", "pull_token", "signature", "chunk_digests", "rank_connector_addresses", "draft_token_ids")
+    __slots__ = ("connector", "connector_address", "block_ids", "num_tokens", "fingerprint", "prefill_address", "lease_s", "request_id", "pull_token", "signature", "chunk_digests", "rank_connector_addresses", "draft_token_ids", "draft_kv_digest")
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class KVHandle(_message.Message):
     CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     RANK_CONNECTOR_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_DIGEST_FIELD_NUMBER: _ClassVar[int]
     connector: str
     connector_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -57,7 +58,8 @@ class KVHandle(_message.Message):
     chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
     rank_connector_addresses: _containers.RepeatedScalarFieldContainer[str]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., prefill_address: _Optional[str] = ..., lease_s: _Optional[float] = ..., request_id: _Optional[str] = ..., pull_token: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., rank_connector_addresses: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_kv_digest: bytes
+    def __init__(self, connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., prefill_address: _Optional[str] = ..., lease_s: _Optional[float] = ..., request_id: _Optional[str] = ..., pull_token: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., rank_connector_addresses: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_kv_digest: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "kv_only")

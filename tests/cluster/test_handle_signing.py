@@ -40,6 +40,7 @@ def make_handle() -> disaggregation_pb2.KVHandle:
         chunk_digests=[bytes(range(32)), bytes(32)],
         rank_connector_addresses=["10.0.0.1:50062", "10.0.0.1:50063"],
         draft_token_ids=[17, 4, 99],
+        draft_kv_digest=bytes(range(1, 33)),
     )
 
 
