@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import threading
 import time
 import urllib.request
@@ -43,23 +42,25 @@ import aiohttp
 import numpy as np
 
 from bench.day_trace import Arrival, RequestKind, day_trace, windows_of
+from bench.planner_args import parse
+from bench.planner_cluster import InstanceSpec, Stack, blocks_held_when_idle, measure_capacity, wait_ready
 from bench.token_gaps import CHUNK_TIMES_HEADER, parse_chunk_times
-from launcher.processes import free_port, splitserve_command
-from planner.actuator import CommandFor, LocalActuator
-from planner.capacity import Slo, Workload, instance_capacity, scaled_profile
+from launcher.processes import embedded_model
+from planner.actuator import LocalActuator
+from planner.capacity import Slo, Workload, scaled_profile
+from planner.capacity_profile import CapacityProfile, calibrated_capacity, check_slo, load_capacity_profile
 from planner.decision import ROLES, PlannerBounds, Role, RoleBounds, instances_needed
 from planner.loop import Planner, PlannerConfig
 from planner.metrics import PlannerMetrics
 from planner.observations import GatewayScraper
 from planner.predictor_eval import rank_predictors
 from planner.predictors import PREDICTORS
-from simulator.timing_model import DEFAULT_PROFILE, TimingProfile, load_profile
+from simulator.timing_model import TimingProfile, load_profile
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["static-peak", "static-mean", "planner"]
-MODES: tuple[Mode, ...] = ("static-peak", "static-mean", "planner")
-READY_TIMEOUT_S = 300.0
+MODES: tuple[Mode, ...] = ("static-peak", "static-mean", "planner")  # as bench/planner_args.py spells them
 ATTAINMENT_TARGET = 0.95  # the issue's targets: SLOs met in 95% of windows
 INSTANCE_SECONDS_TARGET = 0.6  # with at most 60% of the peak-sized pools' instance-seconds
 
@@ -106,6 +107,7 @@ class ModeResult:
     num_requests: int
     num_failed: int
     num_cut: int
+    num_blocks_held: int  # KV blocks still held once every instance was idle after the replay: leaked
 
     @property
     def attainment(self) -> float:
@@ -116,13 +118,20 @@ class ModeResult:
 
 
 def window_needs(
-    windows: list[list[Arrival]], window_s: float, profile: TimingProfile, slo: Slo
+    windows: list[list[Arrival]],
+    window_s: float,
+    profile: TimingProfile,
+    slo: Slo,
+    measured: CapacityProfile | None = None,
 ) -> list[dict[Role, int]]:
-    """Instances of each role each window's traffic needs, by the planner's capacity model."""
-    return [needs_for(window, window_s, profile, slo) for window in windows]
+    """Instances of each role each window's traffic needs, by the planner's capacity model
+    (corrected by ``measured``, as the planner corrects it)."""
+    return [needs_for(window, window_s, profile, slo, measured) for window in windows]
 
 
-def needs_for(arrivals: list[Arrival], seconds: float, profile: TimingProfile, slo: Slo) -> dict[Role, int]:
+def needs_for(
+    arrivals: list[Arrival], seconds: float, profile: TimingProfile, slo: Slo, measured: CapacityProfile | None = None
+) -> dict[Role, int]:
     if not arrivals:
         return {"prefill": 1, "decode": 1}
     workload = Workload(
@@ -130,93 +139,30 @@ def needs_for(arrivals: list[Arrival], seconds: float, profile: TimingProfile, s
         sum(a.prompt_tokens for a in arrivals) / len(arrivals),
         sum(a.output_tokens for a in arrivals) / len(arrivals),
     )
-    capacity = instance_capacity(profile, workload, slo)
+    capacity = calibrated_capacity(profile, workload, slo, measured)
     return {
         "prefill": instances_needed(workload.request_rate, capacity.prefill_rate),
         "decode": instances_needed(workload.request_rate, capacity.decode_rate),
     }
 
 
-# ------------------------------------------------------------------------ cluster
-
-
-class Stack:
-    """Redis and one gateway, on loopback, for one way of the run."""
-
-    def __init__(self, out: Path, env: dict[str, str]) -> None:
-        self.log = (out / "stack.log").open("ab")
-        redis_port = free_port()
-        self.redis = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.registry_url = f"redis://127.0.0.1:{redis_port}"
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.gateway = subprocess.Popen(
-            splitserve_command(
-                "--log-level",
-                "WARNING",
-                "gateway",
-                "--port",
-                str(port),
-                "--grpc-port",
-                "-1",
-                "--registry-url",
-                self.registry_url,
-                "--poll-interval",
-                "0.5",
-                "--max-pending-requests",
-                "8192",
-            ),  # fmt: skip
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-
-    def stop(self) -> None:
-        for process in (self.gateway, self.redis):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        self.log.close()
-
-
-def wait_ready(planner: Planner, scraper: GatewayScraper, processes: list[subprocess.Popen[bytes]]) -> None:
-    """Until every gateway routes to every instance started (their readiness, as the planner counts it)."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        if any(process.poll() is not None for process in processes):
-            raise RuntimeError("the gateway or Redis exited before the instances were ready; see stack.log")
-        try:
-            scrape = scraper.scrape()
-        except OSError:
-            scrape = None
-        if scrape is not None:
-            for instance in planner.actuator.live():
-                view = scrape.instances.get(instance.instance_id)
-                if view is not None and view.healthy:
-                    planner.actuator.mark_ready(instance)
-            if all(i.state == "ready" for i in planner.actuator.live()):
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"instances not ready after {READY_TIMEOUT_S:.0f} s")
-        time.sleep(0.5)
-
-
 # ------------------------------------------------------------------------- replay
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, model: str, index: int, arrival: Arrival, result: RequestResult
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    index: int,
+    arrival: Arrival,
+    result: RequestResult,
+    token_id_limit: int,
 ) -> None:
-    # Token ids of the request's own (no prefix shared): the gateway's tokenizer is no part of this.
-    prompt = [100 + (index * 7919 + i * 31) % 30000 for i in range(arrival.prompt_tokens)]
+    # Token ids of the request's own (no prefix shared), past the special tokens a vocabulary
+    # starts with and below its size: the gateway's tokenizer is no part of this.
+    first_id = min(100, token_id_limit // 8)
+    span = min(30_000, token_id_limit - first_id)
+    prompt = [first_id + (index * 7919 + i * 31) % span for i in range(arrival.prompt_tokens)]
     body = {
         "model": model,
         "prompt": prompt,
@@ -253,14 +199,16 @@ async def one_request(
         result.error = repr(error)
 
 
-async def replay(url: str, model: str, trace: list[Arrival], started: float) -> list[RequestResult]:
+async def replay(
+    url: str, model: str, trace: list[Arrival], started: float, token_id_limit: int
+) -> list[RequestResult]:
     results = [RequestResult(a.offset_s, a.long_prompt, a.output_tokens) for a in trace]
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
         async def at_its_time(index: int) -> None:
             await asyncio.sleep(max(0.0, started + trace[index].offset_s - time.monotonic()))
-            await one_request(session, url, model, index, trace[index], results[index])
+            await one_request(session, url, model, index, trace[index], results[index], token_id_limit)
 
         await asyncio.gather(*(at_its_time(i) for i in range(len(trace))))
     return results
@@ -275,11 +223,16 @@ def served_model(url: str) -> str:
 
 
 def run_mode(
-    mode: Mode, args: argparse.Namespace, trace: list[Arrival], sizes: dict[Role, int], out: Path
+    mode: Mode,
+    args: argparse.Namespace,
+    trace: list[Arrival],
+    sizes: dict[Role, int],
+    spec: InstanceSpec,
+    measured: CapacityProfile | None,
+    out: Path,
 ) -> ModeResult:
     folder = out / mode
-    folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SPLITSERVE_CLUSTER_SECRET": "bench-planner-" + os.urandom(12).hex()}
+    env = spec.environment("bench-planner-" + os.urandom(12).hex())
     profile = scaled_profile(load_profile(args.profile), args.time_scale)
     slo = Slo(args.ttft_slo * args.time_scale, args.itl_slo * args.time_scale)
     if mode == "planner":
@@ -295,35 +248,38 @@ def run_mode(
         bounds = PlannerBounds(
             RoleBounds(sizes["prefill"], sizes["prefill"]), RoleBounds(sizes["decode"], sizes["decode"]), 10**6
         )
-    stack = Stack(folder, env)
+    stack = Stack(folder, env, spec.gateway_flags())
     scraper = GatewayScraper([stack.url])
-    command = instance_command(args, stack.registry_url)
+    actuator = LocalActuator(spec.command_for(stack.registry_url), folder / "instances", env=env)
     planner = Planner(
-        PlannerConfig(profile, slo, bounds, args.plan_interval, args.predictor, dict(sizes)),
+        PlannerConfig(profile, slo, bounds, args.plan_interval, args.predictor, dict(sizes), measured=measured),
         scraper,
-        LocalActuator(command, folder / "instances", env=env),
+        actuator,
         PlannerMetrics(),
     )
     stop = threading.Event()
     thread = threading.Thread(target=planner.run, args=(stop,), name=f"planner-{mode}")
     try:
         planner.start_initial()
-        wait_ready(planner, scraper, [stack.gateway, stack.redis])
+        wait_ready(actuator, scraper, stack)
         model = served_model(stack.url)
         logger.info("%s: %s ready; replaying %d requests", mode, sizes, len(trace))
         started = time.monotonic()
         thread.start()
-        results = asyncio.run(replay(stack.url, model, trace, started))
+        results = asyncio.run(replay(stack.url, model, trace, started, spec.token_id_limit()))
         ended = time.monotonic()
+        for failed in [r for r in results if r.error is not None][:3]:
+            logger.warning("%s: a request at %.1f s failed: %s", mode, failed.offset_s, failed.error)
         instance_seconds = sum(
-            max(0.0, min(i.stopped_at or ended, ended) - max(i.started_at, started)) for i in planner.actuator.instances
+            max(0.0, min(i.stopped_at or ended, ended) - max(i.started_at, started)) for i in actuator.instances
         )
+        blocks_held = blocks_held_when_idle(scraper)
     finally:
         stop.set()
         if thread.is_alive():
             thread.join()
         else:
-            planner.actuator.stop_all()
+            actuator.stop_all()
         scraper.close()
         stack.stop()
     windows = summarize_windows(results, planner, started, args.duration_s, args.window_s, slo)
@@ -336,18 +292,8 @@ def run_mode(
         len(results),
         sum(r.failed for r in results),
         sum(r.cut for r in results),
+        blocks_held,
     )
-
-
-def instance_command(args: argparse.Namespace, registry_url: str) -> CommandFor:
-    def command(role: Role, instance_id: str) -> list[str]:
-        return splitserve_command(
-            "--log-level", "WARNING", "simulate", role, "--profile", args.profile,
-            "--time-scale", str(args.time_scale), "--num-instances", "1", "--instance-id", instance_id,
-            "--port", "0", "--registry-url", registry_url, "--heartbeat-seconds", "0.5",
-        )  # fmt: skip
-
-    return command
 
 
 def p90(values: list[float]) -> float | None:
@@ -384,13 +330,22 @@ def summarize_windows(
 # ------------------------------------------------------------------------ report
 
 
-def report(results: list[ModeResult], args: argparse.Namespace) -> str:
+def report(results: list[ModeResult], args: argparse.Namespace, measured: CapacityProfile | None) -> str:
     peak = next((r for r in results if r.mode == "static-peak"), None)
+    if measured is None:
+        what = f"{args.profile} at time scale {args.time_scale:g}"
+    else:
+        c = measured.capacity
+        what = (
+            f"real instances of {args.model or 'the embedded model'}, priced by {args.profile} corrected by the "
+            f"profile measured at {measured.prompt_tokens}:{measured.output_tokens} tokens (prefill "
+            f"{c.prefill_rate:.3f} req/s, decode {c.decode_rate:.3f} req/s in {c.decode_streams} streams)"
+        )
     lines = [
-        f"{args.profile} at time scale {args.time_scale:g}; SLOs TTFT p90 {args.ttft_slo:g} s, ITL p90 "
-        f"{args.itl_slo:g} s (profile time); {len(results[0].windows)} windows of {args.window_s:g} s",
+        f"{what}; SLOs TTFT p90 {args.ttft_slo:g} s, ITL p90 {args.itl_slo:g} s (profile time); "
+        f"{len(results[0].windows)} windows of {args.window_s:g} s",
         f"{'way':<12} {'sizes P+D':>10} {'both SLOs':>10} {'TTFT':>6} {'ITL':>6} {'inst-s':>9} {'vs peak':>8} "
-        f"{'requests':>9} {'failed':>7} {'cut':>5}",
+        f"{'requests':>9} {'failed':>7} {'cut':>5} {'leaked':>7}",
     ]
     for r in results:
         share = (
@@ -400,40 +355,45 @@ def report(results: list[ModeResult], args: argparse.Namespace) -> str:
             f"{r.mode:<12} {r.sizes['prefill']:>4}+{r.sizes['decode']:<5} {r.attainment:>10.0%} "
             f"{sum(w.ttft_met for w in r.windows) / len(r.windows):>6.0%} "
             f"{sum(w.itl_met for w in r.windows) / len(r.windows):>6.0%} {r.instance_seconds:>9.0f} {share:>8} "
-            f"{r.num_requests:>9} {r.num_failed:>7} {r.num_cut:>5}"
+            f"{r.num_requests:>9} {r.num_failed:>7} {r.num_cut:>5} {r.num_blocks_held:>7}"
         )
     return "\n".join(lines)
 
 
+def instance_spec(args: argparse.Namespace) -> InstanceSpec:
+    if args.instances == "simulated":
+        return InstanceSpec("simulated", args.profile, args.time_scale)
+    model, name = (args.model, None) if args.model is not None else embedded_model("gguf", args.dtype)
+    return InstanceSpec("real", args.profile, 1.0, model, name, args.dtype, args.kv_blocks)
+
+
+def measured_capacity(
+    args: argparse.Namespace, spec: InstanceSpec, trace: list[Arrival], slo: Slo, out: Path
+) -> CapacityProfile | None:
+    """Real instances: the capacity profile given, or one measured now at the day's mean mix."""
+    if spec.kind == "simulated":
+        return None  # the timing profile is what the instances run: the model prices them exactly
+    if args.capacity_profile is not None:
+        measured = load_capacity_profile(args.capacity_profile)
+        check_slo(measured, slo)
+        return measured
+    sweep = {
+        "seconds_per_level": args.profile_seconds_per_level,
+        "min_requests_per_level": args.profile_min_requests,
+        "refine_steps": args.profile_refine_steps,
+        "max_levels": args.profile_max_levels,
+    }
+    prompt_tokens = round(sum(a.prompt_tokens for a in trace) / len(trace))
+    output_tokens = round(sum(a.output_tokens for a in trace) / len(trace))
+    measured = measure_capacity(spec, slo, prompt_tokens, output_tokens, sweep, out)
+    measured.save(out / "capacity-profile.json")
+    return measured
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-dir", type=Path, required=True)
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="the instances' timing profile (a GPU one)")
-    parser.add_argument("--time-scale", type=float, default=20.0)
-    parser.add_argument("--ttft-slo", type=float, default=1.0, help="seconds, in the profile's time")
-    parser.add_argument("--itl-slo", type=float, default=0.01, help="seconds, in the profile's time")
-    parser.add_argument("--peak-rate", type=float, default=60.0, help="requests a second at noon, profile time")
-    parser.add_argument("--trough-ratio", type=float, default=0.1, help="the night's rate over the peak's")
-    parser.add_argument("--long-share", type=float, default=0.7, help="long-prompt requests' share at noon")
-    parser.add_argument("--chatty", default="128:256", help="a chatty request's mean prompt:output tokens")
-    parser.add_argument("--long", default="2048:128", help="a long-prompt request's mean prompt:output tokens")
-    parser.add_argument("--duration-s", type=float, default=1200.0, help="the compressed day, real seconds")
-    parser.add_argument("--window-s", type=float, default=60.0, help="a window of the SLO attainment, real seconds")
-    parser.add_argument("--modes", default=",".join(MODES), help="which ways, comma-separated")
-    parser.add_argument("--plan-interval", type=float, default=5.0)
-    parser.add_argument("--up-cooldown", type=float, default=5.0)
-    parser.add_argument("--down-cooldown", type=float, default=30.0)
-    parser.add_argument("--down-margin", type=float, default=0.2)
-    parser.add_argument("--predictor", default="moving-average", choices=list(PREDICTORS))
-    parser.add_argument("--max-per-role", type=int, default=8)
-    parser.add_argument("--max-instances", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse(argv, __doc__.split("\n\n")[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"--modes takes {', '.join(MODES)}; got {', '.join(unknown)}")
+    modes: list[Mode] = [m for m in MODES if m in args.modes.split(",")]
     out: Path = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
 
@@ -450,19 +410,26 @@ def main(argv: list[str] | None = None) -> int:
         kind(args.long),
         args.seed,
     )
+    spec = instance_spec(args)
     profile = scaled_profile(load_profile(args.profile), args.time_scale)
     slo = Slo(args.ttft_slo * args.time_scale, args.itl_slo * args.time_scale)
+    measured = measured_capacity(args, spec, trace, slo, out)
     windows = windows_of(trace, args.duration_s, args.window_s)
-    needs = window_needs(windows, args.window_s, profile, slo)
-    peak = {role: max(need[role] for need in needs) for role in ROLES}
-    mean = needs_for(trace, args.duration_s, profile, slo)
-    sizes: dict[Mode, dict[Role, int]] = {"static-peak": peak, "static-mean": mean, "planner": needs[0]}
+    needs = window_needs(windows, args.window_s, profile, slo, measured)
+
+    def bounded(need: dict[Role, int]) -> dict[Role, int]:
+        # No pool larger than the planner may run: the ways compare within the same bounds.
+        return {role: min(need[role], args.max_per_role) for role in ROLES}
+
+    peak = bounded({role: max(need[role] for need in needs) for role in ROLES})
+    mean = bounded(needs_for(trace, args.duration_s, profile, slo, measured))
+    sizes: dict[Mode, dict[Role, int]] = {"static-peak": peak, "static-mean": mean, "planner": bounded(needs[0])}
     logger.info("%d requests; windows need %s; peak %s, mean %s", len(trace), needs, peak, mean)
     # Which predictor forecasts this day's rate best, one planning interval ahead (no cluster needed).
     interval_rates = [len(w) / args.plan_interval for w in windows_of(trace, args.duration_s, args.plan_interval)]
     predictors = rank_predictors(PREDICTORS, {"day": interval_rates}) if len(interval_rates) > 1 else []
-    results = [run_mode(mode, args, trace, sizes[mode], out) for mode in modes]
-    text = report(results, args)
+    results = [run_mode(mode, args, trace, sizes[mode], spec, measured, out) for mode in modes]
+    text = report(results, args, measured)
     if predictors:
         text += "\npredictors, mean absolute error one interval ahead over the mean rate: " + ", ".join(
             f"{name} {score:.3f}" for name, score in predictors
@@ -472,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "capacity_profile": None if measured is None else asdict(measured),
                 "window_needs": needs,
                 "predictor_errors": dict(predictors),
                 "results": [asdict(r) | {"attainment": r.attainment} for r in results],

@@ -18,6 +18,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Shared memory for UCX between local processes; tcp stays for connection set-up. Here, not in
+# up.py, for the benchmarks that start instances too (and import no connector).
+LOCAL_UCX_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def parse_cpu_list(spec: str) -> set[int]:

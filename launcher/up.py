@@ -36,15 +36,20 @@ from gateway.flags import (
     routing_argv,
 )
 from kv_connector.registry import add_kv_connector_arguments
-from launcher.processes import Child, embedded_model, free_port, parse_instance_cpu_lists, splitserve_command
+from launcher.processes import (
+    LOCAL_UCX_ENV,
+    Child,
+    embedded_model,
+    free_port,
+    parse_instance_cpu_lists,
+    splitserve_command,
+)
 from planner.flags import add_planner_arguments, planner_argv
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # the first run converts the embedded model, and loads take a while on 2 cores
 STOP_TIMEOUT_S = 40.0  # instances drain for up to 30 s
-# Shared memory for UCX between local processes; tcp stays for connection set-up.
-LOCAL_UCX_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
