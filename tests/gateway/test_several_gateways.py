@@ -24,11 +24,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.gateway.processes import HTTPProcess
 from tests.simulator.cluster import (
     MODEL,
-    SECRET,
     SimulatedInstances,
     instance_metrics,
     prompt,
     ready_counts,
+    registry_gateway,
     stream_completion,
     wait_for,
     write_profile,
@@ -63,21 +63,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def start_gateway(cluster: Cluster, name: str, *extra: str) -> HTTPProcess:
     """A gateway on the cluster, once it routes to every instance."""
-    port = free_port()
-    gateway = HTTPProcess(
-        name,
-        "gateway",
-        "--port",
-        str(port),
-        "--registry-url",
-        cluster.registry_url,
-        "--poll-interval",
-        "0.5",
-        *extra,
-        port=port,
-        env={"SPLITSERVE_CLUSTER_SECRET": SECRET},
-        ready_path="/health",
-    )
+    gateway = registry_gateway(name, cluster.registry_url, *extra)
     try:
         wait_for(
             lambda: ready_counts(gateway.url) == EXPECTED,

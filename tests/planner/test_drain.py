@@ -15,8 +15,15 @@ import httpx
 from launcher.processes import splitserve_command
 from planner.drain import held
 from tests.gateway.processes import HTTPProcess
-from tests.planner.registry_gateway import registry_gateway
-from tests.simulator.cluster import MODEL, SimulatedInstances, prompt, ready_counts, wait_for, write_profile
+from tests.simulator.cluster import (
+    MODEL,
+    SimulatedInstances,
+    prompt,
+    ready_counts,
+    registry_gateway,
+    wait_for,
+    write_profile,
+)
 from tests.stores import free_port, start_redis, stop
 
 NUM_TOKENS = 300  # some 10 s at the time scale: the drain's decisions fall inside the stream

@@ -18,8 +18,7 @@ import pytest
 
 from planner.kubernetes_scaler import KubernetesScaler
 from tests.gateway.processes import HTTPProcess
-from tests.planner.registry_gateway import registry_gateway
-from tests.simulator.cluster import SimulatedInstances, ready_counts, wait_for, write_profile
+from tests.simulator.cluster import SimulatedInstances, ready_counts, registry_gateway, wait_for, write_profile
 from tests.stores import free_port, start_redis, stop
 
 TOKEN = "the-planner-service-account-token"

@@ -32,8 +32,16 @@ from planner.observations import GatewayScraper
 from simulator.timing_model import load_profile
 from tests.gateway.processes import HTTPProcess
 from tests.services.processes import SERVICE_ENV
-from tests.simulator.cluster import SECRET, instance_metrics, prompt, stream_completion, wait_for, write_profile
-from tests.stores import free_port, start_redis, stop
+from tests.simulator.cluster import (
+    SECRET,
+    instance_metrics,
+    prompt,
+    registry_gateway,
+    stream_completion,
+    wait_for,
+    write_profile,
+)
+from tests.stores import start_redis, stop
 
 TIME_SCALE = 4.0  # steps of about 35 ms: streams slow enough for two cores, fast enough for a test
 # At this scale a decode step of n rows at the test's context takes about 32 + 0.7 n ms: the ITL
@@ -79,22 +87,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlannedCluster
     gateway: HTTPProcess | None = None
     actuator: LocalActuator | None = None
     try:
-        port = free_port()
-        gateway = HTTPProcess(
-            "gateway-planner",
-            "gateway",
-            "--port",
-            str(port),
-            "--grpc-port",
-            "-1",
-            "--registry-url",
-            registry_url,
-            "--poll-interval",
-            "0.5",
-            port=port,
-            env={"SPLITSERVE_CLUSTER_SECRET": SECRET},
-            ready_path="/health",
-        )
+        gateway = registry_gateway("gateway-planner", registry_url)
 
         def command(role: Role, instance_id: str) -> list[str]:
             return splitserve_command(

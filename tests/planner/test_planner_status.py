@@ -13,8 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.browser import headless_chromium
 from tests.gateway.processes import HTTPProcess
-from tests.planner.registry_gateway import registry_gateway
-from tests.simulator.cluster import SimulatedInstances, ready_counts, wait_for, write_profile
+from tests.simulator.cluster import SimulatedInstances, ready_counts, registry_gateway, wait_for, write_profile
 from tests.stores import free_port, start_redis, stop
 
 

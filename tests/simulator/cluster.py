@@ -14,7 +14,8 @@ import httpx
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from launcher.processes import splitserve_command
+from launcher.processes import free_port, splitserve_command
+from tests.gateway.processes import HTTPProcess
 from tests.services.processes import ROOT, SERVICE_ENV
 from tests.stores import stop
 
@@ -151,3 +152,21 @@ async def stream_completion(client: AsyncOpenAI, text: str, max_tokens: int) -> 
         if chunk.choices:
             finish_reason = chunk.choices[0].finish_reason or finish_reason
     return num_tokens, finish_reason
+
+
+def registry_gateway(name: str, registry_url: str, *extra: str) -> HTTPProcess:
+    """A gateway on a free port routing to what ``registry_url`` lists, polling it often, with
+    the simulated cluster's secret; HTTP only unless ``extra`` gives a ``--grpc-port``."""
+    port = free_port()
+    return HTTPProcess(
+        name,
+        "gateway",
+        "--port", str(port),
+        "--grpc-port", "-1",
+        "--registry-url", registry_url,
+        "--poll-interval", "0.5",
+        *extra,  # after the defaults: argparse keeps an option's last value
+        port=port,
+        env={"SPLITSERVE_CLUSTER_SECRET": SECRET},
+        ready_path="/health",
+    )  # fmt: skip

@@ -24,16 +24,16 @@ from openai import AsyncOpenAI
 from tests.gateway.processes import HTTPProcess
 from tests.simulator.cluster import (
     MODEL,
-    SECRET,
     SimulatedInstances,
     instance_metrics,
     prompt,
     ready_counts,
+    registry_gateway,
     stream_completion,
     wait_for,
     write_profile,
 )
-from tests.stores import free_port, start_redis, stop
+from tests.stores import start_redis, stop
 
 NUM_PREFILL = 16
 NUM_DECODE_EACH = 8  # in each of two processes
@@ -63,22 +63,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         started.append(SimulatedInstances("prefill", NUM_PREFILL, profile, registry_url, "sim-prefill"))
         for name in ("sim-decode-a", "sim-decode-b"):
             started.append(SimulatedInstances("decode", NUM_DECODE_EACH, profile, registry_url, name))
-        port = free_port()
-        gateway = HTTPProcess(
-            "gateway-simulated",
-            "gateway",
-            "--port",
-            str(port),
-            "--grpc-port",
-            "-1",
-            "--registry-url",
-            registry_url,
-            "--poll-interval",
-            "0.5",
-            port=port,
-            env={"SPLITSERVE_CLUSTER_SECRET": SECRET},
-            ready_path="/health",
-        )
+        gateway = registry_gateway("gateway-simulated", registry_url)
         expected = {"prefill": NUM_PREFILL, "decode": 2 * NUM_DECODE_EACH, "colocated": 0}
         wait_for(
             lambda: ready_counts(gateway.url) == expected, f"the gateway routes to {expected}", processes=tuple(started)
