@@ -26,14 +26,15 @@ from collections.abc import Iterable
 from importlib import resources
 from itertools import zip_longest
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine_args.config import numerics_fields
 from engine_args.flags import add_device_argument, add_numerics_arguments
 from splitserve.perplexity import DEFAULT_TEXT, default_text
 
-if TYPE_CHECKING:  # annotations only: importing it loads torch
+if TYPE_CHECKING:  # annotations only: importing them loads torch
     from engine.llm import LLM
+    from engine.spec_decode.draft_training import SelfDistillation, TrainedDraft
 
 logger = logging.getLogger(__name__)
 
@@ -164,78 +165,85 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     save_medusa_heads(heads, args.output, llm.engine.vocab_size, extra)
-    logger.info(
+    return _trained(
+        extra["heldout"],
         "Medusa heads in %s: held-out top-1 accuracy per head %s, about %.2f drafts accepted a step",
         args.output,
         extra["heldout"]["top1_accuracy"],  # type: ignore[index]
         heldout.mean_accepted_drafts,
     )
-    sys.stdout.write(json.dumps(extra["heldout"]) + "\n")
-    return 0
 
 
 def _run_eagle(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], source: str) -> int:
     from engine.spec_decode.eagle_checkpoint import save_eagle_draft
     from engine.spec_decode.eagle_training import DraftTraining, train_eagle
 
-    settings = DraftTraining(
-        num_layers=args.num_layers,
-        max_new_tokens=args.max_new_tokens,
-        num_steps=args.steps,
-        sequences_per_step=args.batch_size or DraftTraining().sequences_per_step,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-    )
+    settings = DraftTraining(num_layers=args.num_layers, **_self_distillation_fields(args))
     trained = train_eagle(llm, prompts, settings, args.output / "work", _progress)
-    extra = {
-        "base_model": str(llm.engine.model_path),
-        "training": {
-            "method": "self-distillation: the base model's greedy continuations and its features along them",
-            "prompts": source,
-            "num_prompts": len(prompts),
-            "max_new_tokens": settings.max_new_tokens,
-            "num_sequences": trained.num_sequences,
-            "num_positions": trained.num_positions,
-            "num_steps": settings.num_steps,
-            "sequences_per_step": settings.sequences_per_step,
-            "learning_rate": settings.learning_rate,
-            "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
-        },
-        "heldout": {
-            "num_positions": trained.num_heldout_positions,
-            "top1_accuracy": round(trained.heldout_top1_accuracy, 4),
-        },
-    }
+    extra = _draft_record(llm, prompts, source, settings, trained, "its features")
     # The speculators package's layout, which vLLM reads too; it holds one-layer drafts only.
     layout = "speculators" if settings.num_layers == 1 else "eagle"
     save_eagle_draft(trained.draft, args.output, layout, extra)
-    logger.info(
+    return _trained(
+        extra["heldout"],
         "EAGLE draft in %s (%s layout): held-out top-1 accuracy of the first draft %.3f",
         args.output,
         layout,
         trained.heldout_top1_accuracy,
     )
-    sys.stdout.write(json.dumps(extra["heldout"]) + "\n")
-    return 0
 
 
 def _run_eagle3(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], source: str) -> int:
     from engine.spec_decode.eagle3_checkpoint import save_eagle3_draft
     from engine.spec_decode.eagle3_training import Eagle3Training, train_eagle3
 
-    settings = Eagle3Training(
-        max_new_tokens=args.max_new_tokens,
-        num_steps=args.steps,
-        sequences_per_step=args.batch_size or Eagle3Training().sequences_per_step,
-        learning_rate=args.learning_rate,
-        draft_vocab_size=args.draft_vocab_size,
-        seed=args.seed,
-    )
+    settings = Eagle3Training(draft_vocab_size=args.draft_vocab_size, **_self_distillation_fields(args))
     trained = train_eagle3(llm, prompts, settings, args.output / "work", _progress)
-    extra = {
+    extra = _draft_record(llm, prompts, source, settings, trained, "three of its layers")
+    save_eagle3_draft(trained.draft, args.output, "speculators", extra)
+    return _trained(
+        extra["heldout"],
+        "EAGLE-3 draft in %s (speculators layout, a vocabulary of %d): held-out top-1 accuracy of the first draft %.3f",
+        args.output,
+        trained.draft.eagle3.draft_vocab_size,
+        trained.heldout_top1_accuracy,
+    )
+
+
+def _trained(heldout: object, message: str, *args: object) -> int:
+    """Every method's end: ``message`` logged, the held-out figures on stdout (for scripts)."""
+    logger.info(message, *args)
+    sys.stdout.write(json.dumps(heldout) + "\n")
+    return 0
+
+
+def _self_distillation_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings an EAGLE and an EAGLE-3 draft's training share (draft_training.SelfDistillation)."""
+    from engine.spec_decode.draft_training import SelfDistillation
+
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "num_steps": args.steps,
+        "sequences_per_step": args.batch_size or SelfDistillation().sequences_per_step,
+        "learning_rate": args.learning_rate,
+        "seed": args.seed,
+    }
+
+
+def _draft_record(
+    llm: LLM,
+    prompts: list[list[int]],
+    source: str,
+    settings: SelfDistillation,
+    trained: TrainedDraft[Any],
+    features: str,
+) -> dict[str, Any]:
+    """What an EAGLE or EAGLE-3 draft's config says of its training (``features``: what of the
+    model it read along the continuations, in words)."""
+    return {
         "base_model": str(llm.engine.model_path),
         "training": {
-            "method": "self-distillation: the base model's greedy continuations and three of its layers along them",
+            "method": f"self-distillation: the base model's greedy continuations and {features} along them",
             "prompts": source,
             "num_prompts": len(prompts),
             "max_new_tokens": settings.max_new_tokens,
@@ -251,15 +259,6 @@ def _run_eagle3(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], so
             "top1_accuracy": round(trained.heldout_top1_accuracy, 4),
         },
     }
-    save_eagle3_draft(trained.draft, args.output, "speculators", extra)
-    logger.info(
-        "EAGLE-3 draft in %s (speculators layout, a vocabulary of %d): held-out top-1 accuracy of the first draft %.3f",
-        args.output,
-        trained.draft.eagle3.draft_vocab_size,
-        trained.heldout_top1_accuracy,
-    )
-    sys.stdout.write(json.dumps(extra["heldout"]) + "\n")
-    return 0
 
 
 def _prompt_texts(prompts_file: Path | None, num_prompts: int) -> tuple[list[str], str]:

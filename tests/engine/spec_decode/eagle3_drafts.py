@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from engine.llm import LLM
+from engine.spec_decode.draft_training import served_embedding_weight
 from engine.spec_decode.eagle3_checkpoint import save_eagle3_draft
 from engine.spec_decode.eagle3_draft import Eagle3Draft, Eagle3Shape
 from engine.spec_decode.eagle3_training import Eagle3Training, layer_features, new_eagle3_draft, train_eagle3_draft
 from engine.spec_decode.eagle_checkpoint import EagleLayout
 from engine.spec_decode.eagle_draft import EagleDraftShape
-from engine.spec_decode.eagle_training import served_embedding_weight
 from engine.spec_decode.medusa_training import greedy_sequences
 from tests.checkpoints import VOCAB_SIZE, tiny_config
 from tests.engine.spec_decode.medusa_heads import HIDDEN_SIZE, cycle_snippet, make_cycling_checkpoint

@@ -3,7 +3,8 @@ speculation and transformers' own, token for token; the target's captured layers
 hidden states and the draft layer is EAGLE-3's as the speculators package builds it; a draft
 vocabulary smaller than the target's drafts the target's tokens through d2t; both checkpoint
 layouts load the same draft; sampling keeps the target's distribution; preemption and abort leave
-no block (and no draft KV) behind; what cannot be served is refused, saying why."""
+no block (and no draft KV) behind; P's chain and draft KV cross the hand-off to D as EAGLE's do
+(the scenarios both methods run: eagle_scenarios.py); what cannot be served is refused, saying why."""
 
 from __future__ import annotations
 
@@ -17,12 +18,10 @@ from transformers import AutoModelForCausalLM
 
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.eagle import EagleProposer, _Held
 from engine.spec_decode.eagle3_checkpoint import load_eagle3_draft, read_eagle3_config
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft
 from engine.spec_decode.eagle_draft import new_draft_kv
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint, tiny_config
-from tests.engine.kv_loaders import InProcessKVLoader
 from tests.engine.spec_decode.eagle3_drafts import (
     DEFAULT_LAYER_IDS,
     MAX_POSITIONS,
@@ -33,6 +32,12 @@ from tests.engine.spec_decode.eagle3_drafts import (
     random_vocabulary,
 )
 from tests.engine.spec_decode.eagle_drafts import make_eagle_draft
+from tests.engine.spec_decode.eagle_scenarios import (
+    assert_decode_speculates_after_a_pulled_prompt,
+    assert_preemption_and_abort_leave_no_block_or_draft_kv_behind,
+    cycle_prompts,
+    recorded_chains,
+)
 from tests.engine.spec_decode.medusa_heads import HIDDEN_SIZE, cycle_snippet
 from tests.engine.spec_decode.test_engine_spec import (
     GREEDY,
@@ -57,30 +62,6 @@ def cycle_drafts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[i
 
 def eagle3(draft: Path, num_speculative_tokens: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig(method="eagle3", model=str(draft), num_speculative_tokens=num_speculative_tokens)
-
-
-def cycle_prompts(cycle: list[int]) -> list[list[int]]:
-    """On the cycle, off it (the target's own continuation), and short."""
-    return [
-        cycle_snippet(cycle, 5, 8),
-        [7, 9, 11, 13, 15, 17],
-        cycle_snippet(cycle, 11, 4),
-        cycle_snippet(cycle, 2, 30),
-    ]
-
-
-def recorded_chains(proposer: EagleProposer) -> list[list[int]]:
-    """Every chain ``proposer`` drafts from now on, in order."""
-    proposals: list[list[int]] = []
-    chains = proposer._chains
-
-    def recording(helds: list[_Held]) -> list[list[int]]:
-        drafted = chains(helds)
-        proposals.extend(drafted)
-        return drafted
-
-    proposer._chains = recording  # type: ignore[method-assign]
-    return proposals
 
 
 def test_eagle3_greedy_equals_plain_greedy_and_transformers(target: Path, tmp_path: Path) -> None:
@@ -263,66 +244,19 @@ def test_sampled_output_with_eagle3_has_the_plain_distribution(
 def test_preemption_and_abort_leave_no_block_or_draft_kv_behind(
     cycle_drafts: tuple[Path, list[int], Path, Path],
 ) -> None:
-    """A KV cache too small for every request at once: requests are preempted and recomputed
-    (their draft KV dropped and rebuilt), and their output is still the plain one; aborted
-    requests give their blocks back, and no finished request's draft KV outlives the next step."""
     target, cycle, trained, _ = cycle_drafts
-    prompts = cycle_prompts(cycle)
-    expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
     block_bytes = 2 * 16 * 2 * 16 * 4 * 4  # K and V, 16 tokens, 2 heads of 16, float32, 4 layers
-    small = make_engine(target, eagle3(trained), kv_cache_memory=12 * block_bytes)
-    assert small.kv_cache_manager.num_total_blocks == 12
-    assert generate(small, prompts, [GREEDY] * len(prompts)) == expected  # and every block came back
-    assert small.scheduler.num_preemptions > 0 and small.scheduler.spec_stats.num_accepted_tokens > 0
-
-    core = make_engine(target, eagle3(trained))
-    proposer = core.runner.eagle
-    assert proposer is not None
-    for index, prompt in enumerate(prompts):
-        core.add_request(prompt, GREEDY, request_id=f"r{index}")
-    for _ in range(4):
-        core.step()
-    assert core.scheduler.spec_stats.num_draft_tokens > 0 and {"r0", "r2"} <= set(proposer.held)
-    core.abort(["r0", "r2"])
-    while core.has_unfinished_requests():
-        core.step()
-    manager = core.kv_cache_manager
-    assert manager.num_free_blocks == manager.num_total_blocks
-    core.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), request_id="last")
-    while core.has_unfinished_requests():
-        core.step()
-    assert set(proposer.held) == {"last"}
+    assert_preemption_and_abort_leave_no_block_or_draft_kv_behind(target, cycle, eagle3(trained), block_bytes)
 
 
+@pytest.mark.parametrize("with_prompt_draft_kv", [True, False])
 def test_decode_instance_speculates_with_eagle3_after_a_pulled_prompt(
-    cycle_drafts: tuple[Path, list[int], Path, Path],
+    cycle_drafts: tuple[Path, list[int], Path, Path], with_prompt_draft_kv: bool
 ) -> None:
-    """P runs no EAGLE-3 draft (its drafts do not cross the hand-off); D drafts from its first
-    step on, its output is the plain one and its drafts are accepted; neither keeps a block."""
+    """As EAGLE's (eagle_scenarios.py): P's EAGLE-3 draft chains after the first token and its KV
+    over the prompt crosses with the target's; D's chains are the colocated engine's with it."""
     target, cycle, trained, _ = cycle_drafts
-    prompts = cycle_prompts(cycle)
-    expected = generate(make_engine(target), prompts, [GREEDY] * len(prompts))
-    p = make_engine(target, eagle3(trained), role="prefill")
-    d = make_engine(target, eagle3(trained), role="decode")
-    assert p.runner.eagle is None and d.runner.eagle is not None
-    loader = InProcessKVLoader(p.runner.kv_cache, d.runner.kv_cache)
-    d.use_kv_loader(loader)
-    for index, prompt in enumerate(prompts):
-        p.add_request(prompt, GREEDY, request_id="r")
-        (handoff,) = [o for o in p.step() if o.request_id == "r"]
-        loader.expect("r", handoff.kv_handoff.block_ids)
-        first = handoff.new_token_ids[0]
-        d.add_request(prompt, GREEDY, request_id="r", first_token_id=first)
-        d.step()  # the load starts (and ends: an in-process copy)
-        assert p.release_kv("r")
-        tokens = [first]
-        while d.has_unfinished_requests():
-            for output in d.step():
-                tokens.extend(output.new_token_ids)
-        assert tokens == expected[index]
-    assert d.scheduler.spec_stats.num_accepted_tokens > 0
-    assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_total_blocks
-    assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_total_blocks
+    assert_decode_speculates_after_a_pulled_prompt(target, cycle, eagle3(trained), with_prompt_draft_kv)
 
 
 def _edit(
