@@ -28,15 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from engine.spec_decode.eagle3_draft import Eagle3Draft, Eagle3Shape
 from engine.spec_decode.eagle_checkpoint import (
     EagleLayout,
+    draft_tensors,
     is_reference_eagle3,
+    layer_config_fields,
     llama_layer_config,
+    load_weights,
     read_draft_weights,
+    write_draft,
 )
 from engine.spec_decode.eagle_draft import EagleDraftShape
 
@@ -169,12 +172,7 @@ def load_eagle3_draft(
     )
     eagle3 = Eagle3Shape(config.draft_vocab_size, config.target_hidden_size, ids, config.norm_before_residual)
     draft = Eagle3Draft(shape, eagle3, max_positions, layer, dtype)
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"the EAGLE-3 draft in {folder} does not match its config ({config.layout} layout): missing "
-            f"{missing[:4]}, unexpected {unexpected[:4]}"
-        )
+    load_weights(draft, weights, f"the EAGLE-3 draft in {folder}", f"{config.layout} layout")
     logger.info(
         "EAGLE-3 draft %s (%s layout): target layers %s, a draft vocabulary of %d, %s embedding",
         folder,
@@ -201,16 +199,14 @@ def _feature_layer_ids(given: tuple[int, ...] | None, num_target_layers: int, fo
 def save_eagle3_draft(draft: Eagle3Draft, folder: Path, layout: EagleLayout, extra: dict[str, object]) -> None:
     """Write ``draft`` in ``layout`` (``config.json``, ``model.safetensors`` with ``d2t`` and
     ``t2d``); ``extra``: more config keys (what it was trained for and on)."""
-    folder.mkdir(parents=True, exist_ok=True)
     shape, eagle3 = draft.shape, draft.eagle3
-    layer = {k: v for k, v in draft.layer_config.to_dict().items() if k not in ("architectures", "model_type")}
-    layer.update(model_type="llama", num_hidden_layers=shape.num_layers)
+    layer = layer_config_fields(draft)
     fields = {
         "draft_vocab_size": eagle3.draft_vocab_size,
         "target_hidden_size": eagle3.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(eagle3.feature_layer_ids),
     }
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in draft.state_dict().items()}
+    tensors = draft_tensors(draft)
     t2d = torch.zeros(shape.vocab_size, dtype=torch.bool)
     t2d[torch.arange(eagle3.draft_vocab_size) + tensors["d2t"]] = True
     tensors["t2d"] = t2d
@@ -232,5 +228,4 @@ def save_eagle3_draft(draft: Eagle3Draft, folder: Path, layout: EagleLayout, ext
             _REFERENCE_LAYER_PREFIX + k.removeprefix(_LAYER_PREFIX) if k.startswith(_LAYER_PREFIX) else k: v
             for k, v in tensors.items()
         }
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_draft(folder, config, tensors)

@@ -23,14 +23,18 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import LlamaConfig
 
 from engine.spec_decode.eagle_draft import EagleDraft, EagleDraftShape
 from engine.spec_decode.medusa_checkpoint import refuse_pickles
+
+if TYPE_CHECKING:
+    from engine.spec_decode.eagle3_draft import Eagle3Draft
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +126,8 @@ def load_eagle_draft(
         own_lm_head="lm_head.weight" in weights,
     )
     draft = EagleDraft(shape, max_positions, layer, dtype)
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"the EAGLE draft in {folder} does not match its config ({config.num_layers} layer(s), {config.layout} "
-            f"layout): missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
+    which = f"the EAGLE draft in {folder}"
+    load_weights(draft, weights, which, f"{config.num_layers} layer(s), {config.layout} layout")
     logger.info(
         "EAGLE draft %s (%s layout): %d layer(s), %s embedding, %s LM head%s",
         folder,
@@ -140,13 +140,40 @@ def load_eagle_draft(
     return draft.to(device=device, dtype=dtype).eval()
 
 
+def load_weights(draft: nn.Module, weights: dict[str, torch.Tensor], which: str, config: str) -> None:
+    """``weights`` into ``draft``; ValueError naming ``which`` draft and its ``config`` (in words)
+    when a tensor is missing or left over."""
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{which} does not match its config ({config}): missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+
+
+def layer_config_fields(draft: EagleDraft | Eagle3Draft) -> dict[str, Any]:
+    """The draft's layer config as a checkpoint's config names it (a Llama layer's)."""
+    layer = {k: v for k, v in draft.layer_config.to_dict().items() if k not in ("architectures", "model_type")}
+    layer.update(model_type="llama", num_hidden_layers=draft.shape.num_layers)
+    return layer
+
+
+def write_draft(folder: Path, config: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
+    """``config.json`` and ``model.safetensors`` in ``folder`` (made if missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def draft_tensors(draft: nn.Module) -> dict[str, torch.Tensor]:
+    """The draft's state as safetensors writes it."""
+    return {name: tensor.detach().contiguous().cpu() for name, tensor in draft.state_dict().items()}
+
+
 def save_eagle_draft(draft: EagleDraft, folder: Path, layout: EagleLayout, extra: dict[str, object]) -> None:
     """Write ``draft`` in ``layout`` (``config.json``, ``model.safetensors``); ``extra``: more
     config keys (what it was trained for and on)."""
-    folder.mkdir(parents=True, exist_ok=True)
     shape = draft.shape
-    layer = {k: v for k, v in draft.layer_config.to_dict().items() if k not in ("architectures", "model_type")}
-    layer.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=shape.num_layers)
+    layer = {**layer_config_fields(draft), "architectures": ["LlamaForCausalLM"]}
     if layout == "speculators":
         if shape.num_layers != 1:
             raise ValueError("the speculators layout holds one-layer EAGLE drafts only")
@@ -163,9 +190,7 @@ def save_eagle_draft(draft: EagleDraft, folder: Path, layout: EagleLayout, extra
         if shape.layernorms:
             raise ValueError("EAGLE's reference layout has no extra layernorms; save in the speculators layout")
         config = {**layer, **extra}
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in draft.state_dict().items()}
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_draft(folder, config, draft_tensors(draft))
 
 
 def is_reference_eagle3(config: dict[str, Any]) -> bool:
