@@ -25,7 +25,7 @@ from transformers import LlamaConfig
 
 from engine.models.ops import TorchOps
 from engine.models.rotary import RotaryEmbedding
-from engine.spec_decode.eagle_draft import DraftKV, DraftLayerBody, EagleDraftShape, RMSNorm
+from engine.spec_decode.eagle_draft import DraftKV, DraftLayerBody, EagleDraftShape, RMSNorm, advance
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +117,7 @@ class Eagle3Draft(nn.Module):
         their entries after ``kvs[r]``'s. Returns the pre-norm outputs [T, hidden_size] (a chain
         reads them back as ``hidden``)."""
         outputs = self.layers[0](embeds.to(hidden.dtype), hidden, positions, kvs, counts)
-        for kv, count in zip(kvs, counts):
-            kv.length += count
+        advance(kvs, counts)
         return outputs
 
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:

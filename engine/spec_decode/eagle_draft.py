@@ -101,7 +101,7 @@ class DraftKV:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v`` ([T, H_kv, D]) after the entries held; returns the layer's keys and
-        values up to them. ``length`` moves on once every layer has stored (:meth:`advance`)."""
+        values up to them. ``length`` moves on once every layer has stored (:func:`advance`)."""
         end = self.length + k.shape[0]
         if end > self.keys[layer].shape[0]:
             capacity = max(end, 2 * self.keys[layer].shape[0])
@@ -112,6 +112,13 @@ class DraftKV:
         self.keys[layer][self.length : end] = k
         self.values[layer][self.length : end] = v
         return self.keys[layer][:end], self.values[layer][:end]
+
+
+def advance(kvs: Sequence[DraftKV], counts: Sequence[int]) -> None:
+    """Each draft KV's entries of a pass counted in, once every layer has stored them: ``counts[r]``
+    more for ``kvs[r]``."""
+    for kv, count in zip(kvs, counts):
+        kv.length += count
 
 
 class DraftLayerBody(nn.Module):
@@ -287,8 +294,7 @@ class EagleDraft(nn.Module):
         hidden = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         for layer in self.layers:
             hidden = layer(hidden, positions, kvs, counts)
-        for kv, count in zip(kvs, counts):
-            kv.length += count
+        advance(kvs, counts)
         return hidden
 
     def logits(self, outputs: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

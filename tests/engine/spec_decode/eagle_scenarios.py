@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.eagle import EagleProposer, _Held
 from tests.engine.kv_loaders import InProcessKVLoader
 from tests.engine.spec_decode.medusa_heads import cycle_snippet
-from tests.engine.spec_decode.test_engine_spec import GREEDY, generate, make_engine
+from tests.engine.spec_decode.test_engine_spec import GREEDY, generate, make_engine, repetitive_prompts
 
 
 def cycle_prompts(cycle: list[int]) -> list[list[int]]:
@@ -131,3 +134,33 @@ def assert_decode_speculates_after_a_pulled_prompt(
     assert d.runner.eagle is not None and set(d.runner.eagle.held) <= {"r"}
     assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_total_blocks
     assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_total_blocks
+
+
+def assert_greedy_equals_transformers(target: Path, spec: SpeculativeConfig) -> EngineCore:
+    """Greedy tokens with ``spec`` (some drafted) are transformers' own, token for token, and the
+    engine's without speculation; returns the speculating engine."""
+    prompts = repetitive_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = generate(make_engine(target), prompts, [params] * len(prompts))
+    core = make_engine(target, spec)
+    ours = generate(core, prompts, [params] * len(prompts))  # and every block came back
+    assert ours == expected
+    assert core.scheduler.spec_stats.num_draft_tokens > 0
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            reference = model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
+            )
+        assert tokens == reference[0, len(prompt) :].tolist()
+    return core
+
+
+def assert_int8_target_greedy_equals_plain(target: Path, spec: SpeculativeConfig) -> None:
+    """Quantized weights (the embedding and LM head included) serve the draft as they serve the
+    target: greedy tokens with ``spec`` (some drafted) are the int8 engine's without speculation."""
+    prompts = repetitive_prompts()
+    expected = generate(make_engine(target, quantization="int8"), prompts, [GREEDY] * len(prompts))
+    core = make_engine(target, spec, quantization="int8")
+    assert generate(core, prompts, [GREEDY] * len(prompts)) == expected
+    assert core.scheduler.spec_stats.num_draft_tokens > 0

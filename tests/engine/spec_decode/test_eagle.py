@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.eagle import _Extension, _Held
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft, read_eagle_config
@@ -23,6 +21,8 @@ from tests.checkpoints import VOCAB_SIZE, make_checkpoint
 from tests.engine.spec_decode.eagle_drafts import MAX_POSITIONS, make_cycle_drafts, make_eagle_draft
 from tests.engine.spec_decode.eagle_scenarios import (
     assert_decode_speculates_after_a_pulled_prompt,
+    assert_greedy_equals_transformers,
+    assert_int8_target_greedy_equals_plain,
     assert_preemption_and_abort_leave_no_block_or_draft_kv_behind,
     cycle_prompts,
     recorded_chains,
@@ -77,19 +77,7 @@ def test_eagle_with_penalties_and_logprobs_equals_plain(cycle_drafts: tuple[Path
 
 
 def test_eagle_greedy_equals_transformers(target: Path, tmp_path: Path) -> None:
-    draft = make_eagle_draft(tmp_path / "draft", "eagle")
-    prompts = repetitive_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    core = make_engine(target, eagle(draft, 4))
-    ours = generate(core, prompts, [params] * len(prompts))
-    assert core.scheduler.spec_stats.num_draft_tokens > 0
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    for prompt, tokens in zip(prompts, ours):
-        with torch.no_grad():
-            reference = model.generate(
-                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
-            )
-        assert tokens == reference[0, len(prompt) :].tolist()
+    assert_greedy_equals_transformers(target, eagle(make_eagle_draft(tmp_path / "draft", "eagle"), 4))
 
 
 @pytest.mark.parametrize("split", [12, 5, 1], ids=["one-pass", "two-passes", "one-by-one"])
@@ -129,13 +117,7 @@ def test_the_draft_is_transformers_llama_layer_over_fc(split: int) -> None:
 
 
 def test_eagle_over_an_int8_target_equals_its_plain_greedy(target: Path, tmp_path: Path) -> None:
-    """Quantized weights (the embedding and LM head included) serve the draft as they serve the target."""
-    draft = make_eagle_draft(tmp_path / "draft", "speculators")
-    prompts = repetitive_prompts()
-    expected = generate(make_engine(target, quantization="int8"), prompts, [GREEDY] * len(prompts))
-    core = make_engine(target, eagle(draft), quantization="int8")
-    assert generate(core, prompts, [GREEDY] * len(prompts)) == expected
-    assert core.scheduler.spec_stats.num_draft_tokens > 0
+    assert_int8_target_greedy_equals_plain(target, eagle(make_eagle_draft(tmp_path / "draft", "speculators")))
 
 
 def test_a_trained_draft_is_accepted_more_than_an_untrained_one(

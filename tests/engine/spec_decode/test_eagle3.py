@@ -34,6 +34,8 @@ from tests.engine.spec_decode.eagle3_drafts import (
 from tests.engine.spec_decode.eagle_drafts import make_eagle_draft
 from tests.engine.spec_decode.eagle_scenarios import (
     assert_decode_speculates_after_a_pulled_prompt,
+    assert_greedy_equals_transformers,
+    assert_int8_target_greedy_equals_plain,
     assert_preemption_and_abort_leave_no_block_or_draft_kv_behind,
     cycle_prompts,
     recorded_chains,
@@ -67,31 +69,13 @@ def eagle3(draft: Path, num_speculative_tokens: int = 3) -> SpeculativeConfig:
 def test_eagle3_greedy_equals_plain_greedy_and_transformers(target: Path, tmp_path: Path) -> None:
     """A random draft (its drafts nearly all rejected) over EAGLE-3's default layers of the target."""
     draft = make_eagle3_draft(tmp_path / "draft", "eagle", name_layers=False)
-    prompts = repetitive_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = generate(make_engine(target), prompts, [params] * len(prompts))
-    core = make_engine(target, eagle3(draft, 4))
+    core = assert_greedy_equals_transformers(target, eagle3(draft, 4))
     assert core.runner.eagle is not None and core.runner.eagle.draft.feature_layer_ids == DEFAULT_LAYER_IDS
-    ours = generate(core, prompts, [params] * len(prompts))  # and every block came back
-    assert ours == expected
-    assert core.scheduler.spec_stats.num_draft_tokens > 0
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    for prompt, tokens in zip(prompts, ours):
-        with torch.no_grad():
-            reference = model.generate(
-                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0
-            )
-        assert tokens == reference[0, len(prompt) :].tolist()
 
 
 def test_eagle3_over_an_int8_target_equals_its_plain_greedy(target: Path, tmp_path: Path) -> None:
-    """Quantized weights (the embedding included) serve the draft as they serve the target."""
     draft = make_eagle3_draft(tmp_path / "draft", "speculators", vocabulary=random_vocabulary(128, seed=2))
-    prompts = repetitive_prompts()
-    expected = generate(make_engine(target, quantization="int8"), prompts, [GREEDY] * len(prompts))
-    core = make_engine(target, eagle3(draft), quantization="int8")
-    assert generate(core, prompts, [GREEDY] * len(prompts)) == expected
-    assert core.scheduler.spec_stats.num_draft_tokens > 0
+    assert_int8_target_greedy_equals_plain(target, eagle3(draft))
 
 
 def test_the_captured_features_are_transformers_hidden_states(target: Path, tmp_path: Path) -> None:
