@@ -108,6 +108,7 @@ class ModeResult:
     num_failed: int
     num_cut: int
     num_blocks_held: int  # KV blocks still held once every instance was idle after the replay: leaked
+    instance_commands: dict[str, list[str]]  # each instance's command line, by instance id
 
     @property
     def attainment(self) -> float:
@@ -293,6 +294,7 @@ def run_mode(
         sum(r.failed for r in results),
         sum(r.cut for r in results),
         blocks_held,
+        {i.instance_id: [str(arg) for arg in i.process.args] for i in actuator.instances},
     )
 
 
@@ -387,6 +389,13 @@ def measured_capacity(
     output_tokens = round(sum(a.output_tokens for a in trace) / len(trace))
     measured = measure_capacity(spec, slo, prompt_tokens, output_tokens, sweep, out)
     measured.save(out / "capacity-profile.json")
+    if measured.capacity.prefill_rate <= 0 or measured.capacity.decode_rate <= 0:
+        # The correction then prices that role at nothing: every way runs its largest pool of it.
+        logger.warning(
+            "the profile found a role that meets the SLOs at no load (%s): a busy host, or SLOs tighter than "
+            "one request alone; the ways below run that role at --max-per-role",
+            measured.capacity,
+        )
     return measured
 
 

@@ -73,6 +73,10 @@ def test_a_smoke_sized_day_replays_three_ways_on_real_instances(tmp_path: Path, 
     assert report["capacity_profile"]["capacity"]["prefill_rate"] == 20.0
     for result in results.values():
         assert result["sizes"] == {"prefill": 1, "decode": 1}
-    instance_logs = sorted(path.name for path in (tmp_path / "out" / "planner" / "instances").iterdir())
-    assert instance_logs == ["planned-decode-0.log", "planned-prefill-0.log"]
+        # Real instances of the model, one process each, the commands `splitserve up` runs.
+        assert sorted(result["instance_commands"]) == ["planned-decode-0", "planned-prefill-0"]
+        for instance_id, argv in result["instance_commands"].items():
+            role = instance_id.split("-")[1]
+            assert argv[argv.index("splitserve") + 3 : argv.index("splitserve") + 6] == [role, "--model", str(model)]
+            assert argv[argv.index("--num-blocks") + 1] == "64"
     assert report["report"].startswith(f"real instances of {model}")
