@@ -9,18 +9,26 @@ they do is that many times slower, so the same pools carry ``1 / time-scale`` of
 rates with the same streams per instance, and a two-core host keeps up. ``--peak-rate`` and the
 SLOs are in the profile's time, as on the real hardware; the run scales them.
 
+``--instances real``: the instances are real prefill and decode processes of ``--model`` at
+time scale 1 (bench/planner_cluster.py), on a day sized for a CPU host (bench/planner_args.py),
+priced by ``--profile``'s shape corrected by a capacity profile (``--capacity-profile``, or one
+the run measures first on its own instances: :func:`measured_capacity`).
+
 Each way, in order: a Redis registry and a gateway; the pools' first instances, one process
 each (planner/actuator.py), waited for until every gateway routes to them; then the planner's
 loop on its thread (for the static ways, with ``--min`` = ``--max`` so it holds the sizes) and
 the trace replayed open-loop, each request a stream of token ids at its arrival time; then
 everything stopped. The static sizes are what the planner's capacity model says the peak
-window, or the day's mean, needs (planner/capacity.py): the same model the planner uses.
+window, or the day's mean, needs (planner/capacity.py), within ``--max-per-role``: the same
+model the planner uses, corrected by the same measured profile.
 
 Reported per way: the share of windows (``--window-s``, the compressed day's "minutes") whose
 requests met both SLOs at p90 (TTFT from the client's send to its first token; ITL from the
 gateway's own chunk write times, so a client short of CPU does not count), each SLO alone,
 the instance-seconds from the trace's start to its last request's end (start-up and drain
-included), and the requests that failed (no token) or were cut (a stream that ended short).
+included), the requests that failed (no token) or were cut (a stream that ended short), the
+KV blocks still held once every instance was idle after the replay (a leak), and each
+instance's command line.
 """
 
 from __future__ import annotations
