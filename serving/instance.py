@@ -126,7 +126,7 @@ def fingerprint_of(core: EngineCore) -> Fingerprint:
         head_dim=shape.head_dim,
         tensor_parallel_size=core.config.tensor_parallel_size,
         stage_first_layers=tuple(stage.layers.start for stage in stages),
-        # Medusa's and EAGLE's drafts cross the hand-off, on P and on D alike; other methods draft on D alone.
+        # Medusa's, EAGLE's and EAGLE-3's drafts cross the hand-off, on P and D alike; others draft on D alone.
         draft=handoff_draft(spec.method, Path(spec.model or "")) if spec is not None else "",
     )
 

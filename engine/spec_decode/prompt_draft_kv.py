@@ -1,4 +1,4 @@
-"""The EAGLE draft's KV over a prompt, as it crosses the prefill/decode hand-off.
+"""The EAGLE (or EAGLE-3) draft's KV over a prompt, as it crosses the prefill/decode hand-off.
 
 A prefill instance's EAGLE draft computes its KV over the prompt while the target prefills it
 (engine/spec_decode/eagle.py): the entry of position ``i`` reads the target's feature ``f_i``
