@@ -28,7 +28,7 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 
 from engine.llm import LLM
-from engine.spec_decode.eagle_draft import DraftNetwork, new_draft_kv
+from engine.spec_decode.eagle_draft import DraftEntries, DraftNetwork, new_draft_kv
 from engine.spec_decode.medusa_training import (
     Progress,
     cached_shards,
@@ -189,14 +189,8 @@ def run_entries(
     """Entries ``start ..`` of a fresh draft KV in one pass, entry ``start + e`` reading token
     ``token_ids[e]`` with ``hidden[e]`` (a fused feature, or the draft's own output); their
     outputs [len(token_ids), hidden_size]."""
-    num_entries = token_ids.shape[0]
-    return draft(
-        F.embedding(token_ids, embed_weight),
-        hidden,
-        torch.arange(start, start + num_entries),
-        [new_draft_kv(draft, start, num_entries)],
-        [num_entries],
-    )
+    entries = DraftEntries.after(new_draft_kv(draft, start, token_ids.shape[0]), token_ids.shape[0])
+    return draft(F.embedding(token_ids, embed_weight), hidden, entries)
 
 
 @torch.no_grad()

@@ -59,7 +59,7 @@ from engine.flat_batch import FlatBatch
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.request import Request
 from engine.scheduler_output import ModelOutput, SchedulerOutput
-from engine.spec_decode.eagle_draft import DraftKV, DraftNetwork, new_draft_kv
+from engine.spec_decode.eagle_draft import DraftEntries, DraftKV, DraftNetwork, new_draft_kv
 from engine.spec_decode.prompt_draft_kv import PromptDraftKV, snapshot, to_draft_kv
 
 
@@ -202,7 +202,8 @@ class EagleProposer:
         )
         features = self.draft.fuse(torch.cat([e.features for e in extensions]))
         counts = [len(e.token_ids) for e in extensions]
-        outputs = self.draft(self.embed(token_ids), features, positions, [e.held.kv for e in extensions], counts)
+        entries = DraftEntries(positions, [e.held.kv for e in extensions], counts)
+        outputs = self.draft(self.embed(token_ids), features, entries)
         end = 0
         for extension, count in zip(extensions, counts):
             end += count
@@ -224,7 +225,7 @@ class EagleProposer:
                 chain.append(token_id)
             if j + 1 < self.num_speculative_tokens:
                 positions = torch.tensor([kv.end for kv in kvs], device=outputs.device)
-                outputs = self.draft(self.embed(token_ids), outputs, positions, kvs, ones)
+                outputs = self.draft(self.embed(token_ids), outputs, DraftEntries(positions, kvs, ones))
         return drafts
 
     def export_prompt(self, request: Request) -> PromptDraftKV | None:

@@ -16,7 +16,7 @@ attention are EAGLE-1's (eagle_draft.py), and so is the proposer that drives it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from transformers import LlamaConfig
 
 from engine.models.ops import TorchOps
 from engine.models.rotary import RotaryEmbedding
-from engine.spec_decode.eagle_draft import DraftKV, DraftLayerBody, EagleDraftShape, RMSNorm, advance
+from engine.spec_decode.eagle_draft import DraftEntries, DraftLayerBody, EagleDraftShape, RMSNorm
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,17 +49,10 @@ class Eagle3Layer(DraftLayerBody):
         self.hidden_norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.norm_before_residual = norm_before_residual
 
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kvs: Sequence[DraftKV],
-        counts: Sequence[int],
-    ) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, entries: DraftEntries) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         attn_in = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        return self.attend(attn_in, normed if self.norm_before_residual else hidden, positions, kvs, counts)
+        return self.attend(attn_in, normed if self.norm_before_residual else hidden, entries)
 
 
 class Eagle3Draft(nn.Module):
@@ -105,19 +98,11 @@ class Eagle3Draft(nn.Module):
         """features: [T, len(feature_layer_ids) * target_hidden_size] -> [T, hidden_size]."""
         return self.fc(features.to(self.fc.weight.dtype))
 
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kvs: Sequence[DraftKV],
-        counts: Sequence[int],
-    ) -> torch.Tensor:
-        """embeds, hidden: [T, hidden_size], ``counts[r]`` rows for request ``r`` in order; stores
-        their entries after ``kvs[r]``'s. Returns the pre-norm outputs [T, hidden_size] (a chain
-        reads them back as ``hidden``)."""
-        outputs = self.layers[0](embeds.to(hidden.dtype), hidden, positions, kvs, counts)
-        advance(kvs, counts)
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, entries: DraftEntries) -> torch.Tensor:
+        """embeds, hidden: [T, hidden_size] of the ``entries``, which it stores. Returns the
+        pre-norm outputs [T, hidden_size] (a chain reads them back as ``hidden``)."""
+        outputs = self.layers[0](embeds.to(hidden.dtype), hidden, entries)
+        entries.advance()
         return outputs
 
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:

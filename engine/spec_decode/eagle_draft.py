@@ -101,7 +101,7 @@ class DraftKV:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v`` ([T, H_kv, D]) after the entries held; returns the layer's keys and
-        values up to them. ``length`` moves on once every layer has stored (:func:`advance`)."""
+        values up to them. ``length`` moves on once every layer has stored (:meth:`DraftEntries.advance`)."""
         end = self.length + k.shape[0]
         if end > self.keys[layer].shape[0]:
             capacity = max(end, 2 * self.keys[layer].shape[0])
@@ -114,11 +114,25 @@ class DraftKV:
         return self.keys[layer][:end], self.values[layer][:end]
 
 
-def advance(kvs: Sequence[DraftKV], counts: Sequence[int]) -> None:
-    """Each draft KV's entries of a pass counted in, once every layer has stored them: ``counts[r]``
-    more for ``kvs[r]``."""
-    for kv, count in zip(kvs, counts):
-        kv.length += count
+@dataclass(frozen=True, slots=True)
+class DraftEntries:
+    """Where one draft pass's entries go: ``counts[r]`` of them (in order) after ``kvs[r]``'s, for
+    each request ``r``, at ``positions`` [T] (T = sum of ``counts``)."""
+
+    positions: torch.Tensor
+    kvs: Sequence[DraftKV]
+    counts: Sequence[int]
+
+    @classmethod
+    def after(cls, kv: DraftKV, num_entries: int) -> DraftEntries:
+        """``num_entries`` entries of one request, after those ``kv`` holds."""
+        positions = torch.arange(kv.end, kv.end + num_entries, device=kv.keys[0].device)
+        return cls(positions, [kv], [num_entries])
+
+    def advance(self) -> None:
+        """Count the pass's entries in, once every layer has stored them."""
+        for kv, count in zip(self.kvs, self.counts):
+            kv.length += count
 
 
 class DraftLayerBody(nn.Module):
@@ -149,12 +163,9 @@ class DraftLayerBody(nn.Module):
         self,
         attn_in: torch.Tensor,
         residual: torch.Tensor,
-        positions: torch.Tensor,
-        kvs: Sequence[DraftKV],
-        counts: Sequence[int],
+        entries: DraftEntries,
     ) -> torch.Tensor:
-        """attn_in: [T, attention_input_size], the entries at ``positions``: ``counts[r]`` of them
-        (in order) after ``kvs[r]``'s, for each request ``r``; the attention's output is added to
+        """attn_in: [T, attention_input_size], the ``entries``; the attention's output is added to
         ``residual`` [T, hidden_size], then the MLP block. Returns [T, hidden_size]."""
         num_tokens = attn_in.shape[0]
         attn = self.self_attn
@@ -162,12 +173,13 @@ class DraftLayerBody(nn.Module):
         k = attn.k_proj(attn_in).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(attn_in).view(num_tokens, self.num_kv_heads, self.head_dim)
         rotary = self.rotary[0]
+        positions = entries.positions
         cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)  # [T, 1, D/2]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # Each request attends over its own cache: one small attention per request.
         outs = []
         first = 0
-        for kv, count in zip(kvs, counts):
+        for kv, count in zip(entries.kvs, entries.counts):
             rows = slice(first, first + count)
             keys, values = kv.append(self.index, k[rows], v[rows])  # [L, H_kv, D], the new entries last
             outs.append(_causal_attention(q[rows], keys, values))
@@ -186,12 +198,10 @@ class EagleLayer(DraftLayerBody):
         # EAGLE's first layer reads fc's output as it is (its input norm removed).
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if index > 0 or shape.layernorms else None
 
-    def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, kvs: Sequence[DraftKV], counts: Sequence[int]
-    ) -> torch.Tensor:
-        """hidden: [T, hidden_size], the entries at ``positions`` (:meth:`attend`)."""
+    def forward(self, hidden: torch.Tensor, entries: DraftEntries) -> torch.Tensor:
+        """hidden: [T, hidden_size], the ``entries``' (:meth:`attend`)."""
         attn_in = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
-        return self.attend(attn_in, hidden, positions, kvs, counts)
+        return self.attend(attn_in, hidden, entries)
 
 
 def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -239,16 +249,10 @@ class DraftNetwork(Protocol):
         outputs."""
         ...
 
-    def __call__(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kvs: Sequence[DraftKV],
-        counts: Sequence[int],
-    ) -> torch.Tensor:
-        """The entries' outputs [T, hidden_size] from token ``i + 1``'s embedding and :meth:`fuse`'s
-        result (or the draft's own previous output) for ``i``; stores their entries in ``kvs``."""
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, entries: DraftEntries) -> torch.Tensor:
+        """The ``entries``' outputs [T, hidden_size] from token ``i + 1``'s embedding and
+        :meth:`fuse`'s result (or the draft's own previous output) for ``i``; stores them in the
+        entries' draft KVs."""
         ...
 
     def draft_token_ids(
@@ -278,23 +282,15 @@ class EagleDraft(nn.Module):
         self.rotary = rotary
         self.layer_config = layer_config  # written back with the draft (eagle_checkpoint.py)
 
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        kvs: Sequence[DraftKV],
-        counts: Sequence[int],
-    ) -> torch.Tensor:
-        """embeds, features: [T, hidden_size] (token ``i + 1``'s embedding, the feature of ``i``),
-        ``counts[r]`` rows for request ``r`` in order; stores their entries after ``kvs[r]``'s.
-        Returns the outputs [T, hidden_size]."""
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, entries: DraftEntries) -> torch.Tensor:
+        """embeds, features: [T, hidden_size] (token ``i + 1``'s embedding, the feature of ``i``)
+        of the ``entries``, which it stores. Returns the outputs [T, hidden_size]."""
         if self.post_embedding_layernorm is not None:
             embeds = self.post_embedding_layernorm(embeds)
         hidden = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         for layer in self.layers:
-            hidden = layer(hidden, positions, kvs, counts)
-        advance(kvs, counts)
+            hidden = layer(hidden, entries)
+        entries.advance()
         return hidden
 
     def logits(self, outputs: torch.Tensor, target_lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from engine.request import Request
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.eagle import _Extension, _Held
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft, read_eagle_config
-from engine.spec_decode.eagle_draft import new_draft_kv
+from engine.spec_decode.eagle_draft import DraftEntries, new_draft_kv
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint
 from tests.engine.spec_decode.eagle_drafts import MAX_POSITIONS, make_cycle_drafts, make_eagle_draft
 from tests.engine.spec_decode.eagle_scenarios import (
@@ -109,9 +109,7 @@ def test_the_draft_is_transformers_llama_layer_over_fc(split: int) -> None:
         expected = layer(fused, attention_mask=causal, position_ids=positions, position_embeddings=position_embeddings)
         kv = new_draft_kv(draft, 0)
         chunks = [slice(i, min(i + split, num_entries)) for i in range(0, num_entries, split)]
-        ours = torch.cat(
-            [draft(embeds[c], features[c], torch.arange(c.start, c.stop), [kv], [c.stop - c.start]) for c in chunks]
-        )
+        ours = torch.cat([draft(embeds[c], features[c], DraftEntries.after(kv, c.stop - c.start)) for c in chunks])
     assert kv.length == num_entries
     torch.testing.assert_close(ours, expected[0], rtol=1e-4, atol=1e-4)
 
@@ -163,8 +161,7 @@ def test_the_draft_kv_after_rejections_is_the_kv_of_the_tokens_kept(
             token_ids = torch.tensor([given[i][0] for i in range(kv.start, kv.end)])
             features = torch.stack([given[i][1] for i in range(kv.start, kv.end)])
             fresh = new_draft_kv(proposer.draft, kv.start)
-            positions = torch.arange(kv.start, kv.end)
-            outputs = proposer.draft(proposer.embed(token_ids), features, positions, [fresh], [kv.length])
+            outputs = proposer.draft(proposer.embed(token_ids), features, DraftEntries.after(fresh, kv.length))
             assert fresh.length == kv.length
             torch.testing.assert_close(fresh.keys[0][: kv.length], kv.keys[0][: kv.length], atol=1e-5, rtol=1e-5)
             assert held.last_output is not None

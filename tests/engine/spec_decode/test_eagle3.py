@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.eagle3_checkpoint import load_eagle3_draft, read_eagle3_config
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft
-from engine.spec_decode.eagle_draft import new_draft_kv
+from engine.spec_decode.eagle_draft import DraftEntries, new_draft_kv
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint, tiny_config
 from tests.engine.spec_decode.eagle3_drafts import (
     DEFAULT_LAYER_IDS,
@@ -148,10 +148,7 @@ def test_the_draft_is_eagle3s_layer_over_fc(norm_before_residual: bool, split: i
         kv = new_draft_kv(draft, 0)
         chunks = [slice(i, min(i + split, num_entries)) for i in range(0, num_entries, split)]
         ours = torch.cat(
-            [
-                draft(embeds[c], draft.fuse(features[c]), torch.arange(c.start, c.stop), [kv], [c.stop - c.start])
-                for c in chunks
-            ]
+            [draft(embeds[c], draft.fuse(features[c]), DraftEntries.after(kv, c.stop - c.start)) for c in chunks]
         )
     assert kv.length == num_entries
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
