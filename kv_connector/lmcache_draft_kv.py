@@ -104,7 +104,9 @@ def is_stored(engine: LMCacheEngine, key: CacheEngineKey) -> bool:
 def fetch_draft_kv(engine: LMCacheEngine, key: CacheEngineKey) -> torch.Tensor | None:
     """Worker thread, one LMCache call at a time: a copy of the object the store holds under
     ``key`` (on CPU, of whatever shape and dtype the store says), or None on a miss."""
-    memory_obj = engine.storage_manager.get(key, location=REMOTE_BACKEND)
+    # The batched get: the single one also keeps what it fetched in LMCache's local CPU cache,
+    # which this connector keeps off (the store is the hand-off), holding LMCache's buffer.
+    (memory_obj,) = engine.storage_manager.batched_get([key], location=REMOTE_BACKEND)
     if memory_obj is None:
         return None
     try:

@@ -1,6 +1,6 @@
 """The EAGLE draft's KV over a prompt through LMCache (kv_connector/lmcache_draft_kv.py), P's and
-D's connectors in this process over a real Redis server and LMCache's own ``lm://`` server: D
-fetches exactly what P stored (whole, whatever D's prefix-cache hits), under keys of P's publish
+D's connectors in this process over a real Redis server: D fetches exactly what P stored (whole,
+whatever D's prefix-cache hits, keeping nothing in LMCache's buffer), under keys of P's publish
 and drafter only, expiring with the chunks; a handle without the draft's digest brings the blocks
 alone; a missing object, other bytes or another shape fail the pull before a block is written."""
 
@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import os
 import warnings
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -22,33 +22,19 @@ with warnings.catch_warnings():  # lmcache's opentelemetry import warns about it
     pytest.importorskip("lmcache")
     from kv_connector.lmcache_connector import LMCacheConnector
 
+from cluster.handle_signing import new_pull_token
 from engine.spec_decode.prompt_draft_kv import DraftKVShape, PromptDraftKV
 from kv_connector.base import KVSource, KVTransferError, TransferStats
 from kv_connector.fingerprint import Fingerprint
 from tests.kv_connector.lmcache_peer import CHUNK_SIZE, PROMPT, PUBLISHED_BLOCKS, SHAPE, fingerprint, seeded_cache
-from tests.stores import start_lm_server, stop
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
 
-STORE_KEY, PULL_TOKEN, SALT = bytes(range(32)), bytes(range(16)), "tenant-a"
+STORE_KEY, SALT = bytes(range(32)), "tenant-a"
 DRAFT = "eagle:draft-0123"
 DRAFT_SHAPE = DraftKVShape(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
 DRAFT_START = 20  # P's own prefix-cache hit: its draft computed the entries from here on
 LOCAL_BLOCKS = [0, 3, 11, 6]
-
-
-@pytest.fixture(scope="module")
-def lm_url() -> Iterator[str]:
-    process, url = start_lm_server()
-    try:
-        yield url
-    finally:
-        stop(process)
-
-
-@pytest.fixture(params=["redis", "lm"])
-def url(request: pytest.FixtureRequest) -> str:
-    return request.getfixturevalue(f"{request.param}_url")
 
 
 def drafted(draft: str = DRAFT) -> Fingerprint:
@@ -60,15 +46,15 @@ def prompt_draft_kv() -> PromptDraftKV:
     return PromptDraftKV(DRAFT_START, kv)
 
 
-def source(chunk_digests: tuple[bytes, ...], draft_kv_digest: bytes, draft: str = DRAFT) -> KVSource:
+def source(chunk_digests: tuple[bytes, ...], draft_kv_digest: bytes, pull_token: bytes) -> KVSource:
     return KVSource(
         request_id="r",
         address="",
         block_ids=tuple(PUBLISHED_BLOCKS),
         num_tokens=len(PROMPT),
-        fingerprint=drafted(draft),
+        fingerprint=drafted(),
         token_ids=tuple(PROMPT),
-        pull_token=PULL_TOKEN,
+        pull_token=pull_token,
         cache_salt=SALT,
         chunk_digests=chunk_digests,
         draft_kv_digest=draft_kv_digest,
@@ -92,10 +78,11 @@ def published(url: str, scenario: Scenario, decode_draft: str = DRAFT) -> None:
         await prefill.start("127.0.0.1", 0)
         await decode.start("127.0.0.1", 0)
         try:
-            kv = await prefill.publish("r", PUBLISHED_BLOCKS, PROMPT, pull_token=PULL_TOKEN, cache_salt=SALT)
-            digest = await prefill.publish_draft_kv("r", prompt_draft_kv(), PULL_TOKEN, SALT)
+            token = new_pull_token()  # one per handle, as the prefill service makes them: keys of its own
+            kv = await prefill.publish("r", PUBLISHED_BLOCKS, PROMPT, pull_token=token, cache_salt=SALT)
+            digest = await prefill.publish_draft_kv("r", prompt_draft_kv(), token, SALT)
             assert len(digest) == 32
-            await scenario(prefill, decode, source(kv.chunk_digests, digest))
+            await scenario(prefill, decode, source(kv.chunk_digests, digest, token))
         finally:
             await prefill.close()
             await decode.close()
@@ -110,7 +97,7 @@ async def pulled(
     return await decode.pull_with_draft_kv(src, LOCAL_BLOCKS, num_local_hit_blocks, 10.0, shape)
 
 
-def test_d_fetches_the_draft_kv_p_stored_with_the_blocks_whatever_it_holds(url: str) -> None:
+def test_d_fetches_the_draft_kv_p_stored_with_the_blocks_whatever_it_holds(redis_url: str) -> None:
     """The draft KV arrives whole with the blocks D lacks (none, some, all of them held), counted
     in the pull's bytes and messages; a handle without a draft digest brings the blocks alone."""
     draft_bytes = prompt_draft_kv().kv.nbytes
@@ -128,8 +115,11 @@ def test_d_fetches_the_draft_kv_p_stored_with_the_blocks_whatever_it_holds(url: 
             assert torch.equal(cache[LOCAL_BLOCKS[held]], seeded_cache(7)[PUBLISHED_BLOCKS[held]])
         stats, draft_kv = await pulled(decode, dataclasses.replace(src, draft_kv_digest=b""))
         assert draft_kv is None and stats.num_blocks == 4 and cache.any()
+        # Nothing fetched stays in LMCache's buffer on D (its local CPU cache is off).
+        assert decode._engine is not None
+        assert not decode._engine.storage_manager.storage_backends["LocalCPUBackend"].hot_cache
 
-    published(url, scenario)
+    published(redis_url, scenario)
 
 
 def test_keys_name_the_publish_and_the_drafter_and_expire(redis_url: str) -> None:
@@ -142,7 +132,7 @@ def test_keys_name_the_publish_and_the_drafter_and_expire(redis_url: str) -> Non
             with pytest.raises(KVTransferError, match="has no draft KV of 'r'.*another draft, cache salt or KV"):
                 await pulled(decode, wrong)
             assert not decode.kv_cache.any()
-        key = prefill._draft_kv_key(SALT, PULL_TOKEN, len(PROMPT), torch.float32).to_string()
+        key = prefill._draft_kv_key(SALT, src.pull_token, len(PROMPT), torch.float32).to_string()
         client = redis.Redis.from_url(redis_url)
         ttls = [client.pttl(key + suffix) for suffix in ("kv_bytes", "metadata")]
         assert all(0 < ttl <= prefill.ttl_s * 1000 for ttl in ttls), ttls
@@ -161,7 +151,7 @@ def test_other_bytes_another_shape_or_no_object_fail_the_pull_before_a_block_is_
     import redis
 
     async def scenario(prefill: LMCacheConnector, decode: LMCacheConnector, src: KVSource) -> None:
-        key = prefill._draft_kv_key(SALT, PULL_TOKEN, len(PROMPT), torch.float32).to_string() + "kv_bytes"
+        key = prefill._draft_kv_key(SALT, src.pull_token, len(PROMPT), torch.float32).to_string() + "kv_bytes"
         client = redis.Redis.from_url(redis_url)
         genuine = client.get(key)
         client.set(key, bytes(byte ^ 0x21 for byte in genuine))
