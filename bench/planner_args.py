@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from planner.instance_commands import REAL_SHAPE_PROFILE
 from planner.predictors import PREDICTORS
 from simulator.timing_model import DEFAULT_PROFILE
 
@@ -37,7 +38,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "real": {
         # The shape the planner prices SmolLM2 on a CPU with; its level comes from the
         # capacity profile measured on the run's own instances.
-        "profile": "smollm2-135m-cpu",
+        "profile": REAL_SHAPE_PROFILE,
         "time_scale": 1.0,
         "ttft_slo": 4.0,
         "itl_slo": 0.06,

@@ -2,7 +2,8 @@
 (:class:`Stack`), and the instances the planner's actuator starts, one process each, either
 simulated (``splitserve simulate ROLE``) or real (``splitserve prefill|decode`` on a model,
 the command ``splitserve up`` runs for its instances, with a small KV budget so that the
-pools fit beside each other on a small host).
+pools fit beside each other on a small host), both spelt by planner/instance_commands.py,
+as ``splitserve planner`` starts them.
 
 Real instances have no timing profile to price them exactly: the planner prices them with a
 profile of their shape (the model on this kind of CPU) corrected by a capacity profile measured
@@ -23,11 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from launcher.processes import LOCAL_UCX_ENV, free_port, splitserve_command
+from launcher.processes import free_port, splitserve_command
 from planner.actuator import CommandFor, LocalActuator
 from planner.capacity import Slo
 from planner.capacity_profile import CapacityProfile
 from planner.decision import Role
+from planner.instance_commands import (
+    Registration,
+    real_instance_command,
+    real_instance_environment,
+    simulated_instance_command,
+)
 from planner.observations import GatewayScraper
 from planner.profiler import Profiler, SweepConfig
 
@@ -53,20 +60,16 @@ class InstanceSpec:
 
     def command_for(self, registry_url: str) -> CommandFor:
         """argv of one instance of a role, registering in ``registry_url``."""
+        registration = Registration(registry_url, heartbeat_seconds=0.5)
 
         def command(role: Role, instance_id: str) -> list[str]:
-            registry = ["--registry-url", registry_url, "--heartbeat-seconds", "0.5"]
             if self.kind == "simulated":
-                return splitserve_command(
-                    "--log-level", "WARNING", "simulate", role, "--profile", self.timing_profile,
-                    "--time-scale", str(self.time_scale), "--num-instances", "1", "--instance-id", instance_id,
-                    "--port", "0", *registry,
-                )  # fmt: skip
-            return splitserve_command(
-                "--log-level", "WARNING", role, "--model", str(self.model), "--dtype", self.dtype,
-                "--num-blocks", str(self.num_kv_blocks), "--kv-connector", "ucx", "--instance-id", instance_id,
-                "--port", "0", *registry,
-            )  # fmt: skip
+                return simulated_instance_command(role, instance_id, registration, self.timing_profile, self.time_scale)
+            if self.model is None:
+                raise RuntimeError("bug: a real InstanceSpec without a model")
+            return real_instance_command(
+                role, instance_id, registration, self.model, ["--dtype", self.dtype], num_blocks=self.num_kv_blocks
+            )
 
         return command
 
@@ -74,9 +77,7 @@ class InstanceSpec:
         """The instances' and the gateway's environment: the cluster's secret, and for real
         instances UCX on loopback as ``splitserve up`` sets it (what the user set wins)."""
         env = {**os.environ, "SPLITSERVE_CLUSTER_SECRET": secret}
-        if self.kind == "real":
-            env = {**LOCAL_UCX_ENV, **env}
-        return env
+        return real_instance_environment(env) if self.kind == "real" else env
 
     def gateway_flags(self) -> list[str]:
         """Real instances: the gateway tokenizes for their model (simulated ones serve the embedded one's)."""

@@ -45,6 +45,7 @@ from launcher.processes import (
     splitserve_command,
 )
 from planner.flags import add_planner_arguments, planner_argv
+from simulator.timing_model import DEFAULT_PROFILE
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--planner",
         action="store_true",
-        help="--simulate: a planner sizes the pools to --ttft-slo and --itl-slo, starting and stopping one process "
-        "per instance; --num-prefill and --num-decode are the sizes it starts with (docs/planner.md)",
+        help="a planner sizes the pools to --ttft-slo and --itl-slo, starting and stopping one process per "
+        "instance (simulated ones with --simulate, else real ones, priced by --capacity-profile); --num-prefill and "
+        "--num-decode are the sizes it starts with (docs/planner.md)",
+    )
+    parser.add_argument(
+        "--capacity-profile",
+        default=None,
+        metavar="FILE",
+        help="--planner: what `splitserve profile` measured one instance of each role to sustain at these SLOs "
+        "(needed for real instances; docs/planner.md)",
     )
     add_planner_arguments(parser)  # passed on to the planner
     add_routing_arguments(parser)  # passed on to the gateway
@@ -124,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
     args.api_key = resolve_api_key(args)  # --api-key-file read here, once
     if args.num_prefill < 1 or args.num_decode < 1:
         raise ValueError("--num-prefill and --num-decode must be at least 1")
-    if args.planner and not args.simulate:
-        raise ValueError("--planner starts simulated instances for now: add --simulate")
+    if args.planner and not args.simulate and args.capacity_profile is None:
+        raise ValueError(
+            "--planner on real instances prices them by what one instance of each role sustains: measure it first "
+            "with `splitserve profile` (docs/planner.md) and pass --capacity-profile FILE, or add --simulate"
+        )
     for role in ("prefill", "decode"):
         size = getattr(args, f"{role}_pipeline_parallel_size")
         if size is not None and size != args.pipeline_parallel_size and args.pipeline_stage_layers:
@@ -214,6 +226,8 @@ def _start_instances(
 ) -> list[str]:
     """Start the engines, each with ``cluster_env``; return the gateway's routing flags for them."""
     common = engine_flags(args, model)
+    if args.planner:
+        return _start_planner(args, model, children, cluster_env)
     if args.simulate:
         return _start_simulated_instances(args, common, children, cluster_env)
     if args.colocated:
@@ -224,14 +238,7 @@ def _start_instances(
         children.append(Child("colocated", argv, env=cluster_env, cpus=cpus["colocated"][0]))
         return ["--colocated", f"127.0.0.1:{port}"]
     connector = ["--kv-connector", args.kv_connector]
-    env = {**{k: v for k, v in LOCAL_UCX_ENV.items() if k not in os.environ}, **cluster_env}
-    if args.kv_connector == "lmcache":
-        # In the environment: the URL may hold the store's password.
-        env["SPLITSERVE_LMCACHE_URL"] = args.lmcache_url or _start_redis(
-            children,
-            "--kv-connector lmcache needs a store: pass --lmcache-url, or install redis-server to have one "
-            "started here",
-        )
+    env = _real_instance_env(args, children, cluster_env)
     routes: list[str] = []
     gpus = _visible_gpus()
     next_gpu = 0
@@ -272,6 +279,36 @@ def _start_instances(
     return routes
 
 
+def _real_instance_env(args: argparse.Namespace, children: list[Child], cluster_env: dict[str, str]) -> dict[str, str]:
+    """Real instances' environment: UCX on loopback (what the user set wins), the cluster secret,
+    and for the lmcache connector its store's URL (in the environment: it may hold a password)."""
+    env = {**{k: v for k, v in LOCAL_UCX_ENV.items() if k not in os.environ}, **cluster_env}
+    if args.kv_connector == "lmcache":
+        env["SPLITSERVE_LMCACHE_URL"] = args.lmcache_url or _start_redis(
+            children,
+            "--kv-connector lmcache needs a store: pass --lmcache-url, or install redis-server to have one "
+            "started here",
+        )
+    return env
+
+
+def _start_planner(
+    args: argparse.Namespace, model: Path, children: list[Child], cluster_env: dict[str, str]
+) -> list[str]:
+    """``splitserve planner`` as a child, which starts the instances (one process each) and
+    registers them in a Redis started here; return the gateway's flags to find them and it."""
+    registry_url = _start_redis(
+        children, "--planner registers its instances in a local Redis: install redis-server to have one started here"
+    )
+    # Real instances get their environment from the planner, which passes its own on.
+    env = cluster_env if args.simulate else _real_instance_env(args, children, cluster_env)
+    # Its metrics on a port of its own, which the gateway's status page reads.
+    metrics_port = free_port()
+    argv = [*planner_command(args, model, registry_url), "--metrics-port", str(metrics_port)]
+    children.append(Child("planner", argv, env=env))
+    return ["--registry-url", registry_url, "--planner-url", f"http://127.0.0.1:{metrics_port}"]
+
+
 def _start_simulated_instances(
     args: argparse.Namespace, common: list[str], children: list[Child], cluster_env: dict[str, str]
 ) -> list[str]:
@@ -280,12 +317,6 @@ def _start_simulated_instances(
     registry_url = _start_redis(
         children, "--simulate registers its instances in a local Redis: install redis-server to have one started here"
     )
-    if args.planner:
-        # Its metrics on a port of its own, which the gateway's status page reads.
-        metrics_port = free_port()
-        argv = [*planner_command(args, common, registry_url), "--metrics-port", str(metrics_port)]
-        children.append(Child("planner", argv, env=cluster_env))
-        return ["--registry-url", registry_url, "--planner-url", f"http://127.0.0.1:{metrics_port}"]
     counts = {"colocated": 1} if args.colocated else {"prefill": args.num_prefill, "decode": args.num_decode}
     profile = ["--profile", args.simulate_profile] if args.simulate_profile else []
     for role, count in counts.items():
@@ -311,17 +342,28 @@ def _start_simulated_instances(
     return ["--registry-url", registry_url]
 
 
-def planner_command(args: argparse.Namespace, common: list[str], registry_url: str) -> list[str]:
-    """``splitserve planner`` for ``up --simulate --planner``: it starts the instances (one
-    process each) and reads this run's gateway."""
+def planner_command(args: argparse.Namespace, model: Path, registry_url: str) -> list[str]:
+    """``splitserve planner`` for ``up --planner``: it starts the instances (one process each)
+    and reads this run's gateway. Simulated ones of ``--simulate-profile``, or real ones of the
+    model with the engine's flags ``up`` gives its own instances, priced by ``--capacity-profile``."""
     if args.colocated:
         raise ValueError("--planner sizes prefill and decode pools: drop --colocated")
-    model = common[common.index("--model") + 1]
-    profile = ["--simulate-profile", args.simulate_profile] if args.simulate_profile else []
+    if args.simulate:
+        # The planner starts real instances without a timing profile: name simulate's default.
+        instances = [
+            "--simulate-profile",
+            args.simulate_profile or DEFAULT_PROFILE,
+            "--time-scale",
+            str(args.time_scale),
+        ]
+    else:
+        instances = [*engine_argv(args), *speculative_argv(args), "--kv-connector", args.kv_connector]
+    if args.capacity_profile is not None:
+        instances += ["--capacity-profile", args.capacity_profile]
     return splitserve_command(
         "--log-level", args.log_level, "planner",
         "--gateway-url", f"http://{_dial_host(args.host)}:{args.port}", "--registry-url", registry_url,
-        "--model", model, *profile, "--time-scale", str(args.time_scale),
+        "--model", str(model), *instances,
         "--initial-prefill", str(args.num_prefill), "--initial-decode", str(args.num_decode),
         *planner_argv(args),
     )  # fmt: skip

@@ -1,7 +1,9 @@
 """``splitserve planner``: size the prefill and decode pools behind running gateways to the
-TTFT and ITL SLOs, starting and stopping simulated instances on this host (one process each,
-``planner/actuator.py``), which register in the gateways' Redis registry; or, with
-``--actuator metrics``, only publishing the counts it wants for KEDA or an HPA to act on.
+TTFT and ITL SLOs, starting and stopping instances on this host (one process each,
+``planner/actuator.py``; their commands: ``planner/instance_commands.py``), which register in
+the gateways' Redis registry: simulated ones with ``--simulate-profile``, else real
+``splitserve prefill|decode`` processes of ``--model``, priced by ``--capacity-profile``. Or,
+with ``--actuator metrics`` or ``kubernetes``, only publishing or setting the counts it wants.
 
 In call order: parse; start the initial instances; every ``--plan-interval`` run one tick of
 ``planner/loop.py``; on SIGTERM or SIGINT stop every instance it started (each drains as on any
@@ -12,20 +14,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import start_http_server
 
-from launcher.processes import splitserve_command
-from planner.actuator import LocalActuator
+from engine_args.flags import add_engine_arguments, engine_argv, speculative_argv
+from kv_connector.registry import add_kv_connector_arguments
+from launcher.processes import embedded_model
+from planner.actuator import CommandFor, LocalActuator
 from planner.capacity import scaled_profile
 from planner.capacity_profile import check_slo, load_capacity_profile
-from planner.decision import Role
 from planner.flags import add_planner_arguments, bounds_of, slo_of
+from planner.instance_commands import (
+    REAL_SHAPE_PROFILE,
+    Registration,
+    real_instance_command,
+    real_instance_environment,
+    simulated_instance_command,
+)
 from planner.kubernetes_scaler import KubernetesScaler
 from planner.loop import Planner, PlannerConfig
 from planner.metrics import PlannerMetrics
@@ -52,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--actuator",
         choices=["local", "metrics", "kubernetes"],
         default="local",
-        help="local: start and stop simulated instances here, one process each; metrics: only publish the desired "
+        help="local: start and stop instances here, one process each (simulated with --simulate-profile, else "
+        "real ones of --model); metrics: only publish the desired "
         "counts (splitserve_planner_desired_instances) for KEDA or an HPA to scale Deployments by "
         "(deploy/kubernetes-autoscaling/), with --metrics-port; kubernetes: set the Deployments' replicas through "
         "the API's scale subresource (docs/planner.md)",
@@ -69,9 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registry-url", help="--actuator local: redis://HOST:PORT the instances register in")
     parser.add_argument(
         "--simulate-profile",
-        default=DEFAULT_PROFILE,
+        default=None,
         metavar="NAME|FILE",
-        help="the simulated instances' timing profile, which also prices their capacity (docs/simulator.md)",
+        help="simulated instances of this timing profile, which also prices their capacity (docs/simulator.md); "
+        "without it the local actuator starts real prefill and decode instances of --model",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="the simulated instances' --time-scale")
     parser.add_argument(
@@ -79,9 +91,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="what `splitserve profile` measured one instance of each role to sustain at these SLOs: it corrects "
-        "the timing profile's capacity (docs/planner.md)",
+        "the timing profile's capacity; real instances need it (docs/planner.md)",
     )
-    parser.add_argument("--model", default=None, help="the model folder the instances read config and tokenizer from")
+    parser.add_argument(
+        "--shape-profile",
+        default=None,
+        metavar="NAME|FILE",
+        help="without --simulate-profile: the timing profile whose shape (capacity against prompt and output "
+        f"lengths) prices the instances, its level corrected by --capacity-profile (default: {REAL_SHAPE_PROFILE} "
+        f"for real local instances, {DEFAULT_PROFILE} for the metrics and kubernetes actuators)",
+    )
+    # Real instances: the engine's flags as `splitserve up` takes and passes them on (--model,
+    # --dtype, --kv-cache-memory ...), the KV budget in blocks, and the connector.
+    add_engine_arguments(parser)
+    parser.add_argument("--num-blocks", type=int, default=None, help="real instances: each one's KV blocks")
+    add_kv_connector_arguments(parser)
     parser.add_argument("--heartbeat-seconds", type=float, default=1.0, help="the instances' registry heartbeat")
     parser.add_argument("--initial-prefill", type=int, default=1, help="prefill instances to start with")
     parser.add_argument("--initial-decode", type=int, default=1, help="decode instances to start with")
@@ -91,34 +115,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_planner_arguments(parser)
 
 
-def simulated_instance_command(args: argparse.Namespace) -> Callable[[Role, str], list[str]]:
-    """The command line of one simulated instance of a role, as the actuator starts it."""
+def starts_real_instances(args: argparse.Namespace) -> bool:
+    return args.actuator == "local" and args.simulate_profile is None
 
-    def command(role: Role, instance_id: str) -> list[str]:
-        model = ["--model", args.model] if args.model else []
-        return splitserve_command(
-            "--log-level",
-            args.log_level,
-            "simulate",
-            role,
-            *model,
-            "--profile",
-            args.simulate_profile,
-            "--time-scale",
-            str(args.time_scale),
-            "--num-instances",
-            "1",
-            "--instance-id",
-            instance_id,
-            "--port",
-            "0",
-            "--registry-url",
-            args.registry_url,
-            "--heartbeat-seconds",
-            str(args.heartbeat_seconds),
+
+def pricing_profile(args: argparse.Namespace) -> str:
+    """The timing profile that prices an instance's capacity (module docstring)."""
+    if args.simulate_profile is not None:
+        return str(args.simulate_profile)
+    if args.shape_profile is not None:
+        return str(args.shape_profile)
+    return REAL_SHAPE_PROFILE if starts_real_instances(args) else DEFAULT_PROFILE
+
+
+def instance_command(args: argparse.Namespace) -> CommandFor:
+    """The command line of one instance of a role, as the local actuator starts it."""
+    registration = Registration(args.registry_url, args.heartbeat_seconds, args.log_level)
+    if not starts_real_instances(args):
+        return lambda role, instance_id: simulated_instance_command(
+            role, instance_id, registration, args.simulate_profile, args.time_scale, args.model
         )
+    # The embedded model, as `splitserve up` serves it, converted once here before any instance starts.
+    model = args.model or embedded_model(args.load_format, args.dtype)[0]
+    engine_flags = [*engine_argv(args), *speculative_argv(args)]
+    return lambda role, instance_id: real_instance_command(
+        role, instance_id, registration, model, engine_flags, args.kv_connector, args.num_blocks
+    )
 
-    return command
+
+def instance_environment(args: argparse.Namespace) -> dict[str, str]:
+    if not starts_real_instances(args):
+        return dict(os.environ)
+    env = real_instance_environment()
+    if args.lmcache_url:  # in the environment: the URL may hold the store's password
+        env["SPLITSERVE_LMCACHE_URL"] = args.lmcache_url
+    return env
+
+
+def check_real_instance_flags(args: argparse.Namespace) -> None:
+    """Real instances have no timing model of their own: a measured capacity profile prices them."""
+    if args.capacity_profile is None:
+        raise ValueError(
+            "real instances (no --simulate-profile) are priced by what one instance of each role sustains: measure "
+            "it with `splitserve profile --gateway-url URL --output capacity.json` against one prefill and one "
+            "decode instance of this model at these SLOs, then pass --capacity-profile capacity.json "
+            "(docs/planner.md)"
+        )
+    if args.time_scale != 1.0:
+        raise ValueError("--time-scale slows simulated instances: real ones run at their own speed; drop it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,12 +170,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--actuator local starts instances that register in a registry: pass --registry-url")
     if args.actuator == "metrics" and args.metrics_port is None:
         raise ValueError("--actuator metrics publishes the desired counts on its metrics port: pass --metrics-port")
+    if starts_real_instances(args):
+        check_real_instance_flags(args)
     measured = None
     if args.capacity_profile is not None:
         measured = load_capacity_profile(args.capacity_profile)
         check_slo(measured, slo_of(args))
     config = PlannerConfig(
-        profile=scaled_profile(load_profile(args.simulate_profile), args.time_scale),
+        profile=scaled_profile(load_profile(pricing_profile(args)), args.time_scale),
         slo=slo_of(args),
         bounds=bounds_of(args),
         interval_s=args.plan_interval,
@@ -151,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     actuator = None
     if args.actuator == "local":
         log_dir = Path(args.instance_log_dir or tempfile.mkdtemp(prefix="splitserve-planner-"))
-        actuator = LocalActuator(simulated_instance_command(args), log_dir)
+        actuator = LocalActuator(instance_command(args), log_dir, env=instance_environment(args))
         logger.info("planner: instances' logs in %s", log_dir)
     scaler = None
     if args.actuator == "kubernetes":
