@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from engine_args.flags import add_dtype_argument
 from planner.instance_commands import REAL_SHAPE_PROFILE
 from planner.predictors import PREDICTORS
 from simulator.timing_model import DEFAULT_PROFILE
@@ -73,7 +74,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         default=None,
         help="real: the model's folder or .gguf file (default: the embedded SmolLM2 GGUF `splitserve up` serves)",
     )
-    parser.add_argument("--dtype", default="float32", help="real: the instances' --dtype")
+    add_dtype_argument(parser, default="float32")  # real: the instances' --dtype
     parser.add_argument("--kv-blocks", type=int, default=512, help="real: each instance's KV blocks (--num-blocks)")
     parser.add_argument(
         "--capacity-profile",
