@@ -59,9 +59,24 @@ class _Details(
     pass
 
 
+# A channel opened before its instance listens fails its first connects, and gRPC's default
+# reconnect backoff (1 s growing by 1.6x) then kept the instance unseen for seconds after it was
+# serving. Reconnect at once, as the gateway does (gateway/instances.py), so a wait for the
+# instance ends when it listens.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
+
+
 def open_channel(address: str, secret: str | None = None, tls: grpc.ChannelCredentials | None = None) -> grpc.Channel:
     """A synchronous channel to an instance, as a member of its cluster when given its secret / TLS."""
-    channel = grpc.secure_channel(address, tls) if tls is not None else grpc.insecure_channel(address)
+    channel = (
+        grpc.secure_channel(address, tls, options=_RECONNECT_OPTIONS)
+        if tls is not None
+        else grpc.insecure_channel(address, options=_RECONNECT_OPTIONS)
+    )
     return grpc.intercept_channel(channel, _CallCredential(secret, address)) if secret is not None else channel
 
 
@@ -104,13 +119,17 @@ class Service:
                     f"service exited with {self.process.returncode}: {Path(self.log.name).read_text()[-3000:]}"
                 )
             try:
+                # wait_for_ready: the call waits for the channel's connect (tried every 100 ms)
+                # and answers as soon as the instance listens; the timeout only bounds how long
+                # a process that died goes unnoticed.
                 if (
-                    health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1.0, wait_for_ready=True).status
                     == health_pb2.HealthCheckResponse.SERVING
                 ):
                     return
-            except grpc.RpcError:
-                time.sleep(0.2)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"service on {self.address} not serving after {timeout_s} s")
 
