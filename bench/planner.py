@@ -261,7 +261,16 @@ def run_mode(
     scraper = GatewayScraper([stack.url])
     actuator = LocalActuator(spec.command_for(stack.registry_url), folder / "instances", env=env)
     planner = Planner(
-        PlannerConfig(profile, slo, bounds, args.plan_interval, args.predictor, dict(sizes), measured=measured),
+        PlannerConfig(
+            profile,
+            slo,
+            bounds,
+            args.plan_interval,
+            args.predictor,
+            dict(sizes),
+            measured=measured,
+            decode_drain=args.decode_drain,
+        ),
         scraper,
         actuator,
         PlannerMetrics(),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_args.flags import add_dtype_argument
+from planner.flags import add_decode_drain_argument
 from planner.instance_commands import REAL_SHAPE_PROFILE
 from planner.predictors import PREDICTORS
 from simulator.timing_model import DEFAULT_PROFILE
@@ -105,6 +106,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--down-cooldown", type=float, default=30.0)
     parser.add_argument("--down-margin", type=float, default=0.2)
     parser.add_argument("--predictor", default="moving-average", choices=list(PREDICTORS))
+    add_decode_drain_argument(parser)
     parser.add_argument("--max-per-role", type=int, help="the planner's bound per role, and the static pools' too")
     parser.add_argument("--max-instances", type=int, help="the planner's bound on both roles together")
     parser.add_argument("--seed", type=int, default=0)

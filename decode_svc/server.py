@@ -26,6 +26,12 @@ One Decode call, in call order:
 4. The call ends: ``forget`` (P's lease released if still held) and the stream closed, which
    aborts an unfinished request; the engine frees its blocks once no pull writes to them.
 
+An instance that drains by handing its streams over (SIGUSR2, ``serving/instance.py``) ends
+each call that ``may_hand_over`` after its next response with one more, ``handed_over``: the
+gateway resumes the request on another decode instance after the tokens it has (as it does
+when a decode instance dies, ``gateway/failover.py``), and this instance is idle as soon as
+its other calls end, not when its longest stream would have.
+
 A call without a KV handle (the gateway's conditional disaggregation: a short prompt, or
 one mostly in this instance's prefix cache) skips the load: the engine prefills the prompt
 here, in chunks of at most ``--decode-recompute-chunk`` tokens per step beside the running
@@ -166,6 +172,13 @@ class DecodeServicer(disaggregation_pb2_grpc.DecodeServicer):
                 first = False
                 if spans is not None and output.step is not None:
                     spans.step(output.step)
+                if not finish_reason and request.may_hand_over and self.instance.handing_over.is_set():
+                    # This instance drains (SIGUSR2): the gateway resumes the request elsewhere
+                    # after the tokens sent; closing the stream below aborts it here.
+                    self.instance.counters.num_handovers += 1
+                    finish_reason = "handed_over"
+                    yield disaggregation_pb2.DecodeResponse(request_id=request_id, handed_over=True)
+                    return
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         finally:

@@ -22,6 +22,11 @@ in call order:
    (``kv_only``, ``REQUEST_ID.mN``; :func:`resume_request`) and another D continues after
    the last token (step 2), within ``--max-migrations``. A structured output never
    migrates: the new D's grammar matcher would start over at the resumed token.
+   A D that drains by handing its streams over (the planner's scale-down, SIGUSR2) ends a
+   call with ``handed_over`` (:class:`HandedOver`): the request resumes the same way, under
+   ``REQUEST_ID.hN``, on a D other than those that handed it over, outside the migration
+   budget (nothing failed); calls say ``may_hand_over`` only for requests that can resume
+   (not a structured output) and fewer than ``MAX_HANDOVERS`` times handed over.
 5. Cleanup: when the request ends with P's blocks pinned and no D streaming from them (the
    client left, a stop string matched, every attempt failed), ReleaseKV to P runs in the
    background (:meth:`Failover.release`) and outlives the request; :meth:`Failover.drain`
@@ -62,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per phase: instances that took the call and failed before the request fails
 MAX_HANDOFFS = 3  # Decode calls per request that may end in DATA_LOSS and a new prefill
+# Hand-overs one request may take: past them its Decode calls say it may not be handed over,
+# and a draining instance decodes it to its end (no request moves without bound).
+MAX_HANDOVERS = 4
 # An instance answering with these is down, draining or full: another one may serve.
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -92,6 +100,14 @@ class DecodeLost(Exception):
     def __init__(self, api_error: APIError) -> None:
         super().__init__(api_error.message)
         self.api_error = api_error
+
+
+class HandedOver(Exception):
+    """D drains and handed the request back after the tokens it streamed: it resumes on another D."""
+
+    def __init__(self, instance: InstanceState) -> None:
+        super().__init__(f"decode instance {instance.instance_id} at {instance.address} handed the request over")
+        self.instance = instance
 
 
 def resume_request(request: DispatchRequest, output_token_ids: list[int]) -> DispatchRequest | None:
@@ -234,20 +250,28 @@ class Failover:
     ) -> AsyncGenerator[TokenEvent, None]:
         """Decode after ``output_token_ids`` (the tokens already sent; P's first token after a
         prefill there), from P's pinned KV, or prefilling on D itself when ``pinned`` is None.
-        A lost KV goes back to prefill (step 3); a D that fails after streaming hands the
-        request to another one (step 4), within the request's budget."""
+        A lost KV goes back to prefill (step 3); a D that fails after streaming, or hands the
+        request over, passes it to another one (step 4), a failure within the request's budget."""
         decoding = False  # a D has streamed: it owns the KV now and releases P itself
         current = request  # what the next Decode call continues: the prompt, plus tokens moved in by migrations
         num_migrations = handoff = 0
+        handed_over_by: list[InstanceState] = []  # draining Ds: the request never goes back to one
+        resumable = request.sampling.WhichOneof("structured") is None
         try:
             while True:
                 handoff += 1
+                may_hand_over = resumable and len(handed_over_by) < MAX_HANDOVERS
                 try:
                     if pinned is None:
-                        stream = self._decode(current)
+                        stream = self._decode(current, avoid=handed_over_by, may_hand_over=may_hand_over)
                     else:
                         stream = self._decode(
-                            current, pinned.handle, output_token_ids[-1], allow_recompute=handoff >= MAX_HANDOFFS
+                            current,
+                            pinned.handle,
+                            output_token_ids[-1],
+                            allow_recompute=handoff >= MAX_HANDOFFS,
+                            avoid=handed_over_by,
+                            may_hand_over=may_hand_over,
                         )
                     async for event in stream:
                         decoding = True
@@ -270,8 +294,9 @@ class Failover:
                         self.metrics.kv_reprefills.inc()
                     self.release(pinned)  # a no-op if D's release got there first
                     pinned = await self._reprefill(current, f"{request.request_id}.kv{handoff}", prefer=pinned.prefill)
+                    continue
                 except DecodeLost as lost:
-                    if request.sampling.WhichOneof("structured") is not None:
+                    if not resumable:
                         # A new D's grammar matcher would start over at the resumed first token,
                         # not after every token sent: the output would leave its format.
                         if self.metrics is not None:
@@ -282,36 +307,46 @@ class Failover:
                             self.metrics.migrations.labels(outcome="exhausted").inc()
                         raise lost.api_error from None
                     num_migrations += 1
-                    resumed = resume_request(request, output_token_ids)
-                    if resumed is None:  # the failed D had sent every token but not the finish
-                        yield TokenEvent(token_ids=[], logprobs=[], finish_reason="length")
-                        return
+                    outcome, suffix = "resumed", f"m{num_migrations}"
+                    reason = lost.api_error.detail or lost.api_error.message
                     logger.warning(
                         "decode of %s failed after %d tokens (%s); migrating it (%d of at most %d)",
                         request.request_id,
                         len(output_token_ids),
-                        lost.api_error.detail or lost.api_error.message,
+                        reason,
                         num_migrations,
                         self.max_migrations,
                     )
-                    if self.metrics is not None:
-                        self.metrics.migrations.labels(outcome="resumed").inc()
-                    if request.trace is not None:
-                        request.trace.event(
-                            "migration",
-                            {
-                                "splitserve.migration": num_migrations,
-                                "splitserve.num_output_tokens": len(output_token_ids),
-                                "splitserve.reason": lost.api_error.detail or lost.api_error.message,
-                            },
-                        )
-                    # The failed D took P's KV over when it streamed; the new KV is the resumed prompt's,
-                    # prefilled on a P whatever the first path was (it is long by now, and mostly cached).
-                    decoding, handoff = False, 0
-                    current = resumed
-                    # Back to the P that holds the prefix; kv routing finds the prefix itself.
-                    prefer = pinned.prefill if pinned is not None and self.pool.routing == "load" else None
-                    pinned = await self._reprefill(current, f"{request.request_id}.m{num_migrations}", prefer=prefer)
+                except HandedOver as handed:
+                    handed_over_by.append(handed.instance)
+                    outcome, suffix, reason = "handed_over", f"h{len(handed_over_by)}", str(handed)
+                    logger.info("%s after %d tokens; resuming it on another one", reason, len(output_token_ids))
+                # A migration or a hand-over: the last D took P's KV over when it streamed; the new KV
+                # is the resumed prompt's, prefilled on a P whatever the first path was (it is long by
+                # now, and mostly cached).
+                resumed = resume_request(request, output_token_ids)
+                if resumed is None:  # the last D had sent every token but not the finish
+                    yield TokenEvent(token_ids=[], logprobs=[], finish_reason="length")
+                    return
+                if self.metrics is not None:
+                    self.metrics.migrations.labels(outcome=outcome).inc()
+                if request.trace is not None:
+                    request.trace.event(
+                        "migration",
+                        {
+                            "splitserve.migration": num_migrations,
+                            "splitserve.handovers": len(handed_over_by),
+                            "splitserve.num_output_tokens": len(output_token_ids),
+                            "splitserve.reason": reason,
+                        },
+                    )
+                if not decoding and pinned is not None:
+                    self.release(pinned)  # handed over before a token: nobody pulled P's KV
+                decoding, handoff = False, 0
+                current = resumed
+                # Back to the P that holds the prefix; kv routing finds the prefix itself.
+                prefer = pinned.prefill if pinned is not None and self.pool.routing == "load" else None
+                pinned = await self._reprefill(current, f"{request.request_id}.{suffix}", prefer=prefer)
         finally:
             if not decoding and pinned is not None:
                 self.release(pinned)
@@ -322,10 +357,13 @@ class Failover:
         handle: disaggregation_pb2.KVHandle | None = None,
         first_token_id: int = 0,
         allow_recompute: bool = False,
+        avoid: list[InstanceState] | None = None,
+        may_hand_over: bool = False,
     ) -> AsyncGenerator[TokenEvent, None]:
         """One hand-off (step 2): decode from P's KV ``handle``, continuing after
         ``first_token_id`` (only a D with the handle's fingerprint can take it); with no
-        handle, D prefills the prompt itself (conditional disaggregation)."""
+        handle, D prefills the prompt itself (conditional disaggregation). Never on a D in
+        ``avoid`` (those that handed the request over)."""
         message = disaggregation_pb2.DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -333,7 +371,9 @@ class Failover:
             priority=request.priority,
             allow_recompute=allow_recompute,
             cache_salt=request.cache_salt,
+            may_hand_over=may_hand_over,
         )
+        avoided = avoid or []
         fingerprint = None
         if handle is not None:
             message.first_token_id = first_token_id
@@ -344,7 +384,7 @@ class Failover:
             "decode",
             lambda tried: self.pool.pick(
                 "decode",
-                exclude=tried,
+                exclude=tried + avoided,
                 fingerprint=fingerprint,
                 num_prompt_tokens=num_prompt_tokens,
                 prompt=request.blocks,
@@ -394,17 +434,25 @@ class Failover:
                 try:
                     with instance.call() as mark_running:
                         async for response in call:
+                            if role == "decode" and response.handed_over:
+                                raise HandedOver(instance)
                             first, streamed = not streamed, True
                             mark_running()
                             event = TokenEvent.from_response(response, first)
+                            handed_over = False
                             if first:
                                 event.call_sent_at, event.answered_at = sent_at, time.monotonic()
                             elif isinstance(call, MuxCall):
                                 # Responses that queued up while this stream was behind go out as one
                                 # event: one detokenizer pass, one chunk, one write for all of them.
                                 for queued in call.take_ready():
+                                    if role == "decode" and queued.handed_over:
+                                        handed_over = True
+                                        break
                                     event.extend(TokenEvent.from_response(queued, False))
                             yield event
+                            if handed_over:
+                                raise HandedOver(instance)
                     return
                 except grpc.aio.AioRpcError as error:
                     traced.failed(error)

@@ -138,8 +138,8 @@ class GatewayMetrics:
         self.migrations = Counter(
             "splitserve_migrations",
             "Requests whose decode instance failed mid-stream: resumed on another one, or failed (exhausted: "
-            "--max-migrations spent; "
-            "unsupported: a structured output)",
+            "--max-migrations spent; unsupported: a structured output); handed_over: its draining decode "
+            "instance handed it back and it resumed on another one",
             ["outcome"],
             registry=r,
         )

@@ -5,6 +5,10 @@ stream, in two steps:
 1. :meth:`LocalActuator.drain`: SIGUSR1. The instance turns NOT_SERVING in its health and its
    registry record (serving/instance.py, the state a dead engine puts it in, which gateways
    already skip), and keeps serving what it holds and what a gateway sent before it learnt.
+   A decode instance drained with ``hand_over`` gets SIGUSR2 instead: the same, and then it
+   hands each stream it may back to its gateway, which resumes it on another decode instance
+   after the tokens already sent (gateway/failover.py), so it is idle within a step or two
+   instead of after its longest stream.
 2. :meth:`LocalActuator.stop`, called by the planner once every gateway shows the instance
    idle (``InstanceView.idle``: routed to by none, no call outstanding, no request, no pinned
    block): SIGTERM, which deregisters it and stops its server with nothing left in flight.
@@ -35,6 +39,8 @@ from planner.decision import Role
 logger = logging.getLogger(__name__)
 
 State = Literal["starting", "ready", "draining", "stopped"]
+DecodeDrain = Literal["hand-over", "wait"]  # how a decode instance drains (--decode-drain)
+DECODE_DRAINS: tuple[DecodeDrain, ...] = ("hand-over", "wait")
 STOP_TIMEOUT_S = 40.0  # an instance's own drain on SIGTERM is 30 s at most (serving/instance.py)
 CommandFor = Callable[[Role, str], list[str]]  # (role, instance id) -> argv
 
@@ -95,13 +101,19 @@ class LocalActuator:
                 instance.ready_at - instance.started_at,
             )
 
-    def drain(self, instance: ManagedInstance) -> None:
-        """Stop new work going to a ready instance; it keeps serving what it holds."""
+    def drain(self, instance: ManagedInstance, hand_over: bool = False) -> None:
+        """Stop new work going to a ready instance; it keeps serving what it holds, or, with
+        ``hand_over``, hands its streams back to their gateways to resume elsewhere."""
         if instance.state != "ready":
             raise RuntimeError(f"bug: draining {instance.instance_id} in state {instance.state}; only ready ones drain")
-        instance.process.send_signal(signal.SIGUSR1)
+        instance.process.send_signal(signal.SIGUSR2 if hand_over else signal.SIGUSR1)
         instance.state, instance.drain_started_at = "draining", time.monotonic()
-        logger.info("draining %s instance %s", instance.role, instance.instance_id)
+        logger.info(
+            "draining %s instance %s%s",
+            instance.role,
+            instance.instance_id,
+            " (handing its streams over)" if hand_over else "",
+        )
 
     def stop(self, instance: ManagedInstance) -> int | None:
         """SIGTERM and wait for the exit (the instance drains what little is left, as on any

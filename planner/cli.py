@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_tokens=args.plan_prompt_tokens,
         output_tokens=args.plan_output_tokens,
         measured=measured,
+        decode_drain=args.decode_drain,
     )
     metrics = PlannerMetrics()
     if args.metrics_port is not None:

@@ -3,7 +3,10 @@ an HPA scaling a Deployment down at the planner's word) cuts no stream.
 
 In call order: SIGUSR1 to the instance's process (``--pid``, 1 in a container whose entrypoint
 is ``splitserve``): it turns NOT_SERVING in its health and its registry record, so gateways send
-it nothing new, and it keeps serving what it holds (``serving/instance.py``); then read its own
+it nothing new, and it keeps serving what it holds (``serving/instance.py``); with
+``--hand-over``, SIGUSR2: a decode instance then also hands each stream it may back to its
+gateway, which resumes it on another decode instance, so it is idle within a step or two
+instead of at the end of its longest stream; then read its own
 metrics endpoint (``--metrics-port``, ``serving/metrics.py``) until it shows nothing held (no
 request waiting or running, no KV pull in flight, every KV block free: none pinned for a pull)
 ``--idle-checks`` times in a row, a poll apart, since a gateway may still send what it routed
@@ -35,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-url", required=True, help="the instance's own metrics, http://127.0.0.1:PORT/metrics"
     )
+    parser.add_argument(
+        "--hand-over",
+        action="store_true",
+        help="a decode instance hands its streams back to their gateways, to resume on another decode instance, "
+        "instead of finishing them itself (SIGUSR2 rather than SIGUSR1)",
+    )
     parser.add_argument("--poll-seconds", type=float, default=1.0, help="between two reads of its metrics")
     parser.add_argument("--idle-checks", type=int, default=3, help="reads in a row that must show nothing held")
     parser.add_argument(
@@ -56,8 +65,12 @@ def held(metrics_text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.kill(args.pid, signal.SIGUSR1)
-    logger.info("drain: told process %d to stop taking requests; waiting until it holds nothing", args.pid)
+    os.kill(args.pid, signal.SIGUSR2 if args.hand_over else signal.SIGUSR1)
+    logger.info(
+        "drain: told process %d to stop taking requests%s; waiting until it holds nothing",
+        args.pid,
+        " and hand its streams over" if args.hand_over else "",
+    )
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     idle_in_a_row = 0
     while idle_in_a_row < args.idle_checks:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from planner.actuator import DECODE_DRAINS
 from planner.capacity import Slo
 from planner.decision import ROLES, PlannerBounds, RoleBounds
 from planner.predictors import PREDICTORS
@@ -40,6 +41,17 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...]) -> None:
         parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
 
 
+def add_decode_drain_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--decode-drain",
+        choices=list(DECODE_DRAINS),
+        default="hand-over",
+        help="how a decode instance the planner scales down drains: hand-over (SIGUSR2: it hands its streams "
+        "back to their gateways, which resume them on another decode instance, so it stops within a step or "
+        "two), or wait (SIGUSR1: it finishes every stream it holds first) (default hand-over)",
+    )
+
+
 def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, _FLAGS)
     parser.add_argument(
@@ -48,6 +60,7 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
         default="moving-average",
         help="the load predictor: the one that predicted the benchmark's day best at 5 s intervals (docs/planner.md)",
     )
+    add_decode_drain_argument(parser)
 
 
 def planner_argv(args: argparse.Namespace) -> list[str]:
@@ -55,7 +68,7 @@ def planner_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for flag, _, _, _ in _FLAGS:
         argv += [flag, str(getattr(args, flag.lstrip("-").replace("-", "_")))]
-    return argv + ["--predictor", args.predictor]
+    return argv + ["--predictor", args.predictor, "--decode-drain", args.decode_drain]
 
 
 def slo_of(args: argparse.Namespace) -> Slo:

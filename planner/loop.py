@@ -17,8 +17,9 @@
    start under way is not started twice;
 5. act: start instances; or, to shrink, stop starting instances no gateway lists yet (they
    hold nothing), and drain ready ones, the least busy first, only while none of the role is
-   starting (the pool never dips below what serves now); log the decision and its reasons and
-   set the metrics (``planner/metrics.py``).
+   starting (the pool never dips below what serves now); a decode instance drains by handing
+   its streams over to the rest of the pool unless ``--decode-drain wait``; log the decision
+   and its reasons and set the metrics (``planner/metrics.py``).
 
 The loop runs on one thread and is the only writer of the actuator's instances and of the
 cooldowns.
@@ -31,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from planner.actuator import LocalActuator, ManagedInstance
+from planner.actuator import DecodeDrain, LocalActuator, ManagedInstance
 from planner.capacity import InstanceCapacity, Slo, Workload
 from planner.capacity_profile import CapacityProfile, calibrated_capacity
 from planner.decision import ROLES, Cooldowns, Decision, Observed, PlannerBounds, Role, decide
@@ -59,6 +60,7 @@ class PlannerConfig:
     output_tokens: float = 128.0
     # A measured profile that corrects the timing model's capacity (planner/capacity_profile.py).
     measured: CapacityProfile | None = None
+    decode_drain: DecodeDrain = "hand-over"  # how a decode instance scaled down drains (planner/actuator.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,9 +251,10 @@ class Planner:
             view = observation.instances.get(instance.instance_id)
             return view.num_running + view.num_waiting if view is not None else 0
 
-        # The least busy first, so the drain ends soonest.
+        # The least busy first, so the drain ends soonest (and, handing over, moves the fewest streams).
+        hand_over = role == "decode" and self.config.decode_drain == "hand-over"
         for instance in sorted(ready, key=busy)[:excess]:
-            self.actuator.drain(instance)
+            self.actuator.drain(instance, hand_over=hand_over)
         return True
 
     def _report(

@@ -159,6 +159,7 @@ class ServiceCounters:
     num_kv_handbacks: int = 0  # D
     num_kv_handles_refused: int = 0  # D: unsigned or altered handles (cluster/handle_signing.py)
     num_local_prefills: int = 0  # D: calls without a KV handle, prefilled here (conditional disaggregation)
+    num_handovers: int = 0  # D: streams handed back to their gateways by a drain (SIGUSR2)
 
 
 @dataclass
@@ -179,6 +180,10 @@ class Instance:
     plane: InternalPlane = field(default_factory=InternalPlane)  # the cluster secret and TLS of its gRPC
     tracer: Tracer | None = None  # None: tracing is off (cluster/tracing.py)
     phase_metrics: PhaseMetrics = field(init=False)  # its share of requests' phases (serving/request_timing.py)
+    # Set by serve() once a drain that hands streams over (SIGUSR2) has told gateways this
+    # instance serves nothing new: from then on the decode servicer ends each call that may
+    # hand over, for its gateway to resume elsewhere (decode_svc/server.py).
+    handing_over: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.phase_metrics = PhaseMetrics(self.instance_id, self.role)
@@ -346,12 +351,17 @@ async def serve(
     freeze_heap: bool = True,
     drain: asyncio.Event | None = None,
     multiplexed: Mapping[str, MultiplexedMethod] | None = None,
+    hand_over: asyncio.Event | None = None,
 ) -> None:
     """Start engine, connector and gRPC server; run until SIGTERM/SIGINT (or ``stop`` is set,
     for a caller that runs the instance in its own event loop), then drain and stop.
     SIGUSR1 (or ``drain`` set) turns the instance NOT_SERVING in health and the registry, as a
     dead engine does, while it keeps serving: gateways route nothing new here and every stream
     already here runs to its end, so that a planner stops it, idle, without cutting one.
+    SIGUSR2 (or ``hand_over`` set with ``drain``) drains faster: once NOT_SERVING is out, a
+    decode instance hands each stream whose gateway can resume it back to that gateway, which
+    moves it to another decode instance after the tokens already sent (as it does when a
+    decode instance dies); the rest run to their end here.
     ``kv_loader`` (decode role): what fills hand-offs' blocks, given to the engine as it starts.
     ``on_start`` runs once the engine runs, before the server takes calls; ``on_stop`` once the
     server has drained, before the connector and engine stop. ``freeze_heap``: exempt what start-up
@@ -431,7 +441,9 @@ async def serve(
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         loop.add_signal_handler(signal.SIGUSR1, drain.set)
-    stop_serving = asyncio.create_task(_stop_serving_on(drain, instance, health_servicer, heartbeat))
+        hand_over = hand_over or asyncio.Event()
+        loop.add_signal_handler(signal.SIGUSR2, drain_handing_over, drain, hand_over)
+    stop_serving = asyncio.create_task(_stop_serving_on(drain, instance, health_servicer, heartbeat, hand_over))
     await stop.wait()
     logger.info("draining: no new requests, waiting up to %.0f s for in-flight ones", DRAIN_GRACE_S)
     for task in (watch, stop_serving):
@@ -456,22 +468,39 @@ async def serve(
     logger.info("stopped after draining for %.1f s", time.monotonic() - started)
 
 
+def drain_handing_over(drain: asyncio.Event, hand_over: asyncio.Event) -> None:
+    """SIGUSR2: drain, and hand the streams over (:func:`serve`)."""
+    hand_over.set()
+    drain.set()
+
+
 async def _stop_serving_on(
     drain: asyncio.Event | None,
     instance: Instance,
     health_servicer: health.aio.HealthServicer,
     heartbeat: RegistryHeartbeat | None,
+    hand_over: asyncio.Event | None = None,
 ) -> None:
     """Once ``drain`` is set: NOT_SERVING in health and, at once, in the registry; the server
-    keeps serving what it holds and what a gateway sent before it learnt."""
+    keeps serving what it holds and what a gateway sent before it learnt. With ``hand_over``
+    set too, the streams that may be handed over go back to their gateways then: only once
+    gateways are told, so that fewer route a resumed stream straight back here."""
     if drain is None:
         return
     await drain.wait()
-    logger.info("%s %s: not serving new requests; finishing those it holds", instance.role, instance.instance_id)
+    handing_over = hand_over is not None and hand_over.is_set()
+    logger.info(
+        "%s %s: not serving new requests; %s",
+        instance.role,
+        instance.instance_id,
+        "handing the streams it may over to their gateways" if handing_over else "finishing those it holds",
+    )
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     if heartbeat is not None:
         heartbeat.set_serving(False)
         await heartbeat.beat()  # now, not at the next heartbeat: gateways stop routing here sooner
+    if handing_over:
+        instance.handing_over.set()
 
 
 async def _watch_engine(

@@ -18,7 +18,9 @@ only its event loop's timers. The role's own flags all apply (``splitserve simul
 In call order: parse; build each instance (its engine core loads the model folder's
 ``config.json`` and tokenizer, no weights); serve them all on one event loop until SIGTERM or
 SIGINT, then each drains as a real instance does. SIGUSR1: every instance turns NOT_SERVING
-(health and registry) and keeps serving what it holds, for a planner to stop it once idle.
+(health and registry) and keeps serving what it holds, for a planner to stop it once idle;
+SIGUSR2: the same, and a decode instance hands its streams back to their gateways to resume
+elsewhere (serving/instance.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from decode_svc import server as decode_server
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, EngineRole
 from prefill_svc import server as prefill_server
-from serving.instance import Instance, engine_config, fingerprint_of
+from serving.instance import Instance, drain_handing_over, engine_config, fingerprint_of
 from simulator.connector import SimulatedConnector
 from simulator.runner import simulated_runner_factory
 from simulator.timing_model import DEFAULT_PROFILE, TimingProfile, load_profile
@@ -126,15 +128,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve_all(instances: list[Instance], each_args: list[argparse.Namespace]) -> None:
-    stop, drain = asyncio.Event(), asyncio.Event()
+    stop, drain, hand_over = asyncio.Event(), asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, drain.set)  # every instance of the process stops serving new requests
+    loop.add_signal_handler(signal.SIGUSR2, drain_handing_over, drain, hand_over)  # and hands its streams over
     serve_instance = ROLE_SERVERS[instances[0].role].serve_instance
     await asyncio.gather(
         *(
-            serve_instance(instance, args, stop=stop, freeze_heap=False, drain=drain)
+            serve_instance(instance, args, stop=stop, freeze_heap=False, drain=drain, hand_over=hand_over)
             for instance, args in zip(instances, each_args)
         )
     )

@@ -96,7 +96,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., phases: _Optional[_Union[_generation_pb2.RequestPhases, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "priority", "cache_salt", "allow_recompute")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "priority", "cache_salt", "allow_recompute", "may_hand_over")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class DecodeRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    MAY_HAND_OVER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -113,7 +114,8 @@ class DecodeRequest(_message.Message):
     priority: int
     cache_salt: str
     allow_recompute: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., allow_recompute: bool = ...) -> None: ...
+    may_hand_over: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., allow_recompute: bool = ..., may_hand_over: bool = ...) -> None: ...
 
 class KVTransfer(_message.Message):
     __slots__ = ("num_pulled_blocks", "num_local_hit_blocks", "num_bytes", "seconds", "recomputed")
@@ -130,7 +132,7 @@ class KVTransfer(_message.Message):
     def __init__(self, num_pulled_blocks: _Optional[int] = ..., num_local_hit_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., recomputed: bool = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_transfer", "num_cached_tokens", "phases")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "kv_transfer", "num_cached_tokens", "phases", "handed_over")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +141,7 @@ class DecodeResponse(_message.Message):
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
@@ -147,7 +150,8 @@ class DecodeResponse(_message.Message):
     kv_transfer: KVTransfer
     num_cached_tokens: int
     phases: _generation_pb2.RequestPhases
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., phases: _Optional[_Union[_generation_pb2.RequestPhases, _Mapping]] = ...) -> None: ...
+    handed_over: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., phases: _Optional[_Union[_generation_pb2.RequestPhases, _Mapping]] = ..., handed_over: bool = ...) -> None: ...
 
 class RequestRef(_message.Message):
     __slots__ = ("request_id",)
@@ -228,7 +232,7 @@ class LoadReport(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., connector: _Optional[str] = ..., connector_address: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., max_model_len: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., counters: _Optional[_Union[InstanceCounters, _Mapping]] = ..., engine_error: _Optional[str] = ..., num_kv_transfers_in_flight: _Optional[int] = ..., num_kv_connections: _Optional[int] = ...) -> None: ...
 
 class InstanceCounters(_message.Message):
-    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks", "num_kv_handles_refused", "num_local_prefills", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_steps", "step_seconds", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_spec_verifications_by_accepted")
+    __slots__ = ("num_preemptions", "num_lease_renewals", "num_lease_expiries", "num_pulls_cut_off", "num_kv_pull_failures", "num_kv_recomputes", "num_kv_handbacks", "num_kv_handles_refused", "num_local_prefills", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_steps", "step_seconds", "num_spec_draft_tokens_per_pos", "num_spec_accepted_tokens_per_pos", "num_spec_verifications_by_accepted", "num_handovers")
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_RENEWALS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +249,7 @@ class InstanceCounters(_message.Message):
     NUM_SPEC_DRAFT_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_VERIFICATIONS_BY_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOVERS_FIELD_NUMBER: _ClassVar[int]
     num_preemptions: int
     num_lease_renewals: int
     num_lease_expiries: int
@@ -261,7 +266,8 @@ class InstanceCounters(_message.Message):
     num_spec_draft_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
     num_spec_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
     num_spec_verifications_by_accepted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_verifications_by_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_handovers: int
+    def __init__(self, num_preemptions: _Optional[int] = ..., num_lease_renewals: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_pulls_cut_off: _Optional[int] = ..., num_kv_pull_failures: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_kv_handbacks: _Optional[int] = ..., num_kv_handles_refused: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., num_spec_draft_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_spec_verifications_by_accepted: _Optional[_Iterable[int]] = ..., num_handovers: _Optional[int] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("epoch", "after_seq", "max_hashes", "snapshot_offset", "heartbeat_ms")

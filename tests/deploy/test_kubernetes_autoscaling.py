@@ -243,6 +243,8 @@ def test_instances_drain_in_a_pre_stop_hook_within_their_grace(rendered: list[di
     assert hook[0] == "splitserve"
     drain = parse_command(hook[1:])
     assert drain.command == "drain" and drain.pid == 1, "the entrypoint's process is the instance"
+    # A decode pod hands its streams over to the pods that stay; a prefill pod has none to hand.
+    assert drain.hand_over == (role == "decode")
     metrics_url = urlsplit(drain.metrics_url)
     assert (metrics_url.hostname, metrics_url.port) == ("127.0.0.1", instance.metrics_port)
     # Grace: the hook and then SIGTERM's own drain. A decode pod's hook lasts as long as its

@@ -125,9 +125,11 @@ def stream_killing_decode(
     body: dict[str, object],
     after_chunks: int,
     headers: dict[str, str] | None = None,
+    signum: int = signal.SIGKILL,
 ) -> tuple[list[dict[str, object]], Service]:
-    """Stream ``body``, SIGKILL the one of ``decodes`` serving it once ``after_chunks`` chunks
-    arrived; return every chunk of the stream and the instance that was not killed."""
+    """Stream ``body``, SIGKILL (or send ``signum`` to) the one of ``decodes`` serving it once
+    ``after_chunks`` chunks arrived; return every chunk of the stream and the instance that
+    was not signalled."""
     chunks: list[dict[str, object]] = []
     survivor = None
     with (
@@ -146,6 +148,9 @@ def stream_killing_decode(
                 assert sorted(running_on) == [0, 1], running_on
                 victim = decodes[running_on.index(1)]
                 survivor = decodes[running_on.index(0)]
-                victim.stop(signal.SIGKILL)
-    assert survivor is not None, "the stream ended before the kill"
+                if signum == signal.SIGKILL:
+                    victim.stop(signal.SIGKILL)
+                else:
+                    victim.process.send_signal(signum)
+    assert survivor is not None, "the stream ended before the signal"
     return chunks, survivor

@@ -1,13 +1,16 @@
 """Request migration over real processes (tiny random model, UCX on loopback): a decode
 instance killed mid-stream, the request resumes on another one and the client's stream
 continues with no token duplicated or missing; greedy, the text and tokens are those of an
-uninterrupted run. With ``--max-migrations 0`` the stream ends with an error instead.
+uninterrupted run. With ``--max-migrations 0`` the stream ends with an error instead. A
+decode instance that drains by handing its streams over (SIGUSR2, the planner's scale-down)
+hands the stream back mid-way and it resumes the same way, outside the migration budget.
 After each scenario every surviving instance reports all KV blocks free."""
 
 from __future__ import annotations
 
 import logging
 import re
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,3 +84,26 @@ def test_without_a_migration_budget_the_stream_ends_with_an_error(model: Path, p
             assert _migrations(gateway) == {"exhausted": 1.0}
         assert "error" in chunks[-1], chunks[-1]
         assert_all_free(prefill, survivor)
+
+
+def test_a_draining_decode_hands_its_stream_over_and_the_text_is_an_uninterrupted_runs(
+    model: Path, prefill: Service
+) -> None:
+    # --max-migrations 0: a hand-over is no failure and spends none of the budget.
+    with two_decodes(model) as decodes:
+        with running_gateway(model, *routes(prefill, *decodes), "--max-migrations", "0") as gateway:
+            uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]
+            chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5, signum=signal.SIGUSR2)
+            assert _migrations(gateway) == {"handed_over": 1.0}
+        drained = decodes[1 - decodes.index(survivor)]
+        text, tokens = _text_and_tokens(chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+        assert len(tokens) == BODY["max_tokens"]  # none missing, none twice
+        assert tokens == uninterrupted["logprobs"]["tokens"]
+        assert text == uninterrupted["text"]
+        # The drained instance is still up, holds nothing, and handed over the one stream.
+        assert drained.process.poll() is None
+        assert drained.load().counters.num_handovers == 1
+        assert survivor.load().counters.num_handovers == 0
+        assert_all_free(prefill, survivor, drained)
+        assert drained.stop() == 0

@@ -5,15 +5,17 @@ stream ran to its last token, and the instance then stops on SIGTERM at once, cl
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import httpx
 
 from launcher.processes import splitserve_command
-from planner.drain import held
+from planner.drain import add_arguments, held, run
 from tests.gateway.processes import HTTPProcess
 from tests.simulator.cluster import (
     MODEL,
@@ -123,3 +125,32 @@ def test_the_drain_hook_returns_only_once_the_instance_holds_nothing(tmp_path: P
         for process in reversed(started):
             process.stop()
         stop(redis_process)
+
+
+# A process that blocks both drain signals, says so, and prints the first one it gets.
+_SIGNAL_WAITER = """
+import signal
+signals = {signal.SIGUSR1, signal.SIGUSR2}
+signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+print("waiting", flush=True)
+print(signal.Signals(signal.sigwait(signals)).name, flush=True)
+"""
+
+
+def test_the_hook_sends_sigusr2_to_hand_streams_over_and_sigusr1_otherwise() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    closed_port = free_port()  # nothing listens: the hook returns 1 once it has signalled
+    for flags, expected in (([], "SIGUSR1"), (["--hand-over"], "SIGUSR2")):
+        waiter = subprocess.Popen([sys.executable, "-c", _SIGNAL_WAITER], stdout=subprocess.PIPE, text=True)
+        try:
+            assert waiter.stdout is not None and waiter.stdout.readline().strip() == "waiting"
+            metrics_url = f"http://127.0.0.1:{closed_port}/metrics"
+            args = parser.parse_args([*flags, "--pid", str(waiter.pid), "--metrics-url", metrics_url])
+            assert run(args) == 1, "the instance's metrics were unreachable"
+            assert waiter.stdout.readline().strip() == expected
+            assert waiter.wait(timeout=30) == 0
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+                waiter.wait()

@@ -1,8 +1,11 @@
 """The planner against a real simulated cluster: a real gateway finding instances in a real
 Redis, instances that the planner starts as processes of their own. Under a step of load it
 grows the decode pool, counting the new instance from the moment every gateway routes to it;
-when the load ends it drains decode instances that still hold streams, and stops each only
-once its streams have run to their end (none cut); afterwards no KV block is left in use.
+when the load ends it drains decode instances that still hold streams, which hand them over
+to the gateway to resume on the instances that stay (``--decode-drain hand-over``, the
+default), and stops each once it holds nothing; every stream runs to its end (none cut) and
+afterwards no KV block is left in use. (The other drain, waiting for the streams to end on
+the drained instance: tests/planner/test_real_drain.py.)
 
 The planner runs in this process, its ticks called by the test one interval apart as its loop
 calls them, so that it acts on the traffic the test has set up (streams on every decode
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -175,6 +179,11 @@ def failed_requests(url: str) -> float:
     )
 
 
+def gateway_migrations(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'splitserve_migrations_total\{outcome="(\w+)"\} (\S+)', text)}
+
+
 def test_the_planner_scales_decode_up_from_readiness_and_down_without_cutting_a_stream(
     cluster: PlannedCluster,
 ) -> None:
@@ -259,6 +268,9 @@ def test_the_planner_scales_decode_up_from_readiness_and_down_without_cutting_a_
     )
     assert [i.process.returncode for i in drained] == [0] * len(drained)
     assert failed_requests(cluster.gateway.url) == 0
+    # The drained instances handed their streams over; nothing failed over.
+    migrations = gateway_migrations(cluster.gateway.url)
+    assert migrations.get("handed_over", 0) >= 1 and set(migrations) == {"handed_over"}, migrations
     # No KV block left in use on the instances that remain.
     remaining = {i.instance_id for i in cluster.actuator.live()}
 
