@@ -27,6 +27,7 @@ requests met both SLOs at p90 (TTFT from the client's send to its first token; I
 gateway's own chunk write times, so a client short of CPU does not count), each SLO alone,
 the instance-seconds from the trace's start to its last request's end (start-up and drain
 included), the requests that failed (no token) or were cut (a stream that ended short), the
+streams handed over by a draining decode instance (resumed on another: not cut), the
 KV blocks still held once every instance was idle after the replay (a leak), and each
 instance's command line.
 """
@@ -51,7 +52,14 @@ import numpy as np
 
 from bench.day_trace import Arrival, RequestKind, day_trace, windows_of
 from bench.planner_args import parse
-from bench.planner_cluster import InstanceSpec, Stack, blocks_held_when_idle, measure_capacity, wait_ready
+from bench.planner_cluster import (
+    InstanceSpec,
+    Stack,
+    blocks_held_when_idle,
+    measure_capacity,
+    streams_handed_over,
+    wait_ready,
+)
 from bench.token_gaps import CHUNK_TIMES_HEADER, parse_chunk_times
 from launcher.processes import embedded_model
 from planner.actuator import LocalActuator
@@ -116,6 +124,7 @@ class ModeResult:
     num_failed: int
     num_cut: int
     num_blocks_held: int  # KV blocks still held once every instance was idle after the replay: leaked
+    num_handed_over: int  # streams a draining decode instance handed over, resumed on another (none cut)
     instance_commands: dict[str, list[str]]  # each instance's command line, by instance id
 
     @property
@@ -292,6 +301,7 @@ def run_mode(
             max(0.0, min(i.stopped_at or ended, ended) - max(i.started_at, started)) for i in actuator.instances
         )
         blocks_held = blocks_held_when_idle(scraper)
+        handed_over = streams_handed_over(stack.url)
     finally:
         stop.set()
         if thread.is_alive():
@@ -311,6 +321,7 @@ def run_mode(
         sum(r.failed for r in results),
         sum(r.cut for r in results),
         blocks_held,
+        handed_over,
         {i.instance_id: [str(arg) for arg in i.process.args] for i in actuator.instances},
     )
 
@@ -364,7 +375,7 @@ def report(results: list[ModeResult], args: argparse.Namespace, measured: Capaci
         f"{what}; SLOs TTFT p90 {args.ttft_slo:g} s, ITL p90 {args.itl_slo:g} s (profile time); "
         f"{len(results[0].windows)} windows of {args.window_s:g} s",
         f"{'way':<12} {'sizes P+D':>10} {'both SLOs':>10} {'TTFT':>6} {'ITL':>6} {'inst-s':>9} {'vs peak':>8} "
-        f"{'requests':>9} {'failed':>7} {'cut':>5} {'leaked':>7}",
+        f"{'requests':>9} {'failed':>7} {'cut':>5} {'leaked':>7} {'handed over':>12}",
     ]
     for r in results:
         share = (
@@ -374,7 +385,7 @@ def report(results: list[ModeResult], args: argparse.Namespace, measured: Capaci
             f"{r.mode:<12} {r.sizes['prefill']:>4}+{r.sizes['decode']:<5} {r.attainment:>10.0%} "
             f"{sum(w.ttft_met for w in r.windows) / len(r.windows):>6.0%} "
             f"{sum(w.itl_met for w in r.windows) / len(r.windows):>6.0%} {r.instance_seconds:>9.0f} {share:>8} "
-            f"{r.num_requests:>9} {r.num_failed:>7} {r.num_cut:>5} {r.num_blocks_held:>7}"
+            f"{r.num_requests:>9} {r.num_failed:>7} {r.num_cut:>5} {r.num_blocks_held:>7} {r.num_handed_over:>12}"
         )
     return "\n".join(lines)
 

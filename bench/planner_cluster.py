@@ -20,9 +20,12 @@ import logging
 import os
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.processes import free_port, splitserve_command
 from planner.actuator import CommandFor, LocalActuator
@@ -184,6 +187,21 @@ def blocks_held_when_idle(scraper: GatewayScraper) -> int:
         if (held == 0 and not busy) or time.monotonic() > deadline:
             return held
         time.sleep(0.2)
+
+
+def streams_handed_over(gateway_url: str) -> int:
+    """Streams the gateway resumed elsewhere because their draining decode instance handed them
+    over (``splitserve_migrations_total{outcome="handed_over"}``)."""
+    with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "splitserve_migrations_total" and sample.labels.get("outcome") == "handed_over"
+        )
+    )
 
 
 def measure_capacity(
