@@ -1,7 +1,8 @@
 """EAGLE through the prefill/decode hand-off over LMCache, as real processes on loopback sharing a
 real Redis server: P stores its draft's KV over the prompt beside the prompt's chunks and the
-signed handle carries its digest; D fetches it with the chunks it lacks (alone when its prefix
-cache holds every block: it caches no draft KV) and verifies P's chain at its first step. Greedy
+signed handle carries its digest (EAGLE and EAGLE-3 drafts alike); D fetches it with the chunks
+it lacks (alone when its prefix cache holds every block: it caches no draft KV) and verifies P's
+chain at its first step. Greedy
 tokens equal the colocated engine's without speculation; a draft object the store lost or
 altered fails the pull as a lost or forged chunk does; no block leaks after a finish, an abort
 or a failed pull. (The connector's side, keys and refusals: tests/kv_connector/test_lmcache_draft_kv.py.)"""
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -20,9 +22,11 @@ import redis
 from cluster.auth import ClusterSecret
 from cluster.derived_keys import kv_store_key
 from engine import LLM
+from engine.spec_decode.eagle3_checkpoint import save_eagle3_draft
 from serving.convert import fingerprint_from_proto
 from splitserve.v1 import disaggregation_pb2, generation_pb2
 from tests.checkpoints import random_prompts
+from tests.engine.spec_decode.eagle3_drafts import random_eagle3_draft
 from tests.engine.spec_decode.eagle_drafts import make_eagle_draft
 from tests.services.client import (
     assert_all_free,
@@ -49,14 +53,33 @@ def draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def services(model: Path, draft: Path, redis_url: str) -> Iterator[tuple[Service, Service]]:
-    speculative = json.dumps({"method": "eagle", "model": str(draft), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
+def eagle3_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("eagle3") / "draft"
+    save_eagle3_draft(random_eagle3_draft(feature_layer_ids=(0, 1)), folder, "speculators", {})
+    return folder
+
+
+@contextmanager
+def lmcache_pair(model: Path, method: str, draft: Path, redis_url: str) -> Iterator[tuple[Service, Service]]:
+    speculative = json.dumps({"method": method, "model": str(draft), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
     flags = ("--kv-connector", "lmcache", "--lmcache-url", redis_url, "--speculative-config", speculative)
     with (
         running("prefill", model, *flags, secret=SECRET) as prefill,
         running("decode", model, *flags, secret=SECRET) as decode,
     ):
         yield prefill, decode
+
+
+@pytest.fixture(scope="module")
+def services(model: Path, draft: Path, redis_url: str) -> Iterator[tuple[Service, Service]]:
+    with lmcache_pair(model, "eagle", draft, redis_url) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def eagle3_services(model: Path, eagle3_draft: Path, redis_url: str) -> Iterator[tuple[Service, Service]]:
+    with lmcache_pair(model, "eagle3", eagle3_draft, redis_url) as pair:
+        yield pair
 
 
 def draft_object(redis_url: str, prefilled: disaggregation_pb2.PrefillResponse, colocated: LLM) -> str:
@@ -72,13 +95,15 @@ def draft_object(redis_url: str, prefilled: disaggregation_pb2.PrefillResponse, 
     return name
 
 
+@pytest.mark.parametrize("pair", ["services", "eagle3_services"])
 def test_the_draft_kv_crosses_with_the_chunks_whatever_d_holds(
-    services: tuple[Service, Service], colocated: LLM
+    pair: str, request: pytest.FixtureRequest, colocated: LLM
 ) -> None:
     """Each pull's bytes are the chunks D lacked plus the draft's KV over the positions P's target
     computed (P's own prefix-cache hits have none), alone when D holds every block; D verifies
-    P's chain at its first step; the tokens are the colocated engine's without speculation."""
-    prefill, decode = services
+    P's chain at its first step; the tokens are the colocated engine's without speculation.
+    EAGLE and EAGLE-3 drafts alike (one draft layer each, its KV in the target's KV shape)."""
+    prefill, decode = request.getfixturevalue(pair)
     runner = colocated.engine.runner
     shape = runner.shape
     # One entry of the one-layer draft: K and V of the target's KV heads, in the served dtype.
