@@ -6,6 +6,7 @@ every instance reports all KV blocks free."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import signal
@@ -84,20 +85,45 @@ def _healthy(gateway: HTTPProcess, address: str) -> bool:
     return found is not None and float(found[1]) == 1.0
 
 
+def _indexed_blocks(gateway: HTTPProcess, address: str) -> float:
+    """Prefix-cache blocks the gateway's index holds for the instance at ``address``."""
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    pattern = rf'splitserve_instance_indexed_kv_blocks\{{[^}}]*address="{re.escape(address)}"[^}}]*\}} (\S+)'
+    found = re.search(pattern, text)
+    return float(found[1]) if found is not None else 0.0
+
+
 def _delta(after: dict[str, float], before: dict[str, float], address: str) -> int:
     return int(after.get(address, 0) - before.get(address, 0))
 
 
 def test_a_burst_of_long_prompts_spreads_over_both_prefill_instances(model: Path, cluster) -> None:
     prefills, decodes = cluster
+
+    async def burst(url: str) -> list[httpx.Response]:
+        # One event loop sends all eight at once: threads on a starved host could send them far apart.
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{url}/v1/completions",
+                        json={"prompt": _prompt(i, 900), "max_tokens": 4, "ignore_eos": True, "temperature": 0},
+                    )
+                    for i in range(8)
+                )
+            )
+
     with running_gateway(model, *routes(*prefills, *decodes), "--routing", "kv") as gateway:
         before = _routed(gateway)
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda i: _complete(gateway.url, _prompt(i, 900)), range(8)))
+        answers = asyncio.run(burst(gateway.url))
         assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
         after = _routed(gateway)
     served = [_delta(after, before, p.address) for p in prefills]
-    assert sum(served) == 8 and min(served) >= 3, f"prefill instances served {served}"
+    # Prompts queued at an instance count against it, so the burst spreads; equally idle ones go
+    # in tie order, so without that every prompt would go to one. kv routing weighs each instance's
+    # queue by its own measured prefill rate, and on a busy host one may measure itself markedly
+    # faster and take the larger share: the split need not be even.
+    assert sum(served) == 8 and min(served) >= 2, f"prefill instances served {served}"
     assert_all_free(*prefills, *decodes)
 
 
@@ -113,7 +139,11 @@ def test_a_shared_prefix_lands_on_the_instance_that_holds_it(model: Path, cluste
     )
     assert warm.HasField("kv")
     with running_gateway(model, *routes(*prefills, *decodes), "--routing", "kv") as gateway:
-        time.sleep(0.5)  # a KV event poll or two
+        # Until the gateway's index has the holder's cached prefix (its KV events reached it).
+        deadline = time.monotonic() + 120  # a safety net, far past the wait
+        while _indexed_blocks(gateway, holder.address) < len(system) // 16 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _indexed_blocks(gateway, holder.address) >= len(system) // 16, "the holder's blocks never indexed"
         before = _routed(gateway)
         cached = []
         for i in range(4):
