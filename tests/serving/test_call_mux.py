@@ -233,7 +233,12 @@ async def test_a_stream_without_the_cluster_secret_is_refused(instance: Instance
         call = mux.call("generate", generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1])))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await tokens(call)
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The server's credential check refused the stream before any handler ran. The caller
+        # reads that refusal, UNAUTHENTICATED, unless gRPC's core lost the race between the
+        # stream's first message going out and the server ending it: once in CI it reported
+        # INTERNAL ("Internal error from Core") while the server had logged the refusal.
+        assert refused.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL)
+        assert instance.plane.credential_check_counts() == (1, 0)
         assert instance.servicer.started == []
     finally:
         await stranger.close()
