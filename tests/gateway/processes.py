@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -154,3 +155,9 @@ def stream_killing_decode(
                     victim.process.send_signal(signum)
     assert survivor is not None, "the stream ended before the signal"
     return chunks, survivor
+
+
+def gateway_migrations(url: str) -> dict[str, float]:
+    """The gateway's ``splitserve_migrations_total`` by outcome (resumed, exhausted, handed_over, ...)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'splitserve_migrations_total\{outcome="(\w+)"\} (\S+)', text)}

@@ -9,7 +9,6 @@ After each scenario every surviving instance reports all KV blocks free."""
 from __future__ import annotations
 
 import logging
-import re
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.processes import HTTPProcess, routes, running_gateway, stream_killing_decode
+from tests.gateway.processes import gateway_migrations, routes, running_gateway, stream_killing_decode
 from tests.services.client import assert_all_free
 from tests.services.processes import Service
 
@@ -53,11 +52,6 @@ def _text_and_tokens(chunks: list[dict[str, object]]) -> tuple[str, list[str]]:
     ]
 
 
-def _migrations(gateway: HTTPProcess) -> dict[str, float]:
-    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-    return {m[1]: float(m[2]) for m in re.finditer(r'splitserve_migrations_total\{outcome="(\w+)"\} (\S+)', text)}
-
-
 def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupted_run(
     model: Path, prefill: Service
 ) -> None:
@@ -65,7 +59,7 @@ def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupt
         with running_gateway(model, *routes(prefill, *decodes)) as gateway:
             uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]
             chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5)
-            assert _migrations(gateway) == {"resumed": 1.0}
+            assert gateway_migrations(gateway.url) == {"resumed": 1.0}
         text, tokens = _text_and_tokens(chunks)
         # Shown with --log-cli-level INFO (docs/benchmarks.md quotes it).
         logger.info("uninterrupted: %r", uninterrupted["text"])
@@ -81,7 +75,7 @@ def test_without_a_migration_budget_the_stream_ends_with_an_error(model: Path, p
     with two_decodes(model) as decodes:
         with running_gateway(model, *routes(prefill, *decodes), "--max-migrations", "0") as gateway:
             chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5)
-            assert _migrations(gateway) == {"exhausted": 1.0}
+            assert gateway_migrations(gateway.url) == {"exhausted": 1.0}
         assert "error" in chunks[-1], chunks[-1]
         assert_all_free(prefill, survivor)
 
@@ -94,7 +88,7 @@ def test_a_draining_decode_hands_its_stream_over_and_the_text_is_an_uninterrupte
         with running_gateway(model, *routes(prefill, *decodes), "--max-migrations", "0") as gateway:
             uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]
             chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5, signum=signal.SIGUSR2)
-            assert _migrations(gateway) == {"handed_over": 1.0}
+            assert gateway_migrations(gateway.url) == {"handed_over": 1.0}
         drained = decodes[1 - decodes.index(survivor)]
         text, tokens = _text_and_tokens(chunks)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]

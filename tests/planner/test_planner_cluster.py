@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from planner.loop import Planner, PlannerConfig
 from planner.metrics import PlannerMetrics
 from planner.observations import GatewayScraper
 from simulator.timing_model import load_profile
-from tests.gateway.processes import HTTPProcess
+from tests.gateway.processes import HTTPProcess, gateway_migrations
 from tests.services.processes import SERVICE_ENV
 from tests.simulator.cluster import (
     SECRET,
@@ -177,11 +176,6 @@ def failed_requests(url: str) -> float:
         for line in text.splitlines()
         if line.startswith("splitserve_requests_total{") and ('status="error' in line or 'status="abort' in line)
     )
-
-
-def gateway_migrations(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    return {m[1]: float(m[2]) for m in re.finditer(r'splitserve_migrations_total\{outcome="(\w+)"\} (\S+)', text)}
 
 
 def test_the_planner_scales_decode_up_from_readiness_and_down_without_cutting_a_stream(
