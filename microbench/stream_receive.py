@@ -79,9 +79,15 @@ class PacedMultiplex(multiplex_pb2_grpc.MultiplexServicer):
         self._pacing = pacing
 
     async def Calls(self, request_iterator, context):  # noqa: N802 - gRPC signature
-        first = await anext(aiter(request_iterator))
+        requests = aiter(request_iterator)
+        first = await anext(requests)
         async for event in self._pacing.each_message(first.calls[0].call_id):
             await context.write(multiplex_pb2.MuxEvents.FromString(event))
+        # The receiver ends the call, as the gateway ends its mux stream: a server that ended it
+        # first, its client's half still open, would reset the stream (HTTP/2 RST_STREAM), and
+        # grpclib cancels a read that the reset overtakes though the last message had arrived.
+        async for _ in requests:
+            pass
 
 
 async def serve(grpc_port: int, framed_port: int, pacing: Pacing) -> None:
