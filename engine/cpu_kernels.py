@@ -88,8 +88,9 @@ class CPUKernels:
         self._unpack_panels = _bind(library, "unpack_panels", None, [_P, _P, _I64, _I64, _I64, _INT])
         self._paged_decode_supports = _bind(library, "paged_decode_supports", _INT, [_I64] * 3)
         # decode_forward(model, input_ids, positions, slot_mapping, block_tables, block_table_stride,
-        # seq_lens, num_rows, logits, hidden_out): engine/models/native_decode.py builds the model struct.
-        self.decode_forward = _bind(library, "decode_forward", _INT, [_P] * 5 + [_I64, _P, _I64, _P, _P])
+        # seq_lens, num_rows, logits, hidden_out, capture_layers, num_captures, captured_out):
+        # engine/models/native_decode.py builds the model struct.
+        self.decode_forward = _bind(library, "decode_forward", _INT, [_P] * 5 + [_I64, _P, _I64, _P, _P, _P, _I64, _P])
         # Output features per panel of a packed weight (pack_panels).
         self.panel_width: int = _bind(library, "panel_width", _INT, [])()
         # Linear layers and embeddings on GGUF's quantized blocks (engine/csrc/quant_linear.c).

@@ -140,7 +140,9 @@ class ModelRunner:
         # first token and the draft's KV over the prompt travel with the hand-off.
         self.eagle: EagleProposer | None = None
         if spec is not None and spec.method in EAGLE_METHODS:
-            self.eagle = EagleProposer(self._load_eagle_draft(spec), spec.num_speculative_tokens, self.model)
+            self.eagle = EagleProposer(
+                self._load_eagle_draft(spec), spec.num_speculative_tokens, self.model, self.native_decode
+            )
 
     def _load_eagle_draft(self, spec: SpeculativeConfig) -> DraftNetwork:
         folder = Path(spec.model or "")

@@ -180,10 +180,13 @@ def run(args: argparse.Namespace) -> int:
         # The gateway first (no new requests), then the instances drain theirs, then the store they used.
         for stage in sorted({c.stop_stage for c in children}):
             group = [c for c in children if c.stop_stage == stage]
+            names, started = ", ".join(c.name for c in group), time.monotonic()
+            logger.info("stopping %s", names)
             for child in group:
                 child.terminate()
             for child in group:
                 child.wait(STOP_TIMEOUT_S)
+            logger.info("stopped %s in %.1f s", names, time.monotonic() - started)
         logger.info("stopped")
 
 

@@ -156,13 +156,17 @@ static int run_linear(const DecodeLinear *linear, const void *x, int64_t x_strid
  * input_ids, positions, slot_mapping: [num_rows] int64; block_tables: [num_rows, >= blocks]
  * int32, rows block_table_stride apart; seq_lens: [num_rows] int32 (the new token included);
  * logits: [num_rows, vocab_size] float32; hidden_out: NULL, or [num_rows, hidden] in the model
- * dtype for the final normed hidden states (what Medusa heads draft from). Returns DECODE_OK, or
- * an error code having written nothing but (possibly) some layers' K/V of this step's tokens,
- * which a retry rewrites alike.
+ * dtype for the final normed hidden states (what Medusa heads draft from); capture_layers:
+ * num_captures ascending layer indices, whose residual streams entering them (0: the embeddings)
+ * go side by side into captured_out, [num_rows, num_captures * hidden] in the model dtype (what
+ * EAGLE-3 drafts fuse; NULL when num_captures is 0). Returns DECODE_OK, or an error code having
+ * written nothing but (possibly) some layers' K/V of this step's tokens, which a retry rewrites
+ * alike.
  */
 int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t *positions,
                    const int64_t *slot_mapping, const int32_t *block_tables, int64_t block_table_stride,
-                   const int32_t *seq_lens, int64_t num_rows, float *logits, void *hidden_out) {
+                   const int32_t *seq_lens, int64_t num_rows, float *logits, void *hidden_out,
+                   const int64_t *capture_layers, int64_t num_captures, void *captured_out) {
     const int bf16 = (int)m->is_bf16;
     const int64_t bytes = bf16 ? 2 : 4, rows = num_rows, hidden = m->hidden;
     const int64_t q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
@@ -195,6 +199,7 @@ int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t
             memcpy(residual + r * hidden * bytes, (const char *)m->embedding + input_ids[r] * hidden * bytes,
                    (size_t)(hidden * bytes));
     }
+    int64_t next_capture = 0;
     for (int64_t l = 0; l < m->num_layers && status == DECODE_OK; ++l) {
         const DecodeLayer *layer = &m->layers[l];
         /* The first layer normalises the embedding itself, which becomes the residual. */
@@ -202,6 +207,13 @@ int decode_forward(const DecodeModel *m, const int64_t *input_ids, const int64_t
             add_rms_norm(residual, NULL, layer->input_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
         else
             add_rms_norm(x, residual, layer->input_norm, normed, rows, hidden, m->rms_norm_eps, bf16);
+        /* The residual now holds the stream entering layer l (x added in, rounded to the dtype). */
+        if (next_capture < num_captures && capture_layers[next_capture] == l) {
+            for (int64_t r = 0; r < rows; ++r)
+                memcpy((char *)captured_out + (r * num_captures + next_capture) * hidden * bytes,
+                       residual + r * hidden * bytes, (size_t)(hidden * bytes));
+            ++next_capture;
+        }
         if ((status = run_linear(&layer->qkv, normed, hidden, qkv, rows, hidden, qkv_size, bf16)) != DECODE_OK) break;
         rotary_embedding(qkv, qkv_size, qkv + q_size * bytes, qkv_size, q, k, m->cos, m->sin, positions, rows,
                          m->num_heads, m->num_kv_heads, m->head_dim, bf16);

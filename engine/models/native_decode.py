@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -107,6 +109,22 @@ class _Model(ctypes.Structure):
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class LayerCapture:
+    """The residual streams entering some layers, captured during a native step, as
+    ``LlamaFamilyForCausalLM.run_layers_capturing`` returns them (what EAGLE-3 drafts fuse)."""
+
+    layer_ids: torch.Tensor  # int64, ascending; 0: the embeddings
+    out: torch.Tensor  # [rows, len(layer_ids) * hidden], the model's dtype, contiguous
+
+    @classmethod
+    def of(cls, layer_ids: Sequence[int], num_rows: int, hidden: int, dtype: torch.dtype) -> LayerCapture:
+        if list(layer_ids) != sorted(set(layer_ids)):
+            raise ValueError(f"bug: layers {list(layer_ids)} to capture are not ascending")
+        ids = torch.tensor(list(layer_ids), dtype=torch.int64)
+        return cls(ids, torch.empty(num_rows, len(ids) * hidden, dtype=dtype))
+
+
 class NativeDecodeStep:
     """Decode steps of one model over one KV cache; :func:`build` makes it."""
 
@@ -124,7 +142,7 @@ class NativeDecodeStep:
         self._model, self._layer_caches = model, layer_caches
         self._runs: list[ctypes.Array[_QuantRun]] = []
         shape, dtype = model.shape, _compute_dtype(model)
-        self._hidden_dtype = dtype
+        self.hidden_dtype = dtype  # of the hidden states it writes out
         first_cache = layer_caches[0]
         self._layers = (_Layer * shape.num_layers)(
             *[self._layer_struct(layer, cache) for layer, cache in zip(model.layers, layer_caches, strict=True)]
@@ -156,18 +174,24 @@ class NativeDecodeStep:
             layers=self._layers,
         )
 
-    def __call__(self, batch: FlatBatch, final_hidden_out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def __call__(
+        self, batch: FlatBatch, final_hidden_out: torch.Tensor | None = None, capture: LayerCapture | None = None
+    ) -> torch.Tensor | None:
         """Float32 logits [T, vocab_size] of a step whose T rows are all decode tokens wanting
         logits, with T <= :attr:`max_rows`; None for any other step (the modules run it). Their
-        final hidden states into ``final_hidden_out`` ([T, hidden], the model's dtype) if given."""
+        final hidden states into ``final_hidden_out`` ([T, hidden], the model's dtype) if given,
+        and the residual streams entering ``capture``'s layers into its ``out``."""
         metadata = batch.metadata
         num_rows = batch.input_ids.shape[0]
         if num_rows > self.max_rows or metadata.num_decodes != num_rows or batch.logits_indices.shape[0] != num_rows:
             return None
-        if final_hidden_out is not None and not (
-            final_hidden_out.dtype == self._hidden_dtype and final_hidden_out.is_contiguous()
-        ):
-            raise RuntimeError(f"bug: hidden states go out as contiguous {self._hidden_dtype}")
+        for out in (final_hidden_out, capture.out if capture is not None else None):
+            if out is not None and not (out.dtype == self.hidden_dtype and out.is_contiguous()):
+                raise RuntimeError(f"bug: hidden states go out as contiguous {self.hidden_dtype}")
+        if capture is not None and capture.out.shape != (num_rows, len(capture.layer_ids) * self._struct.hidden):
+            raise RuntimeError(
+                f"bug: {tuple(capture.out.shape)} for {num_rows} rows of {len(capture.layer_ids)} layers"
+            )
         logits = torch.empty((num_rows, self._struct.vocab_size), dtype=torch.float32)
         block_tables = metadata.block_tables
         status = self.kernels.decode_forward(
@@ -181,6 +205,9 @@ class NativeDecodeStep:
             num_rows,
             logits.data_ptr(),
             _pointer(final_hidden_out),
+            _pointer(capture.layer_ids if capture is not None else None),
+            len(capture.layer_ids) if capture is not None else 0,
+            _pointer(capture.out if capture is not None else None),
         )
         if status == -1:
             raise MemoryError(f"decode step of {num_rows} rows: {_DECODE_ERRORS[status]}")

@@ -57,6 +57,7 @@ import torch
 
 from engine.flat_batch import FlatBatch
 from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.native_decode import LayerCapture, NativeDecodeStep
 from engine.request import Request
 from engine.scheduler_output import ModelOutput, SchedulerOutput
 from engine.spec_decode.eagle_draft import DraftEntries, DraftKV, DraftNetwork, new_draft_kv
@@ -87,7 +88,15 @@ Forward = Callable[[FlatBatch, torch.Tensor | None], torch.Tensor]
 class EagleProposer:
     """Drafts for the next step from this step's features (module docstring)."""
 
-    def __init__(self, draft: DraftNetwork, num_speculative_tokens: int, target: LlamaFamilyForCausalLM) -> None:
+    def __init__(
+        self,
+        draft: DraftNetwork,
+        num_speculative_tokens: int,
+        target: LlamaFamilyForCausalLM,
+        native: NativeDecodeStep | None = None,
+    ) -> None:
+        """``native``: the runner's native decode step, if it has one, which also captures EAGLE-3's
+        layers in the steps it takes (without it such a step would leave the native path)."""
         if draft.target_hidden_size != target.shape.hidden_size:
             raise RuntimeError("bug: the EAGLE draft's hidden size was not checked against the target's")
         if target.layout is not None or not target.stage.is_whole:
@@ -98,6 +107,7 @@ class EagleProposer:
         self.draft = draft
         self.num_speculative_tokens = num_speculative_tokens
         self.target = target
+        self.native = native
         self.embed = draft.embed_tokens if draft.embed_tokens is not None else target.embed_tokens
         self.held: dict[str, _Held] = {}  # request id -> its draft KV
 
@@ -108,11 +118,17 @@ class EagleProposer:
         """The target's logits of the batch's ``logits_indices`` rows, and the feature of every
         token [T, feature width]. A step whose every token yields logits (decodes, verifications)
         goes through ``forward`` (the runner's, native on CPU); one with prompt chunks runs the
-        layers and norms every row; an EAGLE-3 draft's step captures its layers' inputs."""
+        layers and norms every row; an EAGLE-3 draft's step captures its layers' inputs, natively
+        where the runner's native step takes it."""
         num_tokens = batch.input_ids.shape[0]
         target = self.target
         layer_ids = self.draft.feature_layer_ids
         if layer_ids is not None:
+            if self.native is not None and batch.logits_indices.shape[0] == num_tokens:
+                capture = LayerCapture.of(layer_ids, num_tokens, target.shape.hidden_size, self.native.hidden_dtype)
+                logits = self.native(batch, None, capture)
+                if logits is not None:
+                    return logits, capture.out
             hidden, residual, features = target.run_layers_capturing(
                 batch.positions, target.embed_tokens(batch.input_ids), layer_caches, batch.metadata, layer_ids
             )

@@ -27,7 +27,7 @@ from engine.cpu_features import CAP_ENV, cpu_features
 from engine.flat_batch import FlatBatch
 from engine.model_runner import ModelRunner
 from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
-from engine.models.native_decode import NativeDecodeStep
+from engine.models.native_decode import LayerCapture, NativeDecodeStep
 from engine.models.quantized_linear import MixedQuantizedLinear, QuantizedEmbedding, QuantizedLinear
 from tests.checkpoints import make_checkpoint, random_prompts
 from tests.engine.gguf_checkpoints import K_QUANT_MODEL, Q, Scheme, mixed_qkv, q4_k_m, uniform, write_gguf
@@ -117,6 +117,41 @@ def test_native_decode_steps_equal_the_modules(
     path = make_checkpoint(tmp_path / "model", architecture, **overrides)
     llm, checked = checked_llm(path, dtype)
     decode_steps_of_every_size(llm, checked, seed=7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_steps_capture_the_layers_eagle3_drafts_fuse(tmp_path: Path, dtype: str) -> None:
+    """What an EAGLE-3 draft reads of a verify step taken natively (the embeddings, a middle
+    layer's input, the last layer's) equals ``run_layers_capturing`` over the modules, bit for
+    bit, with the same logits; a capture of no layer leaves the step as it was."""
+    path = make_checkpoint(tmp_path / "model", num_hidden_layers=4)
+    llm = LLM(model=str(path), dtype=dtype, kv_cache_memory=1 << 24)
+    runner = llm.engine.runner
+    native, model = runner.native_decode, runner.model
+    assert native is not None, "the native decode step should take this model"
+    layer_ids = [0, 2, 3]
+    row_counts: list[int] = []
+
+    def capturing(batch: FlatBatch, final_hidden_out: torch.Tensor | None = None) -> torch.Tensor | None:
+        rows = batch.input_ids.shape[0]
+        capture = LayerCapture.of(layer_ids, rows, model.shape.hidden_size, native.hidden_dtype)
+        logits = native(batch, None, capture)
+        if logits is None:
+            return None
+        row_counts.append(rows)
+        hidden, residual, features = model.run_layers_capturing(
+            batch.positions, model.embed_tokens(batch.input_ids), runner.layer_caches, batch.metadata, layer_ids
+        )
+        assert torch.equal(capture.out, features), f"the layers captured in a {rows}-row step differ"
+        assert torch.equal(logits, model.compute_logits(hidden, residual, batch.logits_indices))
+        assert torch.equal(
+            native(batch, None, LayerCapture.of([], rows, model.shape.hidden_size, native.hidden_dtype)), logits
+        )
+        return logits
+
+    runner.native_decode = capturing
+    llm.generate(random_prompts([3, 17, 40], seed=11), GREEDY)
+    assert row_counts and max(row_counts) == 3, row_counts
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])

@@ -18,8 +18,13 @@ from pathlib import Path
 import httpx
 
 from launcher.processes import splitserve_command
+from launcher.up import STOP_TIMEOUT_S as UP_STAGE_TIMEOUT_S
 from tests.services.processes import ROOT, SERVICE_ENV, Service
 from tests.stores import free_port, stop
+
+# `splitserve up` stops in three stages (the gateway, the instances or the processes holding them,
+# their store), each child killed after launcher/up.py's STOP_TIMEOUT_S: a test's bound on the whole.
+UP_STOP_TIMEOUT_S = 3 * UP_STAGE_TIMEOUT_S + 10
 
 
 class HTTPProcess:
@@ -57,8 +62,8 @@ class HTTPProcess:
             self.log.flush()
         return Path(self.log.name).read_text()
 
-    def stop(self) -> int:
-        returncode = stop(self.process, timeout_s=60)
+    def stop(self, timeout_s: float = 60.0) -> int:
+        returncode = stop(self.process, timeout_s=timeout_s)
         self.log.close()
         return returncode
 

@@ -16,7 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.default_model import DEFAULT_MODEL_NAME
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
-from tests.gateway.processes import HTTPProcess
+from tests.gateway.processes import UP_STOP_TIMEOUT_S, HTTPProcess
 from tests.stores import free_port
 
 pytest.importorskip("ucxx")
@@ -56,7 +56,7 @@ def stack() -> Iterator[HTTPProcess]:
     finally:
         children = child_pids(up.process.pid)
         assert len(children) == 3  # gateway, prefill, decode
-        assert up.stop() == 0, up.log_text()[-3000:]
+        assert up.stop(UP_STOP_TIMEOUT_S) == 0, up.log_text()[-6000:]
         assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "splitserve up left processes behind"
 
 

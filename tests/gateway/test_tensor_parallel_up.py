@@ -20,7 +20,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.checkpoints import make_checkpoint
-from tests.gateway.processes import HTTPProcess
+from tests.gateway.processes import UP_STOP_TIMEOUT_S, HTTPProcess
 from tests.stores import free_port
 
 MAX_TOKENS = 16
@@ -91,7 +91,7 @@ def alive(pid: int) -> bool:
 
 def stop_cleanly(up: HTTPProcess) -> None:
     below = descendants(up.process.pid)
-    assert up.stop() == 0, up.log_text()[-3000:]
+    assert up.stop(UP_STOP_TIMEOUT_S) == 0, up.log_text()[-6000:]
     assert not [pid for pid in below if alive(pid)], "splitserve up left processes behind"
 
 

@@ -17,7 +17,7 @@ import pytest
 from planner.capacity import InstanceCapacity, Slo
 from planner.capacity_profile import CapacityProfile
 from planner.observations import GatewayScraper
-from tests.gateway.processes import HTTPProcess
+from tests.gateway.processes import UP_STOP_TIMEOUT_S, HTTPProcess
 from tests.gateway.test_tensor_parallel_up import alive, descendants
 from tests.simulator.cluster import ready_counts, wait_for, write_profile
 from tests.stores import free_port
@@ -60,7 +60,7 @@ def test_up_with_a_planner_starts_the_pools_and_shrinks_an_idle_one(tmp_path: Pa
     finally:
         below = below or descendants(up.process.pid)
         up.process.send_signal(signal.SIGINT)
-        assert up.stop() == 0, up.log_text()[-3000:]
+        assert up.stop(UP_STOP_TIMEOUT_S) == 0, up.log_text()[-6000:]
     assert below and not [pid for pid in below if alive(pid)], "up --planner left processes behind"
 
 
@@ -139,5 +139,5 @@ def test_up_with_a_planner_starts_real_instances_of_the_model(tmp_path: Path, mo
     finally:
         below = below or descendants(up.process.pid)
         up.process.send_signal(signal.SIGINT)
-        assert up.stop() == 0, up.log_text()[-3000:]
+        assert up.stop(UP_STOP_TIMEOUT_S) == 0, up.log_text()[-6000:]
     assert below and not [pid for pid in below if alive(pid)], "up --planner left processes behind"

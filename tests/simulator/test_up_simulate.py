@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 
-from tests.gateway.processes import HTTPProcess
+from tests.gateway.processes import UP_STOP_TIMEOUT_S, HTTPProcess
 from tests.gateway.test_tensor_parallel_up import alive, descendants
 from tests.simulator.cluster import ready_counts, wait_for, write_profile
 from tests.stores import free_port
@@ -47,5 +47,5 @@ def test_up_simulate_serves_a_dozen_of_each_role_and_stops_them_all(tmp_path: Pa
     finally:
         below = below or descendants(up.process.pid)
         up.process.send_signal(signal.SIGINT)
-        assert up.stop() == 0, up.log_text()[-3000:]
+        assert up.stop(UP_STOP_TIMEOUT_S) == 0, up.log_text()[-6000:]
     assert below and not [pid for pid in below if alive(pid)], "splitserve up --simulate left processes behind"
