@@ -452,8 +452,14 @@ class EngineCore:
         (n-gram: which ones, too). Prefill chunks, and requests whose parameters rule
         speculation out, draft nothing."""
         num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
-        for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens != 1 or not request.sampling_params.can_speculate:
+        running = self.scheduler.running
+        turned_down = self.speculative is not None and not self.speculative.speculates_at(len(running))
+        for request in running:
+            if (
+                turned_down
+                or request.num_tokens - request.num_computed_tokens != 1
+                or not request.sampling_params.can_speculate
+            ):
                 request.num_spec_tokens = 0
             elif self.ngram is not None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids)

@@ -124,7 +124,7 @@ class ModelRunner:
         self.structured_output: StructuredOutputManager | None = None  # set by the engine core
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.draft_model: DraftModelProposer | None = None
-        spec = config.speculative
+        spec = self.speculative = config.speculative
         if spec is not None and spec.method == "draft_model" and config.role != "prefill":
             self.draft_model = DraftModelProposer(spec, self)
         # Medusa on the prefill role too: its heads draft once, after the first token, and the
@@ -277,10 +277,15 @@ class ModelRunner:
                 self.eagle.propose(output, None, hidden)  # prompt chunks: the draft's KV grows
             return ModelOutput(sampled_token_ids=[], logprobs=[])
         model_output = self._sample(output, logits, sampling, eos_token_ids, draft_probs, bitmask)
+        # A batch this large turns speculation down (SpeculativeConfig.disable_by_batch_size):
+        # no chain for the next step, which would verify none of it.
+        chain = self.speculative is None or self.speculative.speculates_at(len(output.scheduled))
         if self.medusa is not None and hidden is not None:
-            model_output.draft_token_ids = self.medusa.propose(output, model_output, hidden)
+            model_output.draft_token_ids = (
+                self.medusa.propose(output, model_output, hidden) if chain else [[] for _ in sampling]
+            )
         if self.eagle is not None and hidden is not None:
-            model_output.draft_token_ids = self.eagle.propose(output, model_output, hidden)
+            model_output.draft_token_ids = self.eagle.propose(output, model_output, hidden, chain)
         return model_output
 
     def _sample(

@@ -108,6 +108,7 @@ SPECULATIVE_CONFIG_KEYS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "prompt_lookup_min": "ngram_min",
     "prompt_lookup_max": "ngram_max",
+    "disable_by_batch_size": "disable_by_batch_size",
 }
 
 

@@ -218,7 +218,8 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='as vLLM spells it: {"method": "ngram"|"draft_model"|"medusa"|"eagle"|"eagle3", "model": FOLDER, '
-        '"num_speculative_tokens": N, "prompt_lookup_min": N, "prompt_lookup_max": N}; medusa: a folder of Medusa '
+        '"num_speculative_tokens": N, "prompt_lookup_min": N, "prompt_lookup_max": N, "disable_by_batch_size": N}; '
+        "disable_by_batch_size: batches of N requests or more do not speculate; medusa: a folder of Medusa "
         "heads (splitserve train-heads makes one), drafting as many tokens as it has heads unless N says fewer; "
         "eagle, eagle3: an EAGLE-1/2 or EAGLE-3 draft's folder (EAGLE's reference layout or the speculators "
         "package's). Instead of the flags below, not beside them",

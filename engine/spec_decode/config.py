@@ -23,13 +23,19 @@ class SpeculativeConfig:
     draft, a decoder layer over the target's features (engine/spec_decode/eagle.py);
     ``method="eagle3"`` an EAGLE-3 draft, which fuses three of the target's layers and drafts in a
     vocabulary of its own (engine/spec_decode/eagle3_draft.py). Either way at most
-    ``num_speculative_tokens`` drafts are verified per step."""
+    ``num_speculative_tokens`` drafts are verified per step.
+
+    ``disable_by_batch_size`` (vLLM's key): from a batch of that many requests up, no drafts are
+    proposed or verified, because a step's extra rows then cost more than the accepted drafts
+    save (docs/benchmarks.md measures where, per method); an EAGLE draft still takes in the
+    batch's tokens, so speculation resumes, exact, as soon as the batch is smaller again."""
 
     method: SpecMethod = "ngram"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     ngram_min: int = 2
     ngram_max: int = 4
     model: str | None = None  # draft_model, eagle, eagle3: the draft checkpoint's folder; medusa: the heads' folder
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -40,6 +46,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"need 1 <= --speculative-ngram-min <= --speculative-ngram-max, got {self.ngram_min} and "
                 f"{self.ngram_max}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(
+                f"disable_by_batch_size must be at least 2 (a batch of one always speculates), got "
+                f"{self.disable_by_batch_size}"
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError("draft-model speculation needs --speculative-model, a local Hugging Face folder")
@@ -60,6 +71,10 @@ class SpeculativeConfig:
             )
         if self.method == "ngram" and self.model:
             raise ValueError("--speculative-model makes a draft model speculate; drop the n-gram method (or the model)")
+
+    def speculates_at(self, batch_size: int) -> bool:
+        """Whether a batch of ``batch_size`` requests proposes and verifies drafts."""
+        return self.disable_by_batch_size is None or batch_size < self.disable_by_batch_size
 
     @property
     def drafts_after_step(self) -> bool:

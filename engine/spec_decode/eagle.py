@@ -145,10 +145,11 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(
-        self, output: SchedulerOutput, model_output: ModelOutput | None, features: torch.Tensor
+        self, output: SchedulerOutput, model_output: ModelOutput | None, features: torch.Tensor, chain: bool = True
     ) -> list[list[int]]:
         """Extend each scheduled request's draft KV over this step's tokens; returns the drafts of
-        every sampling request, in schedule order (none for one that may not speculate)."""
+        every sampling request, in schedule order (none for one that may not speculate, and none
+        at all without ``chain``: the batch has turned speculation down)."""
         self._drop_finished(output)
         extensions: list[_Extension] = []
         sampled: list[_Held | None] = []  # per sampling request: the one to chain from, if any
@@ -174,7 +175,7 @@ class EagleProposer:
             row += num_rows
             if item.samples:
                 sample_index += 1
-                sampled.append(held if num_entries and request.sampling_params.can_speculate else None)
+                sampled.append(held if chain and num_entries and request.sampling_params.can_speculate else None)
         if row != features.shape[0]:
             raise RuntimeError(f"bug: the step scheduled {row} tokens, the target gave {features.shape[0]} features")
         if extensions:
