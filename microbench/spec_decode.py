@@ -15,6 +15,9 @@ elsewhere on the machine lands on both alike. Workloads:
 - ``chat``: a question through the model's chat template, answered greedily: what Medusa
   heads trained on the model's chat (``splitserve train-heads``) are for.
 
+``--streams N`` runs the chat questions as N concurrent requests on each engine (one workload,
+``chat-xN``), for the batch at which speculation stops paying (``disable_by_batch_size``).
+
 ``--speculative-config`` takes any method as the serving commands do (Medusa heads:
 ``'{"method": "medusa", "model": "HEADS"}'``); the acceptance rate at each depth of the draft
 chain and the mean accepted length close the report.
@@ -36,7 +39,7 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -82,7 +85,8 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
 class _Timing:
     """One request's clock on one engine, summed over that engine's own steps only."""
 
-    started: bool = False
+    started: bool = False  # every request has its first token: later steps are decode steps
+    first_tokens: set[str] = field(default_factory=set)  # the requests that have
     ttft_s: float = 0.0
     decode_s: float = 0.0  # steps after the one that produced the first token
     decode_cpu_s: float = 0.0
@@ -90,32 +94,44 @@ class _Timing:
 
 
 def run_side_by_side(
-    engines: dict[str, EngineCore], prompt: list[int], output_len: int, temperature: float, seed: int
+    engines: dict[str, EngineCore],
+    prompt: list[int] | list[list[int]],
+    output_len: int,
+    temperature: float,
+    seed: int,
 ) -> dict[str, _Timing]:
-    """The same request on every engine at once, their steps interleaved one for one, each step
-    timed on its own: load from elsewhere on the machine lands on both sides alike, which
-    alternating whole requests does not give on a busy shared machine."""
+    """The same request (or the same concurrent requests, one per prompt of a list) on every
+    engine at once, their steps interleaved one for one, each step timed on its own: load from
+    elsewhere on the machine lands on both sides alike, which alternating whole requests does not
+    give on a busy shared machine. A side's decode time starts once every one of its requests has
+    its first token."""
+    prompts: list[list[int]] = prompt if prompt and isinstance(prompt[0], list) else [prompt]  # type: ignore[list-item]
     timings = {name: _Timing() for name in engines}
     for core in engines.values():
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=output_len, ignore_eos=True)
-        core.add_request(prompt, params, request_id=uuid.uuid4().hex)
+        for prompt_ids in prompts:
+            params = SamplingParams(temperature=temperature, seed=seed, max_tokens=output_len, ignore_eos=True)
+            core.add_request(prompt_ids, params, request_id=uuid.uuid4().hex)
     while any(core.has_unfinished_requests() for core in engines.values()):
         for name, core in engines.items():
             if not core.has_unfinished_requests():
                 continue
             timing = timings[name]
             wall, cpu = time.perf_counter(), time.process_time()
-            num_new = sum(len(output.new_token_ids) for output in core.step())
+            outputs = core.step()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            if timing.num_tokens:
+            if timing.started:
                 timing.decode_s += wall
                 timing.decode_cpu_s += cpu
             else:
                 timing.ttft_s += wall
-            timing.num_tokens += num_new
+            timing.num_tokens += sum(len(output.new_token_ids) for output in outputs)
+            timing.first_tokens.update(output.request_id for output in outputs if output.new_token_ids)
+            timing.started = len(timing.first_tokens) == len(prompts)
     for name, timing in timings.items():
-        if timing.num_tokens != output_len:
-            raise RuntimeError(f"{name} gave {timing.num_tokens} tokens, expected {output_len} with ignore_eos: a bug")
+        if timing.num_tokens != output_len * len(prompts):
+            raise RuntimeError(
+                f"{name} gave {timing.num_tokens} tokens, expected {output_len * len(prompts)} with ignore_eos: a bug"
+            )
     return timings
 
 
@@ -145,6 +161,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="TEXT",
         help="the chat workload's question; repeated, one workload each (chat-1, chat-2, ...) (default: one "
         "that none of the shipped prompts asks)",
+    )
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="chat: this many concurrent requests on each engine, the questions in turn (one workload, "
+        "chat-xN); ms per token is then each stream's: the batch's decode time over its steps' tokens per stream",
     )
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument(
@@ -218,24 +241,34 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(engines["plain"].model_path))
     rng = random.Random(args.seed)
-    prompts = {}
+    prompts: dict[str, list[int] | list[list[int]]] = {}
     for workload in args.workloads.split(","):
         if workload == "code":
             prompts["code"] = code_edit_prompt(tokenizer)
         elif workload == "chat":
             questions = args.chat_question or [CHAT_QUESTION]
-            for number, question in enumerate(questions, start=1):
+            encoded_questions = []
+            for question in questions:
                 messages = [{"role": "user", "content": question}]
                 encoded = tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=True, return_dict=True
                 )
-                prompts["chat" if len(questions) == 1 else f"chat-{number}"] = list(encoded["input_ids"])
+                encoded_questions.append(list(encoded["input_ids"]))
+            if args.streams > 1:
+                prompts[f"chat-x{args.streams}"] = [
+                    encoded_questions[i % len(encoded_questions)] for i in range(args.streams)
+                ]
+            else:
+                for number, prompt_ids in enumerate(encoded_questions, start=1):
+                    prompts["chat" if len(questions) == 1 else f"chat-{number}"] = prompt_ids
         elif workload in ("random", "random-sampled"):
             prompts[workload] = random_prompt(
                 random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size
             )
         else:
             raise ValueError(f"unknown workload {workload!r}; use code, random, random-sampled, chat")
+        if args.streams > 1 and workload != "chat":
+            raise ValueError("--streams runs the chat workload's questions concurrently: use --workloads chat")
     run_side_by_side(engines, random_prompt(rng, 64, engines["plain"].vocab_size), 8, 0.0, 0)  # warm-up, untimed
 
     results: list[RunResult] = []
@@ -251,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for name in ("plain", "spec"):
                 t = timings[name]
-                per_token = 1e3 / (t.num_tokens - 1)
+                streams = len(prompt) if isinstance(prompt[0], list) else 1
+                per_token = 1e3 * streams / (t.num_tokens - streams)  # each stream's, after its first token
                 spec_side = name == "spec"
                 result = RunResult(
                     workload,

@@ -26,6 +26,31 @@ def test_side_by_side_times_each_engine_on_its_own_steps(tmp_path: Path) -> None
     assert engines["spec"].scheduler.spec_stats.num_accepted_tokens > 0
 
 
+def test_side_by_side_runs_concurrent_streams_and_times_decode_once_each_has_its_first_token(tmp_path: Path) -> None:
+    model = str(make_checkpoint(tmp_path))
+    common = dict(model=model, dtype="float32", kv_cache_memory=1 << 22)
+    engines = {
+        "plain": EngineCore(EngineConfig(**common)),  # type: ignore[arg-type]
+        "spec": EngineCore(EngineConfig(**common, speculative=SpeculativeConfig(ngram_min=1))),  # type: ignore[arg-type]
+    }
+    steps = {name: 0 for name in engines}
+    for name, core in engines.items():
+        step = core.step
+
+        def counting(name: str = name, step=step):  # type: ignore[no-untyped-def]
+            steps[name] += 1
+            return step()
+
+        core.step = counting  # type: ignore[method-assign]
+    prompts = [[9, 8, 7, 6] * 6 + [9, 8], [5, 4, 3] * 5, [11, 12] * 9]
+    timings = run_side_by_side(engines, prompts, output_len=12, temperature=0.0, seed=0)
+    assert {name: t.num_tokens for name, t in timings.items()} == {"plain": 36, "spec": 36}
+    assert all(t.ttft_s > 0 and t.decode_s > 0 and len(t.first_tokens) == 3 for t in timings.values())
+    # The plain engine: one step gives the three first tokens, then 11 decode steps of three rows.
+    assert steps["plain"] == 12
+    assert engines["spec"].scheduler.spec_stats.num_draft_tokens > 0
+
+
 def test_summary_is_the_median_per_side_and_the_acceptance_over_all_rounds() -> None:
     runs = [
         RunResult("code", "plain", 0, 30.0, 30.0, 1.0, 8, 0, 0),
