@@ -37,7 +37,7 @@ from bench.client import (
 from bench.datasets import SampleRequest, WorkloadSpec, sample_workload
 from bench.metrics import DEFAULT_PERCENTILES, RunInfo, compute_metrics, result_json
 from bench.prompt_text import is_gguf_file, load_tokenizer
-from bench.spec_decode_metrics import over_run, scrape
+from bench.spec_decode_metrics import over_run, settled_scrape
 from launcher.processes import embedded_model
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ async def run_requests(
                 logger.warning("a warm-up request failed: %s", failed[0].error)
 
         base_url = config.base_url.rstrip("/")
-        spec_before = await scrape(session, base_url, auth_headers(config.api_key))
+        spec_before = await settled_scrape(session, base_url, auth_headers(config.api_key))
         offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
         with tqdm(total=len(requests), desc="bench serve", unit="req", disable=not config.show_progress) as bar:
 
@@ -215,7 +215,7 @@ async def run_requests(
             started = time.perf_counter()
             records = await asyncio.gather(*(timed(r, offset, started) for r, offset in zip(requests, offsets)))
             duration_s = time.perf_counter() - started
-        spec_after = await scrape(session, base_url, auth_headers(config.api_key))
+        spec_after = await settled_scrape(session, base_url, auth_headers(config.api_key))
     return list(records), duration_s, over_run(spec_before, spec_after)
 
 

@@ -5,14 +5,16 @@ drafter's depth pays.
 A client cannot see drafts: a token streamed is a token, however it was produced. A splitserve
 gateway exports every instance's counts (``splitserve_instance_spec_*``, one series per draft
 position or accepted length, cluster/instance_counters.py); ``bench serve`` scrapes them once
-before its measured requests and once after, and reports the difference summed over the
-instances, so warm-ups and earlier traffic do not count. A server without these series (another
-server, or no speculation configured) gets no such section. Counts of an instance that restarted
+before its measured requests and once after, each time once they have settled
+(:func:`settled_scrape`), and reports the difference summed over the instances, so warm-ups
+and earlier traffic do not count. A server without these series (another server, or no
+speculation configured) gets no such section. Counts of an instance that restarted
 during the run would go backwards: the run's figures are then withheld rather than wrong.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -67,6 +69,30 @@ async def scrape(session: aiohttp.ClientSession, base_url: str, headers: dict[st
     if _PREFIX not in text:
         return None
     return SpecDecodeCounts.parse(text)
+
+
+# A gateway learns its instances' counts from the load reports it polls (``--poll-interval``,
+# 0.5 s by default): two scrapes this far apart that agree have seen every step taken so far.
+SETTLE_S = 1.0
+SETTLE_MAX_S = 15.0  # a server that keeps drafting (other traffic) is read as it is by then
+
+
+async def settled_scrape(
+    session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
+) -> SpecDecodeCounts | None:
+    """The gateway's counts once the steps of requests that have just ended are in them: scraped
+    again every ``SETTLE_S`` until two scrapes agree (bounded by ``SETTLE_MAX_S``). Read the moment
+    the last response ends, the counts miss the steps of the last poll interval, all of a short
+    run's."""
+    counts = await scrape(session, base_url, headers)
+    deadline = asyncio.get_running_loop().time() + SETTLE_MAX_S
+    while counts is not None and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(SETTLE_S)
+        again = await scrape(session, base_url, headers)
+        if again == counts:
+            break
+        counts = again
+    return counts
 
 
 def over_run(before: SpecDecodeCounts | None, after: SpecDecodeCounts | None) -> dict[str, Any] | None:

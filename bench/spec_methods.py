@@ -25,12 +25,9 @@ CPUs with ``--pin``), and in it each method, ``none`` first:
 
 Per run it keeps mean and median TPOT (ms per output token after the first), mean ITL, median
 TTFT and output tokens/s from the result JSON, and from the server's own speculative-decoding
-counts (bench/spec_decode_metrics.py) the acceptance rate per draft position and the mean
-accepted length: tokens a verification step yields, accepted drafts + 1. Those counts are read
-here before and after each bench serve, once they have settled, rather than taken from the
-result's ``spec_decode`` section: the gateway learns them from the load reports it polls
-(``--poll-interval``), so the counts bench serve reads the moment its last response ends miss
-the steps of the last poll interval, all of a short run's. It writes every run's figures to
+counts over the run (the result's ``spec_decode``: bench/spec_decode_metrics.py) the acceptance
+rate per draft position and the mean accepted length: tokens a verification step yields,
+accepted drafts + 1. It writes every run's figures to
 ``results.json`` and prints the CPU (``lscpu``) and a markdown table: a row per method, per
 deployment and concurrency "mean TPOT ms (ratio to none), mean accepted length".
 
@@ -49,7 +46,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -57,7 +53,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, cast, get_args
 
 from bench.routing import cpu_line
-from bench.spec_decode_metrics import SpecDecodeCounts, over_run
 from bench.splitserve_up import start_up, wait_ready
 from engine_args.flags import add_dtype_argument
 from launcher.processes import free_port, splitserve_command
@@ -67,8 +62,6 @@ Deployment = Literal["colocated", "pd"]
 NO_SPECULATION = "none"
 # up stops in three stages (gateway, instances, store), each child given STOP_TIMEOUT_S.
 UP_STOP_TIMEOUT_S = 3 * UP_STAGE_STOP_TIMEOUT_S + 10
-# Over two of the gateway's load polls (its --poll-interval, 0.5 s by default).
-SETTLE_S = 1.0
 
 # docs/benchmarks.md's issue-40 questions (two of the package's shipped chat questions, which the
 # trained drafts saw, and two they did not), then four more that none of them saw.
@@ -310,23 +303,6 @@ def stop_server(server: subprocess.Popen[bytes]) -> None:
         server.wait(timeout=30)
 
 
-def spec_counts(url: str) -> SpecDecodeCounts:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        return SpecDecodeCounts.parse(response.read().decode())
-
-
-def settled_spec_counts(url: str) -> SpecDecodeCounts:
-    """The gateway's speculative-decoding counts once every step taken so far is in them: on an
-    idle server, when two reads SETTLE_S apart (over two of its load polls) agree."""
-    counts = spec_counts(url)
-    while True:
-        time.sleep(SETTLE_S)
-        again = spec_counts(url)
-        if again == counts:
-            return counts
-        counts = again
-
-
 def warm_up(url: str, question: str, output_len: int) -> None:
     """One greedy chat request of ``output_len`` tokens, not measured."""
     with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
@@ -388,11 +364,9 @@ def run_deployment(
             warm_up(url, args.questions[0], args.output_len)
             for concurrency in args.concurrency:
                 result_path = folder / f"{method.label}-c{concurrency}.json"
-                before = settled_spec_counts(url)
                 bench_serve(url, datasets[concurrency], concurrency, result_path, args)
-                spec = over_run(before, settled_spec_counts(url))
                 result = json.loads(result_path.read_text())
-                runs.append(run_figures(deployment, method.label, concurrency, result, spec))
+                runs.append(run_figures(deployment, method.label, concurrency, result, result.get("spec_decode")))
                 print(f"[{deployment} {method.label}] {streams(concurrency)}: {summary_line(runs[-1])}", flush=True)
         finally:
             stop_server(server)

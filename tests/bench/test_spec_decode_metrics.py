@@ -79,6 +79,25 @@ def test_bench_serve_reports_acceptance_over_its_measured_requests_only(
     assert "Speculative Decoding (server)" in printed and "acceptance by position: 0.60 0.38" in printed
 
 
+def test_bench_serve_reads_counts_once_the_gateway_has_learnt_every_step(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A gateway learns its instances' counts from the load reports it polls, so a scrape as the
+    last response ends can lack that request's steps: here each scrape answers what the one before
+    it saw. Read as they settle, the run's counts are still the four measured requests'."""
+    arrived_at_last_scrape = [0]
+
+    async def one_scrape_late(num_requests: int) -> str:
+        known, arrived_at_last_scrape[0] = arrived_at_last_scrape[0], num_requests
+        return await cluster_after(known)
+
+    with FakeOpenAIServer(FakeServerConfig(ttft_s=0.0, itl_s=0.0, metrics=one_scrape_late)) as server:
+        args = ["bench", "serve", "--base-url", server.base_url, "--tokenizer", str(tokenizer_dir)]
+        args += ["--num-prompts", "4", "--num-warmups", "2", "--input-len", "8", "--output-len", "2"]
+        args += ["--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+        assert main(args) == 0
+    spec = json.loads((tmp_path / "r.json").read_text())["spec_decode"]
+    assert (spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (72, 36)
+
+
 def test_no_figures_without_drafts_without_series_or_when_counts_went_back() -> None:
     async def texts() -> tuple[str, str, str]:
         idle = await gateway_metrics({"host-a:1": report("a", [], [], [])})
