@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,15 +59,23 @@ async def cluster_after(num_requests: int) -> str:
     )
 
 
-def test_bench_serve_reports_acceptance_over_its_measured_requests_only(
-    tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    with FakeOpenAIServer(FakeServerConfig(ttft_s=0.0, itl_s=0.0, metrics=cluster_after)) as server:
+def bench_serve_spec_decode(
+    metrics: Callable[[int], Awaitable[str]], tokenizer_dir: Path, tmp_path: Path
+) -> dict[str, Any] | None:
+    """``spec_decode`` of a bench serve run of two warm-ups and four measured requests against a
+    fake server whose /metrics renders ``metrics``."""
+    with FakeOpenAIServer(FakeServerConfig(ttft_s=0.0, itl_s=0.0, metrics=metrics)) as server:
         args = ["bench", "serve", "--base-url", server.base_url, "--tokenizer", str(tokenizer_dir)]
         args += ["--num-prompts", "4", "--num-warmups", "2", "--input-len", "8", "--output-len", "2"]
         args += ["--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
         assert main(args) == 0
-    spec = json.loads((tmp_path / "r.json").read_text())["spec_decode"]
+    return json.loads((tmp_path / "r.json").read_text())["spec_decode"]
+
+
+def test_bench_serve_reports_acceptance_over_its_measured_requests_only(
+    tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    spec = bench_serve_spec_decode(cluster_after, tokenizer_dir, tmp_path)
     # Four measured requests (the two warm-ups were before the first scrape); b did nothing.
     assert spec == {
         "num_draft_tokens": 72,
@@ -89,12 +99,7 @@ def test_bench_serve_reads_counts_once_the_gateway_has_learnt_every_step(tokeniz
         known, arrived_at_last_scrape[0] = arrived_at_last_scrape[0], num_requests
         return await cluster_after(known)
 
-    with FakeOpenAIServer(FakeServerConfig(ttft_s=0.0, itl_s=0.0, metrics=one_scrape_late)) as server:
-        args = ["bench", "serve", "--base-url", server.base_url, "--tokenizer", str(tokenizer_dir)]
-        args += ["--num-prompts", "4", "--num-warmups", "2", "--input-len", "8", "--output-len", "2"]
-        args += ["--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
-        assert main(args) == 0
-    spec = json.loads((tmp_path / "r.json").read_text())["spec_decode"]
+    spec = bench_serve_spec_decode(one_scrape_late, tokenizer_dir, tmp_path)
     assert (spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (72, 36)
 
 

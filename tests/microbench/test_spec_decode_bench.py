@@ -13,13 +13,16 @@ from microbench.spec_decode import RunResult, run_side_by_side, summarize
 from tests.checkpoints import make_checkpoint
 
 
-def test_side_by_side_times_each_engine_on_its_own_steps(tmp_path: Path) -> None:
-    model = str(make_checkpoint(tmp_path))
-    common = dict(model=model, dtype="float32", kv_cache_memory=1 << 22)
-    engines = {
+def plain_and_ngram_engines(tmp_path: Path) -> dict[str, EngineCore]:
+    common = dict(model=str(make_checkpoint(tmp_path)), dtype="float32", kv_cache_memory=1 << 22)
+    return {
         "plain": EngineCore(EngineConfig(**common)),  # type: ignore[arg-type]
         "spec": EngineCore(EngineConfig(**common, speculative=SpeculativeConfig(ngram_min=1))),  # type: ignore[arg-type]
     }
+
+
+def test_side_by_side_times_each_engine_on_its_own_steps(tmp_path: Path) -> None:
+    engines = plain_and_ngram_engines(tmp_path)
     timings = run_side_by_side(engines, [9, 8, 7, 6] * 6 + [9, 8], output_len=24, temperature=0.0, seed=0)
     assert {name: t.num_tokens for name, t in timings.items()} == {"plain": 24, "spec": 24}
     assert all(t.ttft_s > 0 and t.decode_s > 0 for t in timings.values())
@@ -27,12 +30,7 @@ def test_side_by_side_times_each_engine_on_its_own_steps(tmp_path: Path) -> None
 
 
 def test_side_by_side_runs_concurrent_streams_and_times_decode_once_each_has_its_first_token(tmp_path: Path) -> None:
-    model = str(make_checkpoint(tmp_path))
-    common = dict(model=model, dtype="float32", kv_cache_memory=1 << 22)
-    engines = {
-        "plain": EngineCore(EngineConfig(**common)),  # type: ignore[arg-type]
-        "spec": EngineCore(EngineConfig(**common, speculative=SpeculativeConfig(ngram_min=1))),  # type: ignore[arg-type]
-    }
+    engines = plain_and_ngram_engines(tmp_path)
     steps = {name: 0 for name in engines}
     for name, core in engines.items():
         step = core.step
