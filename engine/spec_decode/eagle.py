@@ -40,8 +40,9 @@ request's status); a preempted one's at once.
 
 EAGLE-3 (engine/spec_decode/eagle3_draft.py) differs behind
 :class:`~engine.spec_decode.eagle_draft.DraftNetwork`: its feature ``f_i`` is the concatenated
-residual streams entering three target layers (``LlamaFamilyForCausalLM.run_layers_capturing``),
-which its ``fc`` fuses before the layer reads them (a chain's entries read the draft's own outputs
+residual streams entering three target layers (``LlamaFamilyForCausalLM.run_layers_capturing``;
+in a decode or verify step the runner's native decode call captures them itself:
+engine/models/native_decode.py's ``LayerCapture``), which its ``fc`` fuses before the layer reads them (a chain's entries read the draft's own outputs
 unfused), and its LM head drafts in a vocabulary of its own, mapped to the target's ids.
 
 The draft models: engine/spec_decode/eagle_draft.py, eagle3_draft.py; checkpoints:
