@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 import sys
-import threading
 
 from launcher.processes import Child, splitserve_command
+from launcher.stop_signals import StopSignal
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +62,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 
 def run_api_servers(args: argparse.Namespace) -> int:
     """Run ``args.api_server_count`` gateway processes on one port until SIGTERM/SIGINT or until one exits."""
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = StopSignal().install()
     held: list[socket.socket] = []
     children: list[Child] = []
     try:

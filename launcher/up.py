@@ -13,9 +13,7 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +42,7 @@ from launcher.processes import (
     parse_instance_cpu_lists,
     splitserve_command,
 )
+from launcher.stop_signals import StopSignal
 from planner.flags import add_planner_arguments, planner_argv
 from simulator.timing_model import DEFAULT_PROFILE
 
@@ -148,9 +147,7 @@ def run(args: argparse.Namespace) -> int:
     cpus = instance_cpus(args)
     # The embedded model is converted (once) before anything starts, so instances never race to.
     model, name = (Path(args.model), None) if args.model else embedded_model(args.load_format, args.dtype)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = StopSignal().install()
 
     cluster_env = _cluster_secret_env()
     children: list[Child] = []
@@ -433,7 +430,7 @@ def _dial_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
-def _wait_ready(url: str, children: list[Child], stop: threading.Event) -> bool:
+def _wait_ready(url: str, children: list[Child], stop: StopSignal) -> bool:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and not stop.is_set():
         dead = [c for c in children if c.exited]

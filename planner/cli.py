@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import tempfile
-import threading
 from pathlib import Path
 
 from prometheus_client import start_http_server
@@ -25,6 +23,7 @@ from prometheus_client import start_http_server
 from engine_args.flags import add_engine_arguments, engine_argv, speculative_argv
 from kv_connector.registry import add_kv_connector_arguments
 from launcher.processes import embedded_model
+from launcher.stop_signals import StopSignal
 from planner.actuator import CommandFor, LocalActuator
 from planner.capacity import scaled_profile
 from planner.capacity_profile import check_slo, load_capacity_profile
@@ -191,9 +190,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = PlannerMetrics()
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, args.metrics_host, registry=metrics.registry)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = StopSignal().install()
     scraper = GatewayScraper(args.gateway_url, every_address=args.gateway_every_address)
     actuator = None
     if args.actuator == "local":

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from launcher.stop_signals import StopSignal
 from planner.actuator import DecodeDrain, LocalActuator, ManagedInstance
 from planner.capacity import InstanceCapacity, Slo, Workload
 from planner.capacity_profile import CapacityProfile, calibrated_capacity
@@ -118,7 +119,7 @@ class Planner:
             for _ in range(wanted):
                 self.actuator.start(role)
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event | StopSignal) -> None:
         """Tick every interval until ``stop``; then stop every instance it started."""
         try:
             while not stop.is_set():
