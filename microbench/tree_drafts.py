@@ -384,10 +384,12 @@ def _propose_seconds(proposer: EagleProposer | None) -> Iterator[list[float]]:
         return
     propose = proposer.propose
 
-    def timed(output: SchedulerOutput, model_output: ModelOutput | None, features: torch.Tensor) -> list[list[int]]:
+    def timed(
+        output: SchedulerOutput, model_output: ModelOutput | None, features: torch.Tensor, chain: bool = True
+    ) -> list[list[int]]:
         started = time.perf_counter()
         try:
-            return propose(output, model_output, features)
+            return propose(output, model_output, features, chain)
         finally:
             spent.append(time.perf_counter() - started)
 
