@@ -27,8 +27,9 @@ class SpeculativeConfig:
 
     ``disable_by_batch_size`` (vLLM's key): from a batch of that many requests up, no drafts are
     proposed or verified, because a step's extra rows then cost more than the accepted drafts
-    save (docs/benchmarks.md measures where, per method); an EAGLE draft still takes in the
-    batch's tokens, so speculation resumes, exact, as soon as the batch is smaller again."""
+    save (docs/benchmarks.md measures where, per method); speculation resumes, exact, as soon as
+    the batch is smaller again (an EAGLE draft then starts its KV afresh: it keeps none up while
+    turned down)."""
 
     method: SpecMethod = "ngram"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS

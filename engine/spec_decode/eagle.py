@@ -42,8 +42,9 @@ EAGLE-3 (engine/spec_decode/eagle3_draft.py) differs behind
 :class:`~engine.spec_decode.eagle_draft.DraftNetwork`: its feature ``f_i`` is the concatenated
 residual streams entering three target layers (``LlamaFamilyForCausalLM.run_layers_capturing``;
 in a decode or verify step the runner's native decode call captures them itself:
-engine/models/native_decode.py's ``LayerCapture``), which its ``fc`` fuses before the layer reads them (a chain's entries read the draft's own outputs
-unfused), and its LM head drafts in a vocabulary of its own, mapped to the target's ids.
+engine/models/native_decode.py's ``LayerCapture``), which its ``fc`` fuses before the layer
+reads them (a chain's entries read the draft's own outputs unfused), and its LM head drafts in a
+vocabulary of its own, mapped to the target's ids.
 
 The draft models: engine/spec_decode/eagle_draft.py, eagle3_draft.py; checkpoints:
 eagle_checkpoint.py, eagle3_checkpoint.py.
@@ -149,9 +150,17 @@ class EagleProposer:
         self, output: SchedulerOutput, model_output: ModelOutput | None, features: torch.Tensor, chain: bool = True
     ) -> list[list[int]]:
         """Extend each scheduled request's draft KV over this step's tokens; returns the drafts of
-        every sampling request, in schedule order (none for one that may not speculate, and none
-        at all without ``chain``: the batch has turned speculation down)."""
+        every sampling request, in schedule order (none for one that may not speculate).
+
+        Without ``chain`` (the batch has turned speculation down) no draft runs at all: each
+        scheduled request's draft KV is dropped rather than kept up, which would cost a draft pass
+        over the batch every step. Once the batch is smaller a new one starts from that step's
+        position: exact, only fewer drafts accepted until it has some context again."""
         self._drop_finished(output)
+        if not chain:
+            for item in output.scheduled:
+                self.held.pop(item.request.request_id, None)
+            return [[] for item in output.scheduled if item.samples]
         extensions: list[_Extension] = []
         sampled: list[_Held | None] = []  # per sampling request: the one to chain from, if any
         row = 0
@@ -176,7 +185,7 @@ class EagleProposer:
             row += num_rows
             if item.samples:
                 sample_index += 1
-                sampled.append(held if chain and num_entries and request.sampling_params.can_speculate else None)
+                sampled.append(held if num_entries and request.sampling_params.can_speculate else None)
         if row != features.shape[0]:
             raise RuntimeError(f"bug: the step scheduled {row} tokens, the target gave {features.shape[0]} features")
         if extensions:

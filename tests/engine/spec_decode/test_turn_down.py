@@ -41,14 +41,18 @@ def speculative(method: str, folder: Path) -> SpeculativeConfig:
     return SpeculativeConfig(method="eagle3", model=str(draft), num_speculative_tokens=3, disable_by_batch_size=LIMIT)
 
 
-def record_steps(core: EngineCore) -> list[tuple[int, int]]:
-    """Per step the engine runs: (requests in it, drafts it verifies)."""
-    steps: list[tuple[int, int]] = []
+def record_steps(core: EngineCore) -> list[tuple[int, int, int]]:
+    """Per step the engine runs: (requests in it, drafts it verifies, requests whose EAGLE draft
+    KV is kept after it)."""
+    steps: list[tuple[int, int, int]] = []
     execute = core.runner.execute
+    eagle = core.runner.eagle
 
     def recording(output: SchedulerOutput, eos_token_ids: frozenset[int]):  # type: ignore[no-untyped-def]
-        steps.append((len(output.scheduled), sum(s.num_draft_tokens for s in output.scheduled)))
-        return execute(output, eos_token_ids)
+        model_output = execute(output, eos_token_ids)
+        held = eagle.num_requests_held if eagle is not None else 0
+        steps.append((len(output.scheduled), sum(s.num_draft_tokens for s in output.scheduled), held))
+        return model_output
 
     core.runner.execute = recording  # type: ignore[method-assign]
     return steps
@@ -64,15 +68,19 @@ def test_a_batch_at_the_limit_verifies_no_draft_and_a_smaller_one_speculates_aga
     core = make_engine(target, spec)
     steps = record_steps(core)
     assert generate(core, prompts, params) == generate(make_engine(target), prompts, params)
-    at_limit = [drafts for requests, drafts in steps if requests >= LIMIT]
-    below = [drafts for requests, drafts in steps if requests < LIMIT]
+    at_limit = [drafts for requests, drafts, _ in steps if requests >= LIMIT]
+    below = [drafts for requests, drafts, _ in steps if requests < LIMIT]
     assert at_limit and not any(at_limit), steps
     assert sum(below) > 0, steps
     if method != "ngram":
         # The after-step drafters ran no chain for a large batch's next step: the first step below
         # the limit has nothing to verify yet, as after a prompt.
-        first_below = next(i for i, (requests, _) in enumerate(steps) if requests < LIMIT)
+        first_below = next(i for i, (requests, _, _) in enumerate(steps) if requests < LIMIT)
         assert steps[first_below][1] == 0, steps
+    if method == "eagle3":
+        # No draft KV kept up while turned down (its upkeep is a draft pass a step); one again after.
+        assert not any(held for requests, _, held in steps if requests >= LIMIT), steps
+        assert any(held for requests, _, held in steps if requests < LIMIT), steps
 
 
 def test_the_limit_is_read_as_vllm_spells_it_and_checked() -> None:
