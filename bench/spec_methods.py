@@ -55,13 +55,10 @@ from typing import Any, Literal, TypeVar, cast, get_args
 from bench.routing import cpu_line
 from bench.splitserve_up import start_up, wait_ready
 from engine_args.flags import add_dtype_argument
-from launcher.processes import free_port, splitserve_command
-from launcher.up import STOP_TIMEOUT_S as UP_STAGE_STOP_TIMEOUT_S
+from launcher.processes import UP_STOP_TIMEOUT_S, free_port, splitserve_command
 
 Deployment = Literal["colocated", "pd"]
 NO_SPECULATION = "none"
-# up stops in three stages (gateway, instances, store), each child given STOP_TIMEOUT_S.
-UP_STOP_TIMEOUT_S = 3 * UP_STAGE_STOP_TIMEOUT_S + 10
 
 # docs/benchmarks.md's issue-40 questions (two of the package's shipped chat questions, which the
 # trained drafts saw, and two they did not), then four more that none of them saw.

@@ -17,6 +17,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+CHILD_STOP_TIMEOUT_S = 40.0  # a child drains on SIGTERM for up to 30 s (serving/instance.py), then is killed
+# `splitserve up` stops its children in three stages (the gateway; the instances, or the processes
+# holding them; their store), each killed past CHILD_STOP_TIMEOUT_S: a bound on the whole stop.
+UP_STOP_TIMEOUT_S = 3 * CHILD_STOP_TIMEOUT_S + 10
+
 _PR_SET_PDEATHSIG = 1
 # Shared memory for UCX between local processes; tcp stays for connection set-up. Here, not in
 # up.py, for the benchmarks that start instances too (and import no connector).

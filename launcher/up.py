@@ -35,6 +35,7 @@ from gateway.flags import (
 )
 from kv_connector.registry import add_kv_connector_arguments
 from launcher.processes import (
+    CHILD_STOP_TIMEOUT_S,
     LOCAL_UCX_ENV,
     Child,
     embedded_model,
@@ -49,7 +50,6 @@ from simulator.timing_model import DEFAULT_PROFILE
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # the first run converts the embedded model, and loads take a while on 2 cores
-STOP_TIMEOUT_S = 40.0  # instances drain for up to 30 s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             for child in group:
                 child.terminate()
             for child in group:
-                child.wait(STOP_TIMEOUT_S)
+                child.wait(CHILD_STOP_TIMEOUT_S)
             logger.info("stopped %s in %.1f s", names, time.monotonic() - started)
         logger.info("stopped")
 

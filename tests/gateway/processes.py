@@ -18,13 +18,8 @@ from pathlib import Path
 import httpx
 
 from launcher.processes import splitserve_command
-from launcher.up import STOP_TIMEOUT_S as UP_STAGE_TIMEOUT_S
 from tests.services.processes import ROOT, SERVICE_ENV, Service
 from tests.stores import free_port, stop
-
-# `splitserve up` stops in three stages (the gateway, the instances or the processes holding them,
-# their store), each child killed after launcher/up.py's STOP_TIMEOUT_S: a test's bound on the whole.
-UP_STOP_TIMEOUT_S = 3 * UP_STAGE_TIMEOUT_S + 10
 
 
 class HTTPProcess:
