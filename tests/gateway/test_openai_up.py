@@ -15,8 +15,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.default_model import DEFAULT_MODEL_NAME
+from launcher.processes import UP_STOP_TIMEOUT_S
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
-from tests.gateway.processes import UP_STOP_TIMEOUT_S, HTTPProcess
+from tests.gateway.processes import HTTPProcess
 from tests.stores import free_port
 
 pytest.importorskip("ucxx")

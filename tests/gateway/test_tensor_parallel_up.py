@@ -19,8 +19,9 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from launcher.processes import UP_STOP_TIMEOUT_S
 from tests.checkpoints import make_checkpoint
-from tests.gateway.processes import UP_STOP_TIMEOUT_S, HTTPProcess
+from tests.gateway.processes import HTTPProcess
 from tests.stores import free_port
 
 MAX_TOKENS = 16

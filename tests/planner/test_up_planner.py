@@ -14,10 +14,11 @@ import httpx
 import openai
 import pytest
 
+from launcher.processes import UP_STOP_TIMEOUT_S
 from planner.capacity import InstanceCapacity, Slo
 from planner.capacity_profile import CapacityProfile
 from planner.observations import GatewayScraper
-from tests.gateway.processes import UP_STOP_TIMEOUT_S, HTTPProcess
+from tests.gateway.processes import HTTPProcess
 from tests.gateway.test_tensor_parallel_up import alive, descendants
 from tests.simulator.cluster import ready_counts, wait_for, write_profile
 from tests.stores import free_port

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import openai
 
-from tests.gateway.processes import UP_STOP_TIMEOUT_S, HTTPProcess
+from launcher.processes import UP_STOP_TIMEOUT_S
+from tests.gateway.processes import HTTPProcess
 from tests.gateway.test_tensor_parallel_up import alive, descendants
 from tests.simulator.cluster import ready_counts, wait_for, write_profile
 from tests.stores import free_port
