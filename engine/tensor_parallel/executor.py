@@ -57,7 +57,7 @@ from engine.pipeline_parallel.stage_step import run_stage
 from engine.pipeline_parallel.stages import PipelineStage, plan_stages
 from engine.tensor_parallel import messages
 from engine.tensor_parallel.group import TensorParallelGroup, host_store
-from engine.tensor_parallel.worker import STAGE_WAIT_TIMEOUT_S, WorkerSpec, main, rank_name
+from engine.tensor_parallel.worker import STAGE_GONE_EXIT_CODE, STAGE_WAIT_TIMEOUT_S, WorkerSpec, main, rank_name
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,7 @@ class TensorParallelExecutor:
         try:
             logits = run_stage(model, batch, layer_caches, self.inbound, None)
         except StageGone as error:
+            self._reap_gone_stages()
             raise RuntimeError(f"pipeline parallel: {self._dead_workers() or error}; the engine stops") from None
         if logits is None:
             raise RuntimeError("bug: the last pipeline stage computed no logits")
@@ -245,6 +246,18 @@ class TensorParallelExecutor:
                     f"pipeline parallel: the stage before the last sent nothing for {STAGE_WAIT_TIMEOUT_S:.0f} s: "
                     "giving up"
                 )
+
+    def _reap_gone_stages(self) -> None:
+        """After the stage before rank 0's closed its link: wait (bounded) for it to exit, and
+        while a rank exited because the stage before it was gone, for that one too. A rank's
+        link closes before the system reports its exit, so without this wait the error could
+        name the last rank of a chain, or none, rather than the one that died first."""
+        for index in reversed(range(self.stage.index)):
+            name = rank_name(replace(self.stage, index=index), 0, self._tensor_size)
+            process, _ = self._workers[self._worker_names.index(name)]
+            process.join(JOIN_TIMEOUT_S)
+            if process.exitcode != STAGE_GONE_EXIT_CODE:
+                return
 
     def _dead_workers(self) -> str:
         """The workers that have exited, named with their exit codes ("" while all live)."""

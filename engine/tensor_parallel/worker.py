@@ -39,7 +39,7 @@ from engine.attention.backend import select_backend
 from engine.config import EngineConfig
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.models import load_model
-from engine.pipeline_parallel.activation_channel import ActivationReceiver, ActivationSender
+from engine.pipeline_parallel.activation_channel import ActivationReceiver, ActivationSender, StageGone
 from engine.pipeline_parallel.stage_step import run_stage
 from engine.pipeline_parallel.stages import PipelineStage
 from engine.tensor_parallel import messages
@@ -52,6 +52,9 @@ _PR_SET_PDEATHSIG = 1
 # The longest a stage waits for the one before it within a step: that stage's share of the
 # step (a long prompt's chunk on a CPU included). It bounds a hang, not normal work.
 STAGE_WAIT_TIMEOUT_S = 600.0
+# A worker's exit code when a stage link failed: the stage next to it went first. Rank 0 reads
+# it to trace a chain of such exits back to the rank that died first, and name that one.
+STAGE_GONE_EXIT_CODE = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +109,7 @@ def main(
         logger.exception("worker failed")
         with contextlib.suppress(OSError):  # rank 0 may be gone too
             conn.send_bytes(messages.failure(error))
-        raise SystemExit(1) from None
+        raise SystemExit(STAGE_GONE_EXIT_CODE if isinstance(error, StageGone) else 1) from None
 
 
 class RankZeroMessages:

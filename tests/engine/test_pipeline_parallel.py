@@ -25,11 +25,14 @@ from engine.pipeline_parallel.activation_channel import ActivationReceiver, Acti
 from engine.pipeline_parallel.stages import PipelineStage, plan_stages
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelOutput, PendingStep, SchedulerOutput
+from engine.tensor_parallel.executor import TensorParallelExecutor
 from engine.tensor_parallel.rank_context import RankContext
+from engine.tensor_parallel.worker import STAGE_GONE_EXIT_CODE
 from engine_args.config import engine_fields
 from engine_args.flags import add_device_argument, add_engine_arguments, engine_argv
 from tests.checkpoints import make_checkpoint, random_prompts
 from tests.engine.gguf_checkpoints import Q, make_gguf, uniform
+from tests.engine.stage_exits import exits_after_its_link, killed_when_closed
 from tests.engine.test_tensor_parallel import transformers_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -433,6 +436,42 @@ def test_a_stage_that_dies_mid_stream_ends_the_engine_naming_it_and_leaves_nothi
         assert not [path for process in workers.values() for path in SHM.glob(f"splitserve-pp-{process.pid}-*")]
 
     asyncio.run(main())
+
+
+def test_a_chain_of_stage_exits_is_traced_back_to_the_rank_that_died_first() -> None:
+    """Rank 0 sees its link close while the ranks before it have not been reaped yet: it waits
+    for them, down the chain, and names stage 0 (killed) before the stage that followed it out."""
+    context = multiprocessing.get_context("spawn")  # each process holds only the pipe ends it is given
+    control_parent, control_child = context.Pipe()
+    link_from_stage_one, link_to_rank_zero = context.Pipe(duplex=False)
+    from_stage_zero, to_stage_one = context.Pipe(duplex=False)
+    stage_zero = context.Process(target=killed_when_closed, args=(control_child,), daemon=True)
+    stage_one = context.Process(target=exits_after_its_link, args=(link_to_rank_zero, from_stage_zero), daemon=True)
+    stage_zero.start()
+    stage_one.start()
+    for end in (control_child, link_to_rank_zero, from_stage_zero, to_stage_one):
+        end.close()  # each end now lives in its process alone
+    conns = [context.Pipe()[0] for _ in range(2)]
+    executor = TensorParallelExecutor(
+        None,
+        [(stage_zero, conns[0]), (stage_one, conns[1])],
+        ["pipeline stage 0", "pipeline stage 1"],
+        [],
+        PipelineStage(2, 3, range(4, 6)),
+        None,
+    )
+    try:
+        with pytest.raises(EOFError):
+            link_from_stage_one.recv_bytes()  # stage 1's link closed: both ranks still live
+        control_parent.close()  # stage 0 dies now, stage 1 after it
+        executor._reap_gone_stages()
+        dead = executor._dead_workers()
+        assert f"pipeline stage 0 (pid {stage_zero.pid}) died with exit code -9" in dead
+        assert f"pipeline stage 1 (pid {stage_one.pid}) died with exit code {STAGE_GONE_EXIT_CODE}" in dead
+    finally:
+        executor.close()
+        link_from_stage_one.close()
+    assert not stage_zero.is_alive() and not stage_one.is_alive()
 
 
 @pytest.mark.slow
