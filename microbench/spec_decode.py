@@ -83,29 +83,26 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
 
 @dataclass(slots=True)
 class _Timing:
-    """One request's clock on one engine, summed over that engine's own steps only."""
+    """One engine's clock over its requests, summed over that engine's own steps only."""
 
-    started: bool = False  # every request has its first token: later steps are decode steps
-    first_tokens: set[str] = field(default_factory=set)  # the requests that have
+    first_tokens: set[str] = field(default_factory=set)  # the requests that have theirs
     ttft_s: float = 0.0
-    decode_s: float = 0.0  # steps after the one that produced the first token
+    decode_s: float = 0.0  # steps after every request had its first token
     decode_cpu_s: float = 0.0
     num_tokens: int = 0
 
 
 def run_side_by_side(
     engines: dict[str, EngineCore],
-    prompt: list[int] | list[list[int]],
+    prompts: list[list[int]],
     output_len: int,
     temperature: float,
     seed: int,
 ) -> dict[str, _Timing]:
-    """The same request (or the same concurrent requests, one per prompt of a list) on every
-    engine at once, their steps interleaved one for one, each step timed on its own: load from
-    elsewhere on the machine lands on both sides alike, which alternating whole requests does not
-    give on a busy shared machine. A side's decode time starts once every one of its requests has
-    its first token."""
-    prompts: list[list[int]] = prompt if prompt and isinstance(prompt[0], list) else [prompt]  # type: ignore[list-item]
+    """The same concurrent requests (one per prompt) on every engine at once, their steps
+    interleaved one for one, each step timed on its own: load from elsewhere on the machine lands
+    on both sides alike, which alternating whole requests does not give on a busy shared machine.
+    A side's decode time starts once every one of its requests has its first token."""
     timings = {name: _Timing() for name in engines}
     for core in engines.values():
         for prompt_ids in prompts:
@@ -119,14 +116,13 @@ def run_side_by_side(
             wall, cpu = time.perf_counter(), time.process_time()
             outputs = core.step()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            if timing.started:
+            if len(timing.first_tokens) == len(prompts):  # every request had its first token before
                 timing.decode_s += wall
                 timing.decode_cpu_s += cpu
             else:
                 timing.ttft_s += wall
             timing.num_tokens += sum(len(output.new_token_ids) for output in outputs)
             timing.first_tokens.update(output.request_id for output in outputs if output.new_token_ids)
-            timing.started = len(timing.first_tokens) == len(prompts)
     for name, timing in timings.items():
         if timing.num_tokens != output_len * len(prompts):
             raise RuntimeError(
@@ -241,10 +237,10 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(engines["plain"].model_path))
     rng = random.Random(args.seed)
-    prompts: dict[str, list[int] | list[list[int]]] = {}
+    prompts: dict[str, list[list[int]]] = {}  # a workload's concurrent requests
     for workload in args.workloads.split(","):
         if workload == "code":
-            prompts["code"] = code_edit_prompt(tokenizer)
+            prompts["code"] = [code_edit_prompt(tokenizer)]
         elif workload == "chat":
             questions = args.chat_question or [CHAT_QUESTION]
             encoded_questions = []
@@ -260,32 +256,33 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             else:
                 for number, prompt_ids in enumerate(encoded_questions, start=1):
-                    prompts["chat" if len(questions) == 1 else f"chat-{number}"] = prompt_ids
+                    prompts["chat" if len(questions) == 1 else f"chat-{number}"] = [prompt_ids]
         elif workload in ("random", "random-sampled"):
-            prompts[workload] = random_prompt(
-                random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size
-            )
+            prompts[workload] = [
+                random_prompt(random.Random(args.seed), args.random_input_len, engines["plain"].vocab_size)
+            ]
         else:
             raise ValueError(f"unknown workload {workload!r}; use code, random, random-sampled, chat")
         if args.streams > 1 and workload != "chat":
             raise ValueError("--streams runs the chat workload's questions concurrently: use --workloads chat")
-    run_side_by_side(engines, random_prompt(rng, 64, engines["plain"].vocab_size), 8, 0.0, 0)  # warm-up, untimed
+    run_side_by_side(engines, [random_prompt(rng, 64, engines["plain"].vocab_size)], 8, 0.0, 0)  # warm-up, untimed
 
     results: list[RunResult] = []
     for round_index in range(args.rounds):
-        for workload, prompt in prompts.items():
+        for workload, workload_prompts in prompts.items():
             # Which engine steps first alternates by round.
             order = ("plain", "spec") if round_index % 2 == 0 else ("spec", "plain")
             stats = engines["spec"].scheduler.spec_stats
             drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
             temperature = 1.0 if workload == "random-sampled" else 0.0
             timings = run_side_by_side(
-                {name: engines[name] for name in order}, prompt, args.output_len, temperature, round_index
+                {name: engines[name] for name in order}, workload_prompts, args.output_len, temperature, round_index
             )
             for name in ("plain", "spec"):
                 t = timings[name]
-                streams = len(prompt) if isinstance(prompt[0], list) else 1
-                per_token = 1e3 * streams / (t.num_tokens - streams)  # each stream's, after its first token
+                per_token = (
+                    1e3 * len(workload_prompts) / (t.num_tokens - len(workload_prompts))
+                )  # each stream's, after its first
                 spec_side = name == "spec"
                 result = RunResult(
                     workload,

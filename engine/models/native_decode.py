@@ -114,15 +114,19 @@ class LayerCapture:
     """The residual streams entering some layers, captured during a native step, as
     ``LlamaFamilyForCausalLM.run_layers_capturing`` returns them (what EAGLE-3 drafts fuse)."""
 
-    layer_ids: torch.Tensor  # int64, ascending; 0: the embeddings
+    layer_ids: torch.Tensor  # capture_layer_ids' (made once: a step only allocates ``out``)
     out: torch.Tensor  # [rows, len(layer_ids) * hidden], the model's dtype, contiguous
 
     @classmethod
-    def of(cls, layer_ids: Sequence[int], num_rows: int, hidden: int, dtype: torch.dtype) -> LayerCapture:
-        if list(layer_ids) != sorted(set(layer_ids)):
-            raise ValueError(f"bug: layers {list(layer_ids)} to capture are not ascending")
-        ids = torch.tensor(list(layer_ids), dtype=torch.int64)
-        return cls(ids, torch.empty(num_rows, len(ids) * hidden, dtype=dtype))
+    def of(cls, layer_ids: torch.Tensor, num_rows: int, hidden: int, dtype: torch.dtype) -> LayerCapture:
+        return cls(layer_ids, torch.empty(num_rows, len(layer_ids) * hidden, dtype=dtype))
+
+
+def capture_layer_ids(layer_ids: Sequence[int]) -> torch.Tensor:
+    """Layers to capture as ``decode_forward`` takes them: int64, ascending (0: the embeddings)."""
+    if list(layer_ids) != sorted(set(layer_ids)):
+        raise ValueError(f"bug: layers {list(layer_ids)} to capture are not ascending")
+    return torch.tensor(list(layer_ids), dtype=torch.int64)
 
 
 class NativeDecodeStep:

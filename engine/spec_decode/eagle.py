@@ -59,7 +59,7 @@ import torch
 
 from engine.flat_batch import FlatBatch
 from engine.models.llama import LlamaFamilyForCausalLM
-from engine.models.native_decode import LayerCapture, NativeDecodeStep
+from engine.models.native_decode import LayerCapture, NativeDecodeStep, capture_layer_ids
 from engine.request import Request
 from engine.scheduler_output import ModelOutput, SchedulerOutput
 from engine.spec_decode.eagle_draft import DraftEntries, DraftKV, DraftNetwork, new_draft_kv
@@ -110,6 +110,8 @@ class EagleProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.target = target
         self.native = native
+        layer_ids = draft.feature_layer_ids
+        self._capture_ids = capture_layer_ids(layer_ids) if native is not None and layer_ids is not None else None
         self.embed = draft.embed_tokens if draft.embed_tokens is not None else target.embed_tokens
         self.held: dict[str, _Held] = {}  # request id -> its draft KV
 
@@ -126,8 +128,13 @@ class EagleProposer:
         target = self.target
         layer_ids = self.draft.feature_layer_ids
         if layer_ids is not None:
-            if self.native is not None and batch.logits_indices.shape[0] == num_tokens:
-                capture = LayerCapture.of(layer_ids, num_tokens, target.shape.hidden_size, self.native.hidden_dtype)
+            if (
+                self.native is not None
+                and self._capture_ids is not None
+                and batch.logits_indices.shape[0] == num_tokens
+            ):
+                hidden_size = target.shape.hidden_size
+                capture = LayerCapture.of(self._capture_ids, num_tokens, hidden_size, self.native.hidden_dtype)
                 logits = self.native(batch, None, capture)
                 if logits is not None:
                     return logits, capture.out

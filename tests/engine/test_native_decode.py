@@ -27,7 +27,7 @@ from engine.cpu_features import CAP_ENV, cpu_features
 from engine.flat_batch import FlatBatch
 from engine.model_runner import ModelRunner
 from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
-from engine.models.native_decode import LayerCapture, NativeDecodeStep
+from engine.models.native_decode import LayerCapture, NativeDecodeStep, capture_layer_ids
 from engine.models.quantized_linear import MixedQuantizedLinear, QuantizedEmbedding, QuantizedLinear
 from tests.checkpoints import make_checkpoint, random_prompts
 from tests.engine.gguf_checkpoints import K_QUANT_MODEL, Q, Scheme, mixed_qkv, q4_k_m, uniform, write_gguf
@@ -134,7 +134,7 @@ def test_native_steps_capture_the_layers_eagle3_drafts_fuse(tmp_path: Path, dtyp
 
     def capturing(batch: FlatBatch, final_hidden_out: torch.Tensor | None = None) -> torch.Tensor | None:
         rows = batch.input_ids.shape[0]
-        capture = LayerCapture.of(layer_ids, rows, model.shape.hidden_size, native.hidden_dtype)
+        capture = LayerCapture.of(capture_layer_ids(layer_ids), rows, model.shape.hidden_size, native.hidden_dtype)
         logits = native(batch, None, capture)
         if logits is None:
             return None
@@ -145,7 +145,10 @@ def test_native_steps_capture_the_layers_eagle3_drafts_fuse(tmp_path: Path, dtyp
         assert torch.equal(capture.out, features), f"the layers captured in a {rows}-row step differ"
         assert torch.equal(logits, model.compute_logits(hidden, residual, batch.logits_indices))
         assert torch.equal(
-            native(batch, None, LayerCapture.of([], rows, model.shape.hidden_size, native.hidden_dtype)), logits
+            native(
+                batch, None, LayerCapture.of(capture_layer_ids([]), rows, model.shape.hidden_size, native.hidden_dtype)
+            ),
+            logits,
         )
         return logits
 

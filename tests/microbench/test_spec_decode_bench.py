@@ -23,7 +23,7 @@ def plain_and_ngram_engines(tmp_path: Path) -> dict[str, EngineCore]:
 
 def test_side_by_side_times_each_engine_on_its_own_steps(tmp_path: Path) -> None:
     engines = plain_and_ngram_engines(tmp_path)
-    timings = run_side_by_side(engines, [9, 8, 7, 6] * 6 + [9, 8], output_len=24, temperature=0.0, seed=0)
+    timings = run_side_by_side(engines, [[9, 8, 7, 6] * 6 + [9, 8]], output_len=24, temperature=0.0, seed=0)
     assert {name: t.num_tokens for name, t in timings.items()} == {"plain": 24, "spec": 24}
     assert all(t.ttft_s > 0 and t.decode_s > 0 for t in timings.values())
     assert engines["spec"].scheduler.spec_stats.num_accepted_tokens > 0
