@@ -75,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-prompts",
         type=int,
-        default=280,
-        help="prompts to generate from, at most (default: 280, all the shipped ones: 80 questions and 200 "
+        default=520,
+        help="prompts to generate from, at most (default: 520, all the shipped ones: 320 questions and 200 "
         "instructions over the shipped text's paragraphs, interleaved)",
     )
     parser.add_argument(
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.llm import LLM
 
     llm = LLM(**numerics_fields(args))
-    texts, source = _prompt_texts(args.prompts_file, args.num_prompts)
+    texts, source = prompt_texts(args.prompts_file, args.num_prompts)
     prompts = [_encode(llm, text) for text in texts]
     if args.method == "eagle":
         return _run_eagle(args, llm, prompts, source)
@@ -261,7 +261,7 @@ def _draft_record(
     }
 
 
-def _prompt_texts(prompts_file: Path | None, num_prompts: int) -> tuple[list[str], str]:
+def prompt_texts(prompts_file: Path | None, num_prompts: int) -> tuple[list[str], str]:
     """The prompts' texts and where they came from, in words."""
     if prompts_file is not None:
         lines = [line.strip() for line in prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()]

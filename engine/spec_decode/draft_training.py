@@ -36,6 +36,7 @@ from engine.spec_decode.medusa_training import (
     no_progress,
     resume_training,
     save_training,
+    shard_recipe,
 )
 
 
@@ -91,7 +92,8 @@ def training_sequences(
 
     sequences: list[list[int]] = []
     features: list[torch.Tensor] = []
-    for _, shard in cached_shards(work, shard_name, prompts, settings.prompts_per_shard, make, progress):
+    recipe = shard_recipe(llm, settings.max_new_tokens)
+    for _, shard in cached_shards(work, shard_name, recipe, prompts, settings.prompts_per_shard, make, progress):
         lengths = shard["lengths"].tolist()
         sequences += [chunk.tolist() for chunk in shard["token_ids"].split(lengths)]
         features += list(shard["features"].split(lengths))

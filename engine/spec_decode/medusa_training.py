@@ -21,6 +21,7 @@ so its own greedy continuations are the labels (Medusa's self-distillation, with
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -85,31 +86,39 @@ def make_training_data(
         return {"hidden": shard.hidden, "targets": shard.targets}
 
     hidden, targets = [], []
-    for path, tensors in cached_shards(work, "data", prompts, settings.prompts_per_shard, make, progress):
-        if tensors["targets"].shape[1] != settings.num_heads:
-            raise ValueError(f"{path} was made for {tensors['targets'].shape[1]} heads; use another work folder")
+    recipe = f"{shard_recipe(llm, settings.max_new_tokens)} num_heads={settings.num_heads}"
+    for _, tensors in cached_shards(work, "data", recipe, prompts, settings.prompts_per_shard, make, progress):
         hidden.append(tensors["hidden"])
         targets.append(tensors["targets"])
     return TrainingData(torch.cat(hidden), torch.cat(targets))
 
 
+def shard_recipe(llm: LLM, max_new_tokens: int) -> str:
+    """What of the model and the generation shapes every method's shards (:func:`cached_shards`)."""
+    return f"model={llm.engine.model_path} dtype={llm.engine.runner.dtype} max_new_tokens={max_new_tokens}"
+
+
 def cached_shards(
     work: Path,
     prefix: str,
+    recipe: str,
     prompts: list[list[int]],
     prompts_per_shard: int,
     make: Callable[[list[list[int]]], dict[str, torch.Tensor]],
     progress: Progress = no_progress,
 ) -> list[tuple[Path, dict[str, torch.Tensor]]]:
-    """``make``'s tensors for each shard of ``prompts`` (``work/<prefix>-NNNNN.safetensors``),
-    made once: a shard saved by an earlier run is read back."""
+    """``make``'s tensors for each shard of ``prompts`` (``work/<prefix>-NNNNN-<key>.safetensors``),
+    made once: a shard saved by an earlier run is read back. ``recipe``: what else shapes a
+    shard (the model, its dtype, the settings ``make`` reads), in words; with the shard's prompts
+    it keys the file, so a run over other prompts or settings never reads a stale shard."""
     from safetensors.torch import load_file, save_file
 
     work.mkdir(parents=True, exist_ok=True)
     shards = [prompts[i : i + prompts_per_shard] for i in range(0, len(prompts), prompts_per_shard)]
     loaded = []
     for index in progress(range(len(shards)), "generating", len(shards)):
-        path = work / f"{prefix}-{index:05d}.safetensors"
+        key = hashlib.sha256(repr((recipe, shards[index])).encode()).hexdigest()[:16]
+        path = work / f"{prefix}-{index:05d}-{key}.safetensors"
         if not path.is_file():
             save_file(make(shards[index]), str(path.with_suffix(".tmp")))
             path.with_suffix(".tmp").rename(path)  # a shard is there whole or not at all

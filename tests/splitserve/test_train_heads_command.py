@@ -4,6 +4,7 @@ were trained on."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from engine.spec_decode.medusa_checkpoint import load_medusa_heads
 from splitserve.cli import main
+from splitserve.train_heads import add_arguments, prompt_texts
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint
 
 
@@ -50,7 +52,7 @@ def test_train_heads_eagle_writes_a_draft_the_engine_serves(tmp_path: Path, caps
     draft = load_eagle_draft(output, 64, VOCAB_SIZE, 1024, torch.float32, torch.device("cpu"))
     assert draft.embed_tokens is None and draft.lm_head is None  # the target's own
     assert (output / "work" / "eagle_train_state.pt").is_file()  # a rerun resumes from here
-    assert sorted(p.name for p in (output / "work").glob("eagle-data-*")) == ["eagle-data-00000.safetensors"]
+    assert [p.name.split("-")[2] for p in (output / "work").glob("eagle-data-*")] == ["00000"]
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     expected = generate(make_engine(model), prompts, [GREEDY] * 2)
     spec = SpeculativeConfig(method="eagle", model=str(output), num_speculative_tokens=2)
@@ -84,3 +86,17 @@ def test_train_heads_eagle3_writes_a_draft_the_engine_serves(
     expected = generate(make_engine(model), prompts, [GREEDY] * 2)
     spec = SpeculativeConfig(method="eagle3", model=str(output), num_speculative_tokens=2)
     assert generate(make_engine(model, spec), prompts, [GREEDY] * 2) == expected
+
+
+def test_the_questions_benchmarks_call_unseen_are_not_among_the_training_prompts() -> None:
+    """Drafts are measured on prompts they never trained on (splitserve/data/README.md)."""
+    from microbench.spec_decode import CHAT_QUESTION
+    from microbench.tree_drafts import HELD_OUT_QUESTIONS
+
+    texts, _ = prompt_texts(None, 10_000)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.get_default("num_prompts") == len(texts)  # by default, every shipped prompt
+    shipped = {" ".join(text.lower().split()) for text in texts}
+    for question in (CHAT_QUESTION, *HELD_OUT_QUESTIONS):
+        assert " ".join(question.lower().split()) not in shipped, question

@@ -112,3 +112,20 @@ def test_made_shards_are_read_back_not_made_again(llm: LLM, work: Path, prompts:
     again = make_training_data(llm, prompts["train"], SETTINGS, work)
     assert [path.stat().st_mtime_ns for path in shards] == stamps
     assert again.hidden.shape == (again.targets.shape[0], 64) and again.targets.shape[1] == SETTINGS.num_heads
+
+
+def test_shards_of_other_prompts_or_settings_are_made_anew_not_read_back(
+    llm: LLM, tmp_path: Path, prompts: dict[str, list[list[int]]]
+) -> None:
+    """Reruns over a changed prompt set, or with other settings, in the same work folder."""
+    first_shard = prompts["train"][:16]
+    made = make_training_data(llm, first_shard, SETTINGS, tmp_path)
+    assert torch.equal(make_training_data(llm, first_shard, SETTINGS, tmp_path).hidden, made.hidden)
+    assert len(list(tmp_path.glob("data-*.safetensors"))) == 1
+    shorter = dataclasses.replace(SETTINGS, max_new_tokens=SETTINGS.max_new_tokens // 2)
+    remade = make_training_data(llm, first_shard, shorter, tmp_path)
+    fewer_heads = dataclasses.replace(SETTINGS, num_heads=SETTINGS.num_heads - 1)
+    other_prompts = make_training_data(llm, [prompts["unseen"][0], *first_shard[1:]], fewer_heads, tmp_path)
+    assert len(list(tmp_path.glob("data-*.safetensors"))) == 3
+    assert remade.hidden.shape[0] < made.hidden.shape[0]
+    assert other_prompts.targets.shape[1] == SETTINGS.num_heads - 1
