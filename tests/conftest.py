@@ -1,5 +1,9 @@
 """Suite-wide settings and fixtures. Triton kernels run on CPU only through the interpreter,
-and the variable must be set before triton is first imported."""
+and the variable must be set before triton is first imported.
+
+The README's test command runs the suite on two pytest-xdist workers, a test file to a worker
+(:func:`pytest_xdist_make_scheduler`): most of a test's wall time is spent waiting for servers
+it started, so two files side by side keep the two cores busy."""
 
 import os
 from collections.abc import Iterator
@@ -40,3 +44,21 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.checkpoints import LONG_MODEL, make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("long-llama"), **LONG_MODEL)
+
+
+# Test files that must not run beside each other on two workers: both compose stacks build the
+# same image and run podman, which one build at a time keeps cached for the other.
+_SERIAL_FILES = ("tests/compose/test_compose_up.py", "tests/compose/test_compose_simulate_up.py")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """A test file to a worker (its module fixtures, servers included, start once), with the
+    files of ``_SERIAL_FILES`` as one unit."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "compose stacks" if path in _SERIAL_FILES else path
+
+    return FileScheduling(config, log)  # type: ignore[arg-type]

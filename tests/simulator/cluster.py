@@ -53,7 +53,7 @@ class SimulatedInstances:
     def __init__(self, role: str, num_instances: int, profile: Path, registry_url: str, name: str, *extra: str) -> None:
         self.role = role
         self.name = name
-        self.log = open(f"/tmp/splitserve-test-simulate-{name}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.log = open(f"/tmp/splitserve-test-simulate-{name}-{os.getpid()}.log", "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             splitserve_command(
                 "simulate",
