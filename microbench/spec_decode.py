@@ -280,9 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for name in ("plain", "spec"):
                 t = timings[name]
-                per_token = (
-                    1e3 * len(workload_prompts) / (t.num_tokens - len(workload_prompts))
-                )  # each stream's, after its first
+                streams = len(workload_prompts)
+                per_token = 1e3 * streams / (t.num_tokens - streams)  # each stream's, after its first token
                 spec_side = name == "spec"
                 result = RunResult(
                     workload,

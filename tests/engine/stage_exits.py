@@ -1,5 +1,5 @@
 """Process targets for the pipeline-parallel test of a chain of stage exits: plain functions,
-in a module of their own so a spawned process imports little."""
+in a module of their own that a spawned process imports by name."""
 
 from __future__ import annotations
 
