@@ -6,7 +6,11 @@ each an open HTTP/2 stream, a task and a waiter on the server (issue 42, item 7)
 - at most ``max_watchers`` streams at once; one more gets ``RESOURCE_EXHAUSTED``;
 - each stream ends (OK) after ``lifetime_s``: a client watching for longer calls ``Watch``
   again, as gRPC's health-checking clients do when a stream ends;
-- a service name longer than :data:`MAX_SERVICE_NAME_CHARS` is refused (``INVALID_ARGUMENT``).
+- a service name longer than :data:`MAX_SERVICE_NAME_CHARS` is refused (``INVALID_ARGUMENT``);
+- once the server enters its graceful shutdown, each stream sends the status it has come to
+  (NOT_SERVING) and ends (OK): a stream stays open for as long as its client likes, so the
+  server's drain, which waits for every open call, would otherwise wait on watchers that
+  request nothing, up to its grace, and a container's stop timeout would kill it first.
 
 ``Check`` is the library's own. The library's ``Watch`` also forgets a service's waiters
 whenever one of its streams ends, so that the others miss later changes; this one keeps a
@@ -56,6 +60,8 @@ class BoundedHealthServicer(health.aio.HealthServicer):
                     if status != sent:
                         await context.write(health_pb2.HealthCheckResponse(status=status))  # not under the lock
                         sent = status
+                    if self._gracefully_shutting_down:
+                        return
                     await self._next_change(version)
         except TimeoutError:
             return  # the stream's lifetime: it ends OK, and the client watches again

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import grpc
@@ -151,6 +152,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
+@dataclass(frozen=True, slots=True)
+class GrpcFront:
+    server: grpc.aio.Server
+    port: int
+    health: BoundedHealthServicer
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop taking calls and drain those running for up to ``grace`` seconds. Health
+        watchers are told NOT_SERVING and their streams end first: they stay open for as long
+        as their clients like, and the drain would wait on them to the end of its grace."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
 async def start_grpc_front(
     service: GenerationService,
     model_name: str,
@@ -159,7 +174,7 @@ async def start_grpc_front(
     port: int,
     max_concurrent_rpcs: int | None = None,
     tls: TLSFiles | None = None,
-) -> tuple[grpc.aio.Server, int]:
+) -> GrpcFront:
     """``max_concurrent_rpcs``: calls served at once (``--max-connections``); gRPC answers
     RESOURCE_EXHAUSTED beyond it before the handler runs. ``tls``: serve TLS with these files
     (``--grpc-tls-*``; with a CA, clients must present a certificate it signed); None: plaintext."""
@@ -177,4 +192,4 @@ async def start_grpc_front(
         bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+    return GrpcFront(server, bound, health_servicer)

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 from pathlib import Path
 
 import uvicorn
@@ -26,7 +27,7 @@ from gateway.discovery import DiscoveryLoop, RedisDiscovery, StaticDiscovery
 from gateway.event_loop import loop_factory, resolved_loop
 from gateway.flags import add_gateway_arguments, resolve_api_key, resolve_grpc_front_tls
 from gateway.generation import GenerationService
-from gateway.grpc_front import start_grpc_front
+from gateway.grpc_front import GrpcFront, start_grpc_front
 from gateway.instance_limits import InstanceLimits
 from gateway.instances import InstancePool
 from gateway.kv_event_liveness import KVEventLiveness
@@ -38,6 +39,11 @@ from gateway.tie_break import GatewaySlot
 from gateway.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
+
+# How long a stopping gateway lets the requests it holds finish, REST and gRPC side by side: as
+# an instance's drain, within a pod's terminationGracePeriodSeconds and compose's
+# stop_grace_period (45 s), so that SIGKILL never comes first.
+DRAIN_GRACE_S = 30  # seconds: uvicorn takes a whole number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,12 +163,12 @@ async def serve(args: argparse.Namespace) -> None:
         request_log=args.request_log,
         max_pending_per_client=args.max_pending_requests_per_client,
     )
-    grpc_server = None
+    grpc_front = None
     if args.grpc_port >= 0:
-        grpc_server, grpc_port = await start_grpc_front(
+        grpc_front = await start_grpc_front(
             service, model_name, args.api_key, args.host, args.grpc_port, max_connections, args.grpc_tls
         )
-        logger.info("gRPC Generation API on %s:%d%s", args.host, grpc_port, " (TLS)" if args.grpc_tls else "")
+        logger.info("gRPC Generation API on %s:%d%s", args.host, grpc_front.port, " (TLS)" if args.grpc_tls else "")
     app = create_app(
         service,
         model_name,
@@ -178,7 +184,7 @@ async def serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         log_level="warning",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=DRAIN_GRACE_S,
         timeout_keep_alive=args.timeout_keep_alive,
     )
     freeze_startup_heap()  # the tokenizer, app and clients are built by now
@@ -191,10 +197,11 @@ async def serve(args: argparse.Namespace) -> None:
     # --api-server-count: a socket of this process's own on the shared port (gateway/api_servers.py).
     sockets = [reuse_port_socket(args.host, args.port)] if args.api_server_index is not None else None
     try:
-        await uvicorn.Server(config).serve(sockets=sockets)  # returns after SIGTERM/SIGINT and a graceful shutdown
+        # Returns after SIGTERM/SIGINT and a graceful shutdown, of the gRPC front's calls too.
+        await DrainingServer(config, grpc_front).serve(sockets=sockets)
     finally:
-        if grpc_server is not None:
-            await grpc_server.stop(grace=30)
+        if grpc_front is not None:
+            await grpc_front.stop(grace=DRAIN_GRACE_S)  # at once if the drain stopped it already
         await discovery_loop.stop()
         if kv_events_task is not None:
             kv_events_task.cancel()
@@ -207,6 +214,22 @@ async def serve(args: argparse.Namespace) -> None:
         tokenizer.close()
         if tracer is not None:
             await asyncio.to_thread(tracer.shutdown)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown drains the gRPC front beside the REST
+    connections: both within one grace, not one grace after the other (past a pod's
+    terminationGracePeriodSeconds, or a container's stop timeout)."""
+
+    def __init__(self, config: uvicorn.Config, grpc_front: GrpcFront | None) -> None:
+        super().__init__(config)
+        self.grpc_front = grpc_front
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.grpc_front is None:
+            await super().shutdown(sockets)
+            return
+        await asyncio.gather(super().shutdown(sockets), self.grpc_front.stop(grace=DRAIN_GRACE_S))
 
 
 def _stopped_already(signum: int, frame: object) -> None:

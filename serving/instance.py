@@ -279,6 +279,7 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
         self.instance = instance
         self._kv_event_pages: KVEventPages | None = None  # on the first call: the engine's log exists by then
         self.kv_event_streams: KVEventStreams | None = None  # on the first subscription, on the server's loop
+        self.stopping = False  # end_streams() was called: no subscription from now on
         self._kv_event_stream_limits = stream_limits or KVEventStreamLimits()
 
     async def GetLoadReport(self, request, context):  # noqa: N802 - gRPC signature
@@ -297,7 +298,10 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
 
     async def WatchKVEvents(self, request, context):  # noqa: N802 - gRPC signature
         """Prefix-cache changes after the caller's cursor, then as engine steps make them
-        (serving/kv_event_stream.py), until a resync marker or the stream's lifetime."""
+        (serving/kv_event_stream.py), until a resync marker, the stream's lifetime or the
+        instance's stop (:meth:`end_streams`)."""
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this instance is stopping")
         if self.kv_event_streams is None:
             self.kv_event_streams = KVEventStreams(
                 self.instance.engine.core.kv_events, self._batch_message, self._kv_event_stream_limits
@@ -312,8 +316,7 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
             return  # abort raises: never reached
         try:
             async with asyncio.timeout(streams.limits.lifetime_s):
-                while True:
-                    events = await subscriber.get()
+                while (events := await subscriber.get()) is not None:
                     await context.write(events)
                     if events.resync:
                         return
@@ -321,6 +324,13 @@ class LoadServicer(disaggregation_pb2_grpc.LoadServicer):
             return  # the stream's lifetime: it ends OK, and the gateway subscribes again from its cursor
         finally:
             streams.unsubscribe(subscriber)
+
+    def end_streams(self) -> None:
+        """The instance is stopping: every KV-event subscription ends now, and none is taken
+        from now on, so that the server's drain waits for requests alone."""
+        self.stopping = True
+        if self.kv_event_streams is not None:
+            self.kv_event_streams.close()
 
     def _batch_message(self, batch: KVEventBatch) -> disaggregation_pb2.KVEvents:
         return self._kv_events_message(batch.epoch, batch.last_seq, batch.snapshot, batch.stored, batch.removed)
@@ -388,7 +398,8 @@ async def serve(
     multiplexer = CallMultiplexer(multiplexed, instance.plane.call_counts) if multiplexed else None
     if multiplexer is not None:
         multiplex_pb2_grpc.add_MultiplexServicer_to_server(multiplexer, server)
-    disaggregation_pb2_grpc.add_LoadServicer_to_server(LoadServicer(instance), server)
+    load_servicer = LoadServicer(instance)
+    disaggregation_pb2_grpc.add_LoadServicer_to_server(load_servicer, server)
     health_servicer = BoundedHealthServicer()  # open to all: its Watch streams capped (cluster/health_watch.py)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = instance.plane.add_port(server, f"{args.host}:{args.port}", advertise)
@@ -451,7 +462,10 @@ async def serve(
     await asyncio.gather(watch, stop_serving, return_exceptions=True)
     if heartbeat is not None:
         await heartbeat.stop()
+    # Health Watch and KV-event streams stay open for as long as their gateways like: they end
+    # here (health ones once NOT_SERVING is sent), or the drain below would wait on them.
     await health_servicer.enter_graceful_shutdown()
+    load_servicer.end_streams()
     if multiplexer is not None:
         multiplexer.close()  # its streams end with their calls: the grace below waits for those alone
     started = time.monotonic()

@@ -27,6 +27,10 @@ In call order:
    how it tells a quiet cache from a host gone silent without closing the socket. Towards a
    gateway gone that way, the stream ends at ``lifetime_s`` (a write the peer's flow control
    holds included), and its queue is one message meanwhile.
+6. The instance stopping calls :meth:`KVEventStreams.close`: every stream ends at once (OK),
+   what is queued unsent, so that the server's drain, which waits for every open call, waits
+   for requests alone; the gateway reads the instance's changes by poll from then on, if it
+   still wants them (``gateway/kv_events.py``).
 
 Event-loop only but ``notify``: no lock.
 """
@@ -64,6 +68,7 @@ class KVEventSubscriber:
         self.heartbeat_s = heartbeat_s  # how long get() waits for a batch before it hands out a heartbeat
         self.num_heartbeats = 0
         self.lagged = False  # a resync marker is queued; nothing more will be
+        self.ended = False  # the instance is stopping: get() hands out nothing more
         self.num_queued_hashes = 0
         self._queue: deque[tuple[disaggregation_pb2.KVEvents, int]] = deque()
         self._ready = asyncio.Event()
@@ -101,9 +106,15 @@ class KVEventSubscriber:
         self._queue.append((disaggregation_pb2.KVEvents(epoch=epoch, resync=True), 0))
         self._ready.set()
 
-    async def get(self) -> disaggregation_pb2.KVEvents:
-        """The next queued message, or an empty one (a heartbeat) once ``heartbeat_s`` passed without one."""
-        while not self._queue:
+    def end(self) -> None:
+        """End the stream: its next :meth:`get`, or the one waiting, returns None."""
+        self.ended = True
+        self._ready.set()
+
+    async def get(self) -> disaggregation_pb2.KVEvents | None:
+        """The next queued message, an empty one (a heartbeat) once ``heartbeat_s`` passed
+        without one, or None once the stream has ended (:meth:`end`)."""
+        while not self._queue and not self.ended:
             self._ready.clear()
             try:
                 async with asyncio.timeout(self.heartbeat_s):
@@ -111,6 +122,8 @@ class KVEventSubscriber:
             except TimeoutError:
                 self.num_heartbeats += 1
                 return disaggregation_pb2.KVEvents()
+        if self.ended:
+            return None
         message, num_hashes = self._queue.popleft()
         self.num_queued_hashes -= num_hashes
         return message
@@ -169,6 +182,11 @@ class KVEventStreams:
 
     def unsubscribe(self, subscriber: KVEventSubscriber) -> None:
         self.subscribers.discard(subscriber)
+
+    def close(self) -> None:
+        """The instance is stopping: end every stream (step 6 of the module docstring)."""
+        for subscriber in self.subscribers:
+            subscriber.end()
 
     def notify(self) -> None:
         """The step thread: the log changed during a step (a ``KVEventLog`` listener)."""

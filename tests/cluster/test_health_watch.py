@@ -80,3 +80,32 @@ def test_a_watch_stream_ends_after_its_lifetime_and_frees_its_place() -> None:
             assert servicer.num_watchers == 0
 
     asyncio.run(scenario())
+
+
+async def rest(stream: grpc.aio.UnaryStreamCall) -> list[int]:
+    """The statuses a stream sends until it ends."""
+    statuses = []
+    while (response := await stream.read()) is not grpc.aio.EOF:
+        statuses.append(response.status)
+    return statuses
+
+
+def test_a_graceful_shutdown_tells_every_watcher_not_serving_and_ends_its_stream() -> None:
+    """The server's drain waits for every open call: a watcher's stream must end by itself."""
+
+    async def scenario() -> None:
+        servicer = BoundedHealthServicer(max_watchers=4, lifetime_s=3600.0)
+        async with health_server(servicer) as stub:
+            watched = stub.Watch(health_pb2.HealthCheckRequest())
+            unknown = stub.Watch(health_pb2.HealthCheckRequest(service="not-served"))
+            async with asyncio.timeout(HANG_GUARD_S):
+                assert (await watched.read()).status == SERVING
+                assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            await servicer.enter_graceful_shutdown()
+            late = stub.Watch(health_pb2.HealthCheckRequest())  # one that starts while the server drains
+            async with asyncio.timeout(HANG_GUARD_S):
+                assert [await rest(stream) for stream in (watched, unknown, late)] == [[NOT_SERVING], [], [NOT_SERVING]]
+            assert [await stream.code() for stream in (watched, unknown, late)] == [grpc.StatusCode.OK] * 3
+            await until(lambda: servicer.num_watchers == 0)
+
+    asyncio.run(scenario())

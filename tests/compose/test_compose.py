@@ -31,7 +31,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from gateway.server import DRAIN_GRACE_S as GATEWAY_DRAIN_GRACE_S
 from launcher.processes import free_port
+from serving.instance import DRAIN_GRACE_S as INSTANCE_DRAIN_GRACE_S
 from splitserve import cli
 from tests.stores import stop, wait_for_port
 
@@ -454,6 +456,19 @@ def test_every_service_has_a_healthcheck_and_restarts(variant: str) -> None:
         assert not service["healthcheck"].get("disable"), name
         assert service["restart"] == "unless-stopped", name
         assert service["deploy"]["restart_policy"]["condition"] in ("any", "on-failure"), name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_stopped_container_drains_before_it_would_be_killed(variant: str) -> None:
+    """SIGTERM starts a drain; compose sends SIGKILL at the stop grace period (10 s unless set)."""
+    services = compose_config(variant)["services"]
+    for name, drain_s in (
+        ("prefill", INSTANCE_DRAIN_GRACE_S),
+        ("decode", INSTANCE_DRAIN_GRACE_S),
+        ("gateway", GATEWAY_DRAIN_GRACE_S),
+    ):
+        grace = re.fullmatch(r"(\d+)s", str(services[name].get("stop_grace_period", "10s")))
+        assert grace is not None and int(grace[1]) > drain_s, f"{name}: {services[name].get('stop_grace_period')}"
 
 
 @pytest.mark.parametrize("file", [GPU, CPU])

@@ -99,8 +99,21 @@ class Stack:
     def inspect(self, container_id: str) -> dict:
         return json.loads(self.podman("inspect", container_id))[0]
 
+    def container_logs(self, container: str, lines: int) -> str:
+        """A container's last lines, both its streams: podman logs writes what the container wrote to
+        stderr (Python's logging) to its own stderr."""
+        result = subprocess.run(
+            ["podman", "logs", "--tail", str(lines), container],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+        )
+        return result.stdout.strip()
+
     def logs(self, service: str) -> str:
-        return "\n".join(self.podman("logs", "--tail", "40", cid, check=False) for cid in self.container_ids(service))
+        return "\n".join(self.container_logs(cid, 40) for cid in self.container_ids(service))
 
     @property
     def url(self) -> str:
@@ -124,7 +137,7 @@ def assert_every_container_stops_on_sigterm(stack: Stack) -> None:
     stack.timed("stop", started)
     states = {stack.inspect(cid)["Name"]: stack.inspect(cid)["State"] for cid in running}
     killed = {name: state["ExitCode"] for name, state in states.items() if state["ExitCode"] == 137}
-    last_words = {name: stack.podman("logs", "--tail", "30", name, check=False) for name in killed}
+    last_words = {name: stack.container_logs(name, 30) for name in killed}
     assert running and not killed, f"ignored SIGTERM until killed: {killed}; their last lines: {last_words}"
     assert not any(state["Running"] for state in states.values()), states
 

@@ -87,8 +87,8 @@ async def inprocess_gateway(
     service = GenerationService(
         pool, tokenizer, GatewayMetrics(pool), max_pending_requests, 60.0, None, enable_priority
     )
-    grpc_server, grpc_port = await start_grpc_front(service, MODEL_NAME, api_key, "127.0.0.1", 0)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    grpc_front = await start_grpc_front(service, MODEL_NAME, api_key, "127.0.0.1", 0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_front.port}")
     # A server logs what the app raises after its 500 went out; here the response is what counts.
     app = create_app(service, MODEL_NAME, api_key)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -97,7 +97,7 @@ async def inprocess_gateway(
             yield InProcessGateway(client, service, channel, app)
     finally:
         await channel.close()
-        await grpc_server.stop(grace=None)
+        await grpc_front.stop(grace=None)
         polling.cancel()
         await asyncio.gather(polling, return_exceptions=True)
         await service.dispatcher.drain()

@@ -43,13 +43,13 @@ async def gateway(model: Path, pool: InstancePool, api_key: str | None) -> Async
     """The REST app (httpx client) and the gRPC front (its address) over ``pool``."""
     tokenizer = ModelTokenizer(model)
     service = GenerationService(pool, tokenizer, GatewayMetrics(pool), 4, 60.0, None, False)
-    grpc_server, grpc_port = await start_grpc_front(service, "tiny", api_key, "127.0.0.1", 0)
+    grpc_front = await start_grpc_front(service, "tiny", api_key, "127.0.0.1", 0)
     app = create_app(service, "tiny", api_key)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
-            yield client, f"127.0.0.1:{grpc_port}"
+            yield client, f"127.0.0.1:{grpc_front.port}"
     finally:
-        await grpc_server.stop(grace=None)
+        await grpc_front.stop(grace=None)
         await service.dispatcher.drain()
         await pool.close()
         tokenizer.close()

@@ -41,11 +41,11 @@ async def grpc_front(model: Path, tls: TLSFiles | None) -> AsyncIterator[str]:
     pool = make_pool(prefill=[FakePrefill()], decode=[FakeDecode()])
     tokenizer = ModelTokenizer(model)
     service = GenerationService(pool, tokenizer, GatewayMetrics(pool), 4, 60.0, None, False)
-    server, port = await start_grpc_front(service, "tiny", API_KEY, "127.0.0.1", 0, tls=tls)
+    front = await start_grpc_front(service, "tiny", API_KEY, "127.0.0.1", 0, tls=tls)
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{front.port}"
     finally:
-        await server.stop(grace=None)
+        await front.stop(grace=None)
         await service.dispatcher.drain()
         await pool.close()
         service.close()

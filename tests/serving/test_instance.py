@@ -5,6 +5,7 @@ gateway's pool stops routing to it; a served instance's start-up heap is frozen.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from pathlib import Path
 
@@ -86,3 +87,33 @@ def test_a_served_instance_exempts_its_start_up_heap_from_collections(tmp_path: 
         assert not any(o is instance for o in gc.get_objects())  # built at start-up: out of the collector's reach
     finally:
         gc.unfreeze()  # the test process outlives the instance (tests/serving/inprocess.py)
+
+
+def test_a_stopping_instance_ends_the_streams_gateways_hold_open_before_it_drains(tmp_path: Path) -> None:
+    """A gateway holds a health Watch and a KV-event subscription open on every instance for as
+    long as it likes. The drain waits for every open call, up to its grace (30 s), which a
+    container's stop timeout (10 s) cuts short with SIGKILL: the instance ends both itself, so
+    that they end OK; one still open at the end of the grace would end CANCELLED."""
+    args, instance = colocated_instance(make_checkpoint(tmp_path))
+
+    async def scenario() -> None:
+        async with contextlib.AsyncExitStack() as outlives_the_instance:
+            async with serving(instance, args) as address:
+                channel = await outlives_the_instance.enter_async_context(grpc.aio.insecure_channel(address))
+                load = disaggregation_pb2_grpc.LoadStub(channel)
+                watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+                snapshot = await load.GetKVEvents(disaggregation_pb2.KVEventsRequest(), timeout=30)
+                cursor = disaggregation_pb2.KVEventsRequest(
+                    epoch=snapshot.epoch, after_seq=snapshot.last_seq, heartbeat_ms=50
+                )
+                subscription = load.WatchKVEvents(cursor)
+                async with asyncio.timeout(60):
+                    assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                    assert not (await subscription.read()).resync  # subscribed: a heartbeat, or changes
+            # Stopped and drained (the block's end): the streams were never cancelled from this side.
+            async with asyncio.timeout(60):
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert await watch.code() == grpc.StatusCode.OK
+                assert await subscription.code() == grpc.StatusCode.OK
+
+    asyncio.run(scenario())

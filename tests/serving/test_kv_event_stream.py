@@ -375,3 +375,37 @@ def test_a_stream_gone_silent_is_ended_and_resynced_once_its_host_speaks_again()
                 proxy.close()
 
     asyncio.run(scenario())
+
+
+def test_a_stopping_instance_ends_every_subscription_at_once_and_takes_no_new_one() -> None:
+    """The server's drain waits for every open call: the instance ends its subscriptions itself."""
+    rng = random.Random(6)
+    log = KVEventLog(max_events=4096)
+    step(log, new_hashes(rng, 4))
+
+    async def scenario() -> None:
+        async with (
+            serving(log, KVEventStreamLimits(heartbeat_s=3600.0)) as (_, servicer, _, address),
+            grpc.aio.insecure_channel(address) as channel,
+        ):
+            stub = disaggregation_pb2_grpc.LoadStub(channel)
+            cursor = disaggregation_pb2.KVEventsRequest(epoch=log.epoch, after_seq=log.last_seq)
+            subscription = stub.WatchKVEvents(cursor)
+            await wait_until(
+                lambda: servicer.kv_event_streams is not None and len(servicer.kv_event_streams.subscribers) == 1,
+                "subscribed",
+            )
+            streams = servicer.kv_event_streams
+            step(log, new_hashes(rng, 2))
+            async with asyncio.timeout(60):
+                assert len((await subscription.read()).stored) == 2
+                step(log, new_hashes(rng, 2))  # a batch the stream never sends: it ends first
+                servicer.end_streams()
+                assert await subscription.read() is grpc.aio.EOF  # no heartbeat for an hour, yet it ends
+            assert await subscription.code() == grpc.StatusCode.OK
+            assert not streams.subscribers
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.WatchKVEvents(cursor).read()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(scenario())
