@@ -35,6 +35,7 @@ from splitserve.perplexity import DEFAULT_TEXT, default_text
 if TYPE_CHECKING:  # annotations only: importing them loads torch
     from engine.llm import LLM
     from engine.spec_decode.draft_training import SelfDistillation, TrainedDraft
+    from engine.spec_decode.medusa_training import HeadTraining
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.num_layers,
         help=f"medusa: residual blocks per head; eagle: decoder layers of the draft (default: {defaults.num_layers})",
     )
-    parser.add_argument("--steps", type=int, default=defaults.num_steps, help=f"(default: {defaults.num_steps})")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"medusa (default: {defaults.num_steps}); eagle, eagle3 (default: {DraftTraining().num_steps})",
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -126,22 +132,9 @@ def run(args: argparse.Namespace) -> int:
     if args.method == "eagle3":
         return _run_eagle3(args, llm, prompts, source)
     from engine.spec_decode.medusa_checkpoint import save_medusa_heads
-    from engine.spec_decode.medusa_training import (
-        HeadTraining,
-        make_training_data,
-        served_lm_head_weight,
-        train_heads,
-    )
+    from engine.spec_decode.medusa_training import make_training_data, served_lm_head_weight, train_heads
 
-    settings = HeadTraining(
-        num_heads=args.num_heads,
-        num_layers=args.num_layers,
-        max_new_tokens=args.max_new_tokens,
-        num_steps=args.steps,
-        batch_size=args.batch_size or HeadTraining().batch_size,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-    )
+    settings = medusa_settings(args)
     work = args.output / "work"
     data = make_training_data(llm, prompts, settings, work, _progress)
     heads, heldout = train_heads(data, served_lm_head_weight(llm), settings, work, _progress)
@@ -178,7 +171,7 @@ def _run_eagle(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], sou
     from engine.spec_decode.eagle_checkpoint import save_eagle_draft
     from engine.spec_decode.eagle_training import DraftTraining, train_eagle
 
-    settings = DraftTraining(num_layers=args.num_layers, **_self_distillation_fields(args))
+    settings = DraftTraining(num_layers=args.num_layers, **self_distillation_fields(args))
     trained = train_eagle(llm, prompts, settings, args.output / "work", _progress)
     extra = _draft_record(llm, prompts, source, settings, trained, "its features")
     # The speculators package's layout, which vLLM reads too; it holds one-layer drafts only.
@@ -197,7 +190,7 @@ def _run_eagle3(args: argparse.Namespace, llm: LLM, prompts: list[list[int]], so
     from engine.spec_decode.eagle3_checkpoint import save_eagle3_draft
     from engine.spec_decode.eagle3_training import Eagle3Training, train_eagle3
 
-    settings = Eagle3Training(draft_vocab_size=args.draft_vocab_size, **_self_distillation_fields(args))
+    settings = Eagle3Training(draft_vocab_size=args.draft_vocab_size, **self_distillation_fields(args))
     trained = train_eagle3(llm, prompts, settings, args.output / "work", _progress)
     extra = _draft_record(llm, prompts, source, settings, trained, "three of its layers")
     save_eagle3_draft(trained.draft, args.output, "speculators", extra)
@@ -217,13 +210,28 @@ def _trained(heldout: object, message: str, *args: object) -> int:
     return 0
 
 
-def _self_distillation_fields(args: argparse.Namespace) -> dict[str, Any]:
+def medusa_settings(args: argparse.Namespace) -> HeadTraining:
+    """Medusa heads' training settings from the flags."""
+    from engine.spec_decode.medusa_training import HeadTraining
+
+    return HeadTraining(
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.steps if args.steps is not None else HeadTraining().num_steps,
+        batch_size=args.batch_size or HeadTraining().batch_size,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+    )
+
+
+def self_distillation_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The settings an EAGLE and an EAGLE-3 draft's training share (draft_training.SelfDistillation)."""
     from engine.spec_decode.draft_training import SelfDistillation
 
     return {
         "max_new_tokens": args.max_new_tokens,
-        "num_steps": args.steps,
+        "num_steps": args.steps if args.steps is not None else SelfDistillation().num_steps,
         "sequences_per_step": args.batch_size or SelfDistillation().sequences_per_step,
         "learning_rate": args.learning_rate,
         "seed": args.seed,

@@ -100,3 +100,19 @@ def test_the_questions_benchmarks_call_unseen_are_not_among_the_training_prompts
     shipped = {" ".join(text.lower().split()) for text in texts}
     for question in (CHAT_QUESTION, *HELD_OUT_QUESTIONS):
         assert " ".join(question.lower().split()) not in shipped, question
+
+
+@pytest.mark.parametrize(("method", "steps"), [("medusa", 500), ("eagle", 1500), ("eagle3", 1500)])
+def test_each_method_trains_for_its_own_number_of_steps_unless_told(method: str, steps: int) -> None:
+    """An EAGLE(-3) draft needs about 12 passes over the shipped prompts (docs/benchmarks.md);
+    Medusa heads, a step being 256 positions, fewer steps."""
+    from splitserve.train_heads import medusa_settings, self_distillation_fields
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, expected in (([], steps), (["--steps", "7"], 7)):
+        args = parser.parse_args(["--method", method, "--output", "heads", *argv])
+        if method == "medusa":
+            assert medusa_settings(args).num_steps == expected
+        else:
+            assert self_distillation_fields(args)["num_steps"] == expected
