@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from engine.attention.backend import AttentionBackend, select_backend
 from engine.attention.metadata import AttentionMetadata
@@ -20,15 +21,18 @@ from engine.kv_cache_dtype import KVCacheFormat
 from engine.kv_cache_layout import allocate_kv_cache, layer_views
 from engine.kv_cache_utils import cdiv, kv_cache_bytes_per_block, num_blocks_for_budget
 from engine.models import load_model, native_decode
+from engine.models.quantized_model import keeps_quantized_weights
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler_output import ModelOutput, PendingStep, SchedulerOutput
 from engine.spec_decode.config import EAGLE_METHODS, SpeculativeConfig
+from engine.spec_decode.draft_linears import prepare_draft_linears
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.eagle3_checkpoint import load_eagle3_draft
+from engine.spec_decode.eagle3_draft import Eagle3Draft
 from engine.spec_decode.eagle_checkpoint import load_eagle_draft
-from engine.spec_decode.eagle_draft import DraftNetwork
+from engine.spec_decode.eagle_draft import EagleDraft
 from engine.spec_decode.medusa import MedusaProposer
 from engine.spec_decode.medusa_checkpoint import load_medusa_heads
 from engine.spec_decode.rejection_sampler import RejectionSampler
@@ -134,17 +138,24 @@ class ModelRunner:
             heads = load_medusa_heads(
                 Path(spec.model or ""), self.shape.hidden_size, self.shape.vocab_size, self.dtype, self.device
             )
+            self._prepare_drafter(heads, "Medusa heads")
             self.medusa = MedusaProposer(heads, spec.num_speculative_tokens, self.model.lm_head)
         # EAGLE and EAGLE-3 draft from the features of every token this engine computes
         # (engine/spec_decode/eagle.py); on the prefill role too, as Medusa: the chain after the
         # first token and the draft's KV over the prompt travel with the hand-off.
         self.eagle: EagleProposer | None = None
         if spec is not None and spec.method in EAGLE_METHODS:
-            self.eagle = EagleProposer(
-                self._load_eagle_draft(spec), spec.num_speculative_tokens, self.model, self.native_decode
-            )
+            draft = self._load_eagle_draft(spec)
+            self._prepare_drafter(draft, f"the {spec.method} draft")
+            self.eagle = EagleProposer(draft, spec.num_speculative_tokens, self.model, self.native_decode)
 
-    def _load_eagle_draft(self, spec: SpeculativeConfig) -> DraftNetwork:
+    def _prepare_drafter(self, drafter: nn.Module, what: str) -> None:
+        """The drafter's linear layers in the target's form (engine/spec_decode/draft_linears.py)."""
+        quantized = keeps_quantized_weights(self.model)
+        form = prepare_draft_linears(drafter, self.device, self.dtype, quantized, self.config.quant_activations)
+        logger.info("%s: linear layers %s", what, form)
+
+    def _load_eagle_draft(self, spec: SpeculativeConfig) -> EagleDraft | Eagle3Draft:
         folder = Path(spec.model or "")
         max_positions = self.max_model_len + spec.num_speculative_tokens  # a chain runs past the last token
         shape = self.shape

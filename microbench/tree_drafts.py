@@ -165,7 +165,7 @@ class DraftVocabulary:
         if isinstance(draft, Eagle3Draft):
             self.target_ids = torch.arange(draft.d2t.shape[0], device=draft.d2t.device) + draft.d2t
         elif isinstance(draft, EagleDraft):
-            self.target_ids = torch.arange(draft.shape.vocab_size, device=draft.fc.weight.device)
+            self.target_ids = torch.arange(draft.shape.vocab_size, device=draft.device)
         else:
             raise RuntimeError(f"bug: no vocabulary for a {type(draft).__name__} draft")
         self.column_of = {token_id: column for column, token_id in enumerate(self.target_ids.tolist())}
@@ -462,13 +462,13 @@ def time_draft(
     """Per shape, the median ms of each depth's draft pass over the nodes above it (then the LM
     head and top-k), every node on a draft KV of ``context`` entries of its own."""
     draft, vocabulary = proposer.draft, DraftVocabulary(proposer)
-    device = draft.fc.weight.device
+    device = draft.device
     max_depth = max(shape.depth for shape in shapes)
     width = draft.target_hidden_size * len(draft.feature_layer_ids or (0,))
     generator = torch.Generator().manual_seed(0)
     num_entries = context + max_depth  # what the timed nodes' KVs copy (their values do not change the cost)
     token_ids = torch.randint(100, proposer.target.shape.vocab_size - 100, (num_entries,), generator=generator)
-    features = torch.randn(num_entries, width, generator=generator).to(device=device, dtype=draft.fc.weight.dtype)
+    features = torch.randn(num_entries, width, generator=generator).to(device=device, dtype=draft.dtype)
     base = new_draft_kv(draft, 0)
     draft(proposer.embed(token_ids.to(device)), draft.fuse(features), DraftEntries.after(base, num_entries))
     root_feature = features[:1]

@@ -82,7 +82,7 @@ def load_quantized(
     under ``parallel`` (of ``stage``'s layers under pipeline parallelism), quantized where the
     module docstring says. ``source`` names the checkpoint in the log; ``activations``, how the
     kernels take their inputs."""
-    quant, reason = _quant_backend(device, dtype)
+    quant, reason = quant_backend(device, dtype)
     if quant is None:
         logger.warning("%s: every weight dequantized to %s at load (%s)", source, dtype, reason)
         with torch.device(device):
@@ -102,7 +102,7 @@ def load_quantized(
     return model
 
 
-def _quant_backend(device: torch.device, dtype: torch.dtype) -> tuple[QuantBackend | None, str]:
+def quant_backend(device: torch.device, dtype: torch.dtype) -> tuple[QuantBackend | None, str]:
     """The kernels the quantized modules call on ``device``, or None and why there are none."""
     if os.environ.get(QUANT_KERNELS_ENV) == "triton" or device.type == "cuda":
         from engine.models.triton_quant_matmul import TritonQuantKernels  # imports Triton: only here
@@ -116,6 +116,11 @@ def _quant_backend(device: torch.device, dtype: torch.dtype) -> tuple[QuantBacke
     if not kernels.quant.supports(dtype):
         return None, f"no quantized kernels for {dtype}"
     return kernels.quant, ""
+
+
+def keeps_quantized_weights(model: nn.Module) -> bool:
+    """Whether ``model`` holds some of its weights in a quantized format (this module's loading)."""
+    return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())
 
 
 def shard(model: LlamaFamilyForCausalLM, name: str, weight: QuantizedWeight) -> QuantizedWeight:

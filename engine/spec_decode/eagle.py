@@ -143,8 +143,8 @@ class EagleProposer:
             )
             return target.compute_logits(hidden, residual, batch.logits_indices), features
         if batch.logits_indices.shape[0] == num_tokens:
-            weight = self.draft.fc.weight  # the runner's dtype and device (the embedding may be quantized)
-            hidden = torch.empty(num_tokens, target.shape.hidden_size, dtype=weight.dtype, device=weight.device)
+            draft = self.draft  # in the runner's dtype and on its device (the embedding may be quantized)
+            hidden = torch.empty(num_tokens, target.shape.hidden_size, dtype=draft.dtype, device=draft.device)
             return forward(batch, hidden), hidden
         hidden, residual = target.run_layers(
             batch.positions, target.embed_tokens(batch.input_ids), None, layer_caches, batch.metadata

@@ -94,9 +94,17 @@ class Eagle3Draft(nn.Module):
     def feature_layer_ids(self) -> tuple[int, ...]:
         return self.eagle3.feature_layer_ids
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype  # a norm's: never quantized (engine/spec_decode/draft_linears.py)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """features: [T, len(feature_layer_ids) * target_hidden_size] -> [T, hidden_size]."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        return self.fc(features.to(self.dtype))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, entries: DraftEntries) -> torch.Tensor:
         """embeds, hidden: [T, hidden_size] of the ``entries``, which it stores. Returns the

@@ -230,8 +230,16 @@ class DraftNetwork(Protocol):
     target features they read, how they take them in, and the vocabulary they draft in."""
 
     shape: EagleDraftShape  # the draft layers' numbers (its KV's shape: :func:`new_draft_kv`)
-    fc: nn.Linear  # its weight gives the draft's dtype and device
     embed_tokens: nn.Embedding | None  # None: the target's embedding
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Its activations' and KV's dtype (not its linear layers' weights': those take the
+        target's form, engine/spec_decode/draft_linears.py)."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
 
     @property
     def target_hidden_size(self) -> int:
@@ -302,6 +310,14 @@ class EagleDraft(nn.Module):
     def target_hidden_size(self) -> int:
         return self.shape.hidden_size
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].post_attention_layernorm.weight.dtype  # a norm's: never quantized
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].post_attention_layernorm.weight.device
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         return features  # fc takes the feature in beside the embedding, as it takes the draft's own outputs
 
@@ -313,6 +329,9 @@ class EagleDraft(nn.Module):
 
 def new_draft_kv(draft: DraftNetwork, start: int, capacity: int = 16) -> DraftKV:
     """An empty draft KV whose first entry will be position ``start`` (it grows as it fills)."""
-    shape, weight = draft.shape, draft.fc.weight
-    empty = [weight.new_empty(capacity, shape.num_kv_heads, shape.head_dim) for _ in range(2 * shape.num_layers)]
+    shape = draft.shape
+    empty = [
+        torch.empty(capacity, shape.num_kv_heads, shape.head_dim, dtype=draft.dtype, device=draft.device)
+        for _ in range(2 * shape.num_layers)
+    ]
     return DraftKV(start, empty[: shape.num_layers], empty[shape.num_layers :])

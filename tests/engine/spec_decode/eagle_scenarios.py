@@ -7,9 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from engine.engine_core import EngineCore
+from engine.models.cpu_linear import BF16WeightLinear, PackedLinear
+from engine.models.quantized_linear import QuantizedLinear
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.eagle import EagleProposer, _Held
@@ -156,11 +159,20 @@ def assert_greedy_equals_transformers(target: Path, spec: SpeculativeConfig) -> 
     return core
 
 
+def drafter_linears(drafter: nn.Module) -> list[nn.Module]:
+    """The drafter's linear layers, in whichever form they were loaded."""
+    return [m for m in drafter.modules() if isinstance(m, (nn.Linear, QuantizedLinear, PackedLinear, BF16WeightLinear))]
+
+
 def assert_int8_target_greedy_equals_plain(target: Path, spec: SpeculativeConfig) -> None:
     """Quantized weights (the embedding and LM head included) serve the draft as they serve the
-    target: greedy tokens with ``spec`` (some drafted) are the int8 engine's without speculation."""
+    target, and the draft's own linear layers run INT8 rows (engine/spec_decode/draft_linears.py):
+    greedy tokens with ``spec`` (some drafted) are the int8 engine's without speculation."""
     prompts = repetitive_prompts()
     expected = generate(make_engine(target, quantization="int8"), prompts, [GREEDY] * len(prompts))
     core = make_engine(target, spec, quantization="int8")
+    assert core.runner.eagle is not None
+    linears = drafter_linears(core.runner.eagle.draft)  # type: ignore[arg-type]
+    assert linears and all(isinstance(m, QuantizedLinear) for m in linears), linears
     assert generate(core, prompts, [GREEDY] * len(prompts)) == expected
     assert core.scheduler.spec_stats.num_draft_tokens > 0
