@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"plain": EngineCore(EngineConfig(**common)), "spec": spec_core}  # type: ignore[arg-type]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(engines["plain"].model_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(engines["plain"].metadata_path))  # a GGUF file's too
     rng = random.Random(args.seed)
     prompts: dict[str, list[list[int]]] = {}  # a workload's concurrent requests
     for workload in args.workloads.split(","):

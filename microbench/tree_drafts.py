@@ -546,7 +546,7 @@ def chat_prompts(core: EngineCore, questions: Sequence[str]) -> list[list[int]]:
     """Each question through the model's chat template, as the chat workload of microbench/spec_decode.py."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(core.model_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(core.metadata_path))  # a GGUF file's too
     if tokenizer.chat_template is None:  # a base model's folder: the questions as plain text
         return [list(tokenizer.encode(question)) for question in questions]
     prompts = []

@@ -117,6 +117,49 @@ def test_decode_kernel_on_a_batch_big_enough_for_the_thread_team(
     )
 
 
+def verify_runs_case(
+    num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows as a speculating batch has them: runs of verify rows, each a token longer than the one
+    before over the same block table (across a block's end too), beside a lone row, a row one
+    token longer over another request's blocks, and one length twice.
+    Returns (query, K/V values [2, num_blocks, 16, H_kv, 64] in float32, block tables, seq_lens)."""
+    head_dim, block_size = 64, 16
+    generator = torch.Generator().manual_seed(7)
+    num_blocks = 64
+    values = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    owned = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    tables = [owned[0:6], owned[6:12], owned[12:18], owned[18:24]]
+    shares_first = torch.cat([owned[12:13], owned[24:29]])  # another request's blocks after one shared
+    rows: list[tuple[torch.Tensor, int]] = []
+    rows += [(tables[0], 40 + i) for i in range(4)]  # a run of four, within one block
+    rows += [(tables[1], 30)]  # a lone row
+    rows += [(tables[2], 2 * block_size - 1 + i) for i in range(3)]  # a run across a block's end
+    rows += [(shares_first, 2 * block_size + 2)]  # one longer, but over other blocks after the first
+    rows += [(tables[3], 5 + i) for i in range(20)]  # a long run
+    rows += [(tables[3], 70), (tables[3], 70)]  # the same length twice
+    block_tables = torch.stack([table for table, _ in rows])
+    seq_lens = torch.tensor([length for _, length in rows], dtype=torch.int32)
+    query = torch.randn(len(rows), num_heads, head_dim, generator=generator).to(dtype)
+    return query, values, block_tables, seq_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 1), (4, 4)])
+def test_verify_rows_match_reference(
+    kernels: cpu_kernels.CPUKernels, dtype: torch.dtype, num_heads: int, num_kv_heads: int
+) -> None:
+    """Each verify row sees its own length of the context, no more (a kernel that walks a run's
+    cache once for all its rows must mask each row's end)."""
+    query, values, block_tables, lens = verify_runs_case(num_heads, num_kv_heads, dtype)
+    cache = in_block_major_cache(values.to(dtype))
+    out = kernels.paged_decode_attention(query, cache, block_tables, lens, 0.125)
+    assert out is not None
+    torch.testing.assert_close(
+        out.float(), reference(query, cache, block_tables, lens, 0.125), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+
+
 def test_block_table_row_stride_is_honoured(kernels: cpu_kernels.CPUKernels) -> None:
     """The backend passes a wider block table than the decodes need (prefills share it)."""
     query, cache, block_tables, lens = random_case([20, 33], 4, 2, 32, 16, torch.float32)

@@ -35,6 +35,7 @@ from engine.kv_cache_dtype import (
 from engine.kv_cache_layout import allocate_kv_cache, layer_view, layer_views
 from engine.kv_cache_utils import kv_cache_bytes_per_block
 from tests.checkpoints import make_checkpoint, random_prompts
+from tests.engine.test_cpu_kernels import verify_runs_case
 from tests.engine.test_parity import GREEDY, MAX_TOKENS, VARIED_LENGTHS, Reference, assert_matches, assert_no_leaks
 
 QUANTIZED: list[KVCacheDType] = ["int8", "fp8_e4m3"]
@@ -277,6 +278,20 @@ def test_native_decode_over_quantized_kv_matches_attention_over_its_dequantized_
     # Outputs are averages of V rows up to 10x the unit: the absolute tolerance scales with them.
     atol = TOLERANCE[dtype] * float(values.abs().max())
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
+def test_verify_rows_over_quantized_kv_match_its_dequantized_rows(
+    kernels: cpu_kernels.CPUKernels, kv_cache_dtype: KVCacheDType, num_heads: int, num_kv_heads: int
+) -> None:
+    """test_cpu_kernels.py's verify rows over quantized rows."""
+    query, values, block_tables, lens = verify_runs_case(num_heads, num_kv_heads, torch.float32)
+    cache = in_quantized_cache(values, kv_cache_dtype)
+    out = kernels.paged_decode_attention(query, cache, block_tables, lens, 0.125)
+    assert out is not None
+    expected = dequantized_reference(query, cache, block_tables, lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5 * float(values.abs().max()), rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
