@@ -30,6 +30,11 @@ WireBuffer = np.ndarray | torch.Tensor
 logger = logging.getLogger(__name__)
 
 _SIZE_BYTES = 8  # a header's size prefix
+# How long closing an endpoint may wait on each of its internal operations (ucxx's ``period``, in
+# ns; a close makes about two). ucxx's default, 10 s, blocks the event loop that long per
+# operation when the peer is slow to take part, and an instance's stop closes every connection
+# it holds in turn: a SIGTERM'd instance could outlast its orchestrator's stop timeout on them.
+ENDPOINT_CLOSE_PERIOD_NS = 500_000_000
 
 
 def plan_messages(remote_blocks: Sequence[int], local_blocks: Sequence[int], max_blocks: int) -> list[int]:
@@ -141,6 +146,6 @@ async def abandon(endpoint, tasks: list[asyncio.Future]) -> None:
     receiving a queued message on the worker), then closing cancels the requests still posted."""
     await cancel_tasks(tasks)
     try:
-        await endpoint.close()
+        await endpoint.close(period=ENDPOINT_CLOSE_PERIOD_NS)
     except Exception:
         logger.debug("closing a UCX endpoint failed", exc_info=True)
