@@ -152,11 +152,20 @@ def prepare_linears(model: nn.Module, path: LinearPath) -> int:
     if path == "torch":
         return 0
     kernels = cpu_kernels.load()
-    # A pipeline stage's absent LM head has no rows: nothing to pack (oneDNN refuses it).
-    targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and m.out_features > 0]
+    targets = plain_linears(model)
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         replacement = PackedLinear(module, kernels) if path == "onednn-packed" else BF16WeightLinear(module, kernels)
-        setattr(parent, child, replacement)
+        replace_module(model, name, replacement)
     return len(targets)
+
+
+def plain_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """Every ``nn.Linear`` of ``model`` that has rows, by name (a pipeline stage's absent LM head
+    has none: nothing to pack, and oneDNN refuses it)."""
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m.out_features > 0]
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` in place of ``model``'s submodule ``name`` (dotted)."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

@@ -42,6 +42,7 @@ from transformers import PretrainedConfig
 
 from engine import cpu_kernels
 from engine.attention.backend import AttentionBackend
+from engine.models.cpu_linear import replace_module
 from engine.models.llama import LlamaFamilyForCausalLM, ShardSlice, TensorParallel, map_name
 from engine.models.ops import ModelOps
 from engine.models.quant_format import QuantizedWeight
@@ -178,10 +179,10 @@ def _quantize_modules(
             groups[target.removesuffix(".weight")].append((offset or 0, name, payload))
     if embedding is not None:
         if stage.is_first:
-            _replace(model, "embed_tokens", QuantizedEmbedding(embedding, kernels, dtype))
+            replace_module(model, "embed_tokens", QuantizedEmbedding(embedding, kernels, dtype))
         if tied and stage.is_last:
             head = embedding if model.layout is None else shard(model, "lm_head.weight", embedding)
-            _replace(model, "lm_head", QuantizedLinear(head, None, kernels, activations))
+            replace_module(model, "lm_head", QuantizedLinear(head, None, kernels, activations))
     counts: Counter[str] = Counter()
     for module_name, parts in groups.items():
         parts.sort(key=lambda part: part[0])
@@ -204,7 +205,7 @@ def _quantize_modules(
             logger.info("%s mixes formats (%s): one kernel call per format", module_name, formats)
             linears = [QuantizedLinear(run, None, kernels, activations) for run in runs]
             module = MixedQuantizedLinear(linears, linear.bias)
-        _replace(model, module_name, module)
+        replace_module(model, module_name, module)
         counts.update(weight.format.name for _, _, weight in parts)
     if embedding is not None:
         counts[embedding.format.name] += 1
@@ -227,11 +228,6 @@ def _runs_of_one_format(weights: list[QuantizedWeight]) -> list[QuantizedWeight]
         else:
             runs.append([weight])
     return [run[0] if len(run) == 1 else QuantizedWeight.cat_rows(run) for run in runs]
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def _materialize(model: LlamaFamilyForCausalLM, rotary: RotaryEmbedding, device: torch.device) -> None:

@@ -24,21 +24,18 @@ draft's dtype. Training builds its drafts apart, as plain modules (autograd need
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from engine.models.cpu_linear import linear_path, prepare_linears
+from engine.models.cpu_linear import linear_path, plain_linears, prepare_linears, replace_module
 from engine.models.int8_quantize import quantize_int8
 from engine.models.quantized_linear import QuantizedLinear
 from engine.models.quantized_model import quant_backend
 
 if TYPE_CHECKING:
     from engine.config import QuantActivations
-
-logger = logging.getLogger(__name__)
 
 
 def prepare_draft_linears(
@@ -53,20 +50,10 @@ def prepare_draft_linears(
     if target_quantized:
         kernels, _ = quant_backend(device, dtype)
         if kernels is not None and device.type == "cpu":
-            for name, module in _linears(drafter):
-                bias = module.bias
-                replacement = QuantizedLinear(kernels.place(quantize_int8(module.weight)), bias, kernels, activations)
-                _replace(drafter, name, replacement)
+            for name, module in plain_linears(drafter):
+                weight = kernels.place(quantize_int8(module.weight))
+                replace_module(drafter, name, QuantizedLinear(weight, module.bias, kernels, activations))
             return "int8"
     path = linear_path(device, dtype)
     prepare_linears(drafter, path)
     return path
-
-
-def _linears(drafter: nn.Module) -> list[tuple[str, nn.Linear]]:
-    return [(name, m) for name, m in drafter.named_modules() if type(m) is nn.Linear and m.out_features > 0]
-
-
-def _replace(drafter: nn.Module, name: str, replacement: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(drafter.get_submodule(parent_name) if parent_name else drafter, child, replacement)
