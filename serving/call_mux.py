@@ -111,6 +111,9 @@ class _Outbox:
         """Wake the writer with nothing to send: the stream's state changed."""
         self._ready.set()
 
+    def is_empty(self) -> bool:
+        return not self._events
+
     async def take(self) -> list[multiplex_pb2.MuxEvent]:
         await self._ready.wait()
         self._ready.clear()
@@ -147,8 +150,10 @@ class _Stream:
                     await self._context.write(multiplex_pb2.MuxEvents(events=events))
                 if self._protocol_error is not None:
                     await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._protocol_error)
-                if not self._calls and (not self._reading or self._mux.closing):
-                    return  # the caller sends no more calls, or the instance stops: nothing left to send
+                if not self._calls and self._outbox.is_empty() and (not self._reading or self._mux.closing):
+                    # The caller sends no more calls, or the instance stops, and the last call's
+                    # end went out (it may have queued while this wrote the events before it).
+                    return
         finally:
             reader.cancel()
             calls = list(self._calls.values())
@@ -207,21 +212,25 @@ class _Stream:
         code, details = grpc.StatusCode.OK, ""
         responses = method.serve(request, context)
         try:
-            async for response in responses:
-                event = multiplex_pb2.MuxEvent(call_id=call_id)
-                getattr(event, body).CopyFrom(response)
-                await self._outbox.put(event)
-        except MuxCallAbort as abort:
-            code, details = abort.code, abort.details
-        except Exception as error:  # the servicer's bug: this call fails, the stream and its other calls go on
-            logger.exception("a multiplexed %s call failed", method.name)
-            code, details = grpc.StatusCode.INTERNAL, f"the instance failed serving the call: {error!r}"
+            try:
+                async for response in responses:
+                    event = multiplex_pb2.MuxEvent(call_id=call_id)
+                    getattr(event, body).CopyFrom(response)
+                    await self._outbox.put(event)
+            except MuxCallAbort as abort:
+                code, details = abort.code, abort.details
+            except Exception as error:  # the servicer's bug: this call fails, the stream and its other calls go on
+                logger.exception("a multiplexed %s call failed", method.name)
+                code, details = grpc.StatusCode.INTERNAL, f"the instance failed serving the call: {error!r}"
+            finally:
+                await responses.aclose()  # cancelled at the outbox: the servicer's cleanup runs now
+            # Queued while the call still counts as open: the end may wait for room in the
+            # outbox, and the writer that makes it must not take the stream for done meanwhile.
+            await self._outbox.put(_end_event(call_id, code, details))
         finally:
-            await responses.aclose()  # cancelled at the outbox: the servicer's cleanup runs now
             if self._calls.get(call_id) is asyncio.current_task():
                 del self._calls[call_id]
             self.wake()
-        await self._outbox.put(_end_event(call_id, code, details))
 
 
 class CallMultiplexer(multiplex_pb2_grpc.MultiplexServicer):

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from launcher.processes import free_port
@@ -179,10 +180,20 @@ def instance_samples(samples: dict, name: str, role: str) -> dict[str, float]:
     }
 
 
-def chat_and_stream(stack: Stack) -> None:
-    from openai import OpenAI
+def is_ready(stack: Stack) -> bool:
+    return httpx.get(f"{stack.url}/ready", timeout=10).status_code == 200
 
-    client = OpenAI(base_url=f"{stack.url}/v1", api_key=stack.api_key, timeout=300, max_retries=0)
+
+def cluster_view(stack: Stack) -> str:
+    """What the gateway makes of its instances now, and the last lines of each service's log."""
+    samples = scrape(stack)
+    healthy = {role: instance_samples(samples, "splitserve_instance_healthy", role) for role in ("prefill", "decode")}
+    logs = "\n".join(f"--- {service}\n{stack.logs(service)}" for service in ("gateway", "prefill", "decode"))
+    return f"healthy instances as the gateway sees them now: {healthy}; /ready {is_ready(stack)}\n{logs}"
+
+
+def chat_and_stream(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.api_key, timeout=300, max_retries=0)
     (model,) = [card.id for card in client.models.list()]  # compose serves the model under its folder's path
     prompt = "List the planets of the solar system, one per line, in order from the Sun."
     reply = client.chat.completions.create(
@@ -353,11 +364,12 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
             break
         assert time.monotonic() < deadline, f"the decode container was not restarted: {state['State']}"
         time.sleep(1)
-    # The restarted D registers under a new instance id; the gateway routes to it once healthy.
+    # The restarted D registers under a new instance id; the gateway routes to it once healthy,
+    # and says so at /ready (a P and a D it can pair), as a load balancer in front would ask.
     deadline = time.monotonic() + RESTART_TIMEOUT_S
     while True:
         healthy = instance_samples(scrape(stack), "splitserve_instance_healthy", "decode")
-        if any(instance not in before and value == 1 for instance, value in healthy.items()):
+        if any(instance not in before and value == 1 for instance, value in healthy.items()) and is_ready(stack):
             break
         assert time.monotonic() < deadline, (
             f"the gateway never saw the restarted decode instance: {healthy}\n{stack.logs('decode')}"
@@ -365,7 +377,10 @@ def test_killed_decode_container_is_restarted_and_routed_to_again(stack: Stack) 
         time.sleep(1)
     stack.timed("decode back after kill", started)
     transferred = scrape(stack)[("splitserve_kv_transfer_bytes_total", frozenset())]
-    chat_and_stream(stack)
+    try:
+        chat_and_stream(stack)
+    except openai.APIError as error:
+        raise AssertionError(f"the first requests after the restart failed: {error}\n{cluster_view(stack)}") from error
     samples = scrape(stack)
     assert samples[("splitserve_kv_transfer_bytes_total", frozenset())] > transferred
     deadline = time.monotonic() + 120  # a safety net

@@ -4,8 +4,9 @@ in their pools, so a client never sends a request on a connection the gateway is
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
+
+import pytest
 
 from tests.checkpoints import make_checkpoint
 from tests.gateway.processes import running_gateway
@@ -28,7 +29,12 @@ def test_an_idle_connection_is_served_after_longer_than_uvicorns_default_and_the
         socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as connection,
     ):
         assert _status_on(connection) == b"HTTP/1.1 200 OK"
-        time.sleep(6.5)  # uvicorn's default closes it after 5 s
+        # Past uvicorn's default, which closes an idle connection after 5 s: the gateway leaves
+        # it open (a close would read b"" at once).
+        connection.settimeout(6.5)
+        with pytest.raises(TimeoutError):
+            connection.recv(4096)
+        connection.settimeout(10)
         assert _status_on(connection) == b"HTTP/1.1 200 OK"
     with (
         running_gateway(model, *nowhere, "--timeout-keep-alive", "1", ready_path="/health") as gateway,

@@ -4,7 +4,6 @@ longest-prefix match, predictions that expire, a bound per instance."""
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
@@ -109,12 +108,14 @@ def test_longest_prefix_match_follows_stores_and_evictions() -> None:
 
 
 def test_predictions_count_until_they_expire() -> None:
-    index = PrefixIndex(prediction_ttl_s=0.05)
+    now = [100.0]
+    index = PrefixIndex(prediction_ttl_s=0.05, clock=lambda: now[0])
     prompt = PromptBlocks(list(range(16)))
     index.apply("p:1", _events([], snapshot=True), max_blocks=100)
     index.predict("p:1", prompt, max_blocks=100)
+    now[0] += 0.049
     assert index.num_hit_blocks("p:1", prompt) == 4
-    time.sleep(0.1)
+    now[0] += 0.002
     assert index.num_hit_blocks("p:1", prompt) == 0
 
 

@@ -151,7 +151,10 @@ def test_kv_lost_while_queued_goes_back_to_prefill_and_the_output_is_unchanged(
     next(running_call)
     prefilled = run_prefill(prefill, "lost", queued)
     lost_call = decode_call(decode, "lost", queued, prefilled, max_tokens=8)
-    time.sleep(0.2)  # the call is queued behind "busy-2"
+    deadline = time.monotonic() + 120  # a safety net
+    while decode.load().num_waiting == 0:  # the call is queued behind "busy-2"
+        assert time.monotonic() < deadline, "the decode call never queued"
+        time.sleep(0.02)
     disaggregation_pb2_grpc.PrefillStub(prefill.channel).ReleaseKV(disaggregation_pb2.RequestRef(request_id="lost"))
     with pytest.raises(grpc.RpcError) as raised:
         list(lost_call)

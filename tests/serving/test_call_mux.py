@@ -205,6 +205,26 @@ async def test_a_stopping_instance_finishes_its_calls_refuses_new_ones_and_ends_
     await asyncio.wait_for(instance.server.stop(grace=300), timeout=60)
 
 
+def test_a_stopping_instances_last_call_ends_with_its_status_when_its_outbox_was_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call's last response fills the outbox: its end waits for room, and the writer, which
+    makes the room, must not see the stream as done (no call left, the instance stopping)
+    before that end is queued, or the caller gets a stream that ends mid-call."""
+    monkeypatch.setattr("serving.call_mux.OUTBOX_CAPACITY", 1)
+
+    @with_instance
+    async def scenario(instance: Instance) -> None:
+        running = instance.call("running", 3)
+        await instance.servicer.wait_started(1)
+        instance.multiplexer.close()
+        instance.servicer.step.set()
+        assert await tokens(running) == [0, 1, 2]
+        await asyncio.wait_for(instance.server.stop(grace=300), timeout=60)
+
+    scenario()
+
+
 @with_instance
 async def test_a_broken_stream_ends_every_call_on_it_and_the_next_call_opens_another(instance: Instance) -> None:
     first, second = instance.call("first", -3), instance.call("second", -3)
