@@ -63,6 +63,9 @@ from splitserve.v1 import generation_pb2
 
 logger = logging.getLogger(__name__)
 
+# A gateway with nothing to route to answers every request 503: why goes to the log at most this often.
+UNREADY_LOG_INTERVAL_S = 5.0
+
 
 @dataclass(slots=True)
 class Generated:
@@ -160,6 +163,7 @@ class GenerationService:
         self.request_timeout_s = request_timeout_s
         self._max_model_len = max_model_len
         self.enable_priority = enable_priority
+        self._unready_said_at = -UNREADY_LOG_INTERVAL_S  # monotonic: when a 503 last logged why
         # Here rather than in GatewayMetrics: the counts live in these objects.
         Gauge(
             "splitserve_num_pending_requests",
@@ -273,6 +277,10 @@ class GenerationService:
         """Run a job of an admitted request. Raises APIError (503 before anything streams,
         others whenever it fails); closing the stream early aborts the request everywhere."""
         if not self.pool.is_ready():
+            now = time.monotonic()
+            if now - self._unready_said_at >= UNREADY_LOG_INTERVAL_S:
+                self._unready_said_at = now
+                logger.warning("answering 503, no instance to serve requests: %s", self.pool.unready_reason())
             self._finished(job, "error_503")
             raise APIError(
                 HTTPStatus.SERVICE_UNAVAILABLE,

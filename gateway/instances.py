@@ -147,17 +147,28 @@ class InstanceState:
             + self.num_started
         )
 
-    def is_healthy(self, now: float, stale_after_s: float) -> bool:
-        if not self.serving or self.report is None or now - self.reported_at > stale_after_s:
-            return False
+    def unhealthy_reason(self, now: float, stale_after_s: float) -> str | None:
+        """Why it is not routed to now (for the log), or None when it is healthy."""
+        if self.report is None:
+            return "no load report yet"
+        if not self.serving:
+            return "not serving (its health or registration says so, or its last poll failed)"
+        age_s = now - self.reported_at
+        if age_s > stale_after_s:
+            return f"its latest load report is {age_s:.1f} s old (--stale-after {stale_after_s:g})"
         # A channel whose last connection attempt failed fails every call at once until its
         # reconnect backoff (up to a second) has passed, even once the instance is back: an
         # instance restarted at the same address registers before this gateway's channel has
         # reconnected to it. It becomes routable again when the channel tries again by itself.
         if self.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-            return False
+            return "its channel is reconnecting"
         # After a failed RPC, only a report that arrived later proves it is back.
-        return self.failed_at is None or self.reported_at > self.failed_at
+        if self.failed_at is not None and self.reported_at <= self.failed_at:
+            return f"a call to it failed {now - self.failed_at:.1f} s ago, with no load report since"
+        return None
+
+    def is_healthy(self, now: float, stale_after_s: float) -> bool:
+        return self.unhealthy_reason(now, stale_after_s) is None
 
 
 @dataclass
@@ -434,6 +445,18 @@ class InstancePool:
     def is_ready(self) -> bool:
         """Requests can be served: a colocated instance, or a compatible prefill + decode pair."""
         return bool(self.healthy("colocated")) or bool(self._pairable_prefills())
+
+    def unready_reason(self) -> str:
+        """Why :meth:`is_ready` is false, instance by instance, for the gateway's log."""
+        now = time.monotonic()
+        reasons = [
+            f"{s.role} {s.instance_id} at {s.address}: {reason}"
+            for s in self.instances.values()
+            if (reason := s.unhealthy_reason(now, self.stale_after_s)) is not None
+        ]
+        if not reasons and self.instances:
+            reasons.append("no healthy prefill instance shares its KV fingerprint with a healthy decode instance")
+        return "; ".join(reasons) or "no instance is known"
 
     def _pairable_prefills(self) -> list[InstanceState]:
         """The healthy prefill instances whose KV fingerprint some healthy decode instance shares."""

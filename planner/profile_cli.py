@@ -25,14 +25,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from launcher.processes import free_port, splitserve_command
+from launcher.processes import UP_STOP_TIMEOUT_S, free_port, splitserve_command
 from planner.flags import SLO_FLAGS, add_flags, slo_of
 from planner.profiler import Profiler, SweepConfig
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # up --simulate: Redis, two simulated instances (each imports torch) and a gateway
-STOP_TIMEOUT_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,8 +145,8 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         finally:
             up.send_signal(signal.SIGINT)
             try:
-                up.wait(STOP_TIMEOUT_S)
+                up.wait(UP_STOP_TIMEOUT_S)  # up's own bound on its staged stop
             except subprocess.TimeoutExpired:
-                logger.error("splitserve up did not stop within %.0f s of SIGINT; killing it", STOP_TIMEOUT_S)
+                logger.error("splitserve up did not stop within %.0f s of SIGINT; killing it", UP_STOP_TIMEOUT_S)
                 up.kill()
                 up.wait()

@@ -91,6 +91,35 @@ def test_skips_unhealthy_stale_and_failed_instances() -> None:
     with_pool(check)
 
 
+def test_the_reason_no_request_can_be_served_names_each_unhealthy_instance() -> None:
+    def check(pool: InstancePool) -> None:
+        assert pool.unready_reason() == "no instance is known"
+        pool.add("p-other:1", "prefill")
+        pool.record_report("p-other:1", report("prefill", fingerprint=OTHER), serving=True)
+        pool.add("d:1", "decode")
+        pool.record_report("d:1", report("decode"), serving=True)
+        assert not pool.is_ready()
+        assert "shares its KV fingerprint" in pool.unready_reason()  # both healthy, never a pair
+        for address in ("p-draining:1", "p-stale:1", "p-failed:1"):
+            pool.add(address, "prefill")
+            pool.record_report(address, report("prefill"), serving=True)
+        pool.record_report("p-draining:1", report("prefill"), serving=False)
+        pool.instances["p-stale:1"].reported_at = time.monotonic() - 10
+        pool.record_failure(pool.instances["p-failed:1"])
+        assert not pool.is_ready()
+        reasons = dict(reason.split(": ", 1) for reason in pool.unready_reason().split("; "))
+        assert set(reasons) == {
+            "prefill prefill-0-0 at p-draining:1",
+            "prefill prefill-0-0 at p-stale:1",
+            "prefill prefill-0-0 at p-failed:1",
+        }
+        assert reasons["prefill prefill-0-0 at p-draining:1"].startswith("not serving")
+        assert "s old (--stale-after 5)" in reasons["prefill prefill-0-0 at p-stale:1"]
+        assert reasons["prefill prefill-0-0 at p-failed:1"].startswith("a call to it failed")
+
+    with_pool(check)
+
+
 def test_an_instance_restarted_at_its_address_is_routed_to_only_once_its_channel_reconnects() -> None:
     # A real gRPC server, stopped and started again on its port, as a restarted container is:
     # its registration says it is back before the gateway's channel has left its reconnect

@@ -17,7 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.processes import gateway_migrations, routes, running_gateway, stream_killing_decode
+from tests.gateway.processes import (
+    HTTPProcess,
+    gateway_migrations,
+    routes,
+    running_gateway,
+    stream_killing_decode,
+)
 from tests.services.client import assert_all_free
 from tests.services.processes import Service
 
@@ -45,6 +51,13 @@ def two_decodes(model: Path) -> Iterator[list[Service]]:
                 decode.stop()
 
 
+def assert_migrations(gateway: HTTPProcess, expected: dict[str, float]) -> None:
+    """The gateway's migrations by outcome; on a mismatch, its log says what it did (which
+    instance failed or handed a request over, and when)."""
+    counted = gateway_migrations(gateway.url)
+    assert counted == expected, f"{counted} != {expected}; the gateway's log:\n{gateway.log_text()[-6000:]}"
+
+
 def _text_and_tokens(chunks: list[dict[str, object]]) -> tuple[str, list[str]]:
     choices = [chunk["choices"][0] for chunk in chunks if chunk.get("choices")]
     return "".join(c["text"] for c in choices), [
@@ -59,7 +72,7 @@ def test_a_greedy_stream_survives_its_decode_instance_and_matches_an_uninterrupt
         with running_gateway(model, *routes(prefill, *decodes)) as gateway:
             uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]
             chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5)
-            assert gateway_migrations(gateway.url) == {"resumed": 1.0}
+            assert_migrations(gateway, {"resumed": 1.0})
         text, tokens = _text_and_tokens(chunks)
         # Shown with --log-cli-level INFO (docs/benchmarks.md quotes it).
         logger.info("uninterrupted: %r", uninterrupted["text"])
@@ -75,7 +88,7 @@ def test_without_a_migration_budget_the_stream_ends_with_an_error(model: Path, p
     with two_decodes(model) as decodes:
         with running_gateway(model, *routes(prefill, *decodes), "--max-migrations", "0") as gateway:
             chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5)
-            assert gateway_migrations(gateway.url) == {"exhausted": 1.0}
+            assert_migrations(gateway, {"exhausted": 1.0})
         assert "error" in chunks[-1], chunks[-1]
         assert_all_free(prefill, survivor)
 
@@ -88,7 +101,7 @@ def test_a_draining_decode_hands_its_stream_over_and_the_text_is_an_uninterrupte
         with running_gateway(model, *routes(prefill, *decodes), "--max-migrations", "0") as gateway:
             uninterrupted = httpx.post(f"{gateway.url}/v1/completions", json=BODY, timeout=120).json()["choices"][0]
             chunks, survivor = stream_killing_decode(gateway, decodes, BODY, after_chunks=5, signum=signal.SIGUSR2)
-            assert gateway_migrations(gateway.url) == {"handed_over": 1.0}
+            assert_migrations(gateway, {"handed_over": 1.0})
         drained = decodes[1 - decodes.index(survivor)]
         text, tokens = _text_and_tokens(chunks)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
